@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs every Debian package kvsim needs. Idempotent: a no-op (no apt-get at all) when all are present.
+set -euo pipefail
+PACKAGES=(
+  build-essential cmake make pkg-config git
+  libboost-program-options-dev libboost-graph-dev
+  libhdf5-dev
+  protobuf-compiler libprotobuf-dev
+  catch2
+  libopenblas-pthread-dev libopenblas0-pthread
+  python3-numpy python3-h5py
+)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "setup: installing ${missing[*]}" >&2
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

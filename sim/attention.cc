@@ -1,0 +1,106 @@
+#include "sim/attention.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+
+namespace kvsim {
+namespace {
+
+// kvsim parallelises over heads itself; BLAS runs single-threaded inside each task, which also keeps
+// every product's reduction order independent of the thread count (bit-identical results).
+void EnsureSingleThreadedBlas() {
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(1); });
+}
+
+constexpr int kRowBlock = 256;
+
+}  // namespace
+
+float LogitTransform::operator()(float dot) const {
+  float z = dot * scale;
+  if (softcap > 0) z = softcap * std::tanh(z / softcap);
+  return z;
+}
+
+float SoftmaxInPlace(float* x, int n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+  double sum = 0;
+  for (int i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - mx);
+    sum += x[i];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int i = 0; i < n; ++i) x[i] *= inv;
+  return mx + static_cast<float>(std::log(sum));
+}
+
+void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_steps, const float* q_decode,
+                            const float* keys, const float* values, DecodeReference* out) {
+  EnsureSingleThreadedBlas();
+  const int d = m.head_dim;
+  const int t_all = prefill_length + num_steps;
+  out->num_steps = num_steps;
+  out->num_keys = t_all;
+  out->head_dim = d;
+  out->probs.assign(static_cast<size_t>(num_steps) * t_all, 0.0f);
+  out->log_z.assign(num_steps, 0.0f);
+  out->output.assign(static_cast<size_t>(num_steps) * d, 0.0f);
+  out->first.assign(num_steps, 0);
+  if (num_steps == 0) return;
+  // Raw dot products for all steps at once: [S][T] = Qd [S][d] x K^T.
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, num_steps, t_all, d, 1.0f, q_decode, d, keys, d, 0.0f,
+              out->probs.data(), t_all);
+  const LogitTransform tf(m);
+  for (int t = 0; t < num_steps; ++t) {
+    float* row = out->probs.data() + static_cast<size_t>(t) * t_all;
+    const int pos = prefill_length + t;
+    const int first = FirstVisibleKey(m, pos);
+    out->first[t] = first;
+    for (int j = first; j <= pos; ++j) row[j] = tf(row[j]);
+    out->log_z[t] = SoftmaxInPlace(row + first, pos - first + 1);
+    std::fill(row, row + first, 0.0f);
+    std::fill(row + pos + 1, row + t_all, 0.0f);
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, num_steps, d, t_all, 1.0f, out->probs.data(), t_all,
+              values, d, 0.0f, out->output.data(), d);
+}
+
+void AccumulateColumnSums(const ModelInfo& m, const float* queries, const int32_t* q_pos, int num_queries,
+                          const float* keys, int key_limit, float* col_sums) {
+  EnsureSingleThreadedBlas();
+  const int d = m.head_dim;
+  const LogitTransform tf(m);
+  std::vector<float> block;
+  for (int b0 = 0; b0 < num_queries; b0 += kRowBlock) {
+    const int b1 = std::min(num_queries, b0 + kRowBlock);
+    const int rows = b1 - b0;
+    // Keys any row of this block can see (positions ascending): up to min(last pos, key_limit - 1).
+    const int kmax = std::min(q_pos[b1 - 1] + 1, key_limit);
+    const int kmin = FirstVisibleKey(m, q_pos[b0]);
+    if (kmax <= kmin) continue;
+    const int width = kmax - kmin;
+    block.resize(static_cast<size_t>(rows) * width);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, width, d, 1.0f,
+                queries + static_cast<size_t>(b0) * d, d, keys + static_cast<size_t>(kmin) * d, d, 0.0f,
+                block.data(), width);
+    for (int r = 0; r < rows; ++r) {
+      const int pos = q_pos[b0 + r];
+      const int lo = FirstVisibleKey(m, pos) - kmin;
+      const int hi = std::min(pos + 1, key_limit) - kmin;  // exclusive
+      if (hi <= lo) continue;
+      float* row = block.data() + static_cast<size_t>(r) * width;
+      for (int j = lo; j < hi; ++j) row[j] = tf(row[j]);
+      SoftmaxInPlace(row + lo, hi - lo);
+      float* dst = col_sums + kmin;
+      for (int j = lo; j < hi; ++j) dst[j] += row[j];
+    }
+  }
+}
+
+}  // namespace kvsim

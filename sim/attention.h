@@ -1,0 +1,56 @@
+#pragma once
+// Exact attention recomputed from stored post-RoPE Q and K (fp32, BLAS for the dense products).
+// Everything here works on one (layer, head) at a time; keys/values rows are token positions.
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "sim/trace.h"
+
+namespace kvsim {
+
+// Maps a raw dot product q.k to the logit the model uses: scale, then optional soft-cap.
+struct LogitTransform {
+  float scale = 1.0f;
+  float softcap = 0.0f;  // 0 = none
+  explicit LogitTransform(const ModelInfo& m)
+      : scale(static_cast<float>(m.softmax_scale)), softcap(static_cast<float>(m.logit_softcap)) {}
+  LogitTransform(float s, float c) : scale(s), softcap(c) {}
+  float operator()(float dot) const;
+};
+
+// Keys visible to a query at absolute position `pos` (causal, optional sliding window): [first, pos].
+inline int FirstVisibleKey(const ModelInfo& m, int pos) {
+  return m.sliding_window > 0 && pos - m.sliding_window + 1 > 0 ? pos - m.sliding_window + 1 : 0;
+}
+
+// Full-cache decode attention for one query head: every decode step's query over all keys so far.
+struct DecodeReference {
+  int num_steps = 0;
+  int num_keys = 0;  // T = prefill_length + num_decode_steps; row t sees keys [first, n + t]
+  int head_dim = 0;
+  std::vector<float> probs;    // [num_steps][num_keys], zero outside the visible range
+  std::vector<float> log_z;    // [num_steps] log-sum-exp of the logits (for slots with new keys)
+  std::vector<float> output;   // [num_steps][head_dim] o_t = Σ_j p_tj v_j
+  std::vector<int32_t> first;  // [num_steps] first visible key
+  const float* row(int t) const { return probs.data() + static_cast<size_t>(t) * num_keys; }
+  const float* out(int t) const { return output.data() + static_cast<size_t>(t) * head_dim; }
+  int last(int t) const { return num_keys - num_steps + t; }  // last visible key (the token itself)
+};
+
+// q_decode: [num_steps][d] queries of the decode tokens; keys/values: [T][d].
+void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_steps, const float* q_decode,
+                            const float* keys, const float* values, DecodeReference* out);
+
+// Adds Σ_i softmax_i[j] into col_sums[j] for the given queries (absolute positions q_pos[i], ascending)
+// over keys [0, key_limit): each row's softmax is over its causal/window-visible keys restricted to
+// [0, key_limit) (so a query-agnostic scorer can leave the question out of the keys). Rows whose position
+// is >= key_limit still see only keys < key_limit. Works in blocks; never materialises the full matrix.
+void AccumulateColumnSums(const ModelInfo& m, const float* queries, const int32_t* q_pos, int num_queries,
+                          const float* keys, int key_limit, float* col_sums);
+
+// Softmax of one row of logits in place, numerically stable; returns log-sum-exp.
+float SoftmaxInPlace(float* x, int n);
+
+}  // namespace kvsim

@@ -1,0 +1,85 @@
+#include "tests/test_util.h"
+
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+
+namespace kvsim::testing {
+
+MemoryTrace MakeTinyTrace(const TinyTraceSpec& s) {
+  TraceMeta meta;
+  meta.model.name = "tiny";
+  meta.model.family = "test";
+  meta.model.num_layers = s.num_layers;
+  meta.model.num_heads = s.num_heads;
+  meta.model.num_kv_heads = s.num_kv_heads;
+  meta.model.head_dim = s.head_dim;
+  meta.model.softmax_scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  meta.prefill_length = s.prefill_length;
+  meta.num_decode_steps = s.decode_steps;
+  meta.seed = s.seed;
+  meta.generator = "tests";
+  meta.generator_version = "0";
+  const int t = s.prefill_length + s.decode_steps;
+  meta.tokens.Resize(t);
+  for (int i = 0; i < t; ++i) {
+    meta.tokens.position_id[i] = i;
+    if (i >= s.image_begin && i < s.image_end) {
+      meta.tokens.modality[i] = Modality::kImage;
+      meta.tokens.segment_id[i] = 0;
+      meta.tokens.patch_row[i] = (i - s.image_begin) / 4;
+      meta.tokens.patch_col[i] = (i - s.image_begin) % 4;
+    }
+    if (i < 2) meta.tokens.role[i] = Role::kSystem;
+    if (i >= s.prefill_length - s.question_tokens && i < s.prefill_length) meta.tokens.role[i] = Role::kQuestion;
+    if (i >= s.prefill_length) {
+      meta.tokens.phase[i] = Phase::kDecode;
+      meta.tokens.role[i] = Role::kGenerated;
+    }
+  }
+  const int first_q = s.all_queries ? 0 : s.prefill_length - 8;
+  for (int i = first_q; i < t; ++i) meta.query_positions.push_back(i);
+  std::mt19937_64 rng(s.seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<LayerData> layers(s.num_layers);
+  for (int l = 0; l < s.num_layers; ++l) {
+    LayerData& ld = layers[l];
+    ld.layer = l;
+    ld.keys.resize(static_cast<size_t>(s.num_kv_heads) * t * s.head_dim);
+    ld.values.resize(ld.keys.size());
+    ld.queries.resize(static_cast<size_t>(s.num_heads) * meta.query_positions.size() * s.head_dim);
+    for (float& x : ld.keys) x = 1.5f * nd(rng);
+    for (float& x : ld.values) x = nd(rng);
+    for (float& x : ld.queries) x = 1.5f * nd(rng);
+  }
+  return MemoryTrace(std::move(meta), std::move(layers));
+}
+
+std::string ScratchDir(const std::string& name) {
+  namespace fs = std::filesystem;
+  fs::path p = fs::temp_directory_path() / ("kvsim_test_" + std::to_string(::getpid())) / name;
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p.string();
+}
+
+std::string KvsimBinary() { return KVSIM_BINARY; }
+std::string SourceDir() { return KVSIM_SOURCE_DIR; }
+
+int RunCommand(const std::string& cmd, std::string* output) {
+  std::string full = cmd + " 2>&1";
+  FILE* f = ::popen(full.c_str(), "r");
+  if (!f) return -1;
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
+  int st = ::pclose(f);
+  if (output) *output = out;
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+}  // namespace kvsim::testing

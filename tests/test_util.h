@@ -1,0 +1,38 @@
+#pragma once
+// Shared helpers for tests: tiny hand-made traces and scratch folders.
+
+#include <cstdint>
+#include <string>
+
+#include "sim/trace.h"
+
+namespace kvsim::testing {
+
+struct TinyTraceSpec {
+  int num_layers = 2;
+  int num_heads = 2;
+  int num_kv_heads = 2;
+  int head_dim = 8;
+  int prefill_length = 24;
+  int decode_steps = 6;
+  int image_begin = 4;   // tokens [image_begin, image_end) are image patches (one segment)
+  int image_end = 16;
+  int question_tokens = 4;  // last prompt tokens are the question
+  bool all_queries = true;  // else the last 8 prompt queries + decode
+  uint64_t seed = 1;
+};
+
+// A random (Gaussian) trace with valid metadata, entirely in memory.
+MemoryTrace MakeTinyTrace(const TinyTraceSpec& spec = {});
+
+// A fresh empty folder under the build's temp area, removed at process exit is not guaranteed.
+std::string ScratchDir(const std::string& name);
+
+// Path of the kvsim binary and the source tree (set by CMake).
+std::string KvsimBinary();
+std::string SourceDir();
+
+// Runs a shell command, returns its exit status; stdout+stderr captured into *output if given.
+int RunCommand(const std::string& cmd, std::string* output = nullptr);
+
+}  // namespace kvsim::testing

@@ -1,0 +1,56 @@
+#pragma once
+// HDF5 implementation of the trace format (docs/trace-format.md): a reader that streams one layer (or one
+// head of one layer) at a time, and a writer that never leaves a partial file under the final name.
+
+#include <memory>
+#include <string>
+
+#include "sim/trace.h"
+
+namespace kvsim {
+
+struct Hdf5WriteOptions {
+  int compression_level = 0;  // 0 = none; 1..9 = gzip (deflate) with byte shuffle
+  int chunk_tokens = 1024;    // chunk shape [1, min(T, chunk_tokens), head_dim]: one head reads alone
+};
+
+class Hdf5TraceReader final : public TraceSource {
+ public:
+  // Opens and validates the root attributes and the token table. Errors name the file and the field.
+  static StatusOr<std::unique_ptr<Hdf5TraceReader>> Open(const std::string& path);
+  ~Hdf5TraceReader() override;
+  const TraceMeta& meta() const override { return meta_; }
+  Status ReadLayer(int layer, LayerData* out) override;
+  std::string Describe() const override { return path_; }
+
+ private:
+  Hdf5TraceReader() = default;
+  std::string path_;
+  long long file_ = -1;  // hid_t
+  TraceMeta meta_;
+};
+
+class Hdf5TraceWriter final : public TraceSink {
+ public:
+  // Writes into a temporary file beside `path`; Finish() renames it into place. Destroying an unfinished
+  // writer deletes the temporary file.
+  static StatusOr<std::unique_ptr<Hdf5TraceWriter>> Create(const std::string& path, Hdf5WriteOptions options = {});
+  ~Hdf5TraceWriter() override;
+  Status Begin(const TraceMeta& meta) override;
+  Status WriteLayer(const LayerData& layer) override;
+  Status Finish() override;
+
+ private:
+  Hdf5TraceWriter() = default;
+  std::string path_, tmp_path_;
+  Hdf5WriteOptions options_;
+  long long file_ = -1;  // hid_t
+  TraceMeta meta_;
+  int next_layer_ = 0;
+  bool finished_ = false;
+};
+
+// Fast 64-bit content hash of a file (hex string), used for result provenance.
+StatusOr<std::string> HashFile(const std::string& path);
+
+}  // namespace kvsim
