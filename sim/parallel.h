@@ -1,0 +1,16 @@
+#pragma once
+// Deterministic fork-join parallelism: work items are independent and write to disjoint outputs, so
+// results never depend on the thread count or on scheduling.
+
+#include <functional>
+
+namespace kvsim {
+
+// Runs fn(i) for i in [0, n) on up to `threads` threads (<= 0: hardware concurrency). Items are handed out
+// dynamically; fn must only write state owned by item i. Blocks until all items finish.
+void ParallelFor(int n, int threads, const std::function<void(int)>& fn);
+
+// Hardware concurrency (>= 1).
+int DefaultThreads();
+
+}  // namespace kvsim
