@@ -1,0 +1,95 @@
+#include "policies/pieces.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "sim/select.h"
+
+namespace kvsim {
+
+std::vector<float> AggregateGroup(std::span<const std::span<const float>> per_head, policy::GroupAggregation agg) {
+  KVSIM_CHECK(!per_head.empty());
+  const size_t n = per_head[0].size();
+  std::vector<float> out(per_head[0].begin(), per_head[0].end());
+  for (size_t g = 1; g < per_head.size(); ++g) {
+    KVSIM_CHECK(per_head[g].size() == n);
+    for (size_t j = 0; j < n; ++j)
+      out[j] = agg == policy::MAX ? std::max(out[j], per_head[g][j]) : out[j] + per_head[g][j];
+  }
+  if (agg == policy::MEAN)
+    for (float& x : out) x /= static_cast<float>(per_head.size());
+  return out;
+}
+
+std::vector<float> GroupColumnSums(const HeadContext& ctx, policy::GroupAggregation agg) {
+  std::vector<std::span<const float>> rows;
+  for (int g = 0; g < ctx.group_size; ++g) rows.push_back(ctx.scores->ColumnSums(g));
+  return AggregateGroup(rows, agg);
+}
+
+std::vector<float> GroupWindowColumnSums(const HeadContext& ctx, int window, policy::GroupAggregation agg) {
+  std::vector<std::span<const float>> rows;
+  for (int g = 0; g < ctx.group_size; ++g) rows.push_back(ctx.scores->WindowColumnSums(g, window));
+  return AggregateGroup(rows, agg);
+}
+
+std::vector<float> Pool1D(std::span<const float> x, int kernel, policy::Pooling pooling) {
+  if (pooling == policy::NO_POOL || kernel <= 1) return {x.begin(), x.end()};
+  const int n = static_cast<int>(x.size()), half = kernel / 2;
+  std::vector<float> out(n);
+  for (int i = 0; i < n; ++i) {
+    const int lo = std::max(0, i - half), hi = std::min(n - 1, i + half);
+    if (pooling == policy::AVG) {
+      double s = 0;
+      for (int j = lo; j <= hi; ++j) s += x[j];
+      out[i] = static_cast<float>(s / kernel);  // zero padding counts in the divisor
+    } else {
+      float m = x[lo];
+      for (int j = lo + 1; j <= hi; ++j) m = std::max(m, x[j]);
+      if (hi - lo + 1 < kernel) m = std::max(m, 0.0f);  // padding zeros take part in the max
+      out[i] = m;
+    }
+  }
+  return out;
+}
+
+std::vector<int32_t> TopKPlusTail(std::span<const float> scores, int k, int limit, int n) {
+  std::vector<int32_t> keep = TopKIndices(scores.first(limit), k);
+  for (int32_t j = limit; j < n; ++j) keep.push_back(j);
+  return keep;
+}
+
+std::vector<int> UniformLayerBudgets(int num_layers, int budget, int compress_len) {
+  return std::vector<int>(num_layers, std::min(budget, compress_len));
+}
+
+std::vector<int> RebalanceToTotal(std::vector<int> budgets, int64_t target, int cap) {
+  const int L = static_cast<int>(budgets.size());
+  target = std::min<int64_t>(target, static_cast<int64_t>(L) * cap);
+  for (int& b : budgets) b = std::clamp(b, 0, cap);
+  int64_t total = std::accumulate(budgets.begin(), budgets.end(), int64_t{0});
+  // Add (or remove) one token per layer per round, in layer order, until the total matches.
+  while (total < target)
+    for (int l = 0; l < L && total < target; ++l)
+      if (budgets[l] < cap) ++budgets[l], ++total;
+  while (total > target)
+    for (int l = L - 1; l >= 0 && total > target; --l)
+      if (budgets[l] > 0) --budgets[l], --total;
+  return budgets;
+}
+
+std::vector<int> PyramidLayerBudgets(int num_layers, int budget, int window, int beta, int compress_len) {
+  const int c = std::min(budget, compress_len);
+  const int w = std::min(window, c);
+  const int L = num_layers;
+  std::vector<int> out(L, c);
+  if (L > 1 && c > w) {
+    const int min_num = (c - w) / beta;
+    const int max_num = 2 * (c - w) - min_num;
+    const int step = (max_num - min_num) / (L - 1);
+    for (int l = 0; l < L; ++l) out[l] = max_num - l * step + w;
+  }
+  return RebalanceToTotal(std::move(out), static_cast<int64_t>(L) * c, compress_len);
+}
+
+}  // namespace kvsim

@@ -1,0 +1,56 @@
+#pragma once
+// Cache state of one (layer, KV head): an ordered set of slots. A slot is an original token (its "anchor",
+// kept as itself) or a merge: the anchor plus merged-in tokens with weights, holding its own key/value.
+// Provenance is kept so metrics can tell retained mass (anchors) from covered mass (anchors + merged-in).
+
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace kvsim {
+
+struct MergedSlot {
+  std::vector<float> key;    // [head_dim], replaces the anchor's key
+  std::vector<float> value;  // [head_dim]
+  std::vector<std::pair<int32_t, float>> members;  // merged-in tokens (not the anchor) and their weights
+};
+
+class HeadCache {
+ public:
+  HeadCache() = default;
+  explicit HeadCache(int head_dim) : head_dim_(head_dim) {}
+
+  int size() const { return static_cast<int>(tokens_.size()); }
+  int head_dim() const { return head_dim_; }
+  // Anchor token positions, one per slot, in slot order (ascending unless a policy reorders).
+  std::span<const int32_t> tokens() const { return tokens_; }
+  int32_t token(int slot) const { return tokens_[slot]; }
+  bool is_merged(int slot) const { return merge_of_[slot] >= 0; }
+  const MergedSlot& merged(int slot) const { return merges_[merge_of_[slot]]; }
+  bool has_merges() const { return num_merged_slots_ > 0; }
+
+  // Replaces the content with these tokens as plain slots (ascending).
+  void Assign(std::span<const int32_t> tokens);
+  // Keeps tokens [0, n) as plain slots.
+  void AssignRange(int32_t begin, int32_t end);
+  void Append(int32_t token);
+  // Removes the slots whose indices are listed (any order, no duplicates); order of the rest is kept.
+  void EvictSlots(std::span<const int> slots);
+  void EvictSlot(int slot);
+  // Turns `slot` into a merge (if it isn't one) holding `key`/`value`, and records `token` as merged-in with
+  // `weight`. The caller computes the new key/value (merge strategies live in policies/).
+  void MergeInto(int slot, int32_t token, float weight, std::span<const float> key, std::span<const float> value);
+
+  // Every token this cache covers (anchors and merged-in), for invariant checks.
+  std::vector<int32_t> CoveredTokens() const;
+
+ private:
+  int head_dim_ = 0;
+  std::vector<int32_t> tokens_;
+  std::vector<int32_t> merge_of_;  // per slot: index into merges_, or -1
+  std::vector<MergedSlot> merges_;
+  int num_merged_slots_ = 0;
+};
+
+}  // namespace kvsim

@@ -1,0 +1,95 @@
+#pragma once
+// The policy interface the replay engine drives. A Policy is configured once (parameters, budget rule);
+// for every (layer, KV head) it creates a HeadPolicy that owns that head's decisions:
+//   OnPrefill   — compression hook after prefill: reduce the cache to the layer's prompt budget;
+//   BeforeStep  — decode step t is about to attend: evict to make room (decode-evicting policies);
+//   AfterStep   — observe the step's attention over the cache (accumulated scores, ...).
+// Reusable pieces (scorers, selection, per-layer allocation, decode eviction) live in policies/.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "sim/cache_state.h"
+#include "sim/status.h"
+#include "sim/trace.h"
+
+namespace kvsim {
+
+// Lazily computed prompt statistics for one (layer, KV head), shared by every policy and budget of a run.
+// All scores are per query head of the group, indexed by key position in [0, compress_end).
+class PromptScores {
+ public:
+  virtual ~PromptScores() = default;
+  // Σ_i A[i, j] over all compressible prompt queries i (causal softmax over keys [0, compress_end)).
+  virtual std::span<const float> ColumnSums(int group_member) = 0;
+  // Σ_i A[i, j] over the last `window` compressible prompt queries (SnapKV's observation window).
+  virtual std::span<const float> WindowColumnSums(int group_member, int window) = 0;
+};
+
+struct HeadContext {
+  const TraceMeta* meta = nullptr;
+  int layer = 0;
+  int kv_head = 0;
+  int group_size = 1;     // query heads sharing this KV head
+  int compress_end = 0;   // tokens [0, compress_end) are compressed; [compress_end, n) appended as-is
+  const float* keys = nullptr;    // [T][head_dim] this KV head's keys (fp32, post-RoPE)
+  const float* values = nullptr;  // [T][head_dim]
+  PromptScores* scores = nullptr;
+  int head_dim() const { return meta->model.head_dim; }
+  int prefill_length() const { return meta->prefill_length; }
+  Modality modality(int32_t token) const { return meta->tokens.modality[token]; }
+};
+
+// The attention of one decode step, as seen by a policy.
+struct StepAttention {
+  int step = 0;          // 0-based decode step; the new token's position is prefill_length + step
+  int num_slots = 0;     // cache size during this step (the new token included)
+  // Per query head of the group: attention over the cache's slots, renormalised over the cache: [group][num_slots]
+  const float* cache_probs = nullptr;
+  // Only for policies with Requirements::future_attention: full-cache attention of this step's queries over
+  // every token [0, prefill_length + step], [group][prefill_length + step + 1]. Null otherwise.
+  const float* const* full_probs = nullptr;
+};
+
+class HeadPolicy {
+ public:
+  virtual ~HeadPolicy() = default;
+  // The cache holds tokens [0, compress_end) as plain slots. Reduce it to at most `budget` slots.
+  virtual void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) = 0;
+  // Step `step` is about to attend; the new token is not in the cache yet. `cap` is the decode-time cache
+  // limit (new token included) for decode-evicting policies. `att.full_probs` is set for future-attention
+  // policies only (cache_probs is null here).
+  virtual void BeforeStep(const HeadContext& ctx, const StepAttention& att, int cap, HeadCache* cache) {}
+  // Whether the engine appends the new token after BeforeStep (an oracle may choose to leave it out).
+  virtual bool AppendNewToken() const { return true; }
+  // After the step attended: `att.cache_probs` is over the cache's slots.
+  virtual void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) {}
+};
+
+struct PolicyRequirements {
+  bool prompt_column_sums = false;  // PromptScores::ColumnSums
+  int window = 0;                   // PromptScores::WindowColumnSums(window) (0 = not used)
+  bool future_attention = false;    // StepAttention::full_probs (oracle only)
+  bool decode_attention = false;    // AfterStep needs cache_probs
+};
+
+class Policy {
+ public:
+  virtual ~Policy() = default;
+  virtual std::string name() const = 0;
+  // Parameters in Protobuf text format (defaults included), for results.
+  virtual std::string ParamsText() const = 0;
+  virtual PolicyRequirements requirements() const = 0;
+  // true: keeps the cache at <= the budget during decode; false: compresses the prompt, then appends.
+  virtual bool evicts_during_decode() const = 0;
+  // Prompt budget of every layer (tokens per KV head) for a uniform per-layer budget `budget` over
+  // `compress_len` compressible tokens. Must sum to num_layers * budget unless capped by compress_len.
+  // Default: uniform.
+  virtual std::vector<int> LayerBudgets(const TraceMeta& meta, int budget, int compress_len) const;
+  virtual std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const = 0;
+};
+
+}  // namespace kvsim

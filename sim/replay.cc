@@ -1,0 +1,602 @@
+#include "sim/replay.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <numeric>
+
+#include "sim/attention.h"
+#include "sim/event_queue.h"
+#include "sim/parallel.h"
+#include "sim/select.h"
+#include "sim/version.h"
+
+namespace kvsim {
+
+const char* QuestionModeName(QuestionMode m) {
+  return m == QuestionMode::kQueryAware ? "query_aware" : "query_agnostic";
+}
+
+int CompressEnd(const TraceMeta& meta, QuestionMode mode) {
+  if (mode == QuestionMode::kQueryAware) return meta.prefill_length;
+  for (int i = 0; i < meta.prefill_length; ++i)
+    if (meta.tokens.role[i] == Role::kQuestion) return i;
+  return meta.prefill_length;
+}
+
+namespace {
+
+struct RunPlan {
+  const RunSpec* spec = nullptr;
+  int compress_end = 0;
+  int budget = 0;
+  std::vector<int> layer_budgets;
+  PolicyRequirements req;
+  bool evicts = false;
+};
+
+int BudgetTokens(const RunSpec& r, int compress_len) {
+  if (r.budget_fraction > 0)
+    return std::clamp(static_cast<int>(std::lround(r.budget_fraction * compress_len)), 1, compress_len);
+  return std::min(r.budget_tokens, compress_len);
+}
+
+std::string RunName(const RunSpec& r) {
+  std::string label = r.label.empty() ? r.policy->name() : r.label;
+  return "run '" + label + "' (budget " +
+         (r.budget_fraction > 0 ? std::to_string(r.budget_fraction) : std::to_string(r.budget_tokens) + " tokens") +
+         ")";
+}
+
+// Per (layer, KV head) lazily computed prompt scores, shared by every run of the pass.
+class UnitScores final : public PromptScores {
+ public:
+  UnitScores(const TraceMeta& meta, const LayerData& layer, int kv_head, int compress_end)
+      : meta_(meta), layer_(layer), kv_head_(kv_head), ce_(compress_end) {}
+
+  std::span<const float> ColumnSums(int g) override {
+    auto& slot = col_[g];
+    if (slot.empty()) {
+      const int qh = kv_head_ * meta_.model.GroupSize() + g;
+      const int n = meta_.prefill_length;
+      if (meta_.HasAllPromptQueries()) {
+        slot.assign(ce_, 0.0f);
+        std::vector<int32_t> pos(ce_);
+        std::iota(pos.begin(), pos.end(), 0);
+        AccumulateColumnSums(meta_.model, Query(qh, 0), pos.data(), ce_, Keys(), ce_, slot.data());
+      } else {  // recorded aggregates; CheckRuns guarantees ce_ == n
+        KVSIM_CHECK(meta_.has_prefill_column_sums && ce_ == n);
+        const float* src = layer_.prefill_column_sums.data() + static_cast<size_t>(qh) * n;
+        slot.assign(src, src + n);
+      }
+    }
+    return slot;
+  }
+
+  std::span<const float> WindowColumnSums(int g, int window) override {
+    window = std::min(window, ce_);
+    auto& slot = win_[{g, window}];
+    if (slot.empty()) {
+      const int qh = kv_head_ * meta_.model.GroupSize() + g;
+      slot.assign(ce_, 0.0f);
+      std::vector<int32_t> pos(window);
+      std::iota(pos.begin(), pos.end(), ce_ - window);
+      AccumulateColumnSums(meta_.model, Query(qh, meta_.QueryIndex(ce_ - window)), pos.data(), window, Keys(),
+                           ce_, slot.data());
+    }
+    return slot;
+  }
+
+ private:
+  const float* Query(int qh, int qi) const {
+    KVSIM_CHECK(qi >= 0);
+    const size_t tq = meta_.query_positions.size();
+    return layer_.queries.data() + (static_cast<size_t>(qh) * tq + qi) * meta_.model.head_dim;
+  }
+  const float* Keys() const {
+    return layer_.keys.data() + static_cast<size_t>(kv_head_) * meta_.total_tokens() * meta_.model.head_dim;
+  }
+  const TraceMeta& meta_;
+  const LayerData& layer_;
+  int kv_head_, ce_;
+  std::map<int, std::vector<float>> col_;
+  std::map<std::pair<int, int>, std::vector<float>> win_;
+};
+
+// Whole-trace accumulators of one run. Per-sample arrays are indexed ((layer * H + head) * S + step).
+struct RunAccum {
+  std::vector<float> retained, covered, err, regret;
+  std::vector<double> ret_mod, full_mod;       // [(layer * H + head) * 4 + modality], summed over steps
+  std::vector<int64_t> bound_checks, bound_viol;  // [layer * Hkv + unit]
+  std::vector<int32_t> kept_mod;                  // [(layer * Hkv + unit) * 4 + modality] after prefill
+  std::vector<int32_t> tokens;                    // [(layer * Hkv + unit) * (S + 1) + event]
+};
+
+struct UnitWork {
+  HeadContext ctx;
+  std::unique_ptr<UnitScores> scores;
+  std::vector<DecodeReference> refs;  // per group member
+  std::vector<float> prefix;          // [g][t][T + 1]: mass of the k highest-attention tokens
+  std::vector<float> max_vnorm;       // [t]
+  std::vector<double> full_mod;       // [g][t][4]
+  std::vector<std::unique_ptr<HeadPolicy>> policies;  // per run
+  std::vector<HeadCache> caches;                      // per run
+  std::vector<float> cache_probs, out;                // scratch
+};
+
+class LayerPass {
+ public:
+  LayerPass(const TraceMeta& meta, const LayerData& layer, std::span<const RunPlan> plans,
+            std::vector<RunAccum>& acc, int threads)
+      : meta_(meta), m_(meta.model), layer_(layer), plans_(plans), acc_(acc), threads_(threads) {}
+
+  void Run() {
+    EventQueue queue;
+    const int steps = meta_.num_decode_steps;
+    queue.Schedule(SimTime{0}, [this] { ParallelFor(m_.num_kv_heads, threads_, [this](int u) { Prefill(u); }); });
+    for (int t = 0; t < steps; ++t)
+      queue.Schedule(SimTime{t + 1},
+                     [this, t] { ParallelFor(m_.num_kv_heads, threads_, [this, t](int u) { Step(u, t); }); });
+    units_.resize(m_.num_kv_heads);
+    queue.Run();
+  }
+
+ private:
+  size_t Sample(int qh, int t) const {
+    return (static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * meta_.num_decode_steps + t;
+  }
+  size_t UnitIndex(int u) const { return static_cast<size_t>(layer_.layer) * m_.num_kv_heads + u; }
+  const float* DecodeQuery(int qh, int t) const {
+    const size_t tq = meta_.query_positions.size();
+    return layer_.queries.data() +
+           (static_cast<size_t>(qh) * tq + meta_.QueryIndex(meta_.prefill_length + t)) * m_.head_dim;
+  }
+
+  void Prefill(int u) {
+    UnitWork& w = units_[u];
+    const int n = meta_.prefill_length, steps = meta_.num_decode_steps, t_all = meta_.total_tokens();
+    const int d = m_.head_dim, group = m_.GroupSize();
+    const float* keys = layer_.keys.data() + static_cast<size_t>(u) * t_all * d;
+    const float* values = layer_.values.data() + static_cast<size_t>(u) * t_all * d;
+    // Full-attention reference, shared by every run.
+    w.refs.resize(group);
+    w.prefix.assign(static_cast<size_t>(group) * steps * (t_all + 1), 0.0f);
+    w.full_mod.assign(static_cast<size_t>(group) * steps * 4, 0.0);
+    std::vector<float> sorted;
+    for (int g = 0; g < group; ++g) {
+      const int qh = u * group + g;
+      ComputeDecodeReference(m_, n, steps, DecodeQuery(qh, 0), keys, values, &w.refs[g]);
+      for (int t = 0; t < steps; ++t) {
+        const float* row = w.refs[g].row(t);
+        const int first = w.refs[g].first[t], last = w.refs[g].last(t);
+        SortDescendingNonNegative({row + first, static_cast<size_t>(last - first + 1)}, &sorted);
+        float* pre = &w.prefix[(static_cast<size_t>(g) * steps + t) * (t_all + 1)];
+        double s = 0;
+        pre[0] = 0;
+        for (size_t k = 0; k < sorted.size(); ++k) pre[k + 1] = static_cast<float>(s += sorted[k]);
+        for (int k = static_cast<int>(sorted.size()) + 1; k <= t_all; ++k) pre[k] = pre[sorted.size()];
+        double* fm = &w.full_mod[(static_cast<size_t>(g) * steps + t) * 4];
+        for (int j = first; j <= last; ++j) fm[static_cast<int>(meta_.tokens.modality[j])] += row[j];
+      }
+    }
+    std::vector<float> vnorm(t_all);
+    for (int j = 0; j < t_all; ++j) {
+      double s = 0;
+      for (int k = 0; k < d; ++k) s += static_cast<double>(values[j * d + k]) * values[j * d + k];
+      vnorm[j] = static_cast<float>(std::sqrt(s));
+    }
+    w.max_vnorm.resize(steps);
+    for (int t = 0; t < steps; ++t) {
+      const int first = w.refs.empty() ? 0 : w.refs[0].first[t];
+      w.max_vnorm[t] = *std::max_element(vnorm.begin() + first, vnorm.begin() + n + t + 1);
+    }
+    // Compression hook of every run.
+    w.policies.resize(plans_.size());
+    w.caches.assign(plans_.size(), HeadCache(d));
+    int scores_ce = -1;
+    for (size_t r = 0; r < plans_.size(); ++r) {
+      const RunPlan& plan = plans_[r];
+      // Runs with the same compressible region share one score cache.
+      if (scores_ce != plan.compress_end) {
+        w.scores = std::make_unique<UnitScores>(meta_, layer_, u, plan.compress_end);
+        scores_ce = plan.compress_end;
+      }
+      HeadContext ctx{&meta_, layer_.layer, u, group, plan.compress_end, keys, values, w.scores.get()};
+      w.ctx = ctx;
+      w.policies[r] = plan.spec->policy->NewHeadPolicy(ctx);
+      HeadCache& cache = w.caches[r];
+      cache.AssignRange(0, plan.compress_end);
+      const int budget = plan.layer_budgets[layer_.layer];
+      w.policies[r]->OnPrefill(ctx, budget, &cache);
+      for (int j = plan.compress_end; j < n; ++j) cache.Append(j);
+      CheckCache(cache, n - 1);
+      KVSIM_CHECK_MSG(cache.size() <= budget + (n - plan.compress_end),
+                      plan.spec->policy->name() + " kept " + std::to_string(cache.size()) +
+                          " slots after prefill, budget " + std::to_string(budget));
+      RunAccum& a = acc_[r];
+      for (int32_t tok : cache.tokens()) ++a.kept_mod[UnitIndex(u) * 4 + static_cast<int>(meta_.tokens.modality[tok])];
+      a.tokens[UnitIndex(u) * (steps + 1)] = cache.size();
+    }
+    w.scores.reset();  // prompt scores are a prefill-time facility
+  }
+
+  void CheckCache(const HeadCache& cache, int32_t last_token) {
+    // Never a token twice, never a token from the future.
+    std::vector<int32_t> covered = cache.CoveredTokens();
+    std::sort(covered.begin(), covered.end());
+    KVSIM_CHECK_MSG(std::adjacent_find(covered.begin(), covered.end()) == covered.end(),
+                    "a token is held twice in one cache");
+    KVSIM_CHECK_MSG(covered.empty() || (covered.front() >= 0 && covered.back() <= last_token),
+                    "cache holds a token outside [0, current position]");
+  }
+
+  void Step(int u, int t) {
+    UnitWork& w = units_[u];
+    const int n = meta_.prefill_length, steps = meta_.num_decode_steps, t_all = meta_.total_tokens();
+    const int d = m_.head_dim, group = m_.GroupSize();
+    const int32_t pos = n + t;
+    const LogitTransform tf(m_);
+    std::vector<const float*> full(group);
+    for (int g = 0; g < group; ++g) full[g] = w.refs[g].row(t);
+    for (size_t r = 0; r < plans_.size(); ++r) {
+      const RunPlan& plan = plans_[r];
+      HeadCache& cache = w.caches[r];
+      HeadPolicy& hp = *w.policies[r];
+      HeadContext ctx = w.ctx;
+      ctx.compress_end = plan.compress_end;
+      ctx.scores = nullptr;  // prompt scores are a prefill-time facility
+      const int appended = n - plan.compress_end;
+      const int cap = plan.layer_budgets[layer_.layer] + appended;
+      StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr};
+      hp.BeforeStep(ctx, before, cap, &cache);
+      if (hp.AppendNewToken()) cache.Append(pos);
+      CheckCache(cache, pos);
+      if (plan.evicts)
+        KVSIM_CHECK_MSG(cache.size() <= cap, plan.spec->policy->name() + " holds " + std::to_string(cache.size()) +
+                                                 " slots at decode, cap " + std::to_string(cap));
+      else
+        KVSIM_CHECK_MSG(cache.size() <= cap + t + 1, plan.spec->policy->name() + " exceeded prompt budget + decode");
+      RunAccum& a = acc_[r];
+      a.tokens[UnitIndex(u) * (steps + 1) + 1 + t] = cache.size();
+      const int slots = cache.size();
+      w.cache_probs.assign(static_cast<size_t>(group) * slots, 0.0f);
+      w.out.resize(d);
+      const auto tokens = cache.tokens();
+      for (int g = 0; g < group; ++g) {
+        const int qh = u * group + g;
+        const DecodeReference& ref = w.refs[g];
+        const float* p = ref.row(t);
+        const int first = ref.first[t];
+        const float lse = ref.log_z[t];
+        float* cp = &w.cache_probs[static_cast<size_t>(g) * slots];
+        std::fill(w.out.begin(), w.out.end(), 0.0f);
+        float* out = w.out.data();
+        double wsum = 0, retained = 0, covered = 0;
+        double ret_mod[4] = {0, 0, 0, 0};
+        int visible = 0;
+        for (int s = 0; s < slots; ++s) {
+          const int32_t tok = tokens[s];
+          if (tok < first) continue;  // outside a sliding window: masked
+          ++visible;
+          const float pt = p[tok];
+          retained += pt;
+          ret_mod[static_cast<int>(meta_.tokens.modality[tok])] += pt;
+          float wgt;
+          const float* v;
+          if (!cache.is_merged(s)) {
+            wgt = pt;
+            covered += pt;
+            v = w.ctx.values + static_cast<size_t>(tok) * d;
+          } else {
+            const MergedSlot& ms = cache.merged(s);
+            const float* q = DecodeQuery(qh, t);
+            float dot = 0;
+            for (int k = 0; k < d; ++k) dot += q[k] * ms.key[k];
+            wgt = static_cast<float>(std::exp(static_cast<double>(tf(dot)) - lse));
+            covered += pt;
+            for (const auto& [mt, mw] : ms.members) covered += p[mt];
+            v = ms.value.data();
+          }
+          cp[s] = wgt;
+          wsum += wgt;
+          for (int k = 0; k < d; ++k) out[k] += wgt * v[k];
+        }
+        // ô = out / wsum; relative error against the full output.
+        const float* o = ref.out(t);
+        double diff2 = 0, o2 = 0;
+        const double inv = wsum > 0 ? 1.0 / wsum : 0.0;
+        for (int k = 0; k < d; ++k) {
+          const double dk = out[k] * inv - o[k];
+          diff2 += dk * dk;
+          o2 += static_cast<double>(o[k]) * o[k];
+        }
+        const double diff = std::sqrt(diff2);
+        const size_t si = Sample(qh, t);
+        a.retained[si] = static_cast<float>(retained);
+        a.covered[si] = static_cast<float>(covered);
+        a.err[si] = static_cast<float>(o2 > 0 ? diff / std::sqrt(o2) : diff);
+        const int k = std::min(visible, pos - first + 1);
+        a.regret[si] = w.prefix[(static_cast<size_t>(g) * steps + t) * (t_all + 1) + k] - static_cast<float>(retained);
+        double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
+        double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
+        const double* wfm = &w.full_mod[(static_cast<size_t>(g) * steps + t) * 4];
+        for (int mo = 0; mo < 4; ++mo) {
+          rm[mo] += ret_mod[mo];
+          fm[mo] += wfm[mo];
+        }
+        if (!cache.has_merges()) {
+          const double bound = 2.0 * std::max(0.0, 1.0 - retained) * w.max_vnorm[t];
+          ++a.bound_checks[UnitIndex(u)];
+          if (diff > bound + 1e-4 * w.max_vnorm[t] + 1e-6) ++a.bound_viol[UnitIndex(u)];
+        }
+        if (wsum > 0)
+          for (int s = 0; s < slots; ++s) cp[s] = static_cast<float>(cp[s] * inv);
+      }
+      StepAttention after{t, slots, w.cache_probs.data(), plan.req.future_attention ? full.data() : nullptr};
+      hp.AfterStep(ctx, after, &cache);
+    }
+  }
+
+  const TraceMeta& meta_;
+  const ModelInfo& m_;
+  const LayerData& layer_;
+  std::span<const RunPlan> plans_;
+  std::vector<RunAccum>& acc_;
+  int threads_;
+  std::vector<UnitWork> units_;
+};
+
+double Mean(const std::vector<float>& v) {
+  double s = 0;
+  for (float x : v) s += x;
+  return v.empty() ? 0 : s / v.size();
+}
+double Quantile(std::vector<float> v, double q) {
+  if (v.empty()) return 0;
+  const size_t k = std::min(v.size() - 1, static_cast<size_t>(std::floor(q * (v.size() - 1) + 0.5)));
+  std::nth_element(v.begin(), v.begin() + k, v.end());
+  return v[k];
+}
+
+void SetByModality(ByModality* b, const double v[4]) {
+  b->set_text(v[0]);
+  b->set_image(v[1]);
+  b->set_video(v[2]);
+  b->set_other(v[3]);
+}
+
+// Fills quality metrics from the samples of layers [l0, l1).
+void FillQuality(const TraceMeta& meta, const RunAccum& a, int l0, int l1, Metrics* m) {
+  const int h = meta.model.num_heads, hkv = meta.model.num_kv_heads, s = meta.num_decode_steps;
+  const size_t b = static_cast<size_t>(l0) * h * s, e = static_cast<size_t>(l1) * h * s;
+  auto slice = [&](const std::vector<float>& v) { return std::vector<float>(v.begin() + b, v.begin() + e); };
+  const auto ret = slice(a.retained), cov = slice(a.covered), err = slice(a.err), reg = slice(a.regret);
+  m->set_samples(static_cast<double>(e - b));
+  m->set_retained_mass_mean(Mean(ret));
+  m->set_retained_mass_p5(Quantile(ret, 0.05));
+  m->set_covered_mass_mean(Mean(cov));
+  m->set_output_rel_error_mean(Mean(err));
+  m->set_output_rel_error_p95(Quantile(err, 0.95));
+  m->set_regret_vs_oracle_mean(Mean(reg));
+  m->set_regret_vs_oracle_p95(Quantile(reg, 0.95));
+  double rm[4] = {0, 0, 0, 0}, fm[4] = {0, 0, 0, 0}, km[4] = {0, 0, 0, 0};
+  for (size_t i = static_cast<size_t>(l0) * h; i < static_cast<size_t>(l1) * h; ++i)
+    for (int mo = 0; mo < 4; ++mo) {
+      rm[mo] += a.ret_mod[i * 4 + mo];
+      fm[mo] += a.full_mod[i * 4 + mo];
+    }
+  const double samples = std::max<double>(1, e - b);
+  int64_t checks = 0, viol = 0;
+  for (size_t i = static_cast<size_t>(l0) * hkv; i < static_cast<size_t>(l1) * hkv; ++i) {
+    checks += a.bound_checks[i];
+    viol += a.bound_viol[i];
+    for (int mo = 0; mo < 4; ++mo) km[mo] += a.kept_mod[i * 4 + mo];
+  }
+  const double units = std::max(1, (l1 - l0) * hkv);
+  for (int mo = 0; mo < 4; ++mo) {
+    rm[mo] /= samples;
+    fm[mo] /= samples;
+    km[mo] /= units;
+  }
+  SetByModality(m->mutable_retained_mass_by_modality(), rm);
+  SetByModality(m->mutable_full_mass_by_modality(), fm);
+  SetByModality(m->mutable_kept_tokens_by_modality(), km);
+  m->set_bound_checks(static_cast<double>(checks));
+  m->set_bound_violations(static_cast<double>(viol));
+}
+
+// Memory over the event timeline for layers [l0, l1); durations are per event (prefill, steps).
+void FillMemory(const TraceMeta& meta, const RunAccum& a, int l0, int l1, const std::vector<double>& dur,
+                Metrics* m) {
+  const int hkv = meta.model.num_kv_heads, s = meta.num_decode_steps, n = meta.prefill_length;
+  const double bytes_per_token = 2.0 * meta.model.head_dim * meta.model.ModelDtypeBytes();
+  double peak = 0, fp = 0, full_peak = 0, full_fp = 0, total = 0, kept_sum = 0;
+  for (int e = 0; e <= s; ++e) {
+    double tokens = 0;
+    for (int l = l0; l < l1; ++l)
+      for (int u = 0; u < hkv; ++u) tokens += a.tokens[(static_cast<size_t>(l) * hkv + u) * (s + 1) + e];
+    const double full_tokens = static_cast<double>(e == 0 ? n : n + e) * (l1 - l0) * hkv;
+    peak = std::max(peak, tokens * bytes_per_token);
+    full_peak = std::max(full_peak, full_tokens * bytes_per_token);
+    fp += tokens * bytes_per_token * dur[e];
+    full_fp += full_tokens * bytes_per_token * dur[e];
+    total += dur[e];
+    if (e > 0) kept_sum += tokens / ((l1 - l0) * hkv);
+  }
+  m->set_kv_bytes_peak(peak);
+  m->set_kv_bytes_mean(total > 0 ? fp / total : 0);
+  m->set_kv_footprint(fp);
+  m->set_full_kv_bytes_peak(full_peak);
+  m->set_full_kv_bytes_mean(total > 0 ? full_fp / total : 0);
+  m->set_kv_memory_ratio(full_fp > 0 ? fp / full_fp : 0);
+  m->set_kept_tokens_mean(s > 0 ? kept_sum / s : 0);
+}
+
+class Progress {
+ public:
+  Progress(bool enabled, int total) : enabled_(enabled && ::isatty(2)), total_(total) {}
+  void Update(int done) {
+    if (!enabled_) return;
+    const int width = 30, filled = total_ ? done * width / total_ : width;
+    std::fprintf(stderr, "\rreplay [%s%s] layer %d/%d", std::string(filled, '#').c_str(),
+                 std::string(width - filled, '.').c_str(), done, total_);
+    if (done == total_) std::fprintf(stderr, "\n");
+    std::fflush(stderr);
+  }
+
+ private:
+  bool enabled_;
+  int total_;
+};
+
+}  // namespace
+
+Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
+  if (meta.num_decode_steps < 1)
+    return Status::FailedPrecondition(
+        "trace has no decode steps; metrics are measured on decode steps (synthesize or capture with >= 1)");
+  for (const RunSpec& r : runs) {
+    if (!r.policy) return Status::InvalidArgument("a run has no policy");
+    if (!(r.budget_fraction > 0 && r.budget_fraction <= 1) && r.budget_tokens <= 0)
+      return Status::InvalidArgument(RunName(r) + ": budget must be a fraction in (0, 1] or a token count >= 1");
+    const int ce = CompressEnd(meta, r.question_mode);
+    if (ce < 1)
+      return Status::InvalidArgument(RunName(r) + ": nothing to compress before the question in " +
+                                     QuestionModeName(r.question_mode) + " mode");
+    const PolicyRequirements req = r.policy->requirements();
+    if (req.prompt_column_sums && !meta.HasAllPromptQueries() &&
+        !(meta.has_prefill_column_sums && ce == meta.prefill_length))
+      return Status::FailedPrecondition(
+          RunName(r) + ": policy needs attention column sums over all " +
+          (ce == meta.prefill_length ? std::string("prompt") : std::string("context")) +
+          " queries, but the trace stores queries of only the last " +
+          std::to_string(meta.query_positions.size() - meta.num_decode_steps) + " prompt tokens" +
+          (meta.has_prefill_column_sums ? " (its recorded column sums cover the whole prompt, question included)"
+                                        : " and no recorded prefill_column_sums") +
+          "; capture with all queries, or use a window-based policy such as snapkv");
+    if (req.window > 0) {
+      const int w = std::min(req.window, ce);
+      for (int p = ce - w; p < ce; ++p)
+        if (meta.QueryIndex(p) < 0)
+          return Status::FailedPrecondition(RunName(r) + ": observation window of " + std::to_string(w) +
+                                            " queries ending at token " + std::to_string(ce) +
+                                            " needs the query of token " + std::to_string(p) +
+                                            ", which the trace does not store; lower the window (--set window=N) "
+                                            "or capture more prompt queries");
+    }
+    const int budget = BudgetTokens(r, ce);
+    const std::vector<int> lb = r.policy->LayerBudgets(meta, budget, ce);
+    if (static_cast<int>(lb.size()) != meta.model.num_layers)
+      return Status::Internal(r.policy->name() + ": LayerBudgets returned the wrong number of layers");
+    for (int b : lb)
+      if (b < 0 || b > ce) return Status::Internal(r.policy->name() + ": layer budget outside [0, prompt]");
+  }
+  return Status::Ok();
+}
+
+StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
+                                        const ReplayOptions& options) {
+  const TraceMeta& meta = trace.meta();
+  KVSIM_RETURN_IF_ERROR(CheckRuns(meta, runs));
+  const int num_layers = meta.model.num_layers, h = meta.model.num_heads, hkv = meta.model.num_kv_heads;
+  const int steps = meta.num_decode_steps;
+  std::vector<RunPlan> plans(runs.size());
+  std::vector<RunAccum> acc(runs.size());
+  for (size_t r = 0; r < runs.size(); ++r) {
+    RunPlan& p = plans[r];
+    p.spec = &runs[r];
+    p.compress_end = CompressEnd(meta, runs[r].question_mode);
+    p.budget = BudgetTokens(runs[r], p.compress_end);
+    p.layer_budgets = runs[r].policy->LayerBudgets(meta, p.budget, p.compress_end);
+    p.req = runs[r].policy->requirements();
+    p.evicts = runs[r].policy->evicts_during_decode();
+    RunAccum& a = acc[r];
+    const size_t samples = static_cast<size_t>(num_layers) * h * steps;
+    a.retained.assign(samples, 0);
+    a.covered.assign(samples, 0);
+    a.err.assign(samples, 0);
+    a.regret.assign(samples, 0);
+    a.ret_mod.assign(static_cast<size_t>(num_layers) * h * 4, 0);
+    a.full_mod.assign(a.ret_mod.size(), 0);
+    a.bound_checks.assign(static_cast<size_t>(num_layers) * hkv, 0);
+    a.bound_viol.assign(a.bound_checks.size(), 0);
+    a.kept_mod.assign(a.bound_checks.size() * 4, 0);
+    a.tokens.assign(a.bound_checks.size() * (steps + 1), 0);
+  }
+  // Run configurations in an order that groups equal compressible regions (shared prompt scores).
+  std::vector<size_t> order(runs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return plans[a].compress_end < plans[b].compress_end; });
+  std::vector<RunPlan> ordered_plans;
+  std::vector<RunAccum> ordered_acc;
+  for (size_t i : order) {
+    ordered_plans.push_back(plans[i]);
+    ordered_acc.push_back(std::move(acc[i]));
+  }
+  Progress progress(options.progress, num_layers);
+  LayerData layer;
+  for (int l = 0; l < num_layers; ++l) {
+    KVSIM_RETURN_IF_ERROR(trace.ReadLayer(l, &layer));
+    if (layer.layer != l) layer.layer = l;
+    LayerPass pass(meta, layer, ordered_plans, ordered_acc, options.threads);
+    pass.Run();
+    progress.Update(l + 1);
+  }
+  for (size_t k = 0; k < order.size(); ++k) acc[order[k]] = std::move(ordered_acc[k]);
+
+  auto token_steps = MakeTokenStepLatencyModel();
+  const LatencyModel& latency = options.latency ? *options.latency : *token_steps;
+  std::vector<RunResult> results(runs.size());
+  for (size_t r = 0; r < runs.size(); ++r) {
+    const RunPlan& p = plans[r];
+    const RunAccum& a = acc[r];
+    RunResult& out = results[r];
+    out.set_policy(runs[r].policy->name());
+    out.set_label(runs[r].label.empty() ? runs[r].policy->name() : runs[r].label);
+    out.set_parameters(runs[r].policy->ParamsText());
+    out.set_budget_fraction(runs[r].budget_fraction);
+    out.set_budget_tokens(p.budget);
+    out.set_question_mode(QuestionModeName(runs[r].question_mode));
+    out.set_compressed_prompt_tokens(p.compress_end);
+    out.set_trace_path(trace.Describe());
+    out.set_trace_hash(options.trace_hash);
+    out.set_trace_model(meta.model.name);
+    out.set_trace_seed(meta.seed);
+    out.set_kvsim_version(kVersion);
+    out.set_git_commit(kGitCommit);
+    out.set_time_unit(latency.unit());
+    // Simulated clock: per-event durations from the latency model and the cache sizes of all layers.
+    std::vector<double> dur(steps + 1);
+    const double bytes_per_token = 2.0 * meta.model.head_dim * meta.model.ModelDtypeBytes();
+    double now = 0;
+    for (int e = 0; e <= steps; ++e) {
+      double tokens = 0;
+      for (size_t i = 0; i < static_cast<size_t>(num_layers) * hkv; ++i) tokens += a.tokens[i * (steps + 1) + e];
+      dur[e] = e == 0 ? latency.PrefillDuration(meta.prefill_length)
+                      : latency.DecodeStepDuration(tokens / (static_cast<double>(num_layers) * hkv));
+      now += dur[e];
+      TimelinePoint* tp = out.add_timeline();
+      tp->set_event(e == 0 ? "prefill" : "decode");
+      tp->set_step(e - 1);
+      tp->set_time(now);
+      tp->set_kv_tokens(tokens);
+      tp->set_kv_bytes(tokens * bytes_per_token);
+    }
+    FillQuality(meta, a, 0, num_layers, out.mutable_metrics());
+    FillMemory(meta, a, 0, num_layers, dur, out.mutable_metrics());
+    for (int l = 0; l < num_layers; ++l) {
+      LayerResult* lr = out.add_layers();
+      lr->set_layer(l);
+      lr->set_budget_tokens_mean(p.layer_budgets[l]);
+      FillQuality(meta, a, l, l + 1, lr->mutable_metrics());
+      FillMemory(meta, a, l, l + 1, dur, lr->mutable_metrics());
+    }
+  }
+  return results;
+}
+
+}  // namespace kvsim

@@ -1,0 +1,48 @@
+#include "sim/select.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "sim/status.h"
+
+namespace kvsim {
+
+std::vector<int32_t> TopKIndices(std::span<const float> scores, int k) {
+  const int n = static_cast<int>(scores.size());
+  k = std::clamp(k, 0, n);
+  std::vector<int32_t> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  auto better = [&](int32_t a, int32_t b) { return scores[a] != scores[b] ? scores[a] > scores[b] : a < b; };
+  if (k < n) std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
+  idx.resize(k);
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
+void SortDescendingNonNegative(std::span<const float> values, std::vector<float>* out) {
+  // Non-negative IEEE floats order like their bit patterns; sort ~bits ascending = values descending.
+  const size_t n = values.size();
+  std::vector<uint32_t> a(n), b(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &values[i], 4);
+    KVSIM_CHECK((u >> 31) == 0 || u == 0x80000000u);
+    a[i] = ~(u & 0x7fffffffu);
+  }
+  constexpr int kBits = 11, kBuckets = 1 << kBits;
+  for (int shift = 0; shift < 32; shift += kBits) {
+    size_t count[kBuckets + 1] = {0};
+    for (size_t i = 0; i < n; ++i) ++count[((a[i] >> shift) & (kBuckets - 1)) + 1];
+    for (int k = 0; k < kBuckets; ++k) count[k + 1] += count[k];
+    for (size_t i = 0; i < n; ++i) b[count[(a[i] >> shift) & (kBuckets - 1)]++] = a[i];
+    a.swap(b);
+  }
+  out->resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t u = ~a[i];
+    std::memcpy(&(*out)[i], &u, 4);
+  }
+}
+
+}  // namespace kvsim

@@ -1,0 +1,134 @@
+// Contract tests: every registered policy, at several budgets, in both question modes, on MHA and GQA
+// traces, must satisfy the same invariants. (The engine itself aborts on a token held twice, a token from
+// the future, or a cache over its budget; these tests make every policy go through those checks.)
+
+#include <catch2/catch.hpp>
+#include <numeric>
+
+#include "policies/registry.h"
+#include "sim/replay.h"
+#include "tests/test_util.h"
+
+namespace kvsim {
+namespace {
+
+std::vector<RunSpec> AllRuns(QuestionMode mode) {
+  std::vector<RunSpec> runs;
+  for (const PolicyInfo& info : PolicyRegistry::Default().List()) {
+    auto p = PolicyRegistry::Default().Create(info.name);
+    REQUIRE(p.ok());
+    for (double b : {0.1, 0.25, 0.5, 1.0}) runs.push_back(RunSpec{*p, info.name, b, 0, mode});
+    runs.push_back(RunSpec{*p, info.name, 0, 3, mode});  // absolute budget
+  }
+  return runs;
+}
+
+void CheckInvariants(const TraceMeta& meta, const std::vector<RunSpec>& runs, const std::vector<RunResult>& res) {
+  REQUIRE(res.size() == runs.size());
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const RunResult& r = res[i];
+    const Metrics& m = r.metrics();
+    INFO(r.policy() << " budget " << runs[i].budget_fraction << "/" << runs[i].budget_tokens << " "
+                    << r.question_mode());
+    CHECK(m.bound_violations() == 0);
+    CHECK(m.retained_mass_mean() <= m.covered_mass_mean() + 1e-6);
+    CHECK(m.covered_mass_mean() <= 1.0 + 1e-5);
+    CHECK(m.retained_mass_mean() >= 0);
+    CHECK(m.regret_vs_oracle_mean() >= -1e-5);
+    CHECK(m.kv_bytes_peak() <= m.full_kv_bytes_peak() + 1e-9);
+    CHECK(r.layers_size() == meta.model.num_layers);
+    // Σ layer budgets = L * B (exact totals for uneven allocations), unless the policy ignores the budget.
+    double total = 0;
+    for (const auto& l : r.layers()) total += l.budget_tokens_mean();
+    const int ce = CompressEnd(meta, runs[i].question_mode);
+    if (r.policy() == "full") {
+      CHECK(total == static_cast<double>(ce) * meta.model.num_layers);
+      CHECK(m.retained_mass_mean() == Approx(1.0).epsilon(1e-6));
+      CHECK(m.output_rel_error_mean() < 1e-5);
+      CHECK(m.regret_vs_oracle_mean() == Approx(0).margin(1e-5));
+    } else {
+      CHECK(total == static_cast<double>(r.budget_tokens()) * meta.model.num_layers);
+    }
+    // Decode-evicting policies never exceed their cap; others hold at most budget + appended + decode.
+    const int appended = meta.prefill_length - ce;
+    for (const auto& tp : r.timeline()) {
+      const double per_head = tp.kv_tokens() / (meta.model.num_layers * meta.model.num_kv_heads);
+      const double decode = tp.step() + 1;
+      if (r.policy() != "full") CHECK(per_head <= r.budget_tokens() + appended + decode + 1e-9);
+    }
+    // MHA: the oracle is the per-head optimum (zero regret). GQA: it optimises the group mean, so each head
+    // may lose a little against its own optimum.
+    if (r.policy() == "oracle" && meta.model.GroupSize() == 1) CHECK(m.regret_vs_oracle_mean() == Approx(0).margin(1e-6));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("contract: every policy, MHA, query-aware and query-agnostic", "[contract]") {
+  MemoryTrace trace = testing::MakeTinyTrace();
+  for (QuestionMode mode : {QuestionMode::kQueryAware, QuestionMode::kQueryAgnostic}) {
+    auto runs = AllRuns(mode);
+    auto res = Replay(trace, runs, ReplayOptions{.threads = 1});
+    REQUIRE(res.ok());
+    CheckInvariants(trace.meta(), runs, *res);
+  }
+}
+
+TEST_CASE("contract: every policy on a GQA trace", "[contract]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 2;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  auto runs = AllRuns(QuestionMode::kQueryAware);
+  auto res = Replay(trace, runs, ReplayOptions{.threads = 2});
+  REQUIRE(res.ok());
+  CheckInvariants(trace.meta(), runs, *res);
+}
+
+TEST_CASE("contract: deterministic and independent of the thread count", "[contract]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 4;
+  spec.seed = 7;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  auto runs = AllRuns(QuestionMode::kQueryAware);
+  auto a = Replay(trace, runs, ReplayOptions{.threads = 1});
+  auto b = Replay(trace, runs, ReplayOptions{.threads = 2});
+  auto c = Replay(trace, runs, ReplayOptions{.threads = 3});
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  REQUIRE(c.ok());
+  for (size_t i = 0; i < runs.size(); ++i) {
+    INFO(runs[i].label);
+    CHECK((*a)[i].SerializeAsString() == (*b)[i].SerializeAsString());
+    CHECK((*a)[i].SerializeAsString() == (*c)[i].SerializeAsString());
+  }
+}
+
+TEST_CASE("contract: budget 100% keeps every prompt token for prefill-compressing policies", "[contract]") {
+  MemoryTrace trace = testing::MakeTinyTrace();
+  const std::vector<std::string> one_shot{"one_shot=true"};
+  for (const char* name : {"snapkv", "pyramidkv", "h2o"}) {
+    auto p = PolicyRegistry::Default().Create(name, std::string(name) == "h2o" ? one_shot : std::vector<std::string>{});
+    REQUIRE(p.ok());
+    std::vector<RunSpec> runs{RunSpec{*p, name, 1.0, 0, QuestionMode::kQueryAware}};
+    auto res = Replay(trace, runs, ReplayOptions{.threads = 1});
+    REQUIRE(res.ok());
+    INFO(name);
+    CHECK((*res)[0].metrics().retained_mass_mean() == Approx(1.0).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("contract: oracle mass grows with the budget", "[contract]") {
+  MemoryTrace trace = testing::MakeTinyTrace();
+  auto p = PolicyRegistry::Default().Create("oracle");
+  REQUIRE(p.ok());
+  std::vector<RunSpec> runs;
+  for (double b : {0.1, 0.3, 0.6, 0.9}) runs.push_back(RunSpec{*p, "oracle", b, 0, QuestionMode::kQueryAware});
+  auto res = Replay(trace, runs, ReplayOptions{.threads = 1});
+  REQUIRE(res.ok());
+  for (size_t i = 1; i < runs.size(); ++i)
+    CHECK((*res)[i].metrics().retained_mass_mean() >= (*res)[i - 1].metrics().retained_mass_mean());
+}
+
+}  // namespace kvsim
