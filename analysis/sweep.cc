@@ -1,0 +1,131 @@
+#include "analysis/sweep.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "analysis/report.h"
+#include "policies/registry.h"
+#include "sim/text_proto.h"
+#include "traces/hdf5_trace.h"
+
+namespace kvsim {
+
+StatusOr<std::unique_ptr<TraceSource>> OpenTrace(const std::string& path) {
+  auto reader = Hdf5TraceReader::Open(path);
+  if (!reader.ok()) return reader.status();
+  return std::unique_ptr<TraceSource>(std::move(*reader));
+}
+
+namespace {
+
+StatusOr<std::unique_ptr<LatencyModel>> MaybeLatency(const std::string& path) {
+  if (path.empty()) return MakeTokenStepLatencyModel();
+  return LoadLatencyModel(path);
+}
+
+std::string DefaultLabel(const PolicySpec& p) {
+  if (p.has_label()) return p.label();
+  std::string label = p.name();
+  for (const auto& s : p.set()) label += " " + s;
+  return label;
+}
+
+}  // namespace
+
+StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& policy,
+                           const std::vector<std::string>& sets, double budget_fraction, int budget_tokens,
+                           QuestionMode mode, const RunOptions& options) {
+  KVSIM_ASSIGN_OR_RETURN(auto p, PolicyRegistry::Default().Create(policy, sets));
+  KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(options.latency_model));
+  KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
+  std::string label = policy;
+  for (const auto& s : sets) label += " " + s;
+  std::vector<RunSpec> runs{RunSpec{p, label, budget_fraction, budget_tokens, mode}};
+  KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(trace_path));
+  KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
+  ReplayOptions ro{options.threads, latency.get(), options.progress, hash};
+  KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
+  return results[0];
+}
+
+StatusOr<Experiment> LoadExperiment(const std::string& path) {
+  Experiment e;
+  KVSIM_RETURN_IF_ERROR(ParseTextProtoFile(path, &e));
+  if (e.traces().empty()) return Status::InvalidArgument(path + ": field 'traces' is empty; list at least one trace");
+  if (e.policies().empty())
+    return Status::InvalidArgument(path + ": field 'policies' is empty; add e.g. policies { name: \"snapkv\" }");
+  if (e.budgets().empty() && e.budget_tokens().empty())
+    return Status::InvalidArgument(path + ": no budgets; set 'budgets' (fractions) or 'budget_tokens'");
+  for (double b : e.budgets())
+    if (!(b > 0 && b <= 1))
+      return Status::InvalidArgument(path + ": field 'budgets' holds " + std::to_string(b) +
+                                     "; budgets are fractions in (0, 1] (use budget_tokens for token counts)");
+  for (int b : e.budget_tokens())
+    if (b < 1) return Status::InvalidArgument(path + ": field 'budget_tokens' must be >= 1");
+  return e;
+}
+
+StatusOr<SweepResult> RunSweep(const Experiment& experiment, const std::string& base_dir, const RunOptions& options) {
+  const QuestionMode mode =
+      experiment.question_mode() == QUERY_AGNOSTIC ? QuestionMode::kQueryAgnostic : QuestionMode::kQueryAware;
+  // Policies × budgets, built and validated once.
+  std::vector<RunSpec> runs;
+  for (const PolicySpec& ps : experiment.policies()) {
+    const std::vector<std::string> sets(ps.set().begin(), ps.set().end());
+    KVSIM_ASSIGN_OR_RETURN(auto policy, PolicyRegistry::Default().Create(ps.name(), sets));
+    const PolicyInfo* info = PolicyRegistry::Default().Find(ps.name());
+    if (!info->uses_budget) {
+      runs.push_back(RunSpec{policy, DefaultLabel(ps), 1.0, 0, mode});
+      continue;
+    }
+    for (double b : experiment.budgets()) runs.push_back(RunSpec{policy, DefaultLabel(ps), b, 0, mode});
+    for (int b : experiment.budget_tokens()) runs.push_back(RunSpec{policy, DefaultLabel(ps), 0, b, mode});
+  }
+  std::string latency_path = options.latency_model.empty() ? experiment.latency_model() : options.latency_model;
+  if (!latency_path.empty() && std::filesystem::path(latency_path).is_relative() && options.latency_model.empty())
+    latency_path = (std::filesystem::path(base_dir) / latency_path).string();
+  KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(latency_path));
+  // Open and check every trace before replaying anything.
+  std::vector<std::string> paths;
+  std::vector<std::unique_ptr<TraceSource>> traces;
+  for (const std::string& t : experiment.traces()) {
+    std::string path = std::filesystem::path(t).is_relative() ? (std::filesystem::path(base_dir) / t).string() : t;
+    KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
+    KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(path));
+    paths.push_back(path);
+    traces.push_back(std::move(trace));
+  }
+  SweepResult out;
+  out.set_experiment(ToTextWithDefaults(experiment));
+  for (size_t i = 0; i < traces.size(); ++i) {
+    KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(paths[i]));
+    ReplayOptions ro{options.threads, latency.get(), options.progress, hash};
+    KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*traces[i], runs, ro));
+    for (auto& r : results) *out.add_runs() = std::move(r);
+  }
+  return out;
+}
+
+Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir) {
+  namespace fs = std::filesystem;
+  const fs::path final_dir(out_dir);
+  const fs::path tmp = fs::path(out_dir + ".tmp." + std::to_string(::getpid()));
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  if (ec) return Status::InvalidArgument(out_dir + ": cannot create the output folder: " + ec.message());
+  const std::vector<RunResult> runs(result.runs().begin(), result.runs().end());
+  Status st = WriteFileAtomic((tmp / "results.json").string(), ToJson(result));
+  if (st.ok()) st = WriteFileAtomic((tmp / "results.csv").string(), ResultsCsv(runs));
+  if (st.ok()) st = WriteFileAtomic((tmp / "summary.md").string(), SummaryMarkdown(runs, "kvsim sweep summary"));
+  if (st.ok()) {
+    fs::remove_all(final_dir, ec);
+    fs::rename(tmp, final_dir, ec);
+    if (ec) st = Status::InvalidArgument(out_dir + ": cannot move results into place: " + ec.message());
+  }
+  if (!st.ok()) fs::remove_all(tmp, ec);
+  return st;
+}
+
+}  // namespace kvsim

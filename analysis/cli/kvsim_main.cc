@@ -1,1 +1,262 @@
-int main() { return 0; }
+// kvsim command line. Every subcommand has --help; exit codes are documented in docs/cli.md:
+//   0 success, 1 bad input (file, config, trace, flag value), 2 usage error, 3 validation mismatch.
+
+#include <boost/program_options.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "analysis/report.h"
+#include "analysis/sweep.h"
+#include "analysis/trace_stats.h"
+#include "analysis/validate.h"
+#include "policies/registry.h"
+#include "sim/version.h"
+#include "traces/hdf5_trace.h"
+#include "traces/synth.h"
+
+namespace po = boost::program_options;
+
+namespace kvsim {
+namespace {
+
+constexpr int kExitOk = 0, kExitInput = 1, kExitUsage = 2, kExitMismatch = 3;
+
+int Fail(const Status& st) {
+  std::fprintf(stderr, "kvsim: error: %s\n", st.message().c_str());
+  return kExitInput;
+}
+
+struct Usage {
+  std::string text;
+};
+
+// Parses argv for one subcommand; returns false after printing help or a usage error (exit code set).
+bool Parse(int argc, char** argv, const std::string& usage, po::options_description& opts,
+           const po::positional_options_description* pos, po::variables_map& vm, int* exit_code) {
+  opts.add_options()("help,h", "show this help");
+  try {
+    po::command_line_parser parser(argc, argv);
+    parser.options(opts);
+    if (pos) parser.positional(*pos);
+    po::store(parser.run(), vm);
+    if (vm.count("help")) {
+      std::cout << usage << "\n\n" << opts << "\n";
+      *exit_code = kExitOk;
+      return false;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::fprintf(stderr, "kvsim: usage error: %s\n%s\n(see --help)\n", e.what(), usage.c_str());
+    *exit_code = kExitUsage;
+    return false;
+  }
+  return true;
+}
+
+int CmdSynth(int argc, char** argv) {
+  std::string config, out;
+  uint64_t seed = 0;
+  int threads = 0;
+  po::options_description opts("kvsim synth options");
+  opts.add_options()("config", po::value(&config)->required(), "SynthConfig text proto (configs/synth/*.textproto)")(
+      "out", po::value(&out)->required(), "output trace (.h5); written to a temp file, then renamed")(
+      "seed", po::value(&seed), "override the config's seed")("threads", po::value(&threads)->default_value(0),
+                                                              "worker threads (0 = all cores)");
+  po::variables_map vm;
+  int code;
+  if (!Parse(argc, argv, "usage: kvsim synth --config F --out T.h5 [--seed N]", opts, nullptr, vm, &code)) return code;
+  auto cfg = LoadSynthConfig(config);
+  if (!cfg.ok()) return Fail(cfg.status());
+  if (vm.count("seed")) cfg->set_seed(seed);
+  Hdf5WriteOptions wo;
+  wo.compression_level = cfg->storage().compression_level();
+  auto writer = Hdf5TraceWriter::Create(out, wo);
+  if (!writer.ok()) return Fail(writer.status());
+  Status st = Synthesize(*cfg, writer->get(), threads);
+  if (!st.ok()) return Fail(st);
+  std::fprintf(stderr, "kvsim: wrote %s\n", out.c_str());
+  return kExitOk;
+}
+
+int CmdInspect(int argc, char** argv) {
+  std::string trace;
+  bool json = false;
+  int threads = 0;
+  po::options_description opts("kvsim inspect options");
+  opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
+      "json", po::bool_switch(&json), "print JSON instead of text")("threads", po::value(&threads)->default_value(0),
+                                                                      "worker threads (0 = all cores)");
+  po::positional_options_description pos;
+  pos.add("trace", 1);
+  po::variables_map vm;
+  int code;
+  if (!Parse(argc, argv, "usage: kvsim inspect T.h5 [--json]", opts, &pos, vm, &code)) return code;
+  auto src = OpenTrace(trace);
+  if (!src.ok()) return Fail(src.status());
+  auto stats = ComputeTraceStats(**src, threads);
+  if (!stats.ok()) return Fail(stats.status());
+  std::cout << (json ? TraceStatsToJson((*src)->meta(), *stats) : FormatTraceStats((*src)->meta(), *stats));
+  return kExitOk;
+}
+
+int CmdValidate(int argc, char** argv) {
+  std::string trace;
+  double tolerance = 0.05;
+  int threads = 0;
+  po::options_description opts("kvsim validate options");
+  opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
+      "tolerance", po::value(&tolerance)->default_value(0.05),
+      "max allowed |recorded - recomputed| for attention aggregates")(
+      "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)");
+  po::positional_options_description pos;
+  pos.add("trace", 1);
+  po::variables_map vm;
+  int code;
+  if (!Parse(argc, argv, "usage: kvsim validate T.h5 [--tolerance X]", opts, &pos, vm, &code)) return code;
+  auto src = OpenTrace(trace);
+  if (!src.ok()) return Fail(src.status());
+  auto rep = ValidateTrace(**src, threads);
+  if (!rep.ok()) return Fail(rep.status());
+  std::cout << trace << ": " << rep->Text((*src)->meta(), tolerance);
+  return rep->aggregates_checked && rep->max_abs_deviation > tolerance ? kExitMismatch : kExitOk;
+}
+
+int CmdListPolicies(int argc, char** argv) {
+  po::options_description opts("kvsim list-policies options");
+  po::variables_map vm;
+  int code;
+  if (!Parse(argc, argv, "usage: kvsim list-policies", opts, nullptr, vm, &code)) return code;
+  for (const PolicyInfo& p : PolicyRegistry::Default().List()) {
+    auto policy = PolicyRegistry::Default().Create(p.name);
+    std::cout << p.name << "\n    " << p.summary << "\n    parameters (" << p.params_type
+              << "): " << (policy.ok() ? (*policy)->ParamsText() : "") << "\n";
+  }
+  return kExitOk;
+}
+
+StatusOr<QuestionMode> ParseQuestionMode(const std::string& s) {
+  if (s == "aware" || s == "query_aware") return QuestionMode::kQueryAware;
+  if (s == "agnostic" || s == "query_agnostic") return QuestionMode::kQueryAgnostic;
+  return Status::InvalidArgument("--question-mode '" + s + "': expected 'aware' or 'agnostic'");
+}
+
+int CmdRun(int argc, char** argv) {
+  std::string trace, policy, out, qmode, latency;
+  double budget = 0;
+  int budget_tokens = 0, threads = 0;
+  std::vector<std::string> sets;
+  po::options_description opts("kvsim run options");
+  opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
+      "policy", po::value(&policy)->required(), "policy name (kvsim list-policies)")(
+      "budget", po::value(&budget), "fraction of the prompt kept per layer per KV head, in (0, 1]")(
+      "budget-tokens", po::value(&budget_tokens), "tokens kept per layer per KV head")(
+      "set", po::value(&sets)->composing(), "policy parameter override key=value (repeatable)")(
+      "question-mode", po::value(&qmode)->default_value("aware"),
+      "aware: compress the whole prompt; agnostic: leave the question out of compression")(
+      "latency-model", po::value(&latency), "latency model file (default: token steps)")(
+      "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)")(
+      "out", po::value(&out)->required(), "result.json");
+  po::variables_map vm;
+  int code;
+  const char* usage = "usage: kvsim run --trace T.h5 --policy P (--budget R | --budget-tokens N) [--set k=v]... --out result.json";
+  if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
+  if (vm.count("budget") == vm.count("budget-tokens")) {
+    std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
+    return kExitUsage;
+  }
+  if (vm.count("budget") && !(budget > 0 && budget <= 1))
+    return Fail(Status::InvalidArgument("--budget " + std::to_string(budget) +
+                                        ": must be a fraction in (0, 1]; use --budget-tokens for token counts"));
+  if (vm.count("budget-tokens") && budget_tokens < 1)
+    return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
+  auto mode = ParseQuestionMode(qmode);
+  if (!mode.ok()) return Fail(mode.status());
+  auto res = RunOne(trace, policy, sets, budget, budget_tokens, *mode, RunOptions{threads, true, latency});
+  if (!res.ok()) return Fail(res.status());
+  Status st = WriteFileAtomic(out, ToJson(*res));
+  if (!st.ok()) return Fail(st);
+  const Metrics& m = res->metrics();
+  std::fprintf(stderr, "kvsim: %s budget %d tokens: retained mass %.4f, output rel. error %.4f, KV memory %.3f of full -> %s\n",
+               res->label().c_str(), res->budget_tokens(), m.retained_mass_mean(), m.output_rel_error_mean(),
+               m.kv_memory_ratio(), out.c_str());
+  return kExitOk;
+}
+
+int CmdSweep(int argc, char** argv) {
+  std::string config, out, latency;
+  std::vector<std::string> traces;
+  int threads = 0;
+  po::options_description opts("kvsim sweep options");
+  opts.add_options()("config", po::value(&config)->required(), "Experiment text proto (configs/experiments/)")(
+      "trace", po::value(&traces)->composing(), "trace file(s) replacing the config's traces (repeatable)")(
+      "latency-model", po::value(&latency), "latency model file (overrides the config's)")(
+      "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)")(
+      "out", po::value(&out)->required(), "output folder (results.json, results.csv, summary.md)");
+  po::variables_map vm;
+  int code;
+  if (!Parse(argc, argv, "usage: kvsim sweep --config experiment.textproto --out DIR [--trace T.h5]...", opts,
+             nullptr, vm, &code))
+    return code;
+  auto exp = LoadExperiment(config);
+  if (!exp.ok()) return Fail(exp.status());
+  std::string base = std::filesystem::path(config).parent_path().string();
+  if (!traces.empty()) {
+    exp->clear_traces();
+    for (const auto& t : traces) exp->add_traces(t);
+    base = ".";
+  }
+  auto res = RunSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency});
+  if (!res.ok()) return Fail(res.status());
+  Status st = WriteSweepOutputs(*res, out);
+  if (!st.ok()) return Fail(st);
+  std::fprintf(stderr, "kvsim: %d runs -> %s/{results.json,results.csv,summary.md}\n", res->runs_size(), out.c_str());
+  return kExitOk;
+}
+
+const char kTopUsage[] =
+    "kvsim " "— replay recorded LLM attention traces against KV-cache compression policies\n\n"
+    "usage: kvsim <command> [options]   (kvsim <command> --help for details)\n\n"
+    "commands:\n"
+    "  synth          generate a synthetic trace from a config\n"
+    "  inspect        print a trace's measured attention statistics\n"
+    "  validate       check a trace's structure and recorded aggregates\n"
+    "  list-policies  list registered policies and their parameters\n"
+    "  run            replay one policy at one budget\n"
+    "  sweep          replay traces x policies x budgets, write results and a summary\n"
+    "  version        print version and git commit\n";
+
+}  // namespace
+}  // namespace kvsim
+
+int main(int argc, char** argv) {
+  using namespace kvsim;
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
+      std::string(argv[1]) == "help") {
+    std::cout << kTopUsage;
+    return argc < 2 ? kExitUsage : kExitOk;
+  }
+  const std::string cmd = argv[1];
+  if (cmd == "version" || cmd == "--version") {
+    std::cout << "kvsim " << kVersion << " (" << kGitCommit << ")\n";
+    return kExitOk;
+  }
+  // Subcommand parsers see argv without the command name.
+  int sub_argc = argc - 1;
+  char** sub_argv = argv + 1;
+  try {
+    if (cmd == "synth") return CmdSynth(sub_argc, sub_argv);
+    if (cmd == "inspect") return CmdInspect(sub_argc, sub_argv);
+    if (cmd == "validate") return CmdValidate(sub_argc, sub_argv);
+    if (cmd == "list-policies") return CmdListPolicies(sub_argc, sub_argv);
+    if (cmd == "run") return CmdRun(sub_argc, sub_argv);
+    if (cmd == "sweep") return CmdSweep(sub_argc, sub_argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvsim: error: %s\n", e.what());
+    return kExitInput;
+  }
+  std::fprintf(stderr, "kvsim: unknown command '%s'\n\n%s", cmd.c_str(), kTopUsage);
+  return kExitUsage;
+}

@@ -1,0 +1,54 @@
+# kvsim — two entry points (README quick start):
+#   make demo   install packages, build, synthesize the LLaVA-1.5-7B-shaped demo trace, sweep the baseline
+#               policies over budgets 5/10/20/50%, write demo-out/results/{summary.md,results.json,results.csv}
+#   make test   install packages, build, run every test (CTest + Catch2)
+# Both are idempotent. Other targets: build, asan-test (AddressSanitizer + UBSan stage of CI), bench, format.
+
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+JOBS       ?= $(shell nproc)
+KVSIM      := $(BUILD)/kvsim
+DEMO_DIR   ?= demo-out
+DEMO_TRACE := $(DEMO_DIR)/llava15_7b_multi_image.h5
+DEMO_CFG   := configs/synth/llava15_7b_multi_image.textproto
+
+.PHONY: setup build test asan-test demo bench format clean
+
+setup:
+	@bash scripts/setup.sh
+
+$(BUILD)/Makefile: CMakeLists.txt | setup
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release
+
+build: setup $(BUILD)/Makefile
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+asan-test: setup
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSIM_SANITIZE=ON
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target kvsim_tests kvsim
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --output-on-failure -j $(JOBS)
+
+# The trace is regenerated only when its config changes.
+$(DEMO_TRACE): $(DEMO_CFG) | build
+	@mkdir -p $(DEMO_DIR)
+	$(KVSIM) synth --config $(DEMO_CFG) --out $@
+
+demo: build $(DEMO_TRACE)
+	$(KVSIM) sweep --config configs/experiments/demo.textproto --trace $(DEMO_TRACE) --out $(DEMO_DIR)/results
+	@echo
+	@cat $(DEMO_DIR)/results/summary.md
+	@echo
+	@echo "Results: $(DEMO_DIR)/results/{summary.md,results.json,results.csv}"
+
+bench: build $(DEMO_TRACE)
+	$(BUILD)/kvsim_bench --trace $(DEMO_TRACE)
+
+format:
+	clang-format -i $$(git ls-files '*.h' '*.cc' '*.cuh' '*.cu')
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)

@@ -1,0 +1,173 @@
+#include "analysis/report.h"
+
+#include <google/protobuf/util/json_util.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <set>
+#include <sstream>
+
+namespace kvsim {
+
+std::string ToJson(const google::protobuf::Message& msg) {
+  google::protobuf::util::JsonPrintOptions opt;
+  opt.add_whitespace = true;
+  opt.preserve_proto_field_names = true;
+  opt.always_print_primitive_fields = true;
+  std::string out;
+  auto st = google::protobuf::util::MessageToJsonString(msg, &out, opt);
+  KVSIM_CHECK_MSG(st.ok(), std::string(st.message()));
+  return out;
+}
+
+namespace {
+
+std::string Num(double v, int prec = 6) {
+  std::ostringstream os;
+  os << std::setprecision(prec) << v;
+  return os.str();
+}
+
+std::string CsvField(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+void MetricColumns(const Metrics& m, std::ostringstream& os) {
+  const double v[] = {m.retained_mass_mean(), m.retained_mass_p5(), m.covered_mass_mean(),
+                      m.output_rel_error_mean(), m.output_rel_error_p95(), m.regret_vs_oracle_mean(),
+                      m.regret_vs_oracle_p95(), m.bound_checks(), m.bound_violations(), m.kv_bytes_peak(),
+                      m.kv_bytes_mean(), m.kv_footprint(), m.full_kv_bytes_peak(), m.full_kv_bytes_mean(),
+                      m.kv_memory_ratio(), m.kept_tokens_mean(), m.kept_tokens_by_modality().text(),
+                      m.kept_tokens_by_modality().image(), m.kept_tokens_by_modality().video(),
+                      m.retained_mass_by_modality().text(), m.retained_mass_by_modality().image(),
+                      m.retained_mass_by_modality().video(), m.full_mass_by_modality().text(),
+                      m.full_mass_by_modality().image(), m.full_mass_by_modality().video(), m.samples()};
+  for (double x : v) os << ',' << Num(x, 9);
+}
+
+}  // namespace
+
+std::string ResultsCsv(const std::vector<RunResult>& runs) {
+  std::ostringstream os;
+  os << "trace,trace_hash,model,policy,label,parameters,question_mode,budget_fraction,budget_tokens,layer,"
+        "layer_budget_tokens,retained_mass_mean,retained_mass_p5,covered_mass_mean,output_rel_error_mean,"
+        "output_rel_error_p95,regret_vs_oracle_mean,regret_vs_oracle_p95,bound_checks,bound_violations,"
+        "kv_bytes_peak,kv_bytes_mean,kv_footprint,full_kv_bytes_peak,full_kv_bytes_mean,kv_memory_ratio,"
+        "kept_tokens_mean,kept_text,kept_image,kept_video,retained_mass_text,retained_mass_image,"
+        "retained_mass_video,full_mass_text,full_mass_image,full_mass_video,samples\n";
+  for (const RunResult& r : runs) {
+    auto prefix = [&](const std::string& layer, double layer_budget) {
+      os << CsvField(r.trace_path()) << ',' << r.trace_hash() << ',' << CsvField(r.trace_model()) << ','
+         << r.policy() << ',' << CsvField(r.label()) << ',' << CsvField(r.parameters()) << ','
+         << r.question_mode() << ',' << Num(r.budget_fraction()) << ',' << r.budget_tokens() << ',' << layer
+         << ',' << Num(layer_budget);
+    };
+    prefix("all", r.budget_tokens());
+    MetricColumns(r.metrics(), os);
+    os << '\n';
+    for (const LayerResult& l : r.layers()) {
+      prefix(std::to_string(l.layer()), l.budget_tokens_mean());
+      MetricColumns(l.metrics(), os);
+      os << '\n';
+    }
+  }
+  return os.str();
+}
+
+std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::string& title) {
+  std::ostringstream os;
+  os << "# " << title << "\n\n";
+  // Group by trace (in first-seen order).
+  std::vector<std::string> traces;
+  for (const auto& r : runs)
+    if (std::find(traces.begin(), traces.end(), r.trace_path()) == traces.end()) traces.push_back(r.trace_path());
+  for (const std::string& t : traces) {
+    const RunResult* first = nullptr;
+    for (const auto& r : runs)
+      if (r.trace_path() == t) {
+        first = &r;
+        break;
+      }
+    os << "## Trace `" << t << "`\n\n"
+       << "model " << first->trace_model() << ", hash " << first->trace_hash() << ", seed " << first->trace_seed()
+       << ", question mode " << first->question_mode() << ", compressible prompt "
+       << first->compressed_prompt_tokens() << " tokens, time unit " << first->time_unit() << ".\n\n"
+       << "| policy | budget | kept/head | KV mem vs full | retained mass | covered | out err mean | out err p95 "
+          "| regret vs oracle | bound viol. |\n"
+       << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    std::vector<const RunResult*> rows;
+    for (const auto& r : runs)
+      if (r.trace_path() == t) rows.push_back(&r);
+    std::stable_sort(rows.begin(), rows.end(), [](const RunResult* a, const RunResult* b) {
+      return a->budget_tokens() != b->budget_tokens() ? a->budget_tokens() < b->budget_tokens()
+                                                      : a->metrics().retained_mass_mean() > b->metrics().retained_mass_mean();
+    });
+    for (const RunResult* r : rows) {
+      const Metrics& m = r->metrics();
+      std::ostringstream budget;
+      if (r->policy() == "full")
+        budget << "-";
+      else if (r->budget_fraction() > 0)
+        budget << Num(100 * r->budget_fraction(), 3) << "% (" << r->budget_tokens() << ")";
+      else
+        budget << r->budget_tokens() << " tok";
+      os << "| " << r->label() << " | " << budget.str() << " | " << std::fixed << std::setprecision(1)
+         << m.kept_tokens_mean() << " | " << std::setprecision(3) << m.kv_memory_ratio() << " | "
+         << m.retained_mass_mean() << " | " << m.covered_mass_mean() << " | " << m.output_rel_error_mean() << " | "
+         << m.output_rel_error_p95() << " | " << m.regret_vs_oracle_mean() << " | " << std::defaultfloat
+         << m.bound_violations() << " |\n";
+    }
+    // Best causal policy per budget (the oracle is an upper bound, not a contender).
+    std::map<int, const RunResult*> best;
+    for (const RunResult* r : rows) {
+      if (r->policy() == "oracle" || r->policy() == "full") continue;
+      auto& b = best[r->budget_tokens()];
+      if (!b || r->metrics().output_rel_error_mean() < b->metrics().output_rel_error_mean()) b = r;
+    }
+    if (!best.empty()) {
+      os << "\nLowest output error per budget (causal policies):";
+      for (const auto& [b, r] : best)
+        os << " " << b << " tokens: **" << r->label() << "** (" << std::setprecision(3)
+           << r->metrics().output_rel_error_mean() << ");" << std::defaultfloat;
+      os << "\n";
+    }
+    os << "\n";
+  }
+  os << "Columns: *kept/head* = cache slots per KV head averaged over decode steps; *KV mem vs full* = "
+        "time-weighted KV bytes relative to the full cache; *retained mass* = full-attention mass on tokens "
+        "kept as themselves (mean over decode steps, layers, heads); *out err* = ‖ô − o‖/‖o‖ of the attention "
+        "output; *regret* = oracle mass at the same cache size minus retained mass. Definitions: "
+        "docs/metrics.md.\n";
+  return os.str();
+}
+
+Status WriteFileAtomic(const std::string& path, const std::string& content) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return Status::InvalidArgument(path + ": cannot write (check that the folder exists and is writable)");
+    out << content;
+    out.flush();
+    if (!out) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      return Status::DataLoss(path + ": write failed (disk full?)");
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp, ec);
+    return Status::InvalidArgument(path + ": cannot move the finished file into place: " + ec.message());
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvsim

@@ -1,0 +1,38 @@
+#pragma once
+// `kvsim run` and `kvsim sweep`: build runs from policy names, budgets and overrides, replay them (one
+// streamed pass per trace shares the full-attention reference across all runs), and write results.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "analysis/experiment.pb.h"
+#include "sim/latency_model.h"
+#include "sim/replay.h"
+
+namespace kvsim {
+
+StatusOr<std::unique_ptr<TraceSource>> OpenTrace(const std::string& path);
+
+struct RunOptions {
+  int threads = 0;
+  bool progress = false;
+  std::string latency_model;  // file; empty = token steps
+};
+
+// One policy on one trace at one budget (fraction > 0, or tokens > 0).
+StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& policy,
+                           const std::vector<std::string>& sets, double budget_fraction, int budget_tokens,
+                           QuestionMode mode, const RunOptions& options);
+
+StatusOr<Experiment> LoadExperiment(const std::string& path);
+
+// Runs every trace x policy x budget of the experiment. Policies and traces are all checked before any
+// replay starts. Relative trace paths resolve against `base_dir`.
+StatusOr<SweepResult> RunSweep(const Experiment& experiment, const std::string& base_dir, const RunOptions& options);
+
+// Writes results.json, results.csv and summary.md into `out_dir` (created, or replaced as a whole). The
+// folder appears only when everything is written.
+Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir);
+
+}  // namespace kvsim

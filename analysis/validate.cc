@@ -1,0 +1,73 @@
+#include "analysis/validate.h"
+
+#include <cmath>
+#include <numeric>
+#include <sstream>
+
+#include "sim/attention.h"
+#include "sim/parallel.h"
+
+namespace kvsim {
+
+StatusOr<ValidationReport> ValidateTrace(TraceSource& trace, int threads) {
+  const TraceMeta& meta = trace.meta();
+  KVSIM_RETURN_IF_ERROR(meta.Validate().WithContext(trace.Describe()));
+  ValidationReport rep;
+  rep.aggregates_present = meta.has_prefill_column_sums;
+  rep.aggregates_checked = meta.has_prefill_column_sums && meta.HasAllPromptQueries();
+  const ModelInfo& m = meta.model;
+  const int n = meta.prefill_length, t_all = meta.total_tokens(), d = m.head_dim;
+  LayerData layer;
+  for (int l = 0; l < m.num_layers; ++l) {
+    KVSIM_RETURN_IF_ERROR(trace.ReadLayer(l, &layer));
+    KVSIM_RETURN_IF_ERROR(ValidateLayer(meta, layer, trace.Describe()));
+    if (meta.has_prefill_column_sums && layer.prefill_column_sums.empty())
+      return Status::DataLoss(trace.Describe() + ": layer " + std::to_string(l) +
+                              " lacks prefill_column_sums although the trace declares them");
+    ++rep.layers_checked;
+    if (!rep.aggregates_checked) continue;
+    std::vector<double> abs_dev(m.num_heads, 0), rel_dev(m.num_heads, 0);
+    std::vector<int> worst_key(m.num_heads, -1);
+    ParallelFor(m.num_heads, threads, [&](int h) {
+      std::vector<float> sums(n, 0.0f);
+      std::vector<int32_t> pos(n);
+      std::iota(pos.begin(), pos.end(), 0);
+      const float* q = layer.queries.data() + static_cast<size_t>(h) * meta.query_positions.size() * d;
+      const float* k = layer.keys.data() + static_cast<size_t>(h / m.GroupSize()) * t_all * d;
+      AccumulateColumnSums(m, q, pos.data(), n, k, n, sums.data());
+      const float* rec = layer.prefill_column_sums.data() + static_cast<size_t>(h) * n;
+      for (int j = 0; j < n; ++j) {
+        const double dev = std::fabs(static_cast<double>(rec[j]) - sums[j]);
+        if (dev > abs_dev[h]) abs_dev[h] = dev, worst_key[h] = j;
+        rel_dev[h] = std::max(rel_dev[h], dev / std::max(1e-3, static_cast<double>(std::fabs(sums[j]))));
+      }
+    });
+    for (int h = 0; h < m.num_heads; ++h) {
+      if (abs_dev[h] > rep.max_abs_deviation) {
+        rep.max_abs_deviation = abs_dev[h];
+        rep.worst_layer = l, rep.worst_head = h, rep.worst_key = worst_key[h];
+      }
+      rep.max_rel_deviation = std::max(rep.max_rel_deviation, rel_dev[h]);
+    }
+  }
+  return rep;
+}
+
+std::string ValidationReport::Text(const TraceMeta& meta, double tolerance) const {
+  std::ostringstream os;
+  os << "structure: ok (" << layers_checked << " layers; shapes, dtypes, finite values, token metadata)\n";
+  if (!aggregates_present) {
+    os << "aggregates: none recorded (nothing to compare)\n";
+  } else if (!aggregates_checked) {
+    os << "aggregates: prefill_column_sums recorded but not checkable: the trace stores queries of only the last "
+       << meta.query_positions.size() - meta.num_decode_steps << " prompt tokens\n";
+  } else {
+    os << "aggregates: prefill_column_sums vs recomputed from Q/K: max abs deviation " << max_abs_deviation
+       << " (layer " << worst_layer << ", head " << worst_head << ", key " << worst_key << "), max rel deviation "
+       << max_rel_deviation << " -> " << (max_abs_deviation <= tolerance ? "ok" : "MISMATCH") << " (tolerance "
+       << tolerance << ")\n";
+  }
+  return os.str();
+}
+
+}  // namespace kvsim
