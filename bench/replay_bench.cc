@@ -1,0 +1,148 @@
+// Benchmark: the baseline sweep (full, streaming_llm, h2o, snapkv, pyramidkv, oracle x budgets 5/10/20/50%)
+// over one trace, with variants measured side by side in the same run (each in its own child process so
+// peak RSS is its own): read-only pass (I/O + decode floor), the sweep on 1 thread, the sweep on all
+// threads. Prints a markdown table for docs/performance.md.
+
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <boost/program_options.hpp>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "analysis/sweep.h"
+#include "policies/registry.h"
+#include "sim/parallel.h"
+
+namespace po = boost::program_options;
+using namespace kvsim;
+
+namespace {
+
+struct Measure {
+  double seconds = 0;
+  double peak_rss_mb = 0;
+  double samples = 0;
+  bool ok = false;
+};
+
+std::vector<RunSpec> BaselineRuns() {
+  std::vector<RunSpec> runs;
+  for (const char* name : {"full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "oracle"}) {
+    auto p = PolicyRegistry::Default().Create(name);
+    if (!p.ok()) std::abort();
+    if (std::string(name) == "full") {
+      runs.push_back(RunSpec{*p, name, 1.0, 0, QuestionMode::kQueryAware});
+      continue;
+    }
+    for (double b : {0.05, 0.10, 0.20, 0.50}) runs.push_back(RunSpec{*p, name, b, 0, QuestionMode::kQueryAware});
+  }
+  return runs;
+}
+
+// Runs `body` in a child process; the child reports (seconds, samples) through a pipe.
+template <typename Body>
+Measure InChild(Body body) {
+  int fd[2];
+  if (pipe(fd) != 0) std::abort();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fd[0]);
+    const auto t0 = std::chrono::steady_clock::now();
+    const double samples = body();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    double msg[3] = {s, ru.ru_maxrss / 1024.0, samples};
+    if (write(fd[1], msg, sizeof msg) != sizeof msg) _exit(2);
+    _exit(samples < 0 ? 1 : 0);
+  }
+  close(fd[1]);
+  double msg[3] = {0, 0, 0};
+  const bool got = read(fd[0], msg, sizeof msg) == sizeof msg;
+  close(fd[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return Measure{msg[0], msg[1], msg[2], got && WIFEXITED(status) && WEXITSTATUS(status) == 0};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string trace_path;
+  int threads = 0;
+  po::options_description opts("kvsim_bench options");
+  opts.add_options()("help,h", "help")("trace", po::value(&trace_path)->required(), "trace (.h5)")(
+      "threads", po::value(&threads)->default_value(0), "threads for the parallel variant (0 = all cores)");
+  po::variables_map vm;
+  try {
+    po::store(po::parse_command_line(argc, argv, opts), vm);
+    if (vm.count("help")) {
+      std::cout << opts << "\n";
+      return 0;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::cerr << "kvsim_bench: " << e.what() << "\n" << opts << "\n";
+    return 2;
+  }
+  if (threads <= 0) threads = DefaultThreads();
+  auto probe = OpenTrace(trace_path);
+  if (!probe.ok()) {
+    std::cerr << "kvsim_bench: " << probe.status().message() << "\n";
+    return 1;
+  }
+  const TraceMeta meta = (*probe)->meta();
+  probe->reset();
+  struct stat st {};
+  stat(trace_path.c_str(), &st);
+  const auto runs = BaselineRuns();
+
+  auto read_only = [&]() -> double {
+    auto t = OpenTrace(trace_path);
+    if (!t.ok()) return -1;
+    LayerData layer;
+    for (int l = 0; l < meta.model.num_layers; ++l)
+      if (!(*t)->ReadLayer(l, &layer).ok()) return -1;
+    return 0;
+  };
+  auto sweep = [&](int th) {
+    return [&, th]() -> double {
+      auto t = OpenTrace(trace_path);
+      if (!t.ok()) return -1;
+      auto res = Replay(**t, runs, ReplayOptions{.threads = th});
+      if (!res.ok()) return -1;
+      double samples = 0;
+      for (const auto& r : *res) samples += r.metrics().samples();
+      return samples;
+    };
+  };
+  const Measure io = InChild(read_only);
+  const Measure one = InChild(sweep(1));
+  const Measure par = InChild(sweep(threads));
+  if (!io.ok || !one.ok || !par.ok) {
+    std::cerr << "kvsim_bench: a measurement failed\n";
+    return 1;
+  }
+  std::printf("trace: %s (%s, %d layers, %d/%d heads, d %d, prompt %d, %d decode steps, %.2f GB)\n",
+              trace_path.c_str(), meta.model.name.c_str(), meta.model.num_layers, meta.model.num_heads,
+              meta.model.num_kv_heads, meta.model.head_dim, meta.prefill_length, meta.num_decode_steps,
+              st.st_size / 1e9);
+  std::printf("runs: %zu (6 baselines; full once, the others x budgets 5/10/20/50%%)\n\n", runs.size());
+  std::printf("| variant | wall s | peak RSS MB | RSS / trace size | samples/s | vs 1 thread |\n|---|---:|---:|---:|---:|---:|\n");
+  auto row = [&](const char* name, const Measure& m) {
+    std::printf("| %s | %.2f | %.0f | %.3f | %.3g | %.2fx |\n", name, m.seconds, m.peak_rss_mb,
+                m.peak_rss_mb * 1048576.0 / st.st_size, m.samples > 0 ? m.samples / m.seconds : 0.0,
+                one.seconds / m.seconds);
+  };
+  row("read every layer only (I/O + fp16 decode)", io);
+  row("sweep, 1 thread", one);
+  std::string name = "sweep, " + std::to_string(threads) + " threads";
+  row(name.c_str(), par);
+  return 0;
+}
