@@ -24,7 +24,7 @@ StatusOr<std::unique_ptr<LatencyModel>> MaybeLatency(const std::string& path) {
   return LoadLatencyModel(path);
 }
 
-std::string DefaultLabel(const PolicySpec& p) {
+std::string DefaultLabel(const config::PolicySpec& p) {
   if (p.has_label()) return p.label();
   std::string label = p.name();
   for (const auto& s : p.set()) label += " " + s;
@@ -49,8 +49,8 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
   return results[0];
 }
 
-StatusOr<Experiment> LoadExperiment(const std::string& path) {
-  Experiment e;
+StatusOr<config::Experiment> LoadExperiment(const std::string& path) {
+  config::Experiment e;
   KVSIM_RETURN_IF_ERROR(ParseTextProtoFile(path, &e));
   if (e.traces().empty()) return Status::InvalidArgument(path + ": field 'traces' is empty; list at least one trace");
   if (e.policies().empty())
@@ -66,12 +66,12 @@ StatusOr<Experiment> LoadExperiment(const std::string& path) {
   return e;
 }
 
-StatusOr<SweepResult> RunSweep(const Experiment& experiment, const std::string& base_dir, const RunOptions& options) {
+StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir, const RunOptions& options) {
   const QuestionMode mode =
-      experiment.question_mode() == QUERY_AGNOSTIC ? QuestionMode::kQueryAgnostic : QuestionMode::kQueryAware;
+      experiment.question_mode() == config::QUERY_AGNOSTIC ? QuestionMode::kQueryAgnostic : QuestionMode::kQueryAware;
   // Policies × budgets, built and validated once.
   std::vector<RunSpec> runs;
-  for (const PolicySpec& ps : experiment.policies()) {
+  for (const config::PolicySpec& ps : experiment.policies()) {
     const std::vector<std::string> sets(ps.set().begin(), ps.set().end());
     KVSIM_ASSIGN_OR_RETURN(auto policy, PolicyRegistry::Default().Create(ps.name(), sets));
     const PolicyInfo* info = PolicyRegistry::Default().Find(ps.name());

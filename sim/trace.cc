@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace kvsim {
 
@@ -169,6 +170,14 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
     KVSIM_RETURN_IF_ERROR(shape("prefill_column_sums", layer.prefill_column_sums.size(),
                                 static_cast<size_t>(m.num_heads) * meta.prefill_length, "[num_heads, prefill_length]"));
   auto finite = [&](const char* name, const std::vector<float>& v) -> Status {
+    // Branch-free scan first (vectorises); locate the offending index only when there is one.
+    uint32_t bad = 0;
+    for (float x : v) {
+      uint32_t u;
+      std::memcpy(&u, &x, 4);
+      bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+    }
+    if (!bad) return Status::Ok();
     for (size_t i = 0; i < v.size(); ++i)
       if (!std::isfinite(v[i]))
         return Status::DataLoss(where + " dataset '" + name + "' holds a non-finite value (NaN/Inf) at flat index " + std::to_string(i) + "; the capture or generator produced bad data");

@@ -1,0 +1,717 @@
+#include "traces/hdf5_trace.h"
+
+#include <hdf5.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <utility>
+#include <vector>
+
+#include "traces/half.h"
+
+namespace kvsim {
+namespace {
+
+static_assert(sizeof(hid_t) == sizeof(long long), "hid_t is stored as long long in hdf5_trace.h");
+static_assert(std::endian::native == std::endian::little, "raw fp16 I/O and HashFile assume little-endian");
+
+constexpr const char kModalityNames[] = "text,image,video,other";
+constexpr const char kRoleNames[] = "system,context,question,generated";
+constexpr const char kSeeDocs[] = "see docs/trace-format.md";
+
+// Owns one HDF5 identifier and closes it with the matching H5?close.
+class Hid {
+ public:
+  Hid() = default;
+  Hid(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
+  Hid(Hid&& o) noexcept : id_(std::exchange(o.id_, -1)), close_(o.close_) {}
+  Hid& operator=(Hid&& o) noexcept {
+    std::swap(id_, o.id_);
+    std::swap(close_, o.close_);
+    return *this;
+  }
+  ~Hid() {
+    if (id_ >= 0) close_(id_);
+  }
+  operator hid_t() const { return id_; }  // NOLINT: used directly as an hid_t argument
+  bool ok() const { return id_ >= 0; }
+
+ private:
+  hid_t id_ = -1;
+  herr_t (*close_)(hid_t) = nullptr;
+};
+
+// Error stacks and their printing are per thread in a thread-safe HDF5, so every entry point calls this.
+void SilenceHdf5Errors() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+
+// The innermost message on this thread's HDF5 error stack, as " (HDF5: ...)", then clears the stack.
+std::string Hdf5Detail() {
+  std::string msg;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_UPWARD,
+      [](unsigned n, const H5E_error2_t* e, void* out) -> herr_t {
+        if (n == 0 && e->desc) *static_cast<std::string*>(out) = e->desc;
+        return 0;
+      },
+      &msg);
+  H5Eclear2(H5E_DEFAULT);
+  return msg.empty() ? "" : " (HDF5: " + msg + ")";
+}
+
+Status ReadError(const std::string& what) {
+  return Status::DataLoss("cannot read " + what + Hdf5Detail() + "; the file may be truncated or corrupt");
+}
+Status WriteError(const std::string& what) {
+  return Status::Internal("cannot write " + what + Hdf5Detail() + "; check free disk space and permissions");
+}
+
+std::string LayerName(const char* group, int layer) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%s/layer_%03d", group, layer);
+  return buf;
+}
+
+std::string DimsString(const std::vector<hsize_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// IEEE binary16, little-endian (HDF5 1.10 has no predefined H5T_IEEE_F16LE; this is what h5py builds).
+Hid HalfType() {
+  Hid t(H5Tcopy(H5T_IEEE_F32LE), H5Tclose);
+  if (t.ok() && (H5Tset_fields(t, 15, 10, 5, 0, 10) < 0 || H5Tset_size(t, 2) < 0 || H5Tset_ebias(t, 15) < 0))
+    return Hid();
+  return t;
+}
+
+bool IsHalf(hid_t type) {
+  size_t spos, epos, esize, mpos, msize;
+  return H5Tget_class(type) == H5T_FLOAT && H5Tget_size(type) == 2 && H5Tget_order(type) == H5T_ORDER_LE &&
+         H5Tget_fields(type, &spos, &epos, &esize, &mpos, &msize) >= 0 && spos == 15 && epos == 10 &&
+         esize == 5 && mpos == 0 && msize == 10 && H5Tget_ebias(type) == 15;
+}
+
+// Index of the first value that rounds beyond the float16 range (|x| >= 65520), or -1.
+int64_t FirstBeyondHalf(const std::vector<float>& v) {
+  auto beyond = [](float x) { return (std::bit_cast<uint32_t>(x) & 0x7fffffff) >= 0x477ff000; };
+  bool any = false;
+  for (float x : v) any |= beyond(x);  // branch-free, vectorizes
+  if (!any) return -1;
+  return std::find_if(v.begin(), v.end(), beyond) - v.begin();
+}
+
+Hid Utf8StringType() {
+  Hid t(H5Tcopy(H5T_C_S1), H5Tclose);
+  if (t.ok() && (H5Tset_size(t, H5T_VARIABLE) < 0 || H5Tset_cset(t, H5T_CSET_UTF8) < 0)) return Hid();
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------- reading
+
+Status OpenRootAttr(hid_t file, const char* name, Hid* attr) {
+  const htri_t exists = H5Aexists(file, name);
+  if (exists < 0) return ReadError(std::string("root attribute '") + name + "'");
+  if (exists == 0)
+    return Status::InvalidArgument(std::string("missing root attribute '") + name +
+                                   "'; the file is not a complete kvsim trace v1 (" + kSeeDocs + ")");
+  *attr = Hid(H5Aopen(file, name, H5P_DEFAULT), H5Aclose);
+  Hid space(H5Aget_space(*attr), H5Sclose);
+  if (!attr->ok() || !space.ok()) return ReadError(std::string("root attribute '") + name + "'");
+  if (H5Sget_simple_extent_npoints(space) != 1)
+    return Status::InvalidArgument(std::string("root attribute '") + name + "' must be a scalar (" +
+                                   kSeeDocs + ")");
+  return Status::Ok();
+}
+
+// Reads a scalar numeric root attribute through `mem_type`; integers only unless `allow_float`.
+Status ReadNumberAttr(hid_t file, const char* name, hid_t mem_type, bool allow_float, void* out) {
+  Hid attr;
+  KVSIM_RETURN_IF_ERROR(OpenRootAttr(file, name, &attr));
+  Hid type(H5Aget_type(attr), H5Tclose);
+  const H5T_class_t cls = type.ok() ? H5Tget_class(type) : H5T_NO_CLASS;
+  if (cls != H5T_INTEGER && !(allow_float && cls == H5T_FLOAT))
+    return Status::InvalidArgument(std::string("root attribute '") + name + "' must be " +
+                                   (allow_float ? "a number" : "an integer") + " (" + kSeeDocs + ")");
+  if (H5Aread(attr, mem_type, out) < 0) return ReadError(std::string("root attribute '") + name + "'");
+  return Status::Ok();
+}
+
+Status ReadAttr(hid_t file, const char* name, double* out) {
+  return ReadNumberAttr(file, name, H5T_NATIVE_DOUBLE, true, out);
+}
+Status ReadAttr(hid_t file, const char* name, uint64_t* out) {
+  return ReadNumberAttr(file, name, H5T_NATIVE_UINT64, false, out);
+}
+Status ReadAttr(hid_t file, const char* name, int* out) {
+  long long v = 0;
+  KVSIM_RETURN_IF_ERROR(ReadNumberAttr(file, name, H5T_NATIVE_LLONG, false, &v));
+  if (v < INT_MIN || v > INT_MAX)
+    return Status::InvalidArgument(std::string("root attribute '") + name + "' = " + std::to_string(v) +
+                                   " is out of range");
+  *out = static_cast<int>(v);
+  return Status::Ok();
+}
+Status ReadAttr(hid_t file, const char* name, bool* out) {
+  int v = 0;
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, name, &v));
+  if (v != 0 && v != 1)
+    return Status::InvalidArgument(std::string("root attribute '") + name + "' must be 0 or 1");
+  *out = v == 1;
+  return Status::Ok();
+}
+
+// Reads `n` strings from an attribute or dataset `obj` (fixed- or variable-length, any padding).
+Status ReadStrings(hid_t obj, bool is_attr, size_t n, const std::string& what,
+                   std::vector<std::string>* out) {
+  Hid type(is_attr ? H5Aget_type(obj) : H5Dget_type(obj), H5Tclose);
+  if (!type.ok()) return ReadError(what);
+  if (H5Tget_class(type) != H5T_STRING)
+    return Status::InvalidArgument(what + " must hold strings (" + kSeeDocs + ")");
+  const htri_t vlen = H5Tis_variable_str(type);
+  Hid mem(H5Tcopy(type), H5Tclose);
+  if (vlen < 0 || !mem.ok() || (vlen == 0 && H5Tset_strpad(mem, H5T_STR_NULLPAD) < 0)) return ReadError(what);
+  auto read = [&](void* buf) {
+    return is_attr ? H5Aread(obj, mem, buf) : H5Dread(obj, mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf);
+  };
+  out->resize(n);
+  if (vlen) {
+    std::vector<char*> ptrs(n, nullptr);
+    if (read(ptrs.data()) < 0) return ReadError(what);
+    for (size_t i = 0; i < n; ++i) (*out)[i] = ptrs[i] ? ptrs[i] : "";
+    for (char* p : ptrs) H5free_memory(p);
+  } else {
+    const size_t size = H5Tget_size(type);
+    std::vector<char> buf(n * size);
+    if (read(buf.data()) < 0) return ReadError(what);
+    for (size_t i = 0; i < n; ++i) (*out)[i].assign(&buf[i * size], strnlen(&buf[i * size], size));
+  }
+  return Status::Ok();
+}
+
+Status ReadAttr(hid_t file, const char* name, std::string* out) {
+  Hid attr;
+  KVSIM_RETURN_IF_ERROR(OpenRootAttr(file, name, &attr));
+  std::vector<std::string> v;
+  KVSIM_RETURN_IF_ERROR(ReadStrings(attr, true, 1, std::string("root attribute '") + name + "'", &v));
+  *out = std::move(v[0]);
+  return Status::Ok();
+}
+
+// Optional attributes keep *out unchanged when absent.
+template <typename T>
+Status ReadOptionalAttr(hid_t file, const char* name, T* out) {
+  const htri_t exists = H5Aexists(file, name);
+  if (exists < 0) return ReadError(std::string("root attribute '") + name + "'");
+  return exists ? ReadAttr(file, name, out) : Status::Ok();
+}
+
+// True when every component of the absolute path `name` exists.
+bool LinkExists(hid_t file, const std::string& name) {
+  for (size_t pos = name.find('/', 1);; pos = name.find('/', pos + 1)) {
+    if (H5Lexists(file, name.substr(0, pos).c_str(), H5P_DEFAULT) <= 0) return false;
+    if (pos == std::string::npos) return true;
+  }
+}
+
+// Opens dataset `name` (absolute path) and checks its shape. `dims_desc` explains the expected dims.
+Status OpenDataset(hid_t file, const std::string& name, const std::vector<hsize_t>& dims,
+                   const std::string& dims_desc, Hid* ds) {
+  if (!LinkExists(file, name))
+    return Status::InvalidArgument("missing dataset '" + name + "' (shape " + dims_desc +
+                                   "); the trace is incomplete, regenerate it (" + kSeeDocs + ")");
+  *ds = Hid(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose);
+  Hid space(ds->ok() ? H5Dget_space(*ds) : -1, H5Sclose);
+  if (!space.ok()) return ReadError("dataset '" + name + "'");
+  const int rank = H5Sget_simple_extent_ndims(space);
+  std::vector<hsize_t> got(rank > 0 ? rank : 0);
+  if (rank < 0 || H5Sget_simple_extent_dims(space, got.data(), nullptr) < 0)
+    return ReadError("dataset '" + name + "'");
+  if (got != dims)
+    return Status::InvalidArgument("dataset '" + name + "' has shape " + DimsString(got) + ", expected " +
+                                   dims_desc + "; the file does not match its root attributes");
+  return Status::Ok();
+}
+
+// Reads a whole 1-D integer dataset of length n into `data` through `mem_type`.
+Status ReadIntegers(hid_t file, const std::string& name, hsize_t n, hid_t mem_type, void* data) {
+  Hid ds;
+  KVSIM_RETURN_IF_ERROR(OpenDataset(file, name, {n}, "[T=" + std::to_string(n) + "]", &ds));
+  Hid type(H5Dget_type(ds), H5Tclose);
+  if (!type.ok() || H5Tget_class(type) != H5T_INTEGER)
+    return Status::InvalidArgument("dataset '" + name + "' must have an integer dtype (" + kSeeDocs + ")");
+  if (H5Dread(ds, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
+    return ReadError("dataset '" + name + "'");
+  return Status::Ok();
+}
+
+Status ReadMeta(hid_t file, TraceMeta* m) {
+  std::string format, storage, query_mode;
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "format", &format));
+  if (format != kTraceFormatName)
+    return Status::InvalidArgument("root attribute 'format' is '" + format + "', expected '" +
+                                   kTraceFormatName + "'; this HDF5 file is not a kvsim trace");
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "format_version", &m->format_version));
+  if (m->format_version != kTraceFormatVersion)
+    return Status::InvalidArgument("root attribute 'format_version' is " + std::to_string(m->format_version) +
+                                   ", this kvsim reads version " + std::to_string(kTraceFormatVersion) +
+                                   "; use a matching kvsim or regenerate the trace");
+  ModelInfo& mi = m->model;
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "model_name", &mi.name));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "model_family", &mi.family));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "num_layers", &mi.num_layers));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "num_heads", &mi.num_heads));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "num_kv_heads", &mi.num_kv_heads));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "head_dim", &mi.head_dim));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "softmax_scale", &mi.softmax_scale));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "causal", &mi.causal));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "sliding_window", &mi.sliding_window));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "logit_softcap", &mi.logit_softcap));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "rope_theta", &mi.rope_theta));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "model_dtype", &mi.model_dtype));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "storage_dtype", &storage));
+  if (storage != "float16" && storage != "float32")
+    return Status::InvalidArgument("root attribute 'storage_dtype' is '" + storage +
+                                   "', expected 'float16' or 'float32'");
+  m->storage_dtype = storage == "float16" ? StorageDtype::kFloat16 : StorageDtype::kFloat32;
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "prefill_length", &m->prefill_length));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "num_decode_steps", &m->num_decode_steps));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "source", &m->source));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "generator", &m->generator));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "generator_version", &m->generator_version));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "seed", &m->seed));
+  KVSIM_RETURN_IF_ERROR(ReadAttr(file, "query_mode", &query_mode));
+  KVSIM_RETURN_IF_ERROR(ReadOptionalAttr(file, "config_text", &m->config_text));
+  KVSIM_RETURN_IF_ERROR(ReadOptionalAttr(file, "has_prefill_column_sums", &m->has_prefill_column_sums));
+
+  // The token table is sized from these two; the rest of the invariants are checked by Validate().
+  const long long t = static_cast<long long>(m->prefill_length) + m->num_decode_steps;
+  if (m->prefill_length <= 0 || m->num_decode_steps < 0 || t > INT_MAX)
+    return Status::InvalidArgument("root attributes 'prefill_length' (" + std::to_string(m->prefill_length) +
+                                   ") and 'num_decode_steps' (" + std::to_string(m->num_decode_steps) +
+                                   ") must be > 0 and >= 0");
+  TokenTable& tk = m->tokens;
+  tk.Resize(t);
+  KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/modality", t, H5T_NATIVE_UINT8, tk.modality.data()));
+  KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/segment_id", t, H5T_NATIVE_INT32, tk.segment_id.data()));
+  KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/patch_row", t, H5T_NATIVE_INT32, tk.patch_row.data()));
+  KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/patch_col", t, H5T_NATIVE_INT32, tk.patch_col.data()));
+  KVSIM_RETURN_IF_ERROR(
+      ReadIntegers(file, "/tokens/position_id", t, H5T_NATIVE_INT64, tk.position_id.data()));
+  KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/phase", t, H5T_NATIVE_UINT8, tk.phase.data()));
+  KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/role", t, H5T_NATIVE_UINT8, tk.role.data()));
+  if (LinkExists(file, "/tokens/token_id"))
+    KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/token_id", t, H5T_NATIVE_INT64, tk.token_id.data()));
+  if (LinkExists(file, "/tokens/text")) {
+    Hid ds;
+    KVSIM_RETURN_IF_ERROR(
+        OpenDataset(file, "/tokens/text", {hsize_t(t)}, "[T=" + std::to_string(t) + "]", &ds));
+    KVSIM_RETURN_IF_ERROR(ReadStrings(ds, false, t, "dataset '/tokens/text'", &tk.text));
+  }
+
+  const char* qname = "/queries/positions";
+  if (!LinkExists(file, qname))
+    return Status::InvalidArgument(std::string("missing dataset '") + qname + "'; " + kSeeDocs);
+  Hid qds(H5Dopen2(file, qname, H5P_DEFAULT), H5Dclose);
+  Hid qspace(qds.ok() ? H5Dget_space(qds) : -1, H5Sclose);
+  if (!qspace.ok() || H5Sget_simple_extent_ndims(qspace) != 1)
+    return Status::InvalidArgument(std::string("dataset '") + qname + "' must be 1-D int32 [Tq]");
+  hsize_t tq = 0;
+  H5Sget_simple_extent_dims(qspace, &tq, nullptr);
+  if (tq > static_cast<hsize_t>(t))
+    return Status::InvalidArgument(std::string("dataset '") + qname + "' has " + std::to_string(tq) +
+                                   " entries, more than T = " + std::to_string(t));
+  m->query_positions.resize(tq);
+  KVSIM_RETURN_IF_ERROR(ReadIntegers(file, qname, tq, H5T_NATIVE_INT32, m->query_positions.data()));
+
+  KVSIM_RETURN_IF_ERROR(m->Validate());
+  const char* want_mode = tq == static_cast<hsize_t>(t) ? "all" : "window_and_decode";
+  if (query_mode != want_mode)
+    return Status::InvalidArgument("root attribute 'query_mode' is '" + query_mode + "' but " + qname +
+                                   " holds " + std::to_string(tq) + " of " + std::to_string(t) +
+                                   " positions; expected '" + want_mode + "'");
+  return Status::Ok();
+}
+
+// Reads a whole float dataset (one H5Dread) into fp32 `out`, checking its shape and dtype.
+Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t>& dims,
+                  const std::string& desc, StorageDtype dtype, std::vector<uint16_t>* scratch,
+                  std::vector<float>* out) {
+  Hid ds;
+  KVSIM_RETURN_IF_ERROR(OpenDataset(file, name, dims, desc, &ds));
+  Hid type(H5Dget_type(ds), H5Tclose);
+  const bool half = dtype == StorageDtype::kFloat16;
+  const bool is_float = type.ok() && H5Tget_class(type) == H5T_FLOAT;
+  if (!is_float || (half ? !IsHalf(type) : H5Tget_size(type) != 4))
+    return Status::InvalidArgument(
+        "dataset '" + name + "' holds " +
+        (is_float ? std::to_string(8 * H5Tget_size(type)) + "-bit floats" : std::string("non-floats")) +
+        ", expected " + StorageDtypeName(dtype) +
+        " (IEEE, little-endian) as root attribute 'storage_dtype' says");
+  size_t n = 1;
+  for (hsize_t d : dims) n *= d;
+  out->resize(n);
+  if (half) {
+    scratch->resize(n);  // raw 16-bit read: the file type as memory type means no HDF5 conversion
+    if (H5Dread(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, scratch->data()) < 0)
+      return ReadError("dataset '" + name + "'");
+    HalfToFloat(scratch->data(), out->data(), n);
+  } else if (H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, out->data()) < 0) {
+    return ReadError("dataset '" + name + "'");
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------- writing
+
+Status WriteAttr(hid_t file, const char* name, hid_t file_type, hid_t mem_type, const void* value) {
+  Hid space(H5Screate(H5S_SCALAR), H5Sclose);
+  Hid attr(space.ok() ? H5Acreate2(file, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT) : -1, H5Aclose);
+  if (!attr.ok() || H5Awrite(attr, mem_type, value) < 0)
+    return WriteError(std::string("root attribute '") + name + "'");
+  return Status::Ok();
+}
+Status WriteAttr(hid_t file, const char* name, long long v) {
+  return WriteAttr(file, name, H5T_STD_I64LE, H5T_NATIVE_LLONG, &v);
+}
+Status WriteAttr(hid_t file, const char* name, double v) {
+  return WriteAttr(file, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v);
+}
+Status WriteAttr(hid_t file, const char* name, const std::string& v) {
+  Hid type = Utf8StringType();
+  const char* p = v.c_str();
+  return type.ok() ? WriteAttr(file, name, type, type, &p)
+                   : WriteError(std::string("root attribute '") + name + "'");
+}
+
+// Creates and writes dataset `name` (relative to `loc`) in one H5Dwrite.
+Status WriteDataset(hid_t loc, const std::string& name, hid_t file_type, hid_t mem_type,
+                    const std::vector<hsize_t>& dims, const void* data, hid_t dcpl = H5P_DEFAULT) {
+  Hid space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
+  Hid ds(space.ok() ? H5Dcreate2(loc, name.c_str(), file_type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT) : -1,
+         H5Dclose);
+  if (!ds.ok() || H5Dwrite(ds, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
+    return WriteError("dataset '" + name + "'");
+  return Status::Ok();
+}
+
+Status WriteNamesAttr(hid_t file, const char* dataset, const char* names) {
+  Hid ds(H5Dopen2(file, dataset, H5P_DEFAULT), H5Dclose);
+  Hid type = Utf8StringType();
+  Hid space(H5Screate(H5S_SCALAR), H5Sclose);
+  Hid attr(ds.ok() && type.ok() && space.ok() ? H5Acreate2(ds, "names", type, space, H5P_DEFAULT, H5P_DEFAULT)
+                                              : -1,
+           H5Aclose);
+  if (!attr.ok() || H5Awrite(attr, type, &names) < 0)
+    return WriteError(std::string("attribute 'names' of '") + dataset + "'");
+  return Status::Ok();
+}
+
+Status WriteMeta(hid_t file, const TraceMeta& m) {
+  const ModelInfo& mi = m.model;
+  const TokenTable& tk = m.tokens;
+  const hsize_t t = m.total_tokens();
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "format", std::string(kTraceFormatName)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "format_version", static_cast<long long>(m.format_version)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "model_name", mi.name));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "model_family", mi.family));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "num_layers", static_cast<long long>(mi.num_layers)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "num_heads", static_cast<long long>(mi.num_heads)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "num_kv_heads", static_cast<long long>(mi.num_kv_heads)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "head_dim", static_cast<long long>(mi.head_dim)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "softmax_scale", mi.softmax_scale));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "causal", static_cast<long long>(mi.causal)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "sliding_window", static_cast<long long>(mi.sliding_window)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "logit_softcap", mi.logit_softcap));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "rope_theta", mi.rope_theta));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "model_dtype", mi.model_dtype));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "storage_dtype", std::string(StorageDtypeName(m.storage_dtype))));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "prefill_length", static_cast<long long>(m.prefill_length)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "num_decode_steps", static_cast<long long>(m.num_decode_steps)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "source", m.source));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "generator", m.generator));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "generator_version", m.generator_version));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "seed", H5T_STD_U64LE, H5T_NATIVE_UINT64, &m.seed));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(file, "query_mode",
+                                  std::string(m.query_positions.size() == t ? "all" : "window_and_decode")));
+  if (!m.config_text.empty()) KVSIM_RETURN_IF_ERROR(WriteAttr(file, "config_text", m.config_text));
+  KVSIM_RETURN_IF_ERROR(
+      WriteAttr(file, "has_prefill_column_sums", static_cast<long long>(m.has_prefill_column_sums)));
+
+  for (const char* group : {"/tokens", "/queries", "/layers"}) {
+    Hid g(H5Gcreate2(file, group, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    if (!g.ok()) return WriteError(std::string("group '") + group + "'");
+  }
+  if (m.has_prefill_column_sums) {
+    Hid g(H5Gcreate2(file, "/aggregates", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    if (!g.ok()) return WriteError("group '/aggregates'");
+  }
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(file, "/tokens/modality", H5T_STD_U8LE, H5T_NATIVE_UINT8, {t}, tk.modality.data()));
+  KVSIM_RETURN_IF_ERROR(WriteNamesAttr(file, "/tokens/modality", kModalityNames));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(file, "/tokens/segment_id", H5T_STD_I32LE, H5T_NATIVE_INT32, {t}, tk.segment_id.data()));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(file, "/tokens/patch_row", H5T_STD_I32LE, H5T_NATIVE_INT32, {t}, tk.patch_row.data()));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(file, "/tokens/patch_col", H5T_STD_I32LE, H5T_NATIVE_INT32, {t}, tk.patch_col.data()));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(file, "/tokens/position_id", H5T_STD_I64LE, H5T_NATIVE_INT64, {t}, tk.position_id.data()));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(file, "/tokens/phase", H5T_STD_U8LE, H5T_NATIVE_UINT8, {t}, tk.phase.data()));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(file, "/tokens/role", H5T_STD_U8LE, H5T_NATIVE_UINT8, {t}, tk.role.data()));
+  KVSIM_RETURN_IF_ERROR(WriteNamesAttr(file, "/tokens/role", kRoleNames));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(file, "/tokens/token_id", H5T_STD_I64LE, H5T_NATIVE_INT64, {t}, tk.token_id.data()));
+  if (!tk.text.empty()) {
+    Hid type = Utf8StringType();
+    std::vector<const char*> ptrs(t);
+    for (hsize_t i = 0; i < t; ++i) ptrs[i] = tk.text[i].c_str();
+    if (!type.ok()) return WriteError("dataset '/tokens/text'");
+    KVSIM_RETURN_IF_ERROR(WriteDataset(file, "/tokens/text", type, type, {t}, ptrs.data()));
+  }
+  return WriteDataset(file, "/queries/positions", H5T_STD_I32LE, H5T_NATIVE_INT32, {m.query_positions.size()},
+                      m.query_positions.data());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------- reader
+
+StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::Open(const std::string& path) {
+  SilenceHdf5Errors();
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return Status::NotFound(path + ": no such file");
+  if (std::filesystem::is_directory(path, ec))
+    return Status::InvalidArgument(path + ": is a folder; expected a kvsim trace file (" + kSeeDocs + ")");
+  const htri_t is_hdf5 = H5Fis_hdf5(path.c_str());
+  if (is_hdf5 == 0)
+    return Status::InvalidArgument(path + ": not an HDF5 file; expected a kvsim trace (" + kSeeDocs + ")");
+  Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  hid_t file = -1;
+  if (is_hdf5 > 0 && fapl.ok() && H5Pset_fclose_degree(fapl, H5F_CLOSE_STRONG) >= 0)
+    file = H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl);
+  if (file < 0)
+    return Status::DataLoss(path + ": cannot open as HDF5" + Hdf5Detail() +
+                            "; check permissions, or the file is truncated or corrupt");
+  std::unique_ptr<Hdf5TraceReader> r(new Hdf5TraceReader());
+  r->path_ = path;
+  r->file_ = file;
+  Status st = ReadMeta(file, &r->meta_);
+  if (!st.ok()) return st.WithContext(path);
+  return r;
+}
+
+Hdf5TraceReader::~Hdf5TraceReader() {
+  if (file_ >= 0) H5Fclose(file_);
+}
+
+Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out) {
+  SilenceHdf5Errors();
+  const ModelInfo& mi = meta_.model;
+  if (layer < 0 || layer >= mi.num_layers)
+    return Status::NotFound(path_ + ": layer " + std::to_string(layer) + " not in [0, " +
+                            std::to_string(mi.num_layers) + ")");
+  const hsize_t kvh = mi.num_kv_heads, h = mi.num_heads, d = mi.head_dim, t = meta_.total_tokens(),
+                tq = meta_.query_positions.size(), n = meta_.prefill_length;
+  const std::string dd = ", head_dim=" + std::to_string(d) + "]";
+  const std::string kv_desc = "[num_kv_heads=" + std::to_string(kvh) + ", T=" + std::to_string(t) + dd;
+  const std::string q_desc = "[num_heads=" + std::to_string(h) + ", Tq=" + std::to_string(tq) + dd;
+  const std::string group = LayerName("/layers", layer);
+  out->layer = layer;
+  Status st =
+      ReadFloats(file_, group + "/keys", {kvh, t, d}, kv_desc, meta_.storage_dtype, &scratch_, &out->keys);
+  if (st.ok())
+    st = ReadFloats(file_, group + "/values", {kvh, t, d}, kv_desc, meta_.storage_dtype, &scratch_,
+                    &out->values);
+  if (st.ok())
+    st = ReadFloats(file_, group + "/queries", {h, tq, d}, q_desc, meta_.storage_dtype, &scratch_,
+                    &out->queries);
+  out->prefill_column_sums.clear();
+  if (st.ok() && meta_.has_prefill_column_sums)
+    st = ReadFloats(file_, LayerName("/aggregates", layer) + "/prefill_column_sums", {h, n},
+                    "[num_heads=" + std::to_string(h) + ", prefill_length=" + std::to_string(n) + "]",
+                    StorageDtype::kFloat32, &scratch_, &out->prefill_column_sums);
+  if (!st.ok()) return st.WithContext(path_);
+  return ValidateLayer(meta_, *out, path_);
+}
+
+// ---------------------------------------------------------------------------------------------- writer
+
+StatusOr<std::unique_ptr<Hdf5TraceWriter>> Hdf5TraceWriter::Create(const std::string& path,
+                                                                   Hdf5WriteOptions options) {
+  SilenceHdf5Errors();
+  if (options.compression_level < 0 || options.compression_level > 9)
+    return Status::InvalidArgument(path + ": compression_level " + std::to_string(options.compression_level) +
+                                   " is not in [0, 9]");
+  if (options.chunk_tokens <= 0)
+    return Status::InvalidArgument(path + ": chunk_tokens must be > 0, got " +
+                                   std::to_string(options.chunk_tokens));
+  if (options.compression_level > 0 && H5Zfilter_avail(H5Z_FILTER_DEFLATE) <= 0)
+    return Status::FailedPrecondition(path + ": this HDF5 library lacks gzip; use compression_level 0");
+  std::unique_ptr<Hdf5TraceWriter> w(new Hdf5TraceWriter());
+  w->path_ = path;
+  w->tmp_path_ = path + ".tmp." + std::to_string(::getpid());
+  w->options_ = options;
+  Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  if (fapl.ok() && H5Pset_fclose_degree(fapl, H5F_CLOSE_STRONG) >= 0)
+    w->file_ = H5Fcreate(w->tmp_path_.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+  if (w->file_ < 0)
+    return Status::InvalidArgument(path + ": cannot create temporary file '" + w->tmp_path_ + "'" +
+                                   Hdf5Detail() + "; check that the folder exists and is writable");
+  return w;
+}
+
+Hdf5TraceWriter::~Hdf5TraceWriter() {
+  if (file_ >= 0) H5Fclose(file_);
+  if (!finished_) std::remove(tmp_path_.c_str());
+}
+
+Status Hdf5TraceWriter::Begin(const TraceMeta& meta) {
+  SilenceHdf5Errors();
+  if (began_ || file_ < 0)
+    return Status::FailedPrecondition(path_ + ": Begin() called twice or after Finish()");
+  KVSIM_RETURN_IF_ERROR(meta.Validate().WithContext(path_));
+  began_ = true;
+  meta_ = meta;
+  return WriteMeta(file_, meta_).WithContext(path_);
+}
+
+Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
+  SilenceHdf5Errors();
+  const ModelInfo& mi = meta_.model;
+  if (!began_ || file_ < 0)
+    return Status::FailedPrecondition(path_ + ": WriteLayer() before Begin() or after Finish()");
+  if (layer.layer != next_layer_ || next_layer_ >= mi.num_layers)
+    return Status::InvalidArgument(path_ + ": layers must be written in order 0.." +
+                                   std::to_string(mi.num_layers - 1) + "; expected layer " +
+                                   std::to_string(next_layer_) + ", got " + std::to_string(layer.layer));
+  KVSIM_RETURN_IF_ERROR(ValidateLayer(meta_, layer, path_));
+  if (layer.prefill_column_sums.empty() == meta_.has_prefill_column_sums)
+    return Status::InvalidArgument(
+        path_ + ": layer " + std::to_string(layer.layer) +
+        (meta_.has_prefill_column_sums ? " lacks" : " has") +
+        " prefill_column_sums but meta.has_prefill_column_sums is " +
+        (meta_.has_prefill_column_sums ? "true" : "false") +
+        "; every layer must have them, or none, as the meta passed to Begin() says");
+  const hsize_t kvh = mi.num_kv_heads, h = mi.num_heads, d = mi.head_dim, t = meta_.total_tokens(),
+                tq = meta_.query_positions.size();
+  const bool half = meta_.storage_dtype == StorageDtype::kFloat16;
+  if (half)  // checked before anything of this layer is written
+    for (const auto& [name, v] :
+         {std::pair{"keys", &layer.keys}, {"values", &layer.values}, {"queries", &layer.queries}})
+      if (const int64_t i = FirstBeyondHalf(*v); i >= 0)
+        return Status::InvalidArgument(path_ + ": layer " + std::to_string(layer.layer) + " dataset '" +
+                                       name + "' holds " + std::to_string((*v)[i]) + " at flat index " +
+                                       std::to_string(i) +
+                                       ", beyond the float16 range (+-65504); use storage_dtype float32");
+  Hid half_type = HalfType();
+  const std::string group = LayerName("/layers", layer.layer);
+  Hid g(half_type.ok() ? H5Gcreate2(file_, group.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT) : -1,
+        H5Gclose);
+  if (!g.ok()) return WriteError("group '" + group + "'").WithContext(path_);
+
+  auto write_tensor = [&](const char* name, hsize_t heads, hsize_t rows, const std::vector<float>& data) {
+    const hsize_t chunk[3] = {1, std::min<hsize_t>(rows, options_.chunk_tokens), d};
+    Hid dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+    bool ok =
+        dcpl.ok() && H5Pset_chunk(dcpl, 3, chunk) >= 0 && H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER) >= 0;
+    if (ok && options_.compression_level > 0)
+      ok = H5Pset_shuffle(dcpl) >= 0 && H5Pset_deflate(dcpl, options_.compression_level) >= 0;
+    if (!ok) return WriteError("dataset '" + group + "/" + name + "'");
+    const void* buf = data.data();
+    if (half) {
+      scratch_.resize(data.size());
+      FloatToHalf(data.data(), scratch_.data(), data.size());
+      buf = scratch_.data();
+    }
+    return WriteDataset(g, name, half ? half_type : H5T_IEEE_F32LE, half ? half_type : H5T_NATIVE_FLOAT,
+                        {heads, rows, d}, buf, dcpl);
+  };
+  Status st = write_tensor("keys", kvh, t, layer.keys);
+  if (st.ok()) st = write_tensor("values", kvh, t, layer.values);
+  if (st.ok()) st = write_tensor("queries", h, tq, layer.queries);
+  if (st.ok() && meta_.has_prefill_column_sums) {
+    const std::string agg = LayerName("/aggregates", layer.layer);
+    Hid ag(H5Gcreate2(file_, agg.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    st = ag.ok()
+             ? WriteDataset(ag, "prefill_column_sums", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT,
+                            {h, static_cast<hsize_t>(meta_.prefill_length)}, layer.prefill_column_sums.data())
+             : WriteError("group '" + agg + "'");
+  }
+  if (!st.ok()) return st.WithContext(path_);
+  ++next_layer_;
+  return Status::Ok();
+}
+
+Status Hdf5TraceWriter::Finish() {
+  SilenceHdf5Errors();
+  if (!began_ || file_ < 0)
+    return Status::FailedPrecondition(path_ + ": Finish() before Begin() or called twice");
+  if (next_layer_ != meta_.model.num_layers)
+    return Status::FailedPrecondition(path_ + ": Finish() after " + std::to_string(next_layer_) + " of " +
+                                      std::to_string(meta_.model.num_layers) +
+                                      " layers; write every layer first");
+  const herr_t closed = H5Fclose(std::exchange(file_, -1));
+  if (closed < 0) return WriteError("'" + tmp_path_ + "' (closing)").WithContext(path_);
+  std::error_code ec;
+  std::filesystem::rename(tmp_path_, path_, ec);
+  if (ec)
+    return Status::Internal(path_ + ": cannot rename '" + tmp_path_ + "' into place: " + ec.message() +
+                            "; check permissions of the folder and that the path is not a folder");
+  finished_ = true;
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------- hashing
+
+StatusOr<std::string> HashFile(const std::string& path) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (!f) {
+    if (errno == ENOENT) return Status::NotFound(path + ": no such file");
+    return Status::InvalidArgument(path + ": cannot open for hashing: " + std::strerror(errno));
+  }
+  // Four independent lanes; per 8-byte word: xor, multiply by an odd constant, xorshift (each step is a
+  // bijection of the lane state, so a change confined to one word always changes that lane).
+  constexpr uint64_t kMul = 0x9e3779b97f4a7c15ull;
+  auto mix = [](uint64_t h, uint64_t w) {
+    h = (h ^ w) * kMul;
+    return h ^ (h >> 29);
+  };
+  uint64_t lane[4] = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull, 0xa4093822299f31d0ull,
+                      0x082efa98ec4e6c89ull};
+  constexpr size_t kChunk = size_t{8} << 20;  // multiple of 32: only the file's last block is partial
+  std::vector<unsigned char> buf(kChunk + 32);
+  uint64_t total = 0;
+  for (size_t got = kChunk; got == kChunk;) {
+    got = std::fread(buf.data(), 1, kChunk, f.get());
+    total += got;
+    const size_t padded = (got + 31) / 32 * 32;
+    std::memset(buf.data() + got, 0, padded - got);
+    for (size_t i = 0; i < padded; i += 32) {
+      for (int k = 0; k < 4; ++k) {
+        uint64_t w;
+        std::memcpy(&w, buf.data() + i + 8 * k, 8);
+        lane[k] = mix(lane[k], w);
+      }
+    }
+  }
+  if (std::ferror(f.get())) return Status::DataLoss(path + ": read error while hashing");
+  uint64_t h = total * kMul;
+  for (uint64_t l : lane) {
+    h = mix(h, l);
+    h = mix(h, h >> 31);  // murmur-style avalanche between lanes
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return std::string(hex);
+}
+
+}  // namespace kvsim

@@ -2,8 +2,10 @@
 // HDF5 implementation of the trace format (docs/trace-format.md): a reader that streams one layer (or one
 // head of one layer) at a time, and a writer that never leaves a partial file under the final name.
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "sim/trace.h"
 
@@ -28,13 +30,15 @@ class Hdf5TraceReader final : public TraceSource {
   std::string path_;
   long long file_ = -1;  // hid_t
   TraceMeta meta_;
+  std::vector<uint16_t> scratch_;  // raw fp16 of the dataset being read
 };
 
 class Hdf5TraceWriter final : public TraceSink {
  public:
   // Writes into a temporary file beside `path`; Finish() renames it into place. Destroying an unfinished
   // writer deletes the temporary file.
-  static StatusOr<std::unique_ptr<Hdf5TraceWriter>> Create(const std::string& path, Hdf5WriteOptions options = {});
+  static StatusOr<std::unique_ptr<Hdf5TraceWriter>> Create(const std::string& path,
+                                                           Hdf5WriteOptions options = {});
   ~Hdf5TraceWriter() override;
   Status Begin(const TraceMeta& meta) override;
   Status WriteLayer(const LayerData& layer) override;
@@ -47,7 +51,9 @@ class Hdf5TraceWriter final : public TraceSink {
   long long file_ = -1;  // hid_t
   TraceMeta meta_;
   int next_layer_ = 0;
+  bool began_ = false;
   bool finished_ = false;
+  std::vector<uint16_t> scratch_;  // fp16 of the dataset being written
 };
 
 // Fast 64-bit content hash of a file (hex string), used for result provenance.

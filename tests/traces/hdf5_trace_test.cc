@@ -1,0 +1,375 @@
+#include "traces/hdf5_trace.h"
+
+#include <hdf5.h>
+#include <unistd.h>
+
+#include <bit>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+#include "tests/test_util.h"
+#include "traces/half.h"
+
+namespace kvsim {
+namespace {
+
+namespace fs = std::filesystem;
+
+Status WriteTrace(MemoryTrace& tr, const std::string& path, Hdf5WriteOptions options = {}) {
+  KVSIM_ASSIGN_OR_RETURN(auto w, Hdf5TraceWriter::Create(path, options));
+  KVSIM_RETURN_IF_ERROR(w->Begin(tr.meta()));
+  for (const LayerData& l : tr.layers()) KVSIM_RETURN_IF_ERROR(w->WriteLayer(l));
+  return w->Finish();
+}
+
+bool Contains(const Status& st, const std::string& s) { return st.message().find(s) != std::string::npos; }
+
+void CheckMetaEqual(const TraceMeta& a, const TraceMeta& b) {
+  CHECK(a.model.name == b.model.name);
+  CHECK(a.model.family == b.model.family);
+  CHECK(a.model.num_layers == b.model.num_layers);
+  CHECK(a.model.num_heads == b.model.num_heads);
+  CHECK(a.model.num_kv_heads == b.model.num_kv_heads);
+  CHECK(a.model.head_dim == b.model.head_dim);
+  CHECK(a.model.softmax_scale == b.model.softmax_scale);
+  CHECK(a.model.causal == b.model.causal);
+  CHECK(a.model.sliding_window == b.model.sliding_window);
+  CHECK(a.model.logit_softcap == b.model.logit_softcap);
+  CHECK(a.model.rope_theta == b.model.rope_theta);
+  CHECK(a.model.model_dtype == b.model.model_dtype);
+  CHECK(a.prefill_length == b.prefill_length);
+  CHECK(a.num_decode_steps == b.num_decode_steps);
+  CHECK(a.source == b.source);
+  CHECK(a.generator == b.generator);
+  CHECK(a.generator_version == b.generator_version);
+  CHECK(a.seed == b.seed);
+  CHECK(a.storage_dtype == b.storage_dtype);
+  CHECK(a.query_positions == b.query_positions);
+  CHECK(a.has_prefill_column_sums == b.has_prefill_column_sums);
+  CHECK(a.config_text == b.config_text);
+  CHECK(a.tokens.modality == b.tokens.modality);
+  CHECK(a.tokens.segment_id == b.tokens.segment_id);
+  CHECK(a.tokens.patch_row == b.tokens.patch_row);
+  CHECK(a.tokens.patch_col == b.tokens.patch_col);
+  CHECK(a.tokens.position_id == b.tokens.position_id);
+  CHECK(a.tokens.phase == b.tokens.phase);
+  CHECK(a.tokens.role == b.tokens.role);
+  CHECK(a.tokens.token_id == b.tokens.token_id);
+  CHECK(a.tokens.text == b.tokens.text);
+}
+
+// Writes `tr`, reads it back and checks meta and every layer (fp16: exactly the rounded values).
+void RoundTrip(MemoryTrace& tr, const std::string& path, Hdf5WriteOptions options = {}) {
+  REQUIRE(WriteTrace(tr, path, options).ok());
+  auto r = Hdf5TraceReader::Open(path);
+  REQUIRE(r.ok());
+  CHECK((*r)->Describe() == path);
+  CheckMetaEqual((*r)->meta(), tr.meta());
+  const bool half = tr.meta().storage_dtype == StorageDtype::kFloat16;
+  auto expect = [&](std::vector<float> v) {
+    if (half)
+      for (float& x : v) x = HalfToFloat(FloatToHalf(x));
+    return v;
+  };
+  for (const LayerData& want : tr.layers()) {
+    LayerData got;
+    Status st = (*r)->ReadLayer(want.layer, &got);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    CHECK(got.layer == want.layer);
+    CHECK(got.keys == expect(want.keys));
+    CHECK(got.values == expect(want.values));
+    CHECK(got.queries == expect(want.queries));
+    CHECK(got.prefill_column_sums == want.prefill_column_sums);  // always fp32
+    if (half)
+      for (size_t i = 0; i < want.keys.size(); ++i)
+        REQUIRE(std::fabs(got.keys[i] - want.keys[i]) <= std::ldexp(std::fabs(want.keys[i]), -11) + 0x1p-25f);
+  }
+}
+
+// Opens `path` read-write for a raw edit through the C API.
+struct RawFile {
+  explicit RawFile(const std::string& path) : id(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT)) {
+    REQUIRE(id >= 0);
+  }
+  ~RawFile() { H5Fclose(id); }
+  hid_t id;
+};
+
+}  // namespace
+
+TEST_CASE("hdf5 trace: float32 round-trips exactly, float16 to half precision", "[hdf5]") {
+  const std::string dir = testing::ScratchDir("hdf5_roundtrip");
+  MemoryTrace tr = testing::MakeTinyTrace();
+  tr.mutable_meta().config_text = "model { name: \"tiny\" }\n";
+  tr.mutable_meta().model.sliding_window = 16;
+  tr.mutable_meta().model.logit_softcap = 30;
+  for (size_t i = 0; i < tr.meta().tokens.token_id.size(); ++i)
+    tr.mutable_meta().tokens.token_id[i] = 1000 + i;
+  SECTION("float32") {
+    tr.mutable_meta().storage_dtype = StorageDtype::kFloat32;
+    RoundTrip(tr, dir + "/f32.h5");
+  }
+  SECTION("float16") { RoundTrip(tr, dir + "/f16.h5"); }
+  SECTION("float16, gzip, chunks smaller than T") {
+    RoundTrip(tr, dir + "/f16z.h5", Hdf5WriteOptions{.compression_level = 4, .chunk_tokens = 7});
+  }
+}
+
+TEST_CASE("hdf5 trace: GQA shapes, window-only queries, aggregates, text", "[hdf5]") {
+  const std::string dir = testing::ScratchDir("hdf5_variants");
+  SECTION("GQA") {
+    MemoryTrace tr = testing::MakeTinyTrace({.num_heads = 4, .num_kv_heads = 2});
+    RoundTrip(tr, dir + "/gqa.h5");
+    auto r = Hdf5TraceReader::Open(dir + "/gqa.h5");
+    REQUIRE(r.ok());
+    LayerData ld;
+    REQUIRE((*r)->ReadLayer(1, &ld).ok());
+    CHECK(ld.keys.size() == 2u * 30 * 8);
+    CHECK(ld.queries.size() == 4u * 30 * 8);
+  }
+  SECTION("window-only queries") {
+    MemoryTrace tr = testing::MakeTinyTrace({.all_queries = false});
+    RoundTrip(tr, dir + "/window.h5");
+    auto r = Hdf5TraceReader::Open(dir + "/window.h5");
+    REQUIRE(r.ok());
+    CHECK_FALSE((*r)->meta().HasAllPromptQueries());
+    CHECK((*r)->meta().query_positions.size() == 14u);
+  }
+  SECTION("prefill column sums") {
+    MemoryTrace tr = testing::MakeTinyTrace();
+    tr.mutable_meta().has_prefill_column_sums = true;
+    for (LayerData& l : tr.layers()) {
+      l.prefill_column_sums.resize(2 * 24);
+      for (size_t j = 0; j < l.prefill_column_sums.size(); ++j) l.prefill_column_sums[j] = 0.1f * j + l.layer;
+    }
+    RoundTrip(tr, dir + "/sums.h5");
+    // Layers must match the meta: all or none.
+    tr.layers()[1].prefill_column_sums.clear();
+    Status st = WriteTrace(tr, dir + "/sums_bad.h5");
+    CHECK(Contains(st, "prefill_column_sums"));
+    CHECK_FALSE(fs::exists(dir + "/sums_bad.h5"));
+  }
+  SECTION("token text") {
+    MemoryTrace tr = testing::MakeTinyTrace();
+    tr.mutable_meta().tokens.text.assign(30, "tok");
+    tr.mutable_meta().tokens.text[5] = "ünïcödé 画像";
+    tr.mutable_meta().tokens.text[6] = "";
+    RoundTrip(tr, dir + "/text.h5");
+  }
+}
+
+TEST_CASE("hdf5 trace: writer leaves no partial file", "[hdf5]") {
+  const std::string dir = testing::ScratchDir("hdf5_partial");
+  const std::string path = dir + "/t.h5";
+  MemoryTrace tr = testing::MakeTinyTrace();
+  {
+    auto w = Hdf5TraceWriter::Create(path);
+    REQUIRE(w.ok());
+    REQUIRE((*w)->Begin(tr.meta()).ok());
+    REQUIRE((*w)->WriteLayer(tr.layers()[0]).ok());
+    CHECK(fs::exists(path + ".tmp." + std::to_string(::getpid())));
+    CHECK((*w)->WriteLayer(tr.layers()[0]).code() == StatusCode::kInvalidArgument);  // out of order
+    CHECK((*w)->Finish().code() == StatusCode::kFailedPrecondition);                 // layer 1 missing
+  }
+  CHECK(fs::is_empty(dir));
+  CHECK(Hdf5TraceWriter::Create(dir + "/no/such/dir/t.h5").status().message().find("folder") !=
+        std::string::npos);
+  REQUIRE(WriteTrace(tr, path).ok());
+  CHECK(fs::exists(path));
+  CHECK(std::distance(fs::directory_iterator(dir), fs::directory_iterator()) == 1);
+}
+
+TEST_CASE("hdf5 trace: errors name the file and the field", "[hdf5]") {
+  const std::string dir = testing::ScratchDir("hdf5_errors");
+  const std::string path = dir + "/t.h5";
+  MemoryTrace tr = testing::MakeTinyTrace();
+  tr.mutable_meta().storage_dtype = StorageDtype::kFloat32;
+  REQUIRE(WriteTrace(tr, path).ok());
+
+  SECTION("missing file") {
+    auto r = Hdf5TraceReader::Open(dir + "/missing.h5");
+    CHECK(r.status().code() == StatusCode::kNotFound);
+    CHECK(r.status().message() == dir + "/missing.h5: no such file");
+  }
+  SECTION("not HDF5") {
+    std::ofstream(dir + "/junk.h5") << "definitely not hdf5\n";
+    Status st = Hdf5TraceReader::Open(dir + "/junk.h5").status();
+    CHECK(Contains(st, "junk.h5: not an HDF5 file"));
+  }
+  SECTION("wrong format_version") {
+    {
+      RawFile f(path);
+      hid_t a = H5Aopen(f.id, "format_version", H5P_DEFAULT);
+      const long long v = 2;
+      REQUIRE(H5Awrite(a, H5T_NATIVE_LLONG, &v) >= 0);
+      H5Aclose(a);
+    }
+    Status st = Hdf5TraceReader::Open(path).status();
+    CHECK(Contains(st, path + ": root attribute 'format_version' is 2"));
+  }
+  SECTION("missing root attribute") {
+    {
+      RawFile f(path);
+      REQUIRE(H5Adelete(f.id, "head_dim") >= 0);
+    }
+    Status st = Hdf5TraceReader::Open(path).status();
+    CHECK(Contains(st, path + ": missing root attribute 'head_dim'"));
+  }
+  SECTION("missing dataset") {
+    {
+      RawFile f(path);
+      REQUIRE(H5Ldelete(f.id, "/layers/layer_001/values", H5P_DEFAULT) >= 0);
+    }
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE(r.ok());
+    LayerData ld;
+    CHECK((*r)->ReadLayer(0, &ld).ok());
+    Status st = (*r)->ReadLayer(1, &ld);
+    CHECK(Contains(st, path + ": missing dataset '/layers/layer_001/values'"));
+    CHECK((*r)->ReadLayer(2, &ld).code() == StatusCode::kNotFound);
+  }
+  SECTION("wrong shape") {
+    {
+      RawFile f(path);
+      REQUIRE(H5Ldelete(f.id, "/layers/layer_000/keys", H5P_DEFAULT) >= 0);
+      const hsize_t dims[3] = {2, 29, 8};
+      hid_t space = H5Screate_simple(3, dims, nullptr);
+      hid_t ds = H5Dcreate2(f.id, "/layers/layer_000/keys", H5T_IEEE_F32LE, space, H5P_DEFAULT, H5P_DEFAULT,
+                            H5P_DEFAULT);
+      REQUIRE(ds >= 0);
+      H5Dclose(ds);
+      H5Sclose(space);
+    }
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE(r.ok());
+    LayerData ld;
+    Status st = (*r)->ReadLayer(0, &ld);
+    CHECK(Contains(st,
+                   "dataset '/layers/layer_000/keys' has shape [2, 29, 8], expected [num_kv_heads=2, T=30"));
+  }
+  SECTION("NaN in a dataset") {
+    {
+      RawFile f(path);
+      std::vector<float> v(tr.layers()[0].values);
+      v[17] = std::numeric_limits<float>::quiet_NaN();
+      hid_t ds = H5Dopen2(f.id, "/layers/layer_000/values", H5P_DEFAULT);
+      REQUIRE(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0);
+      H5Dclose(ds);
+    }
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE(r.ok());
+    LayerData ld;
+    Status st = (*r)->ReadLayer(0, &ld);
+    CHECK(st.code() == StatusCode::kDataLoss);
+    CHECK(Contains(st, "'values'"));
+    CHECK(Contains(st, path));
+  }
+  SECTION("values beyond the float16 range are rejected on write") {
+    tr.mutable_meta().storage_dtype = StorageDtype::kFloat16;
+    tr.layers()[1].queries[5] = 70000.0f;
+    Status st = WriteTrace(tr, dir + "/overflow.h5");
+    CHECK(Contains(st, "layer 1 dataset 'queries' holds 70000"));
+    CHECK(Contains(st, "float32"));
+  }
+  SECTION("inconsistent meta is rejected before writing") {
+    TraceMeta m = tr.meta();
+    m.model.num_kv_heads = 3;
+    auto w = Hdf5TraceWriter::Create(dir + "/bad.h5");
+    REQUIRE(w.ok());
+    CHECK(Contains((*w)->Begin(m), "num_kv_heads"));
+  }
+}
+
+TEST_CASE("fp16 conversion edge cases", "[hdf5]") {
+  CHECK(FloatToHalf(0.0f) == 0x0000);
+  CHECK(FloatToHalf(-0.0f) == 0x8000);
+  CHECK(std::signbit(HalfToFloat(0x8000)));
+  CHECK(FloatToHalf(1.0f) == 0x3c00);
+  CHECK(FloatToHalf(-2.0f) == 0xc000);
+  CHECK(FloatToHalf(65504.0f) == 0x7bff);  // max
+  CHECK(HalfToFloat(0x7bff) == 65504.0f);
+  CHECK(FloatToHalf(65519.0f) == 0x7bff);  // below the halfway point to 65536
+  CHECK(FloatToHalf(65520.0f) == 0x7c00);  // ties to even -> inf
+  CHECK(FloatToHalf(std::numeric_limits<float>::infinity()) == 0x7c00);
+  CHECK(FloatToHalf(-std::numeric_limits<float>::infinity()) == 0xfc00);
+  CHECK(std::isinf(HalfToFloat(0xfc00)));
+  CHECK(std::isnan(HalfToFloat(FloatToHalf(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(std::isnan(HalfToFloat(0x7c01)));  // signalling NaN payload stays a NaN
+  CHECK(HalfToFloat(0x0001) == 0x1p-24f);  // smallest subnormal
+  CHECK(HalfToFloat(0x03ff) == 1023 * 0x1p-24f);
+  CHECK(FloatToHalf(0x1p-24f) == 0x0001);
+  CHECK(FloatToHalf(0x1p-25f) == 0x0000);         // tie -> even (0)
+  CHECK(FloatToHalf(1.5f * 0x1p-24f) == 0x0002);  // tie -> even (2)
+  CHECK(FloatToHalf(0x1p-26f) == 0x0000);
+  CHECK(FloatToHalf(0x1p-14f) == 0x0400);                    // smallest normal
+  CHECK(FloatToHalf(1.0f + 0x1p-11f) == 0x3c00);             // tie -> even
+  CHECK(FloatToHalf(1.0f + 3 * 0x1p-11f) == 0x3c02);         // tie -> even (up)
+  CHECK(FloatToHalf(1.0f + 0x1p-11f + 0x1p-20f) == 0x3c01);  // above tie
+  // Every half survives half -> float -> half, and the array (F16C) paths agree bit for bit with the scalar
+  // ones.
+  std::vector<uint16_t> all(65536), back(65536);
+  std::vector<float> f(65536);
+  for (int i = 0; i < 65536; ++i) all[i] = static_cast<uint16_t>(i);
+  HalfToFloat(all.data(), f.data(), all.size());
+  FloatToHalf(f.data(), back.data(), f.size());
+  for (int i = 0; i < 65536; ++i) {
+    const float s = HalfToFloat(all[i]);
+    REQUIRE(std::memcmp(&s, &f[i], 4) == 0);
+    if (!std::isnan(s)) REQUIRE(back[i] == all[i]);
+    REQUIRE(FloatToHalf(s) == back[i]);
+  }
+  std::vector<float> samples;
+  for (uint32_t u = 0; u < 0xffffffffu - 99991u; u += 99991u) samples.push_back(std::bit_cast<float>(u));
+  std::vector<uint16_t> h(samples.size());
+  FloatToHalf(samples.data(), h.data(), samples.size());
+  for (size_t i = 0; i < samples.size(); ++i) REQUIRE(FloatToHalf(samples[i]) == h[i]);
+}
+
+TEST_CASE("HashFile is stable and sensitive to one byte", "[hdf5]") {
+  const std::string dir = testing::ScratchDir("hdf5_hash");
+  const std::string path = dir + "/f.bin";
+  std::string data(3 * 1000 + 7, 'x');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 131 % 251);
+  std::ofstream(path, std::ios::binary) << data;
+  auto h1 = HashFile(path);
+  REQUIRE(h1.ok());
+  CHECK(h1->size() == 16);
+  CHECK(*HashFile(path) == *h1);
+  data[1234] ^= 1;
+  std::ofstream(path, std::ios::binary) << data;
+  CHECK(*HashFile(path) != *h1);
+  data[1234] ^= 1;
+  std::ofstream(path, std::ios::binary) << data + '\0';  // trailing zero byte counts too
+  CHECK(*HashFile(path) != *h1);
+  CHECK(HashFile(dir + "/missing").status().code() == StatusCode::kNotFound);
+}
+
+TEST_CASE("scripts/read_trace_example.py reads a trace with h5py", "[hdf5]") {
+  if (testing::RunCommand("/usr/bin/python3 -c 'import h5py, numpy'") != 0) {
+    WARN("skipped: /usr/bin/python3 lacks h5py or numpy");
+    return;
+  }
+  const std::string dir = testing::ScratchDir("hdf5_python");
+  MemoryTrace tr = testing::MakeTinyTrace({.num_layers = 4});
+  REQUIRE(WriteTrace(tr, dir + "/t.h5").ok());
+  std::string out;
+  const int rc = testing::RunCommand(
+      "/usr/bin/python3 " + testing::SourceDir() + "/scripts/read_trace_example.py " + dir + "/t.h5", &out);
+  INFO(out);
+  REQUIRE(rc == 0);
+  CHECK(out.find("keys float32 (30, 8)") != std::string::npos);
+  CHECK(out.find("modality counts {'text': 18, 'image': 12}") != std::string::npos);
+  // h5py must see the IEEE half type as numpy float16 and return the same numbers.
+  LayerData ld;
+  REQUIRE(tr.ReadLayer(3, &ld).ok());
+  char want[64];
+  std::snprintf(want, sizeof want, "first key %.6f", HalfToFloat(FloatToHalf(ld.keys[0])));
+  CHECK(out.find(want) != std::string::npos);
+}
+
+}  // namespace kvsim
