@@ -46,7 +46,6 @@ std::vector<float> Pool1D(std::span<const float> x, int kernel, policy::Pooling 
     } else {
       float m = x[lo];
       for (int j = lo + 1; j <= hi; ++j) m = std::max(m, x[j]);
-      if (hi - lo + 1 < kernel) m = std::max(m, 0.0f);  // padding zeros take part in the max
       out[i] = m;
     }
   }

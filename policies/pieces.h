@@ -19,8 +19,9 @@ std::vector<float> AggregateGroup(std::span<const std::span<const float>> per_he
 std::vector<float> GroupColumnSums(const HeadContext& ctx, policy::GroupAggregation agg);
 std::vector<float> GroupWindowColumnSums(const HeadContext& ctx, int window, policy::GroupAggregation agg);
 
-// 1-D pooling with stride 1 and zero padding kernel/2 on both sides, output length = input length
-// (PyTorch avg_pool1d/max_pool1d with padding=kernel//2, count_include_pad=True). Even kernels are
+// 1-D pooling with stride 1 and padding kernel/2 on both sides, output length = input length (PyTorch
+// avg_pool1d with padding=kernel//2, count_include_pad=True: zeros count in the divisor; max_pool1d pads
+// with -inf, i.e. the max is over the in-range window). Even kernels are
 // rejected by parameter validation. NO_POOL returns the input.
 std::vector<float> Pool1D(std::span<const float> x, int kernel, policy::Pooling pooling);
 
@@ -33,9 +34,9 @@ std::vector<int> UniformLayerBudgets(int num_layers, int budget, int compress_le
 // PyramidKV's linear schedule (KVCache-Factory): with C = budget, w = window,
 //   min = (C - w) / beta, max = 2 (C - w) - min, step = (max - min) / (L - 1) (integer division),
 //   layer l keeps max - l * step + w.
-// kvsim then restores the exact total L * C (integer division loses tokens) by adding the remainder one
-// token per layer from the top of the pyramid, and caps each layer at compress_len, moving what a cap
-// removes to the layers below the cap (docs/policies/pyramidkv.md).
+// The floored step makes the schedule overshoot L * C; kvsim restores the exact total with RebalanceToTotal
+// (caps each layer at compress_len, then removes surplus one token per layer from the last layer upwards,
+// or adds what a cap removed from the first layer downwards; docs/policies/pyramidkv.md).
 std::vector<int> PyramidLayerBudgets(int num_layers, int budget, int window, int beta, int compress_len);
 
 // Applies caps and restores the exact total: every layer <= cap, Σ = min(target, L * cap); surplus goes to

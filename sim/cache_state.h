@@ -32,7 +32,7 @@ class HeadCache {
 
   // Replaces the content with these tokens as plain slots (ascending).
   void Assign(std::span<const int32_t> tokens);
-  // Keeps tokens [0, n) as plain slots.
+  // Keeps tokens [begin, end) as plain slots.
   void AssignRange(int32_t begin, int32_t end);
   void Append(int32_t token);
   // Removes the slots whose indices are listed (any order, no duplicates); order of the rest is kept.

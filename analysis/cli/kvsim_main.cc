@@ -1,6 +1,8 @@
 // kvsim command line. Every subcommand has --help; exit codes are documented in docs/cli.md:
 //   0 success, 1 bad input (file, config, trace, flag value), 2 usage error, 3 validation mismatch.
 
+#include <google/protobuf/stubs/logging.h>
+
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -238,6 +240,8 @@ int main(int argc, char** argv) {
     std::cout << kTopUsage;
     return argc < 2 ? kExitUsage : kExitOk;
   }
+  // kvsim reports errors itself, in one line; keep protobuf's own log lines off stderr.
+  google::protobuf::SetLogHandler(nullptr);
   const std::string cmd = argv[1];
   if (cmd == "version" || cmd == "--version") {
     std::cout << "kvsim " << kVersion << " (" << kGitCommit << ")\n";

@@ -1,0 +1,254 @@
+#include "sim/attention.h"
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace kvsim {
+namespace {
+
+const float kLn2 = std::log(2.0f), kLn3 = std::log(3.0f), kLn4 = std::log(4.0f);
+
+ModelInfo Model(int head_dim, double scale, int sliding_window = 0, double softcap = 0) {
+  ModelInfo m;
+  m.num_layers = 1;
+  m.num_heads = 1;
+  m.num_kv_heads = 1;
+  m.head_dim = head_dim;
+  m.softmax_scale = scale;
+  m.sliding_window = sliding_window;
+  m.logit_softcap = softcap;
+  return m;
+}
+
+// Naive reference for AccumulateColumnSums: one query at a time, double precision, explicit visibility.
+std::vector<double> NaiveColumnSums(const ModelInfo& m, const std::vector<float>& q,
+                                    const std::vector<int32_t>& pos, const std::vector<float>& k,
+                                    int key_limit) {
+  const int d = m.head_dim;
+  std::vector<double> out(key_limit, 0.0);
+  for (size_t i = 0; i < pos.size(); ++i) {
+    const int p = pos[i];
+    int first = 0;
+    if (m.sliding_window > 0) first = std::max(0, p - m.sliding_window + 1);
+    const int last = std::min(p, key_limit - 1);
+    if (last < first) continue;
+    std::vector<double> logit(last - first + 1);
+    double mx = -1e300;
+    for (int j = first; j <= last; ++j) {
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += static_cast<double>(q[i * d + c]) * k[j * d + c];
+      double z = dot * m.softmax_scale;
+      if (m.logit_softcap > 0) z = m.logit_softcap * std::tanh(z / m.logit_softcap);
+      logit[j - first] = z;
+      mx = std::max(mx, z);
+    }
+    double sum = 0;
+    for (double& z : logit) sum += (z = std::exp(z - mx));
+    for (int j = first; j <= last; ++j) out[j] += logit[j - first] / sum;
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("LogitTransform: scale, then soft-cap", "[attention]") {
+  // No cap: z = scale * dot.
+  CHECK(LogitTransform(0.5f, 0.0f)(4.0f) == Approx(2.0f));
+  CHECK(LogitTransform(0.5f, 0.0f)(-3.0f) == Approx(-1.5f));
+  // Cap c = 1: z = 1 * tanh(0.5 * 4 / 1) = tanh(2) = 0.9640275800758169.
+  CHECK(LogitTransform(0.5f, 1.0f)(4.0f) == Approx(0.9640275800758169).epsilon(1e-6));
+  // Cap c = 2, scale 1: z = 2 tanh(2 / 2) = 2 tanh(1) = 1.5231883119115295; odd in dot.
+  CHECK(LogitTransform(1.0f, 2.0f)(2.0f) == Approx(1.5231883119115295).epsilon(1e-6));
+  CHECK(LogitTransform(1.0f, 2.0f)(-2.0f) == Approx(-1.5231883119115295).epsilon(1e-6));
+  // Large logits saturate at the cap: 30 tanh(1000 / 30) ~= 30.
+  CHECK(LogitTransform(1.0f, 30.0f)(1000.0f) == Approx(30.0f).epsilon(1e-6));
+  // From ModelInfo.
+  const LogitTransform tf(Model(4, 0.25, 0, 50.0));
+  CHECK(tf.scale == 0.25f);
+  CHECK(tf.softcap == 50.0f);
+}
+
+TEST_CASE("SoftmaxInPlace on [0, ln2, ln3] gives [1/6, 2/6, 3/6] and log-sum-exp ln 6", "[attention]") {
+  float x[3] = {0.0f, kLn2, kLn3};
+  const float lse = SoftmaxInPlace(x, 3);
+  CHECK(x[0] == Approx(1.0 / 6).margin(1e-7));
+  CHECK(x[1] == Approx(2.0 / 6).margin(1e-7));
+  CHECK(x[2] == Approx(3.0 / 6).margin(1e-7));
+  CHECK(lse == Approx(std::log(6.0)).margin(1e-6));
+
+  // Shift-invariant and stable for large logits: lse = 1000 + ln 6.
+  float y[3] = {1000.0f, 1000.0f + kLn2, 1000.0f + kLn3};
+  const float lse_y = SoftmaxInPlace(y, 3);
+  CHECK(y[0] == Approx(1.0 / 6).margin(1e-4));  // 1000 + ln2 in float loses ~6e-5 of ln2
+  CHECK(y[2] == Approx(3.0 / 6).margin(1e-4));
+  CHECK(lse_y == Approx(1000.0 + std::log(6.0)).margin(1e-3));
+
+  // One element: probability 1, lse = the logit.
+  float z[1] = {-7.5f};
+  CHECK(SoftmaxInPlace(z, 1) == -7.5f);
+  CHECK(z[0] == 1.0f);
+}
+
+// One head, d = 2, 3 prompt tokens + 2 decode steps (T = 5), scale 1.
+//   keys   k0 = (0, 0), k1 = (ln2, ln2), k2 = (ln3, 0), k3 = (0, ln3), k4 = (ln2, 0)
+//   values v0 = (1, 0), v1 = (0, 1),     v2 = (1, 1),   v3 = (2, 0),   v4 = (0, 4)
+//   queries: step 0 (pos 3) q = (1, 0); step 1 (pos 4) q = (0, 1).
+// Step 0 logits over keys 0..3 = (0, ln2, ln3, 0): exp = (1, 2, 3, 1), Z = 7, p = (1, 2, 3, 1, 0) / 7;
+//   o = (1 v0 + 2 v1 + 3 v2 + 1 v3) / 7 = ((1 + 3 + 2) / 7, (2 + 3) / 7) = (6/7, 5/7); log Z = ln 7.
+// Step 1 logits over keys 0..4 = (0, ln2, 0, ln3, 0): exp = (1, 2, 1, 3, 1), Z = 8, p = (1, 2, 1, 3, 1) / 8;
+//   o = (1 v0 + 2 v1 + 1 v2 + 3 v3 + 1 v4) / 8 = ((1 + 1 + 6) / 8, (2 + 1 + 4) / 8) = (1, 7/8); log Z = ln 8.
+struct DecodeCase {
+  std::vector<float> q{1, 0, 0, 1};
+  std::vector<float> k{0, 0, kLn2, kLn2, kLn3, 0, 0, kLn3, kLn2, 0};
+  std::vector<float> v{1, 0, 0, 1, 1, 1, 2, 0, 0, 4};
+};
+
+TEST_CASE("ComputeDecodeReference: probabilities, causal zeros, outputs, log Z", "[attention]") {
+  DecodeCase c;
+  DecodeReference ref;
+  ComputeDecodeReference(Model(2, 1.0), 3, 2, c.q.data(), c.k.data(), c.v.data(), &ref);
+  REQUIRE(ref.num_steps == 2);
+  REQUIRE(ref.num_keys == 5);
+  REQUIRE(ref.head_dim == 2);
+  const double p0[5] = {1 / 7.0, 2 / 7.0, 3 / 7.0, 1 / 7.0, 0};
+  const double p1[5] = {1 / 8.0, 2 / 8.0, 1 / 8.0, 3 / 8.0, 1 / 8.0};
+  for (int j = 0; j < 5; ++j) {
+    CHECK(ref.row(0)[j] == Approx(p0[j]).margin(1e-6));
+    CHECK(ref.row(1)[j] == Approx(p1[j]).margin(1e-6));
+  }
+  CHECK(ref.row(0)[4] == 0.0f);  // the future key is exactly zero
+  CHECK(ref.first == std::vector<int32_t>{0, 0});
+  CHECK(ref.last(0) == 3);
+  CHECK(ref.last(1) == 4);
+  CHECK(ref.log_z[0] == Approx(std::log(7.0)).margin(1e-6));
+  CHECK(ref.log_z[1] == Approx(std::log(8.0)).margin(1e-6));
+  CHECK(ref.out(0)[0] == Approx(6 / 7.0).margin(1e-6));
+  CHECK(ref.out(0)[1] == Approx(5 / 7.0).margin(1e-6));
+  CHECK(ref.out(1)[0] == Approx(1.0).margin(1e-6));
+  CHECK(ref.out(1)[1] == Approx(7 / 8.0).margin(1e-6));
+}
+
+TEST_CASE("ComputeDecodeReference: the scale multiplies the dot product", "[attention]") {
+  // Halved keys with scale 2 give the same logits as the base case.
+  DecodeCase c;
+  for (float& x : c.k) x *= 0.5f;
+  DecodeReference ref;
+  ComputeDecodeReference(Model(2, 2.0), 3, 2, c.q.data(), c.k.data(), c.v.data(), &ref);
+  CHECK(ref.row(0)[2] == Approx(3 / 7.0).margin(1e-6));
+  CHECK(ref.row(1)[3] == Approx(3 / 8.0).margin(1e-6));
+  CHECK(ref.log_z[1] == Approx(std::log(8.0)).margin(1e-6));
+}
+
+TEST_CASE("ComputeDecodeReference: sliding window masks old keys", "[attention]") {
+  // Window 3: pos 3 sees keys [1, 3], pos 4 sees keys [2, 4].
+  // Step 0 logits (ln2, ln3, 0): exp (2, 3, 1), Z = 6, p = (0, 2, 3, 1, 0) / 6;
+  //   o = (2 v1 + 3 v2 + 1 v3) / 6 = ((3 + 2) / 6, (2 + 3) / 6) = (5/6, 5/6); log Z = ln 6.
+  // Step 1 logits (0, ln3, 0): exp (1, 3, 1), Z = 5, p = (0, 0, 1, 3, 1) / 5;
+  //   o = (1 v2 + 3 v3 + 1 v4) / 5 = ((1 + 6) / 5, (1 + 4) / 5) = (7/5, 1); log Z = ln 5.
+  DecodeCase c;
+  DecodeReference ref;
+  const ModelInfo m = Model(2, 1.0, /*sliding_window=*/3);
+  CHECK(FirstVisibleKey(m, 3) == 1);
+  CHECK(FirstVisibleKey(m, 1) == 0);
+  ComputeDecodeReference(m, 3, 2, c.q.data(), c.k.data(), c.v.data(), &ref);
+  const double p0[5] = {0, 2 / 6.0, 3 / 6.0, 1 / 6.0, 0};
+  const double p1[5] = {0, 0, 1 / 5.0, 3 / 5.0, 1 / 5.0};
+  for (int j = 0; j < 5; ++j) {
+    CHECK(ref.row(0)[j] == Approx(p0[j]).margin(1e-6));
+    CHECK(ref.row(1)[j] == Approx(p1[j]).margin(1e-6));
+  }
+  CHECK(ref.row(0)[0] == 0.0f);
+  CHECK(ref.row(1)[1] == 0.0f);
+  CHECK(ref.first == std::vector<int32_t>{1, 2});
+  CHECK(ref.log_z[0] == Approx(std::log(6.0)).margin(1e-6));
+  CHECK(ref.log_z[1] == Approx(std::log(5.0)).margin(1e-6));
+  CHECK(ref.out(0)[0] == Approx(5 / 6.0).margin(1e-6));
+  CHECK(ref.out(0)[1] == Approx(5 / 6.0).margin(1e-6));
+  CHECK(ref.out(1)[0] == Approx(7 / 5.0).margin(1e-6));
+  CHECK(ref.out(1)[1] == Approx(1.0).margin(1e-6));
+}
+
+TEST_CASE("ComputeDecodeReference: soft-cap applies before the softmax", "[attention]") {
+  // One prompt key + the token itself; q = (1, 0), k0 = (0, 0), k1 = (10, 0), scale 1, cap 2:
+  // logits (2 tanh 0, 2 tanh 5) = (0, 1.9998184); p1 = 1 / (1 + exp(-1.9998184)) = 0.88077...
+  std::vector<float> q{1, 0}, k{0, 0, 10, 0}, v{1, 0, 0, 1};
+  DecodeReference ref;
+  ComputeDecodeReference(Model(2, 1.0, 0, 2.0), 1, 1, q.data(), k.data(), v.data(), &ref);
+  const double z1 = 2.0 * std::tanh(5.0);
+  const double p1 = 1.0 / (1.0 + std::exp(-z1));
+  CHECK(ref.row(0)[1] == Approx(p1).margin(1e-6));
+  CHECK(ref.log_z[0] == Approx(std::log(1.0 + std::exp(z1))).margin(1e-6));
+}
+
+TEST_CASE("AccumulateColumnSums: hand-computed prompt case, with and without key_limit", "[attention]") {
+  // Keys k0 = (0, 0), k1 = (ln2, 0), k2 = (ln3, 0); every query q = (1, 0), positions 0, 1, 2.
+  //   pos 0: p = (1);  pos 1: p = (1, 2) / 3;  pos 2: p = (1, 2, 3) / 6.
+  //   column sums = (1 + 1/3 + 1/6, 2/3 + 2/6, 3/6) = (1.5, 1, 0.5)  (total = 3 queries).
+  // key_limit 2: pos 2 sees only keys 0, 1 -> (1, 2) / 3, sums = (1 + 1/3 + 1/3, 2/3 + 2/3) = (5/3, 4/3).
+  const ModelInfo m = Model(2, 1.0);
+  std::vector<float> q{1, 0, 1, 0, 1, 0}, k{0, 0, kLn2, 0, kLn3, 0};
+  std::vector<int32_t> pos{0, 1, 2};
+  std::vector<float> sums(3, 0.0f);
+  AccumulateColumnSums(m, q.data(), pos.data(), 3, k.data(), 3, sums.data());
+  CHECK(sums[0] == Approx(1.5).margin(1e-6));
+  CHECK(sums[1] == Approx(1.0).margin(1e-6));
+  CHECK(sums[2] == Approx(0.5).margin(1e-6));
+  std::vector<float> lim(2, 0.0f);
+  AccumulateColumnSums(m, q.data(), pos.data(), 3, k.data(), 2, lim.data());
+  CHECK(lim[0] == Approx(5 / 3.0).margin(1e-6));
+  CHECK(lim[1] == Approx(4 / 3.0).margin(1e-6));
+  // Accumulates (adds to what is there).
+  AccumulateColumnSums(m, q.data() + 4, pos.data() + 2, 1, k.data(), 3, sums.data());
+  CHECK(sums[2] == Approx(1.0).margin(1e-6));
+}
+
+TEST_CASE("AccumulateColumnSums matches a naive double loop on random data", "[attention]") {
+  // 300 keys/queries (more than one 256-row block), d = 8.
+  const int n = 300, d = 8;
+  std::mt19937 rng(42);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(n) * d), k(q.size());
+  for (float& x : q) x = 1.5f * nd(rng);
+  for (float& x : k) x = 1.5f * nd(rng);
+  std::vector<int32_t> all(n);
+  for (int i = 0; i < n; ++i) all[i] = i;
+
+  struct Case {
+    const char* name;
+    int window;
+    double softcap;
+    int first_query;
+    int key_limit;
+  };
+  const Case cases[] = {
+      {"all queries, all keys", 0, 0, 0, n},
+      {"key_limit < positions", 0, 0, 0, 200},
+      {"sliding window 50", 50, 0, 0, n},
+      {"sliding window 50, key_limit 200", 50, 0, 0, 200},
+      {"last 40 queries (observation window), key_limit 280", 0, 0, 240, 280},
+      {"soft-cap 5", 0, 5.0, 0, n},
+  };
+  for (const Case& c : cases) {
+    INFO(c.name);
+    const ModelInfo m = Model(d, 1.0 / std::sqrt(d), c.window, c.softcap);
+    std::vector<int32_t> pos(all.begin() + c.first_query, all.end());
+    std::vector<float> qs(q.begin() + static_cast<size_t>(c.first_query) * d, q.end());
+    std::vector<float> got(c.key_limit, 0.0f);
+    AccumulateColumnSums(m, qs.data(), pos.data(), static_cast<int>(pos.size()), k.data(), c.key_limit,
+                         got.data());
+    const std::vector<double> want = NaiveColumnSums(m, qs, pos, k, c.key_limit);
+    double total = 0;
+    for (int j = 0; j < c.key_limit; ++j) {
+      CHECK(got[j] == Approx(want[j]).margin(1e-4));
+      total += got[j];
+    }
+    // Every query with at least one visible key contributes exactly 1.
+    int rows = 0;
+    for (int32_t p : pos) rows += (c.window > 0 ? std::max(0, p - c.window + 1) : 0) < c.key_limit;
+    CHECK(total == Approx(rows).epsilon(1e-4));
+  }
+}
+
+}  // namespace kvsim

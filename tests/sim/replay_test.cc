@@ -1,0 +1,501 @@
+#include "sim/replay.h"
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "policies/registry.h"
+#include "tests/test_util.h"
+
+namespace kvsim {
+namespace {
+
+bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// A hand-made trace: 1 layer, 1 head, d = 2, scale 1, prompt of 4 tokens (token 3 is the question), 2 decode
+// steps (T = 6). Tokens 1 and 2 are image patches, the rest text.
+//   keys   k0 = (0, 0), k1 = (ln2, 0), k2 = (ln3, ln4), k3 = (0, 0), k4 = (0, 0), k5 = (0, ln2)
+//   values v0 = (1, 0), v1 = (0, 1),   v2 = (1, 1),     v3 = (0, 2), v4 = (2, 0), v5 = (2, 2)
+//   decode queries: step 0 (token 4) q = (1, 0); step 1 (token 5) q = (0, 1). Prompt queries are zero.
+// So step 0 attends with exp(logits) = the keys' first coordinate exponentiated, a = (1, 2, 3, 1, 1):
+//   p(step 0) = (1, 2, 3, 1, 1) / 8,   o0 = (1 v0 + 2 v1 + 3 v2 + v3 + v4) / 8 = (6/8, 7/8)
+// and step 1 with b = (1, 1, 4, 1, 1, 2):
+//   p(step 1) = (1, 1, 4, 1, 1, 2) / 10, o1 = (.1 v0 + .1 v1 + .4 v2 + .1 v3 + .1 v4 + .2 v5) = (1.1, 1.1)
+MemoryTrace MakeHandTrace(int sliding_window = 0) {
+  const float l2 = std::log(2.0f), l3 = std::log(3.0f), l4 = std::log(4.0f);
+  TraceMeta meta;
+  meta.model.name = "hand";
+  meta.model.family = "test";
+  meta.model.num_layers = 1;
+  meta.model.num_heads = 1;
+  meta.model.num_kv_heads = 1;
+  meta.model.head_dim = 2;
+  meta.model.softmax_scale = 1.0;
+  meta.model.sliding_window = sliding_window;
+  meta.model.model_dtype = "float16";
+  meta.prefill_length = 4;
+  meta.num_decode_steps = 2;
+  meta.tokens.Resize(6);
+  for (int i = 0; i < 6; ++i) {
+    meta.tokens.position_id[i] = i;
+    meta.query_positions.push_back(i);
+  }
+  meta.tokens.modality[1] = meta.tokens.modality[2] = Modality::kImage;
+  meta.tokens.role[3] = Role::kQuestion;
+  for (int i = 4; i < 6; ++i) {
+    meta.tokens.phase[i] = Phase::kDecode;
+    meta.tokens.role[i] = Role::kGenerated;
+  }
+  LayerData layer;
+  layer.layer = 0;
+  layer.keys = {0, 0, l2, 0, l3, l4, 0, 0, 0, 0, 0, l2};
+  layer.values = {1, 0, 0, 1, 1, 1, 0, 2, 2, 0, 2, 2};
+  layer.queries = {0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1};
+  return MemoryTrace(std::move(meta), {layer});
+}
+
+// Records what the engine shows a head policy after each step.
+struct Recorder {
+  std::vector<std::vector<int32_t>> tokens;  // cache tokens during each step
+  std::vector<std::vector<float>> probs;     // cache_probs of each step
+};
+
+class RecordingHead : public HeadPolicy {
+ public:
+  explicit RecordingHead(Recorder* rec) : rec_(rec) {}
+  void AfterStep(const HeadContext&, const StepAttention& att, HeadCache* cache) override {
+    if (!rec_) return;
+    rec_->tokens.emplace_back(cache->tokens().begin(), cache->tokens().end());
+    rec_->probs.emplace_back(att.cache_probs, att.cache_probs + att.num_slots);
+  }
+
+ private:
+  Recorder* rec_;
+};
+
+// Keeps a fixed set of prompt tokens (those below compress_end); decode tokens are appended.
+class FixedSetPolicy final : public Policy {
+ public:
+  FixedSetPolicy(std::vector<int32_t> keep, Recorder* rec = nullptr) : keep_(std::move(keep)), rec_(rec) {}
+  std::string name() const override { return "fixed"; }
+  std::string ParamsText() const override { return "keep: fixed"; }
+  PolicyRequirements requirements() const override { return {.decode_attention = true}; }
+  bool evicts_during_decode() const override { return false; }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+    class Head final : public RecordingHead {
+     public:
+      Head(std::vector<int32_t> keep, Recorder* rec) : RecordingHead(rec), keep_(std::move(keep)) {}
+      void OnPrefill(const HeadContext& ctx, int, HeadCache* cache) override {
+        std::vector<int32_t> k;
+        for (int32_t t : keep_)
+          if (t < ctx.compress_end) k.push_back(t);
+        cache->Assign(k);
+      }
+
+     private:
+      std::vector<int32_t> keep_;
+    };
+    return std::make_unique<Head>(keep_, rec_);
+  }
+
+ private:
+  std::vector<int32_t> keep_;
+  Recorder* rec_;
+};
+
+// Keeps the whole prompt; before step 1 merges token 3 into token 2's slot with the averaged key and value
+// (weight 0.5) and drops token 3's slot.
+class MergePolicy final : public Policy {
+ public:
+  explicit MergePolicy(Recorder* rec) : rec_(rec) {}
+  std::string name() const override { return "merge"; }
+  std::string ParamsText() const override { return ""; }
+  PolicyRequirements requirements() const override { return {.decode_attention = true}; }
+  bool evicts_during_decode() const override { return false; }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+    class Head final : public RecordingHead {
+     public:
+      using RecordingHead::RecordingHead;
+      void OnPrefill(const HeadContext&, int, HeadCache*) override {}
+      void BeforeStep(const HeadContext& ctx, const StepAttention& att, int, HeadCache* cache) override {
+        if (att.step != 1) return;
+        REQUIRE(cache->token(2) == 2);
+        REQUIRE(cache->token(3) == 3);
+        const int d = ctx.head_dim();
+        std::vector<float> key(d), value(d);
+        for (int c = 0; c < d; ++c) {
+          key[c] = 0.5f * (ctx.keys[2 * d + c] + ctx.keys[3 * d + c]);
+          value[c] = 0.5f * (ctx.values[2 * d + c] + ctx.values[3 * d + c]);
+        }
+        cache->MergeInto(2, 3, 0.5f, key, value);
+        cache->EvictSlot(3);
+      }
+    };
+    return std::make_unique<Head>(rec_);
+  }
+
+ private:
+  Recorder* rec_;
+};
+
+RunSpec Spec(std::shared_ptr<const Policy> p, int budget_tokens,
+             QuestionMode mode = QuestionMode::kQueryAware) {
+  return RunSpec{std::move(p), "", 0, budget_tokens, mode};
+}
+
+ReplayOptions Options(const LatencyModel* latency = nullptr) {
+  ReplayOptions o;
+  o.threads = 1;
+  o.latency = latency;
+  return o;
+}
+
+std::shared_ptr<const Policy> Registered(const std::string& name, std::vector<std::string> sets = {}) {
+  auto p = PolicyRegistry::Default().Create(name, sets);
+  REQUIRE(p.ok());
+  return *p;
+}
+
+}  // namespace
+
+TEST_CASE("replay: the hand trace is valid", "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  REQUIRE(tr.meta().Validate().ok());
+  REQUIRE(ValidateLayer(tr.meta(), tr.layers()[0], "hand").ok());
+}
+
+TEST_CASE("replay: metrics of a fixed token set on the hand trace", "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  Recorder rec;
+  std::vector<RunSpec> runs{Spec(std::make_shared<FixedSetPolicy>(std::vector<int32_t>{0, 2}, &rec), 2)};
+  auto res = Replay(tr, runs, Options());
+  REQUIRE(res.ok());
+  const RunResult& r = (*res)[0];
+  const Metrics& m = r.metrics();
+  // Caches: after prefill {0, 2}; step 0 {0, 2, 4}; step 1 {0, 2, 4, 5}.
+  REQUIRE(rec.tokens.size() == 2);
+  CHECK(rec.tokens[0] == std::vector<int32_t>{0, 2, 4});
+  CHECK(rec.tokens[1] == std::vector<int32_t>{0, 2, 4, 5});
+  // Step 0 cache attention renormalised over {0, 2, 4}: (1, 3, 1) / 5; step 1 over {0, 2, 4, 5}: (1, 4, 1, 2)
+  // / 8.
+  CHECK(rec.probs[0][0] == Approx(0.2).margin(1e-6));
+  CHECK(rec.probs[0][1] == Approx(0.6).margin(1e-6));
+  CHECK(rec.probs[0][2] == Approx(0.2).margin(1e-6));
+  CHECK(rec.probs[1][1] == Approx(0.5).margin(1e-6));
+  CHECK(rec.probs[1][3] == Approx(0.25).margin(1e-6));
+
+  CHECK(r.policy() == "fixed");
+  CHECK(r.label() == "fixed");
+  CHECK(r.parameters() == "keep: fixed");
+  CHECK(r.budget_tokens() == 2);
+  CHECK(r.compressed_prompt_tokens() == 4);
+  CHECK(r.question_mode() == "query_aware");
+  CHECK(r.trace_path() == "<memory>");
+  CHECK(r.time_unit() == "token_steps");
+  CHECK(m.samples() == 2);  // 1 head x 2 steps
+  // Retained mass: step 0 (1 + 3 + 1) / 8 = 0.625; step 1 .1 + .4 + .1 + .2 = 0.8.
+  CHECK(m.retained_mass_mean() == Approx((0.625 + 0.8) / 2).margin(1e-6));
+  CHECK(m.retained_mass_p5() == Approx(0.625).margin(1e-6));
+  CHECK(m.covered_mass_mean() == Approx(m.retained_mass_mean()).margin(1e-7));
+  // Outputs: step 0 ô = (v0 + 3 v2 + v4) / 5 = (1.2, 0.6) vs o = (0.75, 0.875):
+  //   err0 = |(0.45, -0.275)| / |(0.75, 0.875)| = sqrt(0.278125 / 1.328125) = 0.45761530.
+  // Step 1 ô = (.1 v0 + .4 v2 + .1 v4 + .2 v5) / .8 = (1.375, 1.0) vs o = (1.1, 1.1):
+  //   err1 = |(0.275, -0.1)| / |(1.1, 1.1)| = sqrt(0.085625 / 2.42) = 0.18810165.
+  const double err0 = std::sqrt(0.278125 / 1.328125), err1 = std::sqrt(0.085625 / 2.42);
+  CHECK(m.output_rel_error_mean() == Approx((err0 + err1) / 2).epsilon(1e-5));
+  CHECK(m.output_rel_error_p95() == Approx(err0).epsilon(1e-5));
+  // Regret: step 0 keeps 3 visible slots, the best 3 of (1, 2, 3, 1, 1) / 8 hold 6/8 -> 6/8 - 5/8 = 0.125;
+  // step 1 keeps 4, the best 4 of (1, 1, 4, 1, 1, 2) / 10 hold 0.8 -> 0.
+  CHECK(m.regret_vs_oracle_mean() == Approx(0.0625).margin(1e-6));
+  CHECK(m.regret_vs_oracle_p95() == Approx(0.125).margin(1e-6));
+  // By modality (image = tokens 1, 2). Kept after prefill: token 0 (text), token 2 (image).
+  CHECK(m.kept_tokens_by_modality().text() == 1);
+  CHECK(m.kept_tokens_by_modality().image() == 1);
+  CHECK(m.kept_tokens_by_modality().video() == 0);
+  // Retained text: step 0 p0 + p4 = 2/8, step 1 p0 + p4 + p5 = 0.4 -> 0.325; image: 3/8 and 0.4 -> 0.3875.
+  CHECK(m.retained_mass_by_modality().text() == Approx(0.325).margin(1e-6));
+  CHECK(m.retained_mass_by_modality().image() == Approx(0.3875).margin(1e-6));
+  CHECK(m.retained_mass_by_modality().other() == 0);
+  // Full text: step 0 p0 + p3 + p4 = 3/8, step 1 0.5 -> 0.4375; image: 5/8 and 0.5 -> 0.5625.
+  CHECK(m.full_mass_by_modality().text() == Approx(0.4375).margin(1e-6));
+  CHECK(m.full_mass_by_modality().image() == Approx(0.5625).margin(1e-6));
+  CHECK(m.bound_checks() == 2);
+  CHECK(m.bound_violations() == 0);
+  // Memory: bytes per token = 2 (K and V) x head_dim 2 x 2 bytes (float16) = 8.
+  // Cache tokens per event: prefill 2, step 0 3, step 1 4; the full cache holds 4, 5, 6.
+  CHECK(m.kv_bytes_peak() == 32);
+  CHECK(m.full_kv_bytes_peak() == 48);
+  // Token steps: every event lasts 1. kv_bytes_mean = footprint / total time over all events, the prefill
+  // event included (docs/metrics.md).
+  CHECK(m.kv_bytes_mean() == Approx((16 + 24 + 32) / 3.0));
+  CHECK(m.full_kv_bytes_mean() == Approx((32 + 40 + 48) / 3.0));
+  CHECK(m.kv_footprint() == Approx(72));
+  CHECK(m.kv_memory_ratio() == Approx(72.0 / 120.0));
+  CHECK(m.kept_tokens_mean() == Approx(3.5));  // (3 + 4) / 2, decode steps only
+  // Timeline: end times 1, 2, 3.
+  REQUIRE(r.timeline_size() == 3);
+  const double times[3] = {1, 2, 3}, tokens[3] = {2, 3, 4};
+  for (int e = 0; e < 3; ++e) {
+    const TimelinePoint& tp = r.timeline(e);
+    CHECK(tp.event() == (e == 0 ? "prefill" : "decode"));
+    CHECK(tp.step() == e - 1);
+    CHECK(tp.time() == times[e]);
+    CHECK(tp.kv_tokens() == tokens[e]);
+    CHECK(tp.kv_bytes() == 8 * tokens[e]);
+  }
+  // One layer: the per-layer metrics are the totals.
+  REQUIRE(r.layers_size() == 1);
+  CHECK(r.layers(0).layer() == 0);
+  CHECK(r.layers(0).budget_tokens_mean() == 2);
+  CHECK(r.layers(0).metrics().SerializeAsString() == m.SerializeAsString());
+}
+
+TEST_CASE("replay: timeline and memory with a linear latency model", "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  LatencyModelProto lp;
+  lp.set_prefill_base_us(10);
+  lp.set_prefill_us_per_token(2);
+  lp.set_decode_base_us(5);
+  lp.set_decode_us_per_kv_token(1);
+  auto lat = MakeLinearLatencyModel(lp);
+  std::vector<RunSpec> runs{Spec(std::make_shared<FixedSetPolicy>(std::vector<int32_t>{0, 2}), 2)};
+  auto res = Replay(tr, runs, Options(lat.get()));
+  REQUIRE(res.ok());
+  const RunResult& r = (*res)[0];
+  CHECK(r.time_unit() == "us");
+  // Prefill 10 + 2 x 4 = 18; step 0: 5 + 1 x 3 (mean KV tokens per head) = 8; step 1: 5 + 4 = 9.
+  REQUIRE(r.timeline_size() == 3);
+  CHECK(r.timeline(0).time() == Approx(18));
+  CHECK(r.timeline(1).time() == Approx(26));
+  CHECK(r.timeline(2).time() == Approx(35));
+  const Metrics& m = r.metrics();
+  // Bytes 16, 24, 32 over durations 18, 8, 9: footprint 288 + 192 + 288 = 768, mean 768 / 35.
+  // Full: 32, 40, 48 -> 576 + 320 + 432 = 1328.
+  CHECK(m.kv_footprint() == Approx(768));
+  CHECK(m.kv_bytes_mean() == Approx(768.0 / 35));
+  CHECK(m.full_kv_bytes_mean() == Approx(1328.0 / 35));
+  CHECK(m.kv_memory_ratio() == Approx(768.0 / 1328));
+  CHECK(m.kv_bytes_peak() == 32);
+}
+
+TEST_CASE("replay: float32 models account 4 bytes per element", "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  tr.mutable_meta().model.model_dtype = "float32";
+  std::vector<RunSpec> runs{Spec(std::make_shared<FixedSetPolicy>(std::vector<int32_t>{0, 2}), 2)};
+  auto res = Replay(tr, runs, Options());
+  REQUIRE(res.ok());
+  CHECK((*res)[0].metrics().kv_bytes_peak() == 4 * 2 * 2 * 4);  // 4 tokens x K,V x d 2 x 4 bytes
+}
+
+TEST_CASE("replay: query-agnostic mode compresses the context and appends the question", "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  CHECK(CompressEnd(tr.meta(), QuestionMode::kQueryAware) == 4);
+  CHECK(CompressEnd(tr.meta(), QuestionMode::kQueryAgnostic) == 3);
+  std::vector<RunSpec> runs{
+      Spec(std::make_shared<FixedSetPolicy>(std::vector<int32_t>{0, 2}), 2, QuestionMode::kQueryAgnostic)};
+  auto res = Replay(tr, runs, Options());
+  REQUIRE(res.ok());
+  const RunResult& r = (*res)[0];
+  CHECK(r.question_mode() == "query_agnostic");
+  CHECK(r.compressed_prompt_tokens() == 3);
+  // Caches {0, 2, 3}, {0, 2, 3, 4}, {0, 2, 3, 4, 5}: retained (1 + 3 + 1 + 1) / 8 = 0.75 and 0.9.
+  CHECK(r.metrics().retained_mass_mean() == Approx((0.75 + 0.9) / 2).margin(1e-6));
+  CHECK(r.metrics().kept_tokens_by_modality().text() == 2);
+  CHECK(r.metrics().kept_tokens_by_modality().image() == 1);
+  CHECK(r.timeline(0).kv_tokens() == 3);
+}
+
+TEST_CASE("replay: sliding window masks kept tokens outside it", "[replay]") {
+  // Window 3. Step 0 (token 4) sees tokens 2..4, p = (3, 1, 1) / 5; step 1 (token 5) sees 3..5, p = (1, 1, 2)
+  // / 4. Cache {0, 2, 4} at step 0: token 0 masked, retained 0.6 + 0.2 = 0.8, 2 visible slots, best 2 = 0.8
+  // -> regret 0.
+  //   ô = (.6 v2 + .2 v4) / .8 = (1.25, 0.75), o = .6 v2 + .2 v3 + .2 v4 = (1, 1): err = 0.25.
+  // Cache {0, 2, 4, 5} at step 1: tokens 4, 5 visible, retained 0.75, best 2 = 0.75 -> regret 0.
+  //   ô = (.25 v4 + .5 v5) / .75 = (2, 4/3), o = .25 v3 + .25 v4 + .5 v5 = (1.5, 1.5):
+  //   err = |(0.5, -1/6)| / (1.5 sqrt 2) = sqrt(5) / 9.
+  MemoryTrace tr = MakeHandTrace(/*sliding_window=*/3);
+  std::vector<RunSpec> runs{Spec(std::make_shared<FixedSetPolicy>(std::vector<int32_t>{0, 2}), 2)};
+  auto res = Replay(tr, runs, Options());
+  REQUIRE(res.ok());
+  const Metrics& m = (*res)[0].metrics();
+  CHECK(m.retained_mass_mean() == Approx((0.8 + 0.75) / 2).margin(1e-6));
+  CHECK(m.regret_vs_oracle_mean() == Approx(0).margin(1e-6));
+  CHECK(m.output_rel_error_mean() == Approx((0.25 + std::sqrt(5.0) / 9) / 2).epsilon(1e-5));
+  // Full mass by modality inside the window: text 0.4 and 1.0, image 0.6 and 0.
+  CHECK(m.full_mass_by_modality().text() == Approx(0.7).margin(1e-6));
+  CHECK(m.full_mass_by_modality().image() == Approx(0.3).margin(1e-6));
+  CHECK(m.bound_violations() == 0);
+}
+
+TEST_CASE("replay: a merged slot counts as covered, attends with its merged key, skips the bound",
+          "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  Recorder rec;
+  std::vector<RunSpec> runs{Spec(std::make_shared<MergePolicy>(&rec), 4)};
+  auto res = Replay(tr, runs, Options());
+  REQUIRE(res.ok());
+  const Metrics& m = (*res)[0].metrics();
+  // Step 0: the full cache -> retained = covered = 1, error 0.
+  // Step 1: slots {0, 1, 2+3, 4, 5}. Retained (anchors) = .1 + .1 + .4 + .1 + .2 = 0.9; covered adds token
+  // 3's 0.1.
+  CHECK(m.retained_mass_mean() == Approx((1 + 0.9) / 2).margin(1e-6));
+  CHECK(m.covered_mass_mean() == Approx(1.0).margin(1e-6));
+  CHECK(m.covered_mass_mean() > m.retained_mass_mean());
+  // The merged slot attends with k = (k2 + k3) / 2 = (ln3 / 2, ln2): q5 . k = ln2, weight e^{ln2} / 10 = 0.2,
+  // value (v2 + v3) / 2 = (0.5, 1.5). Σ weights = .1 + .1 + .2 + .1 + .2 = 0.7;
+  //   ô = (.1 v0 + .1 v1 + .2 (0.5, 1.5) + .1 v4 + .2 v5) / .7 = (0.8, 0.8) / 0.7 = (8/7, 8/7);
+  //   o = (1.1, 1.1) -> err = (8/7 - 1.1) / 1.1 = 3/77.
+  CHECK(m.output_rel_error_mean() == Approx((0 + 3.0 / 77) / 2).epsilon(1e-4));
+  REQUIRE(rec.probs.size() == 2);
+  CHECK(rec.tokens[1] == std::vector<int32_t>{0, 1, 2, 4, 5});
+  const double want[5] = {1 / 7.0, 1 / 7.0, 2 / 7.0, 1 / 7.0, 2 / 7.0};
+  for (int s = 0; s < 5; ++s) CHECK(rec.probs[1][s] == Approx(want[s]).margin(1e-6));
+  // The eviction bound only applies to steps without merged slots: step 0 only.
+  CHECK(m.bound_checks() == 1);
+  CHECK(m.bound_violations() == 0);
+  // Regret uses anchors: 5 visible slots, best 5 of (1, 1, 4, 1, 1, 2) / 10 = 0.9 -> 0.
+  CHECK(m.regret_vs_oracle_mean() == Approx(0).margin(1e-6));
+  // Retained by modality counts anchors only: image step 1 = p1 + p2 = 0.5.
+  CHECK(m.retained_mass_by_modality().image() == Approx((5.0 / 8 + 0.5) / 2).margin(1e-6));
+  CHECK(m.retained_mass_by_modality().text() == Approx((3.0 / 8 + 0.4) / 2).margin(1e-6));
+}
+
+TEST_CASE("replay: budgets from fractions round and clamp to [1, compressible length]", "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  auto p = Registered("streaming_llm");
+  std::vector<RunSpec> runs{RunSpec{p, "half", 0.5, 0}, RunSpec{p, "tiny", 0.01, 0},
+                            RunSpec{p, "big", 0, 100},
+                            RunSpec{p, "agn", 0.5, 0, QuestionMode::kQueryAgnostic}};
+  auto res = Replay(tr, runs, Options());
+  REQUIRE(res.ok());
+  CHECK((*res)[0].budget_tokens() == 2);  // round(0.5 x 4)
+  CHECK((*res)[0].label() == "half");
+  CHECK((*res)[1].budget_tokens() == 1);  // round(0.04) = 0 -> 1
+  CHECK((*res)[2].budget_tokens() == 4);  // 100 tokens -> the prompt
+  CHECK((*res)[3].budget_tokens() == 2);  // round(0.5 x 3) = round(1.5) = 2
+  CHECK((*res)[3].compressed_prompt_tokens() == 3);
+}
+
+TEST_CASE("CheckRuns: no decode steps, bad budgets, nothing to compress", "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  auto p = Registered("streaming_llm");
+  TraceMeta meta = tr.meta();
+  std::vector<RunSpec> ok{RunSpec{p, "", 0.5, 0}};
+  REQUIRE(CheckRuns(meta, ok).ok());
+
+  TraceMeta no_decode = meta;
+  no_decode.num_decode_steps = 0;
+  Status st = CheckRuns(no_decode, ok);
+  CHECK(st.code() == StatusCode::kFailedPrecondition);
+  CHECK(Contains(st.message(), "no decode steps"));
+
+  for (const RunSpec& bad : {RunSpec{p, "", 0, 0}, RunSpec{p, "", 1.5, 0}, RunSpec{p, "", -0.5, -1}}) {
+    st = CheckRuns(meta, std::vector<RunSpec>{bad});
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK(Contains(st.message(), "budget must be a fraction in (0, 1] or a token count >= 1"));
+    CHECK(Contains(st.message(), "run 'streaming_llm'"));
+  }
+  st = CheckRuns(meta, std::vector<RunSpec>{RunSpec{nullptr, "", 0.5, 0}});
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+
+  // The question starts at token 0: nothing to compress in query-agnostic mode.
+  TraceMeta all_question = meta;
+  for (int i = 0; i < 4; ++i) all_question.tokens.role[i] = Role::kQuestion;
+  CHECK(CompressEnd(all_question, QuestionMode::kQueryAgnostic) == 0);
+  st = CheckRuns(all_question, std::vector<RunSpec>{RunSpec{p, "", 0.5, 0, QuestionMode::kQueryAgnostic}});
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(Contains(st.message(), "nothing to compress before the question in query_agnostic mode"));
+  // Replay reports the same errors before doing any work.
+  auto res = Replay(tr, std::vector<RunSpec>{RunSpec{p, "", 0, 0}}, Options());
+  CHECK(res.status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("CompressEnd: the first question token, or the prompt length", "[replay]") {
+  testing::TinyTraceSpec spec;  // prompt 24, question = last 4 prompt tokens
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  CHECK(CompressEnd(tr.meta(), QuestionMode::kQueryAware) == 24);
+  CHECK(CompressEnd(tr.meta(), QuestionMode::kQueryAgnostic) == 20);
+  spec.question_tokens = 0;
+  MemoryTrace no_q = testing::MakeTinyTrace(spec);
+  CHECK(CompressEnd(no_q.meta(), QuestionMode::kQueryAgnostic) == 24);
+  CHECK(std::string(QuestionModeName(QuestionMode::kQueryAgnostic)) == "query_agnostic");
+}
+
+TEST_CASE("CheckRuns: snapkv's observation window needs stored queries", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.all_queries = false;  // queries of prompt tokens 16..23 + decode
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  // Default window 32 -> min(32, 24) = 24 queries, from token 0: not stored.
+  Status st = CheckRuns(tr.meta(), std::vector<RunSpec>{RunSpec{Registered("snapkv"), "", 0.5, 0}});
+  CHECK(st.code() == StatusCode::kFailedPrecondition);
+  INFO(st.message());
+  CHECK(Contains(st.message(), "observation window of 24 queries ending at token 24"));
+  CHECK(Contains(st.message(), "needs the query of token 0"));
+  CHECK(Contains(st.message(), "--set window=N"));
+  // Window 8 fits the stored queries in query-aware mode...
+  auto w8 = Registered("snapkv", {"window=8"});
+  REQUIRE(CheckRuns(tr.meta(), std::vector<RunSpec>{RunSpec{w8, "", 0.5, 0}}).ok());
+  // ...but not before the question (tokens 12..19) in query-agnostic mode.
+  st = CheckRuns(tr.meta(), std::vector<RunSpec>{RunSpec{w8, "", 0.5, 0, QuestionMode::kQueryAgnostic}});
+  CHECK(st.code() == StatusCode::kFailedPrecondition);
+  CHECK(Contains(st.message(), "needs the query of token 12"));
+  // pyramidkv has the same requirement.
+  st = CheckRuns(tr.meta(), std::vector<RunSpec>{RunSpec{Registered("pyramidkv"), "", 0.5, 0}});
+  CHECK(st.code() == StatusCode::kFailedPrecondition);
+  // And the replay itself runs with window 8.
+  auto res = Replay(tr, std::vector<RunSpec>{RunSpec{w8, "", 0.5, 0}}, Options());
+  REQUIRE(res.ok());
+  CHECK((*res)[0].budget_tokens() == 12);
+}
+
+TEST_CASE("CheckRuns: h2o on a window-only trace needs recorded column sums", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.all_queries = false;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  auto h2o = Registered("h2o");
+  Status st = CheckRuns(tr.meta(), std::vector<RunSpec>{RunSpec{h2o, "", 0.5, 0}});
+  CHECK(st.code() == StatusCode::kFailedPrecondition);
+  INFO(st.message());
+  CHECK(Contains(st.message(), "column sums over all prompt queries"));
+  CHECK(Contains(st.message(), "only the last 8 prompt tokens"));
+  CHECK(Contains(st.message(), "no recorded prefill_column_sums"));
+  CHECK(Contains(st.message(), "capture with all queries, or use a window-based policy such as snapkv"));
+  // Streaming needs nothing.
+  REQUIRE(CheckRuns(tr.meta(), std::vector<RunSpec>{RunSpec{Registered("streaming_llm"), "", 0.5, 0}}).ok());
+
+  // With recorded column sums: fine in query-aware mode, not in query-agnostic mode (they include the
+  // question).
+  tr.mutable_meta().has_prefill_column_sums = true;
+  REQUIRE(CheckRuns(tr.meta(), std::vector<RunSpec>{RunSpec{h2o, "", 0.5, 0}}).ok());
+  st = CheckRuns(tr.meta(), std::vector<RunSpec>{RunSpec{h2o, "", 0.5, 0, QuestionMode::kQueryAgnostic}});
+  CHECK(st.code() == StatusCode::kFailedPrecondition);
+  CHECK(Contains(st.message(), "column sums over all context queries"));
+  CHECK(Contains(st.message(), "question included"));
+}
+
+TEST_CASE("replay: h2o uses the recorded column sums of a window-only trace", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.all_queries = false;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  tr.mutable_meta().has_prefill_column_sums = true;
+  const int h = spec.num_heads, n = spec.prefill_length;
+  for (LayerData& l : tr.layers()) {
+    l.prefill_column_sums.assign(static_cast<size_t>(h) * n, 0.1f);
+    for (int head = 0; head < h; ++head)
+      for (int j = 4; j < 8; ++j) l.prefill_column_sums[static_cast<size_t>(head) * n + j] = 10.0f;  // image
+  }
+  // One-shot, heavy_fraction 1: no recent window -> the 4 heaviest = image tokens 4..7.
+  // Per-step, heavy_fraction 1: one recent slot (token 23, text) + the 3 heaviest (image 4..6).
+  std::vector<RunSpec> runs{
+      RunSpec{Registered("h2o", {"one_shot=true", "heavy_fraction=1"}), "one_shot", 0, 4},
+      RunSpec{Registered("h2o", {"heavy_fraction=1"}), "per_step", 0, 4}};
+  auto res = Replay(tr, runs, Options());
+  REQUIRE(res.ok());
+  CHECK((*res)[0].metrics().kept_tokens_by_modality().image() == 4);
+  CHECK((*res)[0].metrics().kept_tokens_by_modality().text() == 0);
+  CHECK((*res)[1].metrics().kept_tokens_by_modality().image() == 3);
+  CHECK((*res)[1].metrics().kept_tokens_by_modality().text() == 1);
+}
+
+}  // namespace kvsim
