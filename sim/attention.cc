@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <mutex>
 
@@ -19,6 +20,31 @@ void EnsureSingleThreadedBlas() {
 
 constexpr int kRowBlock = 256;
 
+// exp(x) for x <= 0 (softmax after max subtraction), branch-free so loops over it vectorise:
+// Cody–Waite range reduction x = n ln2 + r, |r| <= ln2/2, and the Cephes degree-6 polynomial for exp(r)
+// (max error ~2 ulp); inputs below -87.3 are clamped (exp < 1.2e-38 there).
+inline float ExpNonPositive(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const float z = r * r;
+  const float p =
+      ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+       1.6666665459e-1f) * r + 5.0000001201e-1f;
+  const float y = p * z + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+// Soft-cap in place (scale already applied by the GEMM).
+void SoftCap(float* x, int n, float cap) {
+  if (cap <= 0) return;
+  for (int i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
+}
+
 }  // namespace
 
 float LogitTransform::operator()(float dot) const {
@@ -30,11 +56,9 @@ float LogitTransform::operator()(float dot) const {
 float SoftmaxInPlace(float* x, int n) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+  for (int i = 0; i < n; ++i) x[i] = ExpNonPositive(x[i] - mx);
   double sum = 0;
-  for (int i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - mx);
-    sum += x[i];
-  }
+  for (int i = 0; i < n; ++i) sum += x[i];
   const float inv = static_cast<float>(1.0 / sum);
   for (int i = 0; i < n; ++i) x[i] *= inv;
   return mx + static_cast<float>(std::log(sum));
@@ -53,16 +77,16 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
   out->output.assign(static_cast<size_t>(num_steps) * d, 0.0f);
   out->first.assign(num_steps, 0);
   if (num_steps == 0) return;
-  // Raw dot products for all steps at once: [S][T] = Qd [S][d] x K^T.
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, num_steps, t_all, d, 1.0f, q_decode, d, keys, d, 0.0f,
-              out->probs.data(), t_all);
-  const LogitTransform tf(m);
+  // Logits for all steps at once: [S][T] = scale * Qd [S][d] x K^T.
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, num_steps, t_all, d, static_cast<float>(m.softmax_scale),
+              q_decode, d, keys, d, 0.0f, out->probs.data(), t_all);
+  const float cap = static_cast<float>(m.logit_softcap);
   for (int t = 0; t < num_steps; ++t) {
     float* row = out->probs.data() + static_cast<size_t>(t) * t_all;
     const int pos = prefill_length + t;
     const int first = FirstVisibleKey(m, pos);
     out->first[t] = first;
-    for (int j = first; j <= pos; ++j) row[j] = tf(row[j]);
+    SoftCap(row + first, pos - first + 1, cap);
     out->log_z[t] = SoftmaxInPlace(row + first, pos - first + 1);
     std::fill(row, row + first, 0.0f);
     std::fill(row + pos + 1, row + t_all, 0.0f);
@@ -75,7 +99,7 @@ void AccumulateColumnSums(const ModelInfo& m, const float* queries, const int32_
                           const float* keys, int key_limit, float* col_sums) {
   EnsureSingleThreadedBlas();
   const int d = m.head_dim;
-  const LogitTransform tf(m);
+  const float cap = static_cast<float>(m.logit_softcap);
   std::vector<float> block;
   for (int b0 = 0; b0 < num_queries; b0 += kRowBlock) {
     const int b1 = std::min(num_queries, b0 + kRowBlock);
@@ -86,7 +110,7 @@ void AccumulateColumnSums(const ModelInfo& m, const float* queries, const int32_
     if (kmax <= kmin) continue;
     const int width = kmax - kmin;
     block.resize(static_cast<size_t>(rows) * width);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, width, d, 1.0f,
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, width, d, static_cast<float>(m.softmax_scale),
                 queries + static_cast<size_t>(b0) * d, d, keys + static_cast<size_t>(kmin) * d, d, 0.0f,
                 block.data(), width);
     for (int r = 0; r < rows; ++r) {
@@ -95,7 +119,7 @@ void AccumulateColumnSums(const ModelInfo& m, const float* queries, const int32_
       const int hi = std::min(pos + 1, key_limit) - kmin;  // exclusive
       if (hi <= lo) continue;
       float* row = block.data() + static_cast<size_t>(r) * width;
-      for (int j = lo; j < hi; ++j) row[j] = tf(row[j]);
+      SoftCap(row + lo, hi - lo, cap);
       SoftmaxInPlace(row + lo, hi - lo);
       float* dst = col_sums + kmin;
       for (int j = lo; j < hi; ++j) dst[j] += row[j];

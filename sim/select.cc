@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <numeric>
 
 #include "sim/status.h"
@@ -11,12 +12,29 @@ namespace kvsim {
 std::vector<int32_t> TopKIndices(std::span<const float> scores, int k) {
   const int n = static_cast<int>(scores.size());
   k = std::clamp(k, 0, n);
-  std::vector<int32_t> idx(n);
-  std::iota(idx.begin(), idx.end(), 0);
-  auto better = [&](int32_t a, int32_t b) { return scores[a] != scores[b] ? scores[a] > scores[b] : a < b; };
-  if (k < n) std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-  idx.resize(k);
-  std::sort(idx.begin(), idx.end());
+  std::vector<int32_t> idx;
+  idx.reserve(k);
+  if (k == 0) return idx;
+  if (k == n) {
+    for (int32_t j = 0; j < n; ++j) idx.push_back(j);
+    return idx;
+  }
+  // Threshold = the k-th largest score (a selection on plain floats, O(n)); then one in-order scan takes
+  // every score above it and the lowest-indexed ties, which is already ascending.
+  std::vector<float> v(scores.begin(), scores.end());
+  std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<float>());
+  const float tau = v[k - 1];
+  int above = 0;
+  for (float s : scores) above += s > tau;
+  int ties = k - above;
+  for (int32_t j = 0; j < n; ++j) {
+    if (scores[j] > tau) {
+      idx.push_back(j);
+    } else if (scores[j] == tau && ties > 0) {
+      idx.push_back(j);
+      --ties;
+    }
+  }
   return idx;
 }
 
