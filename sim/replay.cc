@@ -62,15 +62,16 @@ class UnitScores final : public PromptScores {
     if (slot.empty()) {
       const int qh = kv_head_ * meta_.model.GroupSize() + g;
       const int n = meta_.prefill_length;
-      if (meta_.HasAllPromptQueries()) {
+      if (meta_.has_prefill_column_sums && ce_ == n) {
+        // What the model computed (kvsim validate checks it against Q/K); avoids an O(n^2 d) recompute.
+        const float* src = layer_.prefill_column_sums.data() + static_cast<size_t>(qh) * n;
+        slot.assign(src, src + n);
+      } else {  // CheckRuns guarantees the queries are there
+        KVSIM_CHECK(meta_.HasAllPromptQueries());
         slot.assign(ce_, 0.0f);
         std::vector<int32_t> pos(ce_);
         std::iota(pos.begin(), pos.end(), 0);
         AccumulateColumnSums(meta_.model, Query(qh, 0), pos.data(), ce_, Keys(), ce_, slot.data());
-      } else {  // recorded aggregates; CheckRuns guarantees ce_ == n
-        KVSIM_CHECK(meta_.has_prefill_column_sums && ce_ == n);
-        const float* src = layer_.prefill_column_sums.data() + static_cast<size_t>(qh) * n;
-        slot.assign(src, src + n);
       }
     }
     return slot;
