@@ -40,15 +40,32 @@ std::string CsvField(const std::string& s) {
 }
 
 void MetricColumns(const Metrics& m, std::ostringstream& os) {
-  const double v[] = {m.retained_mass_mean(), m.retained_mass_p5(), m.covered_mass_mean(),
-                      m.output_rel_error_mean(), m.output_rel_error_p95(), m.regret_vs_oracle_mean(),
-                      m.regret_vs_oracle_p95(), m.bound_checks(), m.bound_violations(), m.kv_bytes_peak(),
-                      m.kv_bytes_mean(), m.kv_footprint(), m.full_kv_bytes_peak(), m.full_kv_bytes_mean(),
-                      m.kv_memory_ratio(), m.kept_tokens_mean(), m.kept_tokens_by_modality().text(),
-                      m.kept_tokens_by_modality().image(), m.kept_tokens_by_modality().video(),
-                      m.retained_mass_by_modality().text(), m.retained_mass_by_modality().image(),
-                      m.retained_mass_by_modality().video(), m.full_mass_by_modality().text(),
-                      m.full_mass_by_modality().image(), m.full_mass_by_modality().video(), m.samples()};
+  const double v[] = {m.retained_mass_mean(),
+                      m.retained_mass_p5(),
+                      m.covered_mass_mean(),
+                      m.output_rel_error_mean(),
+                      m.output_rel_error_p95(),
+                      m.regret_vs_oracle_mean(),
+                      m.regret_vs_oracle_p95(),
+                      m.bound_checks(),
+                      m.bound_violations(),
+                      m.kv_bytes_peak(),
+                      m.kv_bytes_mean(),
+                      m.kv_footprint(),
+                      m.full_kv_bytes_peak(),
+                      m.full_kv_bytes_mean(),
+                      m.kv_memory_ratio(),
+                      m.kept_tokens_mean(),
+                      m.kept_tokens_by_modality().text(),
+                      m.kept_tokens_by_modality().image(),
+                      m.kept_tokens_by_modality().video(),
+                      m.retained_mass_by_modality().text(),
+                      m.retained_mass_by_modality().image(),
+                      m.retained_mass_by_modality().video(),
+                      m.full_mass_by_modality().text(),
+                      m.full_mass_by_modality().image(),
+                      m.full_mass_by_modality().video(),
+                      m.samples()};
   for (double x : v) os << ',' << Num(x, 9);
 }
 
@@ -87,7 +104,8 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
   // Group by trace (in first-seen order).
   std::vector<std::string> traces;
   for (const auto& r : runs)
-    if (std::find(traces.begin(), traces.end(), r.trace_path()) == traces.end()) traces.push_back(r.trace_path());
+    if (std::find(traces.begin(), traces.end(), r.trace_path()) == traces.end())
+      traces.push_back(r.trace_path());
   for (const std::string& t : traces) {
     const RunResult* first = nullptr;
     for (const auto& r : runs)
@@ -96,18 +114,20 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
         break;
       }
     os << "## Trace `" << t << "`\n\n"
-       << "model " << first->trace_model() << ", hash " << first->trace_hash() << ", seed " << first->trace_seed()
-       << ", question mode " << first->question_mode() << ", compressible prompt "
+       << "model " << first->trace_model() << ", hash " << first->trace_hash() << ", seed "
+       << first->trace_seed() << ", question mode " << first->question_mode() << ", compressible prompt "
        << first->compressed_prompt_tokens() << " tokens, time unit " << first->time_unit() << ".\n\n"
-       << "| policy | budget | kept/head | KV mem vs full | retained mass | covered | out err mean | out err p95 "
+       << "| policy | budget | kept/head | KV mem vs full | retained mass | covered | out err mean | out err "
+          "p95 "
           "| regret vs oracle | bound viol. |\n"
        << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     std::vector<const RunResult*> rows;
     for (const auto& r : runs)
       if (r.trace_path() == t) rows.push_back(&r);
     std::stable_sort(rows.begin(), rows.end(), [](const RunResult* a, const RunResult* b) {
-      return a->budget_tokens() != b->budget_tokens() ? a->budget_tokens() < b->budget_tokens()
-                                                      : a->metrics().retained_mass_mean() > b->metrics().retained_mass_mean();
+      return a->budget_tokens() != b->budget_tokens()
+                 ? a->budget_tokens() < b->budget_tokens()
+                 : a->metrics().retained_mass_mean() > b->metrics().retained_mass_mean();
     });
     for (const RunResult* r : rows) {
       const Metrics& m = r->metrics();
@@ -120,9 +140,9 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
         budget << r->budget_tokens() << " tok";
       os << "| " << r->label() << " | " << budget.str() << " | " << std::fixed << std::setprecision(1)
          << m.kept_tokens_mean() << " | " << std::setprecision(3) << m.kv_memory_ratio() << " | "
-         << m.retained_mass_mean() << " | " << m.covered_mass_mean() << " | " << m.output_rel_error_mean() << " | "
-         << m.output_rel_error_p95() << " | " << m.regret_vs_oracle_mean() << " | " << std::defaultfloat
-         << m.bound_violations() << " |\n";
+         << m.retained_mass_mean() << " | " << m.covered_mass_mean() << " | " << m.output_rel_error_mean()
+         << " | " << m.output_rel_error_p95() << " | " << m.regret_vs_oracle_mean() << " | "
+         << std::defaultfloat << m.bound_violations() << " |\n";
     }
     // Best causal policy per budget (the oracle is an upper bound, not a contender).
     std::map<int, const RunResult*> best;
@@ -142,7 +162,8 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
   }
   os << "Columns: *kept/head* = cache slots per KV head averaged over decode steps; *KV mem vs full* = "
         "time-weighted KV bytes relative to the full cache; *retained mass* = full-attention mass on tokens "
-        "kept as themselves (mean over decode steps, layers, heads); *out err* = ‖ô − o‖/‖o‖ of the attention "
+        "kept as themselves (mean over decode steps, layers, heads); *out err* = ‖ô − o‖/‖o‖ of the "
+        "attention "
         "output; *regret* = oracle mass at the same cache size minus retained mass. Definitions: "
         "docs/metrics.md.\n";
   return os.str();
@@ -152,7 +173,8 @@ Status WriteFileAtomic(const std::string& path, const std::string& content) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return Status::InvalidArgument(path + ": cannot write (check that the folder exists and is writable)");
+    if (!out)
+      return Status::InvalidArgument(path + ": cannot write (check that the folder exists and is writable)");
     out << content;
     out.flush();
     if (!out) {

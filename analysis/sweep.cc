@@ -52,23 +52,28 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
 StatusOr<config::Experiment> LoadExperiment(const std::string& path) {
   config::Experiment e;
   KVSIM_RETURN_IF_ERROR(ParseTextProtoFile(path, &e));
-  if (e.traces().empty()) return Status::InvalidArgument(path + ": field 'traces' is empty; list at least one trace");
+  if (e.traces().empty())
+    return Status::InvalidArgument(path + ": field 'traces' is empty; list at least one trace");
   if (e.policies().empty())
-    return Status::InvalidArgument(path + ": field 'policies' is empty; add e.g. policies { name: \"snapkv\" }");
+    return Status::InvalidArgument(path +
+                                   ": field 'policies' is empty; add e.g. policies { name: \"snapkv\" }");
   if (e.budgets().empty() && e.budget_tokens().empty())
     return Status::InvalidArgument(path + ": no budgets; set 'budgets' (fractions) or 'budget_tokens'");
   for (double b : e.budgets())
     if (!(b > 0 && b <= 1))
-      return Status::InvalidArgument(path + ": field 'budgets' holds " + std::to_string(b) +
-                                     "; budgets are fractions in (0, 1] (use budget_tokens for token counts)");
+      return Status::InvalidArgument(
+          path + ": field 'budgets' holds " + std::to_string(b) +
+          "; budgets are fractions in (0, 1] (use budget_tokens for token counts)");
   for (int b : e.budget_tokens())
     if (b < 1) return Status::InvalidArgument(path + ": field 'budget_tokens' must be >= 1");
   return e;
 }
 
-StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir, const RunOptions& options) {
-  const QuestionMode mode =
-      experiment.question_mode() == config::QUERY_AGNOSTIC ? QuestionMode::kQueryAgnostic : QuestionMode::kQueryAware;
+StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir,
+                               const RunOptions& options) {
+  const QuestionMode mode = experiment.question_mode() == config::QUERY_AGNOSTIC
+                                ? QuestionMode::kQueryAgnostic
+                                : QuestionMode::kQueryAware;
   // Policies × budgets, built and validated once.
   std::vector<RunSpec> runs;
   for (const config::PolicySpec& ps : experiment.policies()) {
@@ -82,15 +87,18 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     for (double b : experiment.budgets()) runs.push_back(RunSpec{policy, DefaultLabel(ps), b, 0, mode});
     for (int b : experiment.budget_tokens()) runs.push_back(RunSpec{policy, DefaultLabel(ps), 0, b, mode});
   }
-  std::string latency_path = options.latency_model.empty() ? experiment.latency_model() : options.latency_model;
-  if (!latency_path.empty() && std::filesystem::path(latency_path).is_relative() && options.latency_model.empty())
+  std::string latency_path =
+      options.latency_model.empty() ? experiment.latency_model() : options.latency_model;
+  if (!latency_path.empty() && std::filesystem::path(latency_path).is_relative() &&
+      options.latency_model.empty())
     latency_path = (std::filesystem::path(base_dir) / latency_path).string();
   KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(latency_path));
   // Open and check every trace before replaying anything.
   std::vector<std::string> paths;
   std::vector<std::unique_ptr<TraceSource>> traces;
   for (const std::string& t : experiment.traces()) {
-    std::string path = std::filesystem::path(t).is_relative() ? (std::filesystem::path(base_dir) / t).string() : t;
+    std::string path =
+        std::filesystem::path(t).is_relative() ? (std::filesystem::path(base_dir) / t).string() : t;
     KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
     KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(path));
     paths.push_back(path);
@@ -118,7 +126,8 @@ Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir) 
   const std::vector<RunResult> runs(result.runs().begin(), result.runs().end());
   Status st = WriteFileAtomic((tmp / "results.json").string(), ToJson(result));
   if (st.ok()) st = WriteFileAtomic((tmp / "results.csv").string(), ResultsCsv(runs));
-  if (st.ok()) st = WriteFileAtomic((tmp / "summary.md").string(), SummaryMarkdown(runs, "kvsim sweep summary"));
+  if (st.ok())
+    st = WriteFileAtomic((tmp / "summary.md").string(), SummaryMarkdown(runs, "kvsim sweep summary"));
   if (st.ok()) {
     fs::remove_all(final_dir, ec);
     fs::rename(tmp, final_dir, ec);

@@ -29,7 +29,8 @@ StatusOr<config::Experiment> LoadExperiment(const std::string& path);
 
 // Runs every trace x policy x budget of the experiment. Policies and traces are all checked before any
 // replay starts. Relative trace paths resolve against `base_dir`.
-StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir, const RunOptions& options);
+StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir,
+                               const RunOptions& options);
 
 // Writes results.json, results.csv and summary.md into `out_dir` (created, or replaced as a whole). The
 // folder appears only when everything is written.

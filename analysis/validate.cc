@@ -59,14 +59,15 @@ std::string ValidationReport::Text(const TraceMeta& meta, double tolerance) cons
   if (!aggregates_present) {
     os << "aggregates: none recorded (nothing to compare)\n";
   } else if (!aggregates_checked) {
-    os << "aggregates: prefill_column_sums recorded but not checkable: the trace stores queries of only the last "
+    os << "aggregates: prefill_column_sums recorded but not checkable: the trace stores queries of only the "
+          "last "
        << meta.query_positions.size() - meta.num_decode_steps << " prompt tokens\n";
   } else {
     os << "aggregates: prefill_column_sums vs recomputed from Q/K: max abs deviation " << max_abs_deviation;
-    if (worst_layer >= 0) os << " (layer " << worst_layer << ", head " << worst_head << ", key " << worst_key << ")";
-    os << ", max rel deviation "
-       << max_rel_deviation << " -> " << (max_abs_deviation <= tolerance ? "ok" : "MISMATCH") << " (tolerance "
-       << tolerance << ")\n";
+    if (worst_layer >= 0)
+      os << " (layer " << worst_layer << ", head " << worst_head << ", key " << worst_key << ")";
+    os << ", max rel deviation " << max_rel_deviation << " -> "
+       << (max_abs_deviation <= tolerance ? "ok" : "MISMATCH") << " (tolerance " << tolerance << ")\n";
   }
   return os.str();
 }

@@ -11,9 +11,9 @@ namespace kvsim {
 struct ValidationReport {
   int layers_checked = 0;
   bool aggregates_present = false;
-  bool aggregates_checked = false;     // needs the queries of every prompt token
-  double max_abs_deviation = 0;        // max |recorded - recomputed| over layers, heads, keys
-  double max_rel_deviation = 0;        // same, relative to max(recomputed, 1e-3)
+  bool aggregates_checked = false;  // needs the queries of every prompt token
+  double max_abs_deviation = 0;     // max |recorded - recomputed| over layers, heads, keys
+  double max_rel_deviation = 0;     // same, relative to max(recomputed, 1e-3)
   int worst_layer = -1, worst_head = -1, worst_key = -1;
   std::string Text(const TraceMeta& meta, double tolerance) const;
 };

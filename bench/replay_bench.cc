@@ -40,7 +40,8 @@ std::vector<RunSpec> BaselineRuns() {
       runs.push_back(RunSpec{*p, name, 1.0, 0, QuestionMode::kQueryAware});
       continue;
     }
-    for (double b : {0.05, 0.10, 0.20, 0.50}) runs.push_back(RunSpec{*p, name, b, 0, QuestionMode::kQueryAware});
+    for (double b : {0.05, 0.10, 0.20, 0.50})
+      runs.push_back(RunSpec{*p, name, b, 0, QuestionMode::kQueryAware});
   }
   return runs;
 }
@@ -134,7 +135,9 @@ int main(int argc, char** argv) {
               meta.model.num_kv_heads, meta.model.head_dim, meta.prefill_length, meta.num_decode_steps,
               st.st_size / 1e9);
   std::printf("runs: %zu (6 baselines; full once, the others x budgets 5/10/20/50%%)\n\n", runs.size());
-  std::printf("| variant | wall s | peak RSS MB | RSS / trace size | samples/s | vs 1 thread |\n|---|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "| variant | wall s | peak RSS MB | RSS / trace size | samples/s | vs 1 thread "
+      "|\n|---|---:|---:|---:|---:|---:|\n");
   auto row = [&](const char* name, const Measure& m) {
     std::printf("| %s | %.2f | %.0f | %.3f | %.3g | %.2fx |\n", name, m.seconds, m.peak_rss_mb,
                 m.peak_rss_mb * 1048576.0 / st.st_size, m.samples > 0 ? m.samples / m.seconds : 0.0,

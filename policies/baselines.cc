@@ -58,8 +58,7 @@ class SinkWindowHead final : public HeadPolicy {
 // ---- h2o ----
 class H2OHead final : public HeadPolicy {
  public:
-  H2OHead(const policy::H2OParams& p, const HeadContext& ctx)
-      : p_(p), acc_(ctx.meta->total_tokens(), 0.0f) {}
+  H2OHead(const policy::H2OParams& p, const HeadContext& ctx) : p_(p), acc_(ctx.meta->total_tokens(), 0.0f) {}
   int Recent(int budget) const {
     const int heavy = static_cast<int>(std::lround(budget * p_.heavy_fraction()));
     // The per-step form needs room for the new token in the recent window.
@@ -176,10 +175,12 @@ Status ValidateSnap(int window, int kernel) {
 }
 }  // namespace
 
-Status SnapKVPolicy::Validate(const policy::SnapKVParams& p) { return ValidateSnap(p.window(), p.kernel_size()); }
+Status SnapKVPolicy::Validate(const policy::SnapKVParams& p) {
+  return ValidateSnap(p.window(), p.kernel_size());
+}
 std::unique_ptr<HeadPolicy> SnapKVPolicy::NewHeadPolicy(const HeadContext&) const {
-  return std::make_unique<SnapKVHead>(
-      SnapKVSelection{params_.window(), params_.kernel_size(), params_.pooling(), params_.group_aggregation()});
+  return std::make_unique<SnapKVHead>(SnapKVSelection{params_.window(), params_.kernel_size(),
+                                                      params_.pooling(), params_.group_aggregation()});
 }
 
 Status PyramidKVPolicy::Validate(const policy::PyramidKVParams& p) {
@@ -190,8 +191,8 @@ std::vector<int> PyramidKVPolicy::LayerBudgets(const TraceMeta& meta, int budget
   return PyramidLayerBudgets(meta.model.num_layers, budget, params_.window(), params_.beta(), compress_len);
 }
 std::unique_ptr<HeadPolicy> PyramidKVPolicy::NewHeadPolicy(const HeadContext&) const {
-  return std::make_unique<SnapKVHead>(
-      SnapKVSelection{params_.window(), params_.kernel_size(), params_.pooling(), params_.group_aggregation()});
+  return std::make_unique<SnapKVHead>(SnapKVSelection{params_.window(), params_.kernel_size(),
+                                                      params_.pooling(), params_.group_aggregation()});
 }
 
 std::unique_ptr<HeadPolicy> OraclePolicy::NewHeadPolicy(const HeadContext&) const {
@@ -204,9 +205,10 @@ void RegisterBaselinePolicies(PolicyRegistry* r) {
   r->Register({"streaming_llm", "attention sinks + sliding recent window (Xiao et al. 2024)",
                "kvsim.policy.StreamingLLMParams"},
               TypedFactory<StreamingLLMPolicy, policy::StreamingLLMParams>());
-  r->Register({"h2o", "heavy hitters by accumulated attention + recent, per-step eviction (Zhang et al. 2023)",
-               "kvsim.policy.H2OParams"},
-              TypedFactory<H2OPolicy, policy::H2OParams>());
+  r->Register(
+      {"h2o", "heavy hitters by accumulated attention + recent, per-step eviction (Zhang et al. 2023)",
+       "kvsim.policy.H2OParams"},
+      TypedFactory<H2OPolicy, policy::H2OParams>());
   r->Register({"snapkv", "observation-window voting, pooled, per-head top-k + window (Li et al. 2024)",
                "kvsim.policy.SnapKVParams"},
               TypedFactory<SnapKVPolicy, policy::SnapKVParams>());

@@ -7,7 +7,8 @@
 
 namespace kvsim {
 
-std::vector<float> AggregateGroup(std::span<const std::span<const float>> per_head, policy::GroupAggregation agg) {
+std::vector<float> AggregateGroup(std::span<const std::span<const float>> per_head,
+                                  policy::GroupAggregation agg) {
   KVSIM_CHECK(!per_head.empty());
   const size_t n = per_head[0].size();
   std::vector<float> out(per_head[0].begin(), per_head[0].end());

@@ -13,7 +13,8 @@ namespace kvsim {
 
 // Combines per-query-head scores of one KV head's group into one score per key.
 // REQUIRES: every span has the same length.
-std::vector<float> AggregateGroup(std::span<const std::span<const float>> per_head, policy::GroupAggregation agg);
+std::vector<float> AggregateGroup(std::span<const std::span<const float>> per_head,
+                                  policy::GroupAggregation agg);
 
 // Convenience: aggregates PromptScores::ColumnSums / WindowColumnSums over the group.
 std::vector<float> GroupColumnSums(const HeadContext& ctx, policy::GroupAggregation agg);

@@ -15,9 +15,9 @@ namespace kvsim {
 
 struct PolicyInfo {
   std::string name;
-  std::string summary;       // one line
-  std::string params_type;   // Protobuf message name of its parameters
-  bool uses_budget = true;   // false for `full`: a sweep runs it once
+  std::string summary;      // one line
+  std::string params_type;  // Protobuf message name of its parameters
+  bool uses_budget = true;  // false for `full`: a sweep runs it once
 };
 
 class PolicyRegistry {
@@ -30,7 +30,8 @@ class PolicyRegistry {
   std::vector<PolicyInfo> List() const;
   const PolicyInfo* Find(const std::string& name) const;
   // Error names the unknown policy or parameter and lists what exists.
-  StatusOr<std::shared_ptr<const Policy>> Create(const std::string& name, std::span<const std::string> sets = {}) const;
+  StatusOr<std::shared_ptr<const Policy>> Create(const std::string& name,
+                                                 std::span<const std::string> sets = {}) const;
 
  private:
   struct Entry {

@@ -31,7 +31,9 @@ inline float ExpNonPositive(float x) {
   const float z = r * r;
   const float p =
       ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
-       1.6666665459e-1f) * r + 5.0000001201e-1f;
+       1.6666665459e-1f) *
+          r +
+      5.0000001201e-1f;
   const float y = p * z + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -78,8 +80,8 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
   out->first.assign(num_steps, 0);
   if (num_steps == 0) return;
   // Logits for all steps at once: [S][T] = scale * Qd [S][d] x K^T.
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, num_steps, t_all, d, static_cast<float>(m.softmax_scale),
-              q_decode, d, keys, d, 0.0f, out->probs.data(), t_all);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, num_steps, t_all, d,
+              static_cast<float>(m.softmax_scale), q_decode, d, keys, d, 0.0f, out->probs.data(), t_all);
   const float cap = static_cast<float>(m.logit_softcap);
   for (int t = 0; t < num_steps; ++t) {
     float* row = out->probs.data() + static_cast<size_t>(t) * t_all;

@@ -11,8 +11,8 @@
 namespace kvsim {
 
 struct MergedSlot {
-  std::vector<float> key;    // [head_dim], replaces the anchor's key
-  std::vector<float> value;  // [head_dim]
+  std::vector<float> key;                          // [head_dim], replaces the anchor's key
+  std::vector<float> value;                        // [head_dim]
   std::vector<std::pair<int32_t, float>> members;  // merged-in tokens (not the anchor) and their weights
 };
 
@@ -40,7 +40,8 @@ class HeadCache {
   void EvictSlot(int slot);
   // Turns `slot` into a merge (if it isn't one) holding `key`/`value`, and records `token` as merged-in with
   // `weight`. The caller computes the new key/value (merge strategies live in policies/).
-  void MergeInto(int slot, int32_t token, float weight, std::span<const float> key, std::span<const float> value);
+  void MergeInto(int slot, int32_t token, float weight, std::span<const float> key,
+                 std::span<const float> value);
 
   // Every token this cache covers (anchors and merged-in), for invariant checks.
   std::vector<int32_t> CoveredTokens() const;

@@ -33,8 +33,8 @@ struct HeadContext {
   const TraceMeta* meta = nullptr;
   int layer = 0;
   int kv_head = 0;
-  int group_size = 1;     // query heads sharing this KV head
-  int compress_end = 0;   // tokens [0, compress_end) are compressed; [compress_end, n) appended as-is
+  int group_size = 1;             // query heads sharing this KV head
+  int compress_end = 0;           // tokens [0, compress_end) are compressed; [compress_end, n) appended as-is
   const float* keys = nullptr;    // [T][head_dim] this KV head's keys (fp32, post-RoPE)
   const float* values = nullptr;  // [T][head_dim]
   PromptScores* scores = nullptr;
@@ -45,9 +45,10 @@ struct HeadContext {
 
 // The attention of one decode step, as seen by a policy.
 struct StepAttention {
-  int step = 0;          // 0-based decode step; the new token's position is prefill_length + step
-  int num_slots = 0;     // cache size during this step (the new token included)
-  // Per query head of the group: attention over the cache's slots, renormalised over the cache: [group][num_slots]
+  int step = 0;       // 0-based decode step; the new token's position is prefill_length + step
+  int num_slots = 0;  // cache size during this step (the new token included)
+  // Per query head of the group: attention over the cache's slots, renormalised over the cache:
+  // [group][num_slots]
   const float* cache_probs = nullptr;
   // Only for policies with Requirements::future_attention: full-cache attention of this step's queries over
   // every token [0, prefill_length + step], [group][prefill_length + step + 1]. Null otherwise.

@@ -47,7 +47,8 @@ int BudgetTokens(const RunSpec& r, int compress_len) {
 std::string RunName(const RunSpec& r) {
   std::string label = r.label.empty() ? r.policy->name() : r.label;
   return "run '" + label + "' (budget " +
-         (r.budget_fraction > 0 ? std::to_string(r.budget_fraction) : std::to_string(r.budget_tokens) + " tokens") +
+         (r.budget_fraction > 0 ? std::to_string(r.budget_fraction)
+                                : std::to_string(r.budget_tokens) + " tokens") +
          ")";
 }
 
@@ -110,7 +111,7 @@ class UnitScores final : public PromptScores {
 // Whole-trace accumulators of one run. Per-sample arrays are indexed ((layer * H + head) * S + step).
 struct RunAccum {
   std::vector<float> retained, covered, err, regret;
-  std::vector<double> ret_mod, full_mod;       // [(layer * H + head) * 4 + modality], summed over steps
+  std::vector<double> ret_mod, full_mod;          // [(layer * H + head) * 4 + modality], summed over steps
   std::vector<int64_t> bound_checks, bound_viol;  // [layer * Hkv + unit]
   std::vector<int32_t> kept_mod;                  // [(layer * Hkv + unit) * 4 + modality] after prefill
   std::vector<int32_t> tokens;                    // [(layer * Hkv + unit) * (S + 1) + event]
@@ -119,10 +120,10 @@ struct RunAccum {
 struct UnitWork {
   HeadContext ctx;
   std::unique_ptr<UnitScores> scores;
-  std::vector<DecodeReference> refs;  // per group member
-  std::vector<float> prefix;          // [g][t][T + 1]: mass of the k highest-attention tokens
-  std::vector<float> max_vnorm;       // [t]
-  std::vector<double> full_mod;       // [g][t][4]
+  std::vector<DecodeReference> refs;                  // per group member
+  std::vector<float> prefix;                          // [g][t][T + 1]: mass of the k highest-attention tokens
+  std::vector<float> max_vnorm;                       // [t]
+  std::vector<double> full_mod;                       // [g][t][4]
   std::vector<std::unique_ptr<HeadPolicy>> policies;  // per run
   std::vector<HeadCache> caches;                      // per run
   std::vector<float> cache_probs, out;                // scratch
@@ -139,7 +140,8 @@ class LayerPass {
   void Run() {
     EventQueue queue;
     const int steps = meta_.num_decode_steps;
-    queue.Schedule(SimTime{0}, [this] { ParallelFor(m_.num_kv_heads, threads_, [this](int u) { Prefill(u); }); });
+    queue.Schedule(SimTime{0},
+                   [this] { ParallelFor(m_.num_kv_heads, threads_, [this](int u) { Prefill(u); }); });
     for (int t = 0; t < steps; ++t)
       queue.Schedule(SimTime{t + 1},
                      [this, t] { ParallelFor(m_.num_kv_heads, threads_, [this, t](int u) { Step(u, t); }); });
@@ -221,7 +223,8 @@ class LayerPass {
                       plan.spec->policy->name() + " kept " + std::to_string(cache.size()) +
                           " slots after prefill, budget " + std::to_string(budget));
       RunAccum& a = acc_[r];
-      for (int32_t tok : cache.tokens()) ++a.kept_mod[UnitIndex(u) * 4 + static_cast<int>(meta_.tokens.modality[tok])];
+      for (int32_t tok : cache.tokens())
+        ++a.kept_mod[UnitIndex(u) * 4 + static_cast<int>(meta_.tokens.modality[tok])];
       a.tokens[UnitIndex(u) * (steps + 1)] = cache.size();
     }
     w.scores.reset();  // prompt scores are a prefill-time facility
@@ -264,10 +267,12 @@ class LayerPass {
       if (hp.AppendNewToken()) cache.Append(pos);
       CheckCache(w, cache, pos);
       if (plan.evicts)
-        KVSIM_CHECK_MSG(cache.size() <= cap, plan.spec->policy->name() + " holds " + std::to_string(cache.size()) +
-                                                 " slots at decode, cap " + std::to_string(cap));
+        KVSIM_CHECK_MSG(cache.size() <= cap, plan.spec->policy->name() + " holds " +
+                                                 std::to_string(cache.size()) + " slots at decode, cap " +
+                                                 std::to_string(cap));
       else
-        KVSIM_CHECK_MSG(cache.size() <= cap + t + 1, plan.spec->policy->name() + " exceeded prompt budget + decode");
+        KVSIM_CHECK_MSG(cache.size() <= cap + t + 1,
+                        plan.spec->policy->name() + " exceeded prompt budget + decode");
       RunAccum& a = acc_[r];
       a.tokens[UnitIndex(u) * (steps + 1) + 1 + t] = cache.size();
       const int slots = cache.size();
@@ -328,7 +333,8 @@ class LayerPass {
         a.covered[si] = static_cast<float>(covered);
         a.err[si] = static_cast<float>(o2 > 0 ? diff / std::sqrt(o2) : diff);
         const int k = std::min(visible, pos - first + 1);
-        a.regret[si] = w.prefix[(static_cast<size_t>(g) * steps + t) * (t_all + 1) + k] - static_cast<float>(retained);
+        a.regret[si] =
+            w.prefix[(static_cast<size_t>(g) * steps + t) * (t_all + 1) + k] - static_cast<float>(retained);
         double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
         double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
         const double* wfm = &w.full_mod[(static_cast<size_t>(g) * steps + t) * 4];
@@ -470,7 +476,8 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
   for (const RunSpec& r : runs) {
     if (!r.policy) return Status::InvalidArgument("a run has no policy");
     if (!(r.budget_fraction > 0 && r.budget_fraction <= 1) && r.budget_tokens <= 0)
-      return Status::InvalidArgument(RunName(r) + ": budget must be a fraction in (0, 1] or a token count >= 1");
+      return Status::InvalidArgument(RunName(r) +
+                                     ": budget must be a fraction in (0, 1] or a token count >= 1");
     const int ce = CompressEnd(meta, r.question_mode);
     if (ce < 1)
       return Status::InvalidArgument(RunName(r) + ": nothing to compress before the question in " +
@@ -483,18 +490,19 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
           (ce == meta.prefill_length ? std::string("prompt") : std::string("context")) +
           " queries, but the trace stores queries of only the last " +
           std::to_string(meta.query_positions.size() - meta.num_decode_steps) + " prompt tokens" +
-          (meta.has_prefill_column_sums ? " (its recorded column sums cover the whole prompt, question included)"
-                                        : " and no recorded prefill_column_sums") +
+          (meta.has_prefill_column_sums
+               ? " (its recorded column sums cover the whole prompt, question included)"
+               : " and no recorded prefill_column_sums") +
           "; capture with all queries, or use a window-based policy such as snapkv");
     if (req.window > 0) {
       const int w = std::min(req.window, ce);
       for (int p = ce - w; p < ce; ++p)
         if (meta.QueryIndex(p) < 0)
-          return Status::FailedPrecondition(RunName(r) + ": observation window of " + std::to_string(w) +
-                                            " queries ending at token " + std::to_string(ce) +
-                                            " needs the query of token " + std::to_string(p) +
-                                            ", which the trace does not store; lower the window (--set window=N) "
-                                            "or capture more prompt queries");
+          return Status::FailedPrecondition(
+              RunName(r) + ": observation window of " + std::to_string(w) + " queries ending at token " +
+              std::to_string(ce) + " needs the query of token " + std::to_string(p) +
+              ", which the trace does not store; lower the window (--set window=N) "
+              "or capture more prompt queries");
     }
     const int budget = BudgetTokens(r, ce);
     const std::vector<int> lb = r.policy->LayerBudgets(meta, budget, ce);
@@ -584,7 +592,8 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     double now = 0;
     for (int e = 0; e <= steps; ++e) {
       double tokens = 0;
-      for (size_t i = 0; i < static_cast<size_t>(num_layers) * hkv; ++i) tokens += a.tokens[i * (steps + 1) + e];
+      for (size_t i = 0; i < static_cast<size_t>(num_layers) * hkv; ++i)
+        tokens += a.tokens[i * (steps + 1) + e];
       dur[e] = e == 0 ? latency.PrefillDuration(meta.prefill_length)
                       : latency.DecodeStepDuration(tokens / (static_cast<double>(num_layers) * hkv));
       now += dur[e];

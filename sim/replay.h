@@ -22,9 +22,9 @@ const char* QuestionModeName(QuestionMode m);  // "query_aware" | "query_agnosti
 
 struct RunSpec {
   std::shared_ptr<const Policy> policy;
-  std::string label;             // default: policy name
-  double budget_fraction = 0;    // B = round(fraction * compressible prompt length), >= 1
-  int budget_tokens = 0;         // used when budget_fraction == 0
+  std::string label;           // default: policy name
+  double budget_fraction = 0;  // B = round(fraction * compressible prompt length), >= 1
+  int budget_tokens = 0;       // used when budget_fraction == 0
   QuestionMode question_mode = QuestionMode::kQueryAware;
 };
 

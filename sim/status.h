@@ -17,7 +17,9 @@ class [[nodiscard]] Status {
  public:
   Status() = default;
   static Status Ok() { return Status(); }
-  static Status InvalidArgument(std::string msg) { return Status(StatusCode::kInvalidArgument, std::move(msg)); }
+  static Status InvalidArgument(std::string msg) {
+    return Status(StatusCode::kInvalidArgument, std::move(msg));
+  }
   static Status NotFound(std::string msg) { return Status(StatusCode::kNotFound, std::move(msg)); }
   static Status DataLoss(std::string msg) { return Status(StatusCode::kDataLoss, std::move(msg)); }
   static Status FailedPrecondition(std::string msg) {
@@ -70,19 +72,19 @@ class [[nodiscard]] StatusOr {
 
 }  // namespace kvsim
 
-#define KVSIM_CHECK(cond)                                                      \
-  do {                                                                         \
+#define KVSIM_CHECK(cond)                                                        \
+  do {                                                                           \
     if (!(cond)) ::kvsim::CheckFailed(__FILE__, __LINE__, #cond, std::string()); \
   } while (0)
-#define KVSIM_CHECK_MSG(cond, msg)                                     \
-  do {                                                                 \
+#define KVSIM_CHECK_MSG(cond, msg)                                       \
+  do {                                                                   \
     if (!(cond)) ::kvsim::CheckFailed(__FILE__, __LINE__, #cond, (msg)); \
   } while (0)
 
-#define KVSIM_RETURN_IF_ERROR(expr)        \
-  do {                                     \
-    ::kvsim::Status _st = (expr);          \
-    if (!_st.ok()) return _st;             \
+#define KVSIM_RETURN_IF_ERROR(expr) \
+  do {                              \
+    ::kvsim::Status _st = (expr);   \
+    if (!_st.ok()) return _st;      \
   } while (0)
 
 #define KVSIM_CONCAT_INNER(a, b) a##b

@@ -52,7 +52,8 @@ Status SetFieldFromString(const std::string& assignment, google::protobuf::Messa
   for (size_t dot; (dot = key.find('.')) != std::string::npos;) {
     const auto* f = target->GetDescriptor()->FindFieldByName(key.substr(0, dot));
     if (!f || f->cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE || f->is_repeated())
-      return Status::InvalidArgument("--set '" + assignment + "': no message field '" + key.substr(0, dot) + "'");
+      return Status::InvalidArgument("--set '" + assignment + "': no message field '" + key.substr(0, dot) +
+                                     "'");
     target = target->GetReflection()->MutableMessage(target, f);
     key = key.substr(dot + 1);
   }
@@ -61,8 +62,8 @@ Status SetFieldFromString(const std::string& assignment, google::protobuf::Messa
   if (!field) {
     std::string names;
     for (int i = 0; i < desc->field_count(); ++i) names += (i ? ", " : "") + desc->field(i)->name();
-    return Status::InvalidArgument("--set '" + assignment + "': " + desc->name() + " has no parameter '" + key +
-                                   "' (parameters: " + (names.empty() ? "none" : names) + ")");
+    return Status::InvalidArgument("--set '" + assignment + "': " + desc->name() + " has no parameter '" +
+                                   key + "' (parameters: " + (names.empty() ? "none" : names) + ")");
   }
   if (field->is_repeated() || field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE)
     return Status::InvalidArgument("--set '" + assignment + "': '" + key + "' is not a scalar parameter");
@@ -86,16 +87,35 @@ std::string ToTextWithDefaults(const google::protobuf::Message& msg) {
     if (f->is_repeated() || refl->HasField(*copy, f) || !f->has_presence()) continue;
     using FD = google::protobuf::FieldDescriptor;
     switch (f->cpp_type()) {
-      case FD::CPPTYPE_INT32: refl->SetInt32(copy.get(), f, refl->GetInt32(*copy, f)); break;
-      case FD::CPPTYPE_INT64: refl->SetInt64(copy.get(), f, refl->GetInt64(*copy, f)); break;
-      case FD::CPPTYPE_UINT32: refl->SetUInt32(copy.get(), f, refl->GetUInt32(*copy, f)); break;
-      case FD::CPPTYPE_UINT64: refl->SetUInt64(copy.get(), f, refl->GetUInt64(*copy, f)); break;
-      case FD::CPPTYPE_DOUBLE: refl->SetDouble(copy.get(), f, refl->GetDouble(*copy, f)); break;
-      case FD::CPPTYPE_FLOAT: refl->SetFloat(copy.get(), f, refl->GetFloat(*copy, f)); break;
-      case FD::CPPTYPE_BOOL: refl->SetBool(copy.get(), f, refl->GetBool(*copy, f)); break;
-      case FD::CPPTYPE_ENUM: refl->SetEnum(copy.get(), f, refl->GetEnum(*copy, f)); break;
-      case FD::CPPTYPE_STRING: refl->SetString(copy.get(), f, refl->GetString(*copy, f)); break;
-      case FD::CPPTYPE_MESSAGE: break;
+      case FD::CPPTYPE_INT32:
+        refl->SetInt32(copy.get(), f, refl->GetInt32(*copy, f));
+        break;
+      case FD::CPPTYPE_INT64:
+        refl->SetInt64(copy.get(), f, refl->GetInt64(*copy, f));
+        break;
+      case FD::CPPTYPE_UINT32:
+        refl->SetUInt32(copy.get(), f, refl->GetUInt32(*copy, f));
+        break;
+      case FD::CPPTYPE_UINT64:
+        refl->SetUInt64(copy.get(), f, refl->GetUInt64(*copy, f));
+        break;
+      case FD::CPPTYPE_DOUBLE:
+        refl->SetDouble(copy.get(), f, refl->GetDouble(*copy, f));
+        break;
+      case FD::CPPTYPE_FLOAT:
+        refl->SetFloat(copy.get(), f, refl->GetFloat(*copy, f));
+        break;
+      case FD::CPPTYPE_BOOL:
+        refl->SetBool(copy.get(), f, refl->GetBool(*copy, f));
+        break;
+      case FD::CPPTYPE_ENUM:
+        refl->SetEnum(copy.get(), f, refl->GetEnum(*copy, f));
+        break;
+      case FD::CPPTYPE_STRING:
+        refl->SetString(copy.get(), f, refl->GetString(*copy, f));
+        break;
+      case FD::CPPTYPE_MESSAGE:
+        break;
     }
   }
   google::protobuf::TextFormat::Printer printer;

@@ -11,7 +11,8 @@ namespace kvsim {
 
 Status ParseTextProto(const std::string& text, const std::string& what, google::protobuf::Message* msg);
 Status ParseTextProtoFile(const std::string& path, google::protobuf::Message* msg);
-// Sets one field by name ("window=16", "pooling=MAX_POOL"), text-format value syntax. Nested fields with dots.
+// Sets one field by name ("window=16", "pooling=MAX_POOL"), text-format value syntax. Nested fields with
+// dots.
 Status SetFieldFromString(const std::string& assignment, google::protobuf::Message* msg);
 // Text format on one line, defaults included for proto2 fields.
 std::string ToTextWithDefaults(const google::protobuf::Message& msg);

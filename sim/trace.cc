@@ -8,20 +8,28 @@ namespace kvsim {
 
 const char* ModalityName(Modality m) {
   switch (m) {
-    case Modality::kText: return "text";
-    case Modality::kImage: return "image";
-    case Modality::kVideo: return "video";
-    case Modality::kOther: return "other";
+    case Modality::kText:
+      return "text";
+    case Modality::kImage:
+      return "image";
+    case Modality::kVideo:
+      return "video";
+    case Modality::kOther:
+      return "other";
   }
   return "?";
 }
 const char* PhaseName(Phase p) { return p == Phase::kPrefill ? "prefill" : "decode"; }
 const char* RoleName(Role r) {
   switch (r) {
-    case Role::kSystem: return "system";
-    case Role::kContext: return "context";
-    case Role::kQuestion: return "question";
-    case Role::kGenerated: return "generated";
+    case Role::kSystem:
+      return "system";
+    case Role::kContext:
+      return "context";
+    case Role::kQuestion:
+      return "question";
+    case Role::kGenerated:
+      return "generated";
   }
   return "?";
 }
@@ -63,7 +71,8 @@ Status Bad(const std::string& field, const std::string& what) {
 Status TraceMeta::Validate() const {
   if (format_version != kTraceFormatVersion)
     return Bad("format_version", "is " + std::to_string(format_version) + ", this kvsim reads version " +
-                                     std::to_string(kTraceFormatVersion) + "; regenerate or convert the trace");
+                                     std::to_string(kTraceFormatVersion) +
+                                     "; regenerate or convert the trace");
   const ModelInfo& m = model;
   if (m.num_layers <= 0) return Bad("num_layers", "must be > 0");
   if (m.num_heads <= 0) return Bad("num_heads", "must be > 0");
@@ -74,7 +83,8 @@ Status TraceMeta::Validate() const {
     return Bad("softmax_scale", "must be a positive finite number (usually 1/sqrt(head_dim))");
   if (!m.causal) return Bad("causal", "only causal attention is supported");
   if (m.sliding_window < 0) return Bad("sliding_window", "must be >= 0 (0 = none)");
-  if (m.logit_softcap < 0 || !std::isfinite(m.logit_softcap)) return Bad("logit_softcap", "must be >= 0 (0 = none)");
+  if (m.logit_softcap < 0 || !std::isfinite(m.logit_softcap))
+    return Bad("logit_softcap", "must be >= 0 (0 = none)");
   if (m.model_dtype != "float16" && m.model_dtype != "bfloat16" && m.model_dtype != "float32")
     return Bad("model_dtype", "must be float16, bfloat16 or float32, got '" + m.model_dtype + "'");
   if (prefill_length <= 0) return Bad("prefill_length", "must be > 0");
@@ -85,7 +95,9 @@ Status TraceMeta::Validate() const {
   const TokenTable& tk = tokens;
   auto check_len = [&](const char* name, size_t n) -> Status {
     if (static_cast<int64_t>(n) != t)
-      return Bad(std::string("tokens/") + name, "has " + std::to_string(n) + " entries, expected prefill_length + num_decode_steps = " + std::to_string(t));
+      return Bad(std::string("tokens/") + name,
+                 "has " + std::to_string(n) +
+                     " entries, expected prefill_length + num_decode_steps = " + std::to_string(t));
     return Status::Ok();
   };
   KVSIM_RETURN_IF_ERROR(check_len("modality", tk.modality.size()));
@@ -99,32 +111,44 @@ Status TraceMeta::Validate() const {
   if (!tk.text.empty()) KVSIM_RETURN_IF_ERROR(check_len("text", tk.text.size()));
   for (int64_t i = 0; i < t; ++i) {
     if (static_cast<int>(tk.modality[i]) >= kNumModalities)
-      return Bad("tokens/modality", "token " + std::to_string(i) + " has unknown modality code " + std::to_string(static_cast<int>(tk.modality[i])) + " (0 text, 1 image, 2 video, 3 other)");
+      return Bad("tokens/modality", "token " + std::to_string(i) + " has unknown modality code " +
+                                        std::to_string(static_cast<int>(tk.modality[i])) +
+                                        " (0 text, 1 image, 2 video, 3 other)");
     if (static_cast<int>(tk.role[i]) >= kNumRoles)
-      return Bad("tokens/role", "token " + std::to_string(i) + " has unknown role code " + std::to_string(static_cast<int>(tk.role[i])) + " (0 system, 1 context, 2 question, 3 generated)");
+      return Bad("tokens/role", "token " + std::to_string(i) + " has unknown role code " +
+                                    std::to_string(static_cast<int>(tk.role[i])) +
+                                    " (0 system, 1 context, 2 question, 3 generated)");
     const Phase want = i < prefill_length ? Phase::kPrefill : Phase::kDecode;
     if (tk.phase[i] != want)
-      return Bad("tokens/phase", "token " + std::to_string(i) + " is marked " + PhaseName(tk.phase[i]) + " but prefill_length = " + std::to_string(prefill_length));
+      return Bad("tokens/phase", "token " + std::to_string(i) + " is marked " + PhaseName(tk.phase[i]) +
+                                     " but prefill_length = " + std::to_string(prefill_length));
     if ((i >= prefill_length) != (tk.role[i] == Role::kGenerated))
-      return Bad("tokens/role", "token " + std::to_string(i) + ": role 'generated' must be used exactly for decode tokens");
+      return Bad("tokens/role",
+                 "token " + std::to_string(i) + ": role 'generated' must be used exactly for decode tokens");
   }
-  if (query_positions.empty()) return Bad("query_positions", "is empty; at least every decode token's query is required");
+  if (query_positions.empty())
+    return Bad("query_positions", "is empty; at least every decode token's query is required");
   for (size_t i = 0; i < query_positions.size(); ++i) {
     if (query_positions[i] < 0 || query_positions[i] >= t)
-      return Bad("query_positions", "entry " + std::to_string(i) + " = " + std::to_string(query_positions[i]) + " is outside [0, " + std::to_string(t) + ")");
+      return Bad("query_positions", "entry " + std::to_string(i) + " = " +
+                                        std::to_string(query_positions[i]) + " is outside [0, " +
+                                        std::to_string(t) + ")");
     if (i > 0 && query_positions[i] <= query_positions[i - 1])
       return Bad("query_positions", "must be strictly ascending (entry " + std::to_string(i) + ")");
   }
   // Every decode token's query must be stored.
   for (int32_t p = prefill_length; p < t; ++p)
     if (QueryIndex(p) < 0)
-      return Bad("query_positions", "lacks decode token " + std::to_string(p) + "; every decode step's query is required");
+      return Bad("query_positions",
+                 "lacks decode token " + std::to_string(p) + "; every decode step's query is required");
   // The stored prompt queries must be a suffix (the last W prompt tokens) or all of them.
   int n_prompt_q = 0;
   for (int32_t p : query_positions) n_prompt_q += p < prefill_length;
   for (int i = 0; i < n_prompt_q; ++i)
     if (query_positions[i] != prefill_length - n_prompt_q + i)
-      return Bad("query_positions", "stored prompt queries must be the last W prompt tokens (a contiguous suffix of the prompt)");
+      return Bad(
+          "query_positions",
+          "stored prompt queries must be the last W prompt tokens (a contiguous suffix of the prompt)");
   return Status::Ok();
 }
 
@@ -144,7 +168,8 @@ Status MemoryTrace::Begin(const TraceMeta& meta) {
 
 Status MemoryTrace::WriteLayer(const LayerData& layer) {
   if (layer.layer != static_cast<int>(layers_.size()))
-    return Status::InvalidArgument("layers must be written in order; got layer " + std::to_string(layer.layer));
+    return Status::InvalidArgument("layers must be written in order; got layer " +
+                                   std::to_string(layer.layer));
   KVSIM_RETURN_IF_ERROR(ValidateLayer(meta_, layer, "<memory>"));
   layers_.push_back(layer);
   return Status::Ok();
@@ -158,17 +183,22 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
   const size_t q = static_cast<size_t>(m.num_heads) * meta.query_positions.size() * m.head_dim;
   auto shape = [&](const char* name, size_t got, size_t want, const std::string& dims) -> Status {
     if (got != want)
-      return Status::InvalidArgument(where + " dataset '" + name + "' has " + std::to_string(got) + " elements, expected " + dims + " = " + std::to_string(want));
+      return Status::InvalidArgument(where + " dataset '" + name + "' has " + std::to_string(got) +
+                                     " elements, expected " + dims + " = " + std::to_string(want));
     return Status::Ok();
   };
-  const std::string kvdims = "[num_kv_heads=" + std::to_string(m.num_kv_heads) + ", T=" + std::to_string(t) + ", head_dim=" + std::to_string(m.head_dim) + "]";
+  const std::string kvdims = "[num_kv_heads=" + std::to_string(m.num_kv_heads) + ", T=" + std::to_string(t) +
+                             ", head_dim=" + std::to_string(m.head_dim) + "]";
   KVSIM_RETURN_IF_ERROR(shape("keys", layer.keys.size(), kv, kvdims));
   KVSIM_RETURN_IF_ERROR(shape("values", layer.values.size(), kv, kvdims));
   KVSIM_RETURN_IF_ERROR(shape("queries", layer.queries.size(), q,
-                              "[num_heads=" + std::to_string(m.num_heads) + ", Tq=" + std::to_string(meta.query_positions.size()) + ", head_dim=" + std::to_string(m.head_dim) + "]"));
+                              "[num_heads=" + std::to_string(m.num_heads) +
+                                  ", Tq=" + std::to_string(meta.query_positions.size()) +
+                                  ", head_dim=" + std::to_string(m.head_dim) + "]"));
   if (!layer.prefill_column_sums.empty())
     KVSIM_RETURN_IF_ERROR(shape("prefill_column_sums", layer.prefill_column_sums.size(),
-                                static_cast<size_t>(m.num_heads) * meta.prefill_length, "[num_heads, prefill_length]"));
+                                static_cast<size_t>(m.num_heads) * meta.prefill_length,
+                                "[num_heads, prefill_length]"));
   auto finite = [&](const char* name, const std::vector<float>& v) -> Status {
     // Branch-free scan first (vectorises); locate the offending index only when there is one.
     uint32_t bad = 0;
@@ -180,7 +210,9 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
     if (!bad) return Status::Ok();
     for (size_t i = 0; i < v.size(); ++i)
       if (!std::isfinite(v[i]))
-        return Status::DataLoss(where + " dataset '" + name + "' holds a non-finite value (NaN/Inf) at flat index " + std::to_string(i) + "; the capture or generator produced bad data");
+        return Status::DataLoss(where + " dataset '" + name +
+                                "' holds a non-finite value (NaN/Inf) at flat index " + std::to_string(i) +
+                                "; the capture or generator produced bad data");
     return Status::Ok();
   };
   KVSIM_RETURN_IF_ERROR(finite("keys", layer.keys));

@@ -67,8 +67,8 @@ struct TokenTable {
 struct TraceMeta {
   int format_version = kTraceFormatVersion;
   ModelInfo model;
-  int prefill_length = 0;    // n: tokens [0, n) are the prompt
-  int num_decode_steps = 0;  // tokens [n, n + num_decode_steps) are generated
+  int prefill_length = 0;            // n: tokens [0, n) are the prompt
+  int num_decode_steps = 0;          // tokens [n, n + num_decode_steps) are generated
   std::string source = "synthetic";  // "synthetic" | "captured"
   std::string generator;             // tool that wrote it, e.g. "kvsim synth"
   std::string generator_version;
@@ -125,7 +125,8 @@ class TraceSink {
 class MemoryTrace : public TraceSource, public TraceSink {
  public:
   MemoryTrace() = default;
-  MemoryTrace(TraceMeta meta, std::vector<LayerData> layers) : meta_(std::move(meta)), layers_(std::move(layers)) {}
+  MemoryTrace(TraceMeta meta, std::vector<LayerData> layers)
+      : meta_(std::move(meta)), layers_(std::move(layers)) {}
   const TraceMeta& meta() const override { return meta_; }
   Status ReadLayer(int layer, LayerData* out) override;
   std::string Describe() const override { return "<memory>"; }

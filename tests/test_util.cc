@@ -34,7 +34,8 @@ MemoryTrace MakeTinyTrace(const TinyTraceSpec& s) {
       meta.tokens.patch_col[i] = (i - s.image_begin) % 4;
     }
     if (i < 2) meta.tokens.role[i] = Role::kSystem;
-    if (i >= s.prefill_length - s.question_tokens && i < s.prefill_length) meta.tokens.role[i] = Role::kQuestion;
+    if (i >= s.prefill_length - s.question_tokens && i < s.prefill_length)
+      meta.tokens.role[i] = Role::kQuestion;
     if (i >= s.prefill_length) {
       meta.tokens.phase[i] = Phase::kDecode;
       meta.tokens.role[i] = Role::kGenerated;

@@ -15,7 +15,7 @@ struct TinyTraceSpec {
   int head_dim = 8;
   int prefill_length = 24;
   int decode_steps = 6;
-  int image_begin = 4;   // tokens [image_begin, image_end) are image patches (one segment)
+  int image_begin = 4;  // tokens [image_begin, image_end) are image patches (one segment)
   int image_end = 16;
   int question_tokens = 4;  // last prompt tokens are the question
   bool all_queries = true;  // else the last 8 prompt queries + decode

@@ -63,13 +63,15 @@ int CmdSynth(int argc, char** argv) {
   uint64_t seed = 0;
   int threads = 0;
   po::options_description opts("kvsim synth options");
-  opts.add_options()("config", po::value(&config)->required(), "SynthConfig text proto (configs/synth/*.textproto)")(
+  opts.add_options()("config", po::value(&config)->required(),
+                     "SynthConfig text proto (configs/synth/*.textproto)")(
       "out", po::value(&out)->required(), "output trace (.h5); written to a temp file, then renamed")(
-      "seed", po::value(&seed), "override the config's seed")("threads", po::value(&threads)->default_value(0),
-                                                              "worker threads (0 = all cores)");
+      "seed", po::value(&seed), "override the config's seed")(
+      "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)");
   po::variables_map vm;
   int code;
-  if (!Parse(argc, argv, "usage: kvsim synth --config F --out T.h5 [--seed N]", opts, nullptr, vm, &code)) return code;
+  if (!Parse(argc, argv, "usage: kvsim synth --config F --out T.h5 [--seed N]", opts, nullptr, vm, &code))
+    return code;
   auto cfg = LoadSynthConfig(config);
   if (!cfg.ok()) return Fail(cfg.status());
   if (vm.count("seed")) cfg->set_seed(seed);
@@ -89,8 +91,8 @@ int CmdInspect(int argc, char** argv) {
   int threads = 0;
   po::options_description opts("kvsim inspect options");
   opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
-      "json", po::bool_switch(&json), "print JSON instead of text")("threads", po::value(&threads)->default_value(0),
-                                                                      "worker threads (0 = all cores)");
+      "json", po::bool_switch(&json), "print JSON instead of text")(
+      "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)");
   po::positional_options_description pos;
   pos.add("trace", 1);
   po::variables_map vm;
@@ -163,15 +165,18 @@ int CmdRun(int argc, char** argv) {
       "out", po::value(&out)->required(), "result.json");
   po::variables_map vm;
   int code;
-  const char* usage = "usage: kvsim run --trace T.h5 --policy P (--budget R | --budget-tokens N) [--set k=v]... --out result.json";
+  const char* usage =
+      "usage: kvsim run --trace T.h5 --policy P (--budget R | --budget-tokens N) [--set k=v]... --out "
+      "result.json";
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
     return kExitUsage;
   }
   if (vm.count("budget") && !(budget > 0 && budget <= 1))
-    return Fail(Status::InvalidArgument("--budget " + std::to_string(budget) +
-                                        ": must be a fraction in (0, 1]; use --budget-tokens for token counts"));
+    return Fail(
+        Status::InvalidArgument("--budget " + std::to_string(budget) +
+                                ": must be a fraction in (0, 1]; use --budget-tokens for token counts"));
   if (vm.count("budget-tokens") && budget_tokens < 1)
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
   auto mode = ParseQuestionMode(qmode);
@@ -181,7 +186,9 @@ int CmdRun(int argc, char** argv) {
   Status st = WriteFileAtomic(out, ToJson(*res));
   if (!st.ok()) return Fail(st);
   const Metrics& m = res->metrics();
-  std::fprintf(stderr, "kvsim: %s budget %d tokens: retained mass %.4f, output rel. error %.4f, KV memory %.3f of full -> %s\n",
+  std::fprintf(stderr,
+               "kvsim: %s budget %d tokens: retained mass %.4f, output rel. error %.4f, KV memory %.3f of "
+               "full -> %s\n",
                res->label().c_str(), res->budget_tokens(), m.retained_mass_mean(), m.output_rel_error_mean(),
                m.kv_memory_ratio(), out.c_str());
   return kExitOk;
@@ -192,7 +199,8 @@ int CmdSweep(int argc, char** argv) {
   std::vector<std::string> traces;
   int threads = 0;
   po::options_description opts("kvsim sweep options");
-  opts.add_options()("config", po::value(&config)->required(), "Experiment text proto (configs/experiments/)")(
+  opts.add_options()("config", po::value(&config)->required(),
+                     "Experiment text proto (configs/experiments/)")(
       "trace", po::value(&traces)->composing(), "trace file(s) replacing the config's traces (repeatable)")(
       "latency-model", po::value(&latency), "latency model file (overrides the config's)")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)")(
@@ -214,12 +222,14 @@ int CmdSweep(int argc, char** argv) {
   if (!res.ok()) return Fail(res.status());
   Status st = WriteSweepOutputs(*res, out);
   if (!st.ok()) return Fail(st);
-  std::fprintf(stderr, "kvsim: %d runs -> %s/{results.json,results.csv,summary.md}\n", res->runs_size(), out.c_str());
+  std::fprintf(stderr, "kvsim: %d runs -> %s/{results.json,results.csv,summary.md}\n", res->runs_size(),
+               out.c_str());
   return kExitOk;
 }
 
 const char kTopUsage[] =
-    "kvsim " "— replay recorded LLM attention traces against KV-cache compression policies\n\n"
+    "kvsim "
+    "— replay recorded LLM attention traces against KV-cache compression policies\n\n"
     "usage: kvsim <command> [options]   (kvsim <command> --help for details)\n\n"
     "commands:\n"
     "  synth          generate a synthetic trace from a config\n"

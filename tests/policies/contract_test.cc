@@ -23,7 +23,8 @@ std::vector<RunSpec> AllRuns(QuestionMode mode) {
   return runs;
 }
 
-void CheckInvariants(const TraceMeta& meta, const std::vector<RunSpec>& runs, const std::vector<RunResult>& res) {
+void CheckInvariants(const TraceMeta& meta, const std::vector<RunSpec>& runs,
+                     const std::vector<RunResult>& res) {
   REQUIRE(res.size() == runs.size());
   for (size_t i = 0; i < runs.size(); ++i) {
     const RunResult& r = res[i];
@@ -58,7 +59,8 @@ void CheckInvariants(const TraceMeta& meta, const std::vector<RunSpec>& runs, co
     }
     // MHA: the oracle is the per-head optimum (zero regret). GQA: it optimises the group mean, so each head
     // may lose a little against its own optimum.
-    if (r.policy() == "oracle" && meta.model.GroupSize() == 1) CHECK(m.regret_vs_oracle_mean() == Approx(0).margin(1e-6));
+    if (r.policy() == "oracle" && meta.model.GroupSize() == 1)
+      CHECK(m.regret_vs_oracle_mean() == Approx(0).margin(1e-6));
   }
 }
 
@@ -109,7 +111,8 @@ TEST_CASE("contract: budget 100% keeps every prompt token for prefill-compressin
   MemoryTrace trace = testing::MakeTinyTrace();
   const std::vector<std::string> one_shot{"one_shot=true"};
   for (const char* name : {"snapkv", "pyramidkv", "h2o"}) {
-    auto p = PolicyRegistry::Default().Create(name, std::string(name) == "h2o" ? one_shot : std::vector<std::string>{});
+    auto p = PolicyRegistry::Default().Create(
+        name, std::string(name) == "h2o" ? one_shot : std::vector<std::string>{});
     REQUIRE(p.ok());
     std::vector<RunSpec> runs{RunSpec{*p, name, 1.0, 0, QuestionMode::kQueryAware}};
     auto res = Replay(trace, runs, ReplayOptions{.threads = 1});
@@ -124,7 +127,8 @@ TEST_CASE("contract: oracle mass grows with the budget", "[contract]") {
   auto p = PolicyRegistry::Default().Create("oracle");
   REQUIRE(p.ok());
   std::vector<RunSpec> runs;
-  for (double b : {0.1, 0.3, 0.6, 0.9}) runs.push_back(RunSpec{*p, "oracle", b, 0, QuestionMode::kQueryAware});
+  for (double b : {0.1, 0.3, 0.6, 0.9})
+    runs.push_back(RunSpec{*p, "oracle", b, 0, QuestionMode::kQueryAware});
   auto res = Replay(trace, runs, ReplayOptions{.threads = 1});
   REQUIRE(res.ok());
   for (size_t i = 1; i < runs.size(); ++i)

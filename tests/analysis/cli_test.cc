@@ -1,0 +1,190 @@
+// End-to-end tests of the kvsim binary: exit codes, one-line errors, no partial output, determinism.
+
+#include <google/protobuf/util/json_util.h>
+
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "sim/results.pb.h"
+#include "tests/test_util.h"
+#include "traces/hdf5_trace.h"
+
+namespace kvsim {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string Kvsim() { return testing::KvsimBinary(); }
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A tiny synthetic trace shared by the tests of this file.
+const std::string& TinyTrace() {
+  static const std::string path = [] {
+    const std::string dir = testing::ScratchDir("cli_trace");
+    const std::string out = dir + "/tiny.h5";
+    std::string log;
+    const int rc = testing::RunCommand(Kvsim() + " synth --config " + testing::SourceDir() +
+                                           "/configs/synth/tiny.textproto --out " + out + " --threads 1",
+                                       &log);
+    INFO(log);
+    REQUIRE(rc == 0);
+    return out;
+  }();
+  return path;
+}
+
+}  // namespace
+
+TEST_CASE("cli: usage errors exit 2, help exits 0", "[cli]") {
+  std::string out;
+  CHECK(testing::RunCommand(Kvsim(), &out) == 2);
+  CHECK(testing::RunCommand(Kvsim() + " frobnicate", &out) == 2);
+  CHECK(out.find("unknown command") != std::string::npos);
+  CHECK(testing::RunCommand(Kvsim() + " run --trace x.h5 --policy snapkv --budget 0.1", &out) == 2);
+  CHECK(out.find("--out") != std::string::npos);
+  CHECK(testing::RunCommand(Kvsim() + " run --trace x.h5 --policy snapkv --out r.json", &out) == 2);
+  CHECK(out.find("exactly one of --budget") != std::string::npos);
+  for (const char* cmd : {"synth", "inspect", "validate", "list-policies", "run", "sweep"}) {
+    INFO(cmd);
+    CHECK(testing::RunCommand(Kvsim() + " " + cmd + " --help", &out) == 0);
+    CHECK(out.find("usage: kvsim") != std::string::npos);
+  }
+  CHECK(testing::RunCommand(Kvsim() + " version", &out) == 0);
+}
+
+TEST_CASE("cli: bad input gives one clear line, exit 1 and no output file", "[cli]") {
+  const std::string dir = testing::ScratchDir("cli_bad");
+  const std::string result = dir + "/r.json";
+  std::string out;
+  CHECK(testing::RunCommand(
+            Kvsim() + " run --trace " + dir + "/missing.h5 --policy snapkv --budget 0.1 --out " + result,
+            &out) == 1);
+  CHECK(out.find("missing.h5") != std::string::npos);
+  CHECK(out.find("kvsim: error:") == 0);
+  CHECK(std::count(out.begin(), out.end(), '\n') == 1);
+  CHECK_FALSE(fs::exists(result));
+  CHECK(testing::RunCommand(
+            Kvsim() + " run --trace " + TinyTrace() + " --policy nope --budget 0.1 --out " + result, &out) ==
+        1);
+  CHECK(out.find("unknown policy 'nope'") != std::string::npos);
+  CHECK(testing::RunCommand(Kvsim() + " run --trace " + TinyTrace() +
+                                " --policy snapkv --set bogus=1 --budget 0.1 --out " + result,
+                            &out) == 1);
+  CHECK(out.find("no parameter 'bogus'") != std::string::npos);
+  CHECK(testing::RunCommand(
+            Kvsim() + " run --trace " + TinyTrace() + " --policy snapkv --budget 2 --out " + result, &out) ==
+        1);
+  CHECK(out.find("(0, 1]") != std::string::npos);
+  CHECK(testing::RunCommand(Kvsim() + " run --trace " + TinyTrace() +
+                                " --policy snapkv --budget 0.1 --question-mode maybe --out " + result,
+                            &out) == 1);
+  CHECK_FALSE(fs::exists(result));
+  // Not an HDF5 file.
+  const std::string junk = dir + "/junk.h5";
+  std::ofstream(junk) << "not a trace";
+  CHECK(testing::RunCommand(Kvsim() + " inspect " + junk, &out) == 1);
+  CHECK(out.find("junk.h5") != std::string::npos);
+  // A bad synth config names the line.
+  const std::string cfg = dir + "/bad.textproto";
+  std::ofstream(cfg) << "model {\n  num_layers: abc\n}\n";
+  CHECK(testing::RunCommand(Kvsim() + " synth --config " + cfg + " --out " + dir + "/t.h5", &out) == 1);
+  CHECK(out.find("line 2") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir + "/t.h5"));
+  // A bad experiment leaves no results folder.
+  const std::string exp = dir + "/exp.textproto";
+  std::ofstream(exp) << "traces: \"" << TinyTrace() << "\"\npolicies { name: \"snapkv\" }\nbudgets: 0\n";
+  CHECK(testing::RunCommand(Kvsim() + " sweep --config " + exp + " --out " + dir + "/res", &out) == 1);
+  CHECK(out.find("budgets") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir + "/res"));
+  for (const auto& e : fs::directory_iterator(dir))
+    CHECK(e.path().string().find(".tmp") == std::string::npos);
+}
+
+TEST_CASE("cli: run writes a complete result.json", "[cli]") {
+  const std::string dir = testing::ScratchDir("cli_run");
+  const std::string result = dir + "/r.json";
+  std::string out;
+  REQUIRE(testing::RunCommand(Kvsim() + " run --trace " + TinyTrace() +
+                                  " --policy snapkv --budget 0.2 --set window=8 --threads 2 --out " + result,
+                              &out) == 0);
+  RunResult r;
+  REQUIRE(google::protobuf::util::JsonStringToMessage(ReadAll(result), &r).ok());
+  CHECK(r.policy() == "snapkv");
+  CHECK(r.parameters().find("window: 8") != std::string::npos);
+  CHECK(r.budget_fraction() == 0.2);
+  CHECK(r.trace_hash().size() == 16);
+  CHECK(r.question_mode() == "query_aware");
+  CHECK(r.metrics().samples() > 0);
+  CHECK(r.metrics().bound_violations() == 0);
+  CHECK(r.layers_size() > 0);
+  CHECK(r.timeline_size() > 1);
+  CHECK(r.metrics().retained_mass_mean() > 0);
+  CHECK(r.metrics().retained_mass_mean() < 1);
+}
+
+TEST_CASE("cli: sweep is deterministic across invocations and thread counts", "[cli]") {
+  const std::string dir = testing::ScratchDir("cli_sweep");
+  const std::string exp = testing::SourceDir() + "/configs/experiments/demo.textproto";
+  std::string out;
+  REQUIRE(testing::RunCommand(Kvsim() + " sweep --config " + exp + " --trace " + TinyTrace() +
+                                  " --threads 1 --out " + dir + "/a",
+                              &out) == 0);
+  REQUIRE(testing::RunCommand(Kvsim() + " sweep --config " + exp + " --trace " + TinyTrace() +
+                                  " --threads 2 --out " + dir + "/b",
+                              &out) == 0);
+  for (const char* f : {"results.json", "results.csv", "summary.md"}) {
+    INFO(f);
+    CHECK(ReadAll(dir + "/a/" + std::string(f)) == ReadAll(dir + "/b/" + std::string(f)));
+  }
+  const std::string summary = ReadAll(dir + "/a/summary.md");
+  for (const char* p : {"full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "oracle"})
+    CHECK(summary.find(p) != std::string::npos);
+  // Re-running into the same folder replaces it.
+  REQUIRE(testing::RunCommand(
+              Kvsim() + " sweep --config " + exp + " --trace " + TinyTrace() + " --out " + dir + "/a",
+              &out) == 0);
+  CHECK(ReadAll(dir + "/a/results.json") == ReadAll(dir + "/b/results.json"));
+  // CSV: header + per run (all + per layer) rows.
+  const std::string csv = ReadAll(dir + "/a/results.csv");
+  CHECK(csv.rfind("trace,trace_hash,model,policy", 0) == 0);
+}
+
+TEST_CASE("cli: inspect and validate", "[cli]") {
+  std::string out;
+  REQUIRE(testing::RunCommand(Kvsim() + " inspect " + TinyTrace(), &out) == 0);
+  CHECK(out.find("layer") != std::string::npos);
+  REQUIRE(testing::RunCommand(Kvsim() + " inspect " + TinyTrace() + " --json", &out) == 0);
+  CHECK(out.find('{') == 0);
+  REQUIRE(testing::RunCommand(Kvsim() + " validate " + TinyTrace(), &out) == 0);
+  CHECK(out.find("structure: ok") != std::string::npos);
+  CHECK(out.find("-> ok") != std::string::npos);
+  CHECK(testing::RunCommand(Kvsim() + " list-policies", &out) == 0);
+  CHECK(out.find("pyramidkv") != std::string::npos);
+}
+
+TEST_CASE("cli: validate reports recorded aggregates that disagree with Q/K (exit 3)", "[cli]") {
+  MemoryTrace tr = testing::MakeTinyTrace();
+  tr.mutable_meta().has_prefill_column_sums = true;
+  const TraceMeta& m = tr.meta();
+  for (auto& l : tr.layers())
+    l.prefill_column_sums.assign(static_cast<size_t>(m.model.num_heads) * m.prefill_length, 0.5f);
+  const std::string path = testing::ScratchDir("cli_validate") + "/wrong.h5";
+  auto w = Hdf5TraceWriter::Create(path);
+  REQUIRE(w.ok());
+  REQUIRE((*w)->Begin(m).ok());
+  for (const auto& l : tr.layers()) REQUIRE((*w)->WriteLayer(l).ok());
+  REQUIRE((*w)->Finish().ok());
+  std::string out;
+  CHECK(testing::RunCommand(Kvsim() + " validate " + path, &out) == 3);
+  CHECK(out.find("MISMATCH") != std::string::npos);
+}
+
+}  // namespace kvsim

@@ -1,0 +1,86 @@
+#include "analysis/report.h"
+
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "analysis/sweep.h"
+#include "tests/test_util.h"
+
+namespace kvsim {
+
+TEST_CASE("report: CSV has one overall row and one row per layer, quoting fields", "[report]") {
+  RunResult r;
+  r.set_policy("snapkv");
+  r.set_label("snapkv window=8, \"x\"");
+  r.set_trace_path("t.h5");
+  r.set_budget_tokens(10);
+  r.mutable_metrics()->set_retained_mass_mean(0.5);
+  for (int l = 0; l < 3; ++l) r.add_layers()->set_layer(l);
+  const std::string csv = ResultsCsv({r});
+  std::istringstream in(csv);
+  std::string line;
+  int rows = 0;
+  while (std::getline(in, line)) ++rows;
+  CHECK(rows == 1 + 1 + 3);
+  CHECK(csv.find("\"snapkv window=8, \"\"x\"\"\"") != std::string::npos);
+  CHECK(csv.find(",all,") != std::string::npos);
+}
+
+TEST_CASE("report: summary lists every run and the best causal policy per budget", "[report]") {
+  std::vector<RunResult> runs(3);
+  const char* names[] = {"oracle", "snapkv", "h2o"};
+  const double err[] = {0.01, 0.3, 0.2};
+  for (int i = 0; i < 3; ++i) {
+    runs[i].set_policy(names[i]);
+    runs[i].set_label(names[i]);
+    runs[i].set_trace_path("t.h5");
+    runs[i].set_budget_tokens(10);
+    runs[i].set_budget_fraction(0.1);
+    runs[i].mutable_metrics()->set_output_rel_error_mean(err[i]);
+  }
+  const std::string md = SummaryMarkdown(runs, "title");
+  CHECK(md.find("# title") == 0);
+  CHECK(md.find("| snapkv | 10% (10)") != std::string::npos);
+  CHECK(md.find("**h2o**") != std::string::npos);  // oracle is not a contender
+}
+
+TEST_CASE("report: WriteFileAtomic writes whole files and fails cleanly", "[report]") {
+  const std::string dir = testing::ScratchDir("report_atomic");
+  REQUIRE(WriteFileAtomic(dir + "/a.txt", "hello").ok());
+  std::ifstream in(dir + "/a.txt");
+  std::string s;
+  std::getline(in, s);
+  CHECK(s == "hello");
+  Status st = WriteFileAtomic(dir + "/no/such/dir/a.txt", "x");
+  CHECK_FALSE(st.ok());
+  CHECK(st.message().find("no/such/dir/a.txt") != std::string::npos);
+  for (const auto& e : std::filesystem::directory_iterator(dir)) CHECK(e.path().filename() == "a.txt");
+}
+
+TEST_CASE("sweep: experiment errors name the field", "[report]") {
+  const std::string dir = testing::ScratchDir("sweep_exp");
+  auto write = [&](const std::string& text) {
+    std::ofstream(dir + "/e.textproto") << text;
+    return LoadExperiment(dir + "/e.textproto");
+  };
+  auto e = write("policies { name: \"snapkv\" } budgets: 0.1");
+  REQUIRE_FALSE(e.ok());
+  CHECK(e.status().message().find("traces") != std::string::npos);
+  e = write("traces: \"t.h5\" budgets: 0.1");
+  REQUIRE_FALSE(e.ok());
+  CHECK(e.status().message().find("policies") != std::string::npos);
+  e = write("traces: \"t.h5\" policies { name: \"snapkv\" }");
+  REQUIRE_FALSE(e.ok());
+  CHECK(e.status().message().find("budget") != std::string::npos);
+  e = write("traces: \"t.h5\" policies { name: \"snapkv\" } budgets: 1.5");
+  REQUIRE_FALSE(e.ok());
+  e = write("traces: \"t.h5\" polices { name: \"snapkv\" }");
+  REQUIRE_FALSE(e.ok());
+  CHECK(e.status().message().find("line 1") != std::string::npos);
+  e = write("traces: \"t.h5\" policies { name: \"snapkv\" } budgets: 0.1 budget_tokens: 64");
+  CHECK(e.ok());
+}
+
+}  // namespace kvsim
