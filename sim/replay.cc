@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <future>
 #include <map>
 #include <numeric>
 
@@ -555,14 +556,23 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     ordered_acc.push_back(std::move(acc[i]));
   }
   Progress progress(options.progress, num_layers);
-  LayerData layer;
-  for (int l = 0; l < num_layers; ++l) {
-    KVSIM_RETURN_IF_ERROR(trace.ReadLayer(l, &layer));
-    if (layer.layer != l) layer.layer = l;
-    LayerPass pass(meta, layer, ordered_plans, ordered_acc, options.threads);
+  // Layer l + 1 is read in the background while layer l is replayed (at most two layers resident).
+  LayerData current, next;
+  Status read_status = trace.ReadLayer(0, &current);
+  for (int l = 0; l < num_layers && read_status.ok(); ++l) {
+    std::future<Status> prefetch;
+    if (l + 1 < num_layers)
+      prefetch = std::async(std::launch::async, [&trace, &next, l] { return trace.ReadLayer(l + 1, &next); });
+    current.layer = l;
+    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads);
     pass.Run();
     progress.Update(l + 1);
+    if (prefetch.valid()) {
+      read_status = prefetch.get();
+      std::swap(current, next);
+    }
   }
+  KVSIM_RETURN_IF_ERROR(read_status);
   for (size_t k = 0; k < order.size(); ++k) acc[order[k]] = std::move(ordered_acc[k]);
 
   auto token_steps = MakeTokenStepLatencyModel();

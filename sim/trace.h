@@ -105,7 +105,9 @@ class TraceSource {
  public:
   virtual ~TraceSource() = default;
   virtual const TraceMeta& meta() const = 0;
-  // Reads one layer; `out` is overwritten. Only this layer's data is resident.
+  // Reads one layer; `out` is overwritten. Only this layer's data is resident. Must be callable from a
+  // thread other than the one that opened the source (the engine prefetches the next layer), though never
+  // concurrently with itself.
   virtual Status ReadLayer(int layer, LayerData* out) = 0;
   // Human-readable identity: a file path or "<memory>".
   virtual std::string Describe() const = 0;
