@@ -44,7 +44,8 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
   std::vector<RunSpec> runs{RunSpec{p, label, budget_fraction, budget_tokens, mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
-  ReplayOptions ro{options.threads, latency.get(), options.progress, hash};
+  ReplayOptions ro{options.threads, latency.get(), options.progress, hash,
+                   std::max(0, options.prefill_chunk)};
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
   return results[0];
 }
@@ -66,6 +67,8 @@ StatusOr<config::Experiment> LoadExperiment(const std::string& path) {
           "; budgets are fractions in (0, 1] (use budget_tokens for token counts)");
   for (int b : e.budget_tokens())
     if (b < 1) return Status::InvalidArgument(path + ": field 'budget_tokens' must be >= 1");
+  if (e.prefill_chunk_tokens() < 0)
+    return Status::InvalidArgument(path + ": field 'prefill_chunk_tokens' must be >= 0 (0 = whole prompt)");
   return e;
 }
 
@@ -108,7 +111,8 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
   out.set_experiment(ToTextWithDefaults(experiment));
   for (size_t i = 0; i < traces.size(); ++i) {
     KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(paths[i]));
-    ReplayOptions ro{options.threads, latency.get(), options.progress, hash};
+    const int chunk = options.prefill_chunk >= 0 ? options.prefill_chunk : experiment.prefill_chunk_tokens();
+    ReplayOptions ro{options.threads, latency.get(), options.progress, hash, chunk};
     KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*traces[i], runs, ro));
     for (auto& r : results) *out.add_runs() = std::move(r);
   }

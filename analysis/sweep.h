@@ -18,6 +18,7 @@ struct RunOptions {
   int threads = 0;
   bool progress = false;
   std::string latency_model;  // file; empty = token steps
+  int prefill_chunk = -1;     // tokens per prefill chunk; 0 = whole prompt; -1 = the experiment's setting
 };
 
 // One policy on one trace at one budget (fraction > 0, or tokens > 0).

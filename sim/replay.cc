@@ -424,23 +424,50 @@ void FillQuality(const TraceMeta& meta, const RunAccum& a, int l0, int l1, Metri
   m->set_bound_violations(static_cast<double>(viol));
 }
 
-// Memory over the event timeline for layers [l0, l1); durations are per event (prefill, steps).
-void FillMemory(const TraceMeta& meta, const RunAccum& a, int l0, int l1, const std::vector<double>& dur,
-                Metrics* m) {
+// The request's timeline: prefill chunks (the compression hook runs at the end of the last one), then
+// one event per decode step. KV tokens held over layers [l0, l1) at each event, for the policy and for
+// the full cache: before the hook a chunk holds its uncompressed prefix.
+struct EventTokens {
+  std::vector<int> chunk_len;  // prompt tokens processed by each prefill chunk
+  std::vector<double> tokens, full_tokens;
+};
+EventTokens Timeline(const TraceMeta& meta, const RunAccum& a, int l0, int l1, int chunk) {
   const int hkv = meta.model.num_kv_heads, s = meta.num_decode_steps, n = meta.prefill_length;
-  const double bytes_per_token = 2.0 * meta.model.head_dim * meta.model.ModelDtypeBytes();
-  double peak = 0, fp = 0, full_peak = 0, full_fp = 0, total = 0, kept_sum = 0;
+  const double heads = static_cast<double>(l1 - l0) * hkv;
+  EventTokens ev;
+  if (chunk <= 0 || chunk >= n) chunk = n;
+  for (int begin = 0; begin < n; begin += chunk) ev.chunk_len.push_back(std::min(chunk, n - begin));
+  int done = 0;
+  for (size_t c = 0; c + 1 < ev.chunk_len.size(); ++c) {
+    done += ev.chunk_len[c];
+    ev.tokens.push_back(done * heads);
+    ev.full_tokens.push_back(done * heads);
+  }
   for (int e = 0; e <= s; ++e) {
     double tokens = 0;
     for (int l = l0; l < l1; ++l)
       for (int u = 0; u < hkv; ++u) tokens += a.tokens[(static_cast<size_t>(l) * hkv + u) * (s + 1) + e];
-    const double full_tokens = static_cast<double>(e == 0 ? n : n + e) * (l1 - l0) * hkv;
-    peak = std::max(peak, tokens * bytes_per_token);
-    full_peak = std::max(full_peak, full_tokens * bytes_per_token);
-    fp += tokens * bytes_per_token * dur[e];
-    full_fp += full_tokens * bytes_per_token * dur[e];
+    ev.tokens.push_back(tokens);
+    ev.full_tokens.push_back((n + e) * heads);
+  }
+  return ev;
+}
+
+// Memory over the event timeline for layers [l0, l1); `dur` holds the duration of every event.
+void FillMemory(const TraceMeta& meta, const RunAccum& a, int l0, int l1, int chunk,
+                const std::vector<double>& dur, Metrics* m) {
+  const int hkv = meta.model.num_kv_heads, s = meta.num_decode_steps;
+  const double bytes_per_token = 2.0 * meta.model.head_dim * meta.model.ModelDtypeBytes();
+  const EventTokens ev = Timeline(meta, a, l0, l1, chunk);
+  const size_t first_decode = ev.tokens.size() - s;
+  double peak = 0, fp = 0, full_peak = 0, full_fp = 0, total = 0, kept_sum = 0;
+  for (size_t e = 0; e < ev.tokens.size(); ++e) {
+    peak = std::max(peak, ev.tokens[e] * bytes_per_token);
+    full_peak = std::max(full_peak, ev.full_tokens[e] * bytes_per_token);
+    fp += ev.tokens[e] * bytes_per_token * dur[e];
+    full_fp += ev.full_tokens[e] * bytes_per_token * dur[e];
     total += dur[e];
-    if (e > 0) kept_sum += tokens / ((l1 - l0) * hkv);
+    if (e >= first_decode) kept_sum += ev.tokens[e] / ((l1 - l0) * hkv);
   }
   m->set_kv_bytes_peak(peak);
   m->set_kv_bytes_mean(total > 0 ? fp / total : 0);
@@ -597,31 +624,32 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     out.set_git_commit(kGitCommit);
     out.set_time_unit(latency.unit());
     // Simulated clock: per-event durations from the latency model and the cache sizes of all layers.
-    std::vector<double> dur(steps + 1);
+    const EventTokens ev = Timeline(meta, a, 0, num_layers, options.prefill_chunk);
+    const size_t chunks = ev.chunk_len.size();
+    std::vector<double> dur(ev.tokens.size());
     const double bytes_per_token = 2.0 * meta.model.head_dim * meta.model.ModelDtypeBytes();
     double now = 0;
-    for (int e = 0; e <= steps; ++e) {
-      double tokens = 0;
-      for (size_t i = 0; i < static_cast<size_t>(num_layers) * hkv; ++i)
-        tokens += a.tokens[i * (steps + 1) + e];
-      dur[e] = e == 0 ? latency.PrefillDuration(meta.prefill_length)
-                      : latency.DecodeStepDuration(tokens / (static_cast<double>(num_layers) * hkv));
+    for (size_t e = 0; e < ev.tokens.size(); ++e) {
+      const bool prefill = e < chunks;
+      dur[e] = prefill ? latency.PrefillDuration(ev.chunk_len[e])
+                       : latency.DecodeStepDuration(ev.tokens[e] / (static_cast<double>(num_layers) * hkv));
       now += dur[e];
       TimelinePoint* tp = out.add_timeline();
-      tp->set_event(e == 0 ? "prefill" : "decode");
-      tp->set_step(e - 1);
+      tp->set_event(prefill ? "prefill" : "decode");
+      tp->set_step(prefill ? static_cast<int>(e) - static_cast<int>(chunks) : static_cast<int>(e - chunks));
       tp->set_time(now);
-      tp->set_kv_tokens(tokens);
-      tp->set_kv_bytes(tokens * bytes_per_token);
+      tp->set_kv_tokens(ev.tokens[e]);
+      tp->set_kv_bytes(ev.tokens[e] * bytes_per_token);
     }
+    out.set_prefill_chunks(static_cast<int>(chunks));
     FillQuality(meta, a, 0, num_layers, out.mutable_metrics());
-    FillMemory(meta, a, 0, num_layers, dur, out.mutable_metrics());
+    FillMemory(meta, a, 0, num_layers, options.prefill_chunk, dur, out.mutable_metrics());
     for (int l = 0; l < num_layers; ++l) {
       LayerResult* lr = out.add_layers();
       lr->set_layer(l);
       lr->set_budget_tokens_mean(p.layer_budgets[l]);
       FillQuality(meta, a, l, l + 1, lr->mutable_metrics());
-      FillMemory(meta, a, l, l + 1, dur, lr->mutable_metrics());
+      FillMemory(meta, a, l, l + 1, options.prefill_chunk, dur, lr->mutable_metrics());
     }
   }
   return results;

@@ -33,6 +33,10 @@ struct ReplayOptions {
   const LatencyModel* latency = nullptr;  // null: token steps
   bool progress = false;                  // progress bar on stderr
   std::string trace_hash;                 // recorded in results
+  // Prefill in chunks of this many tokens (0 = the whole prompt at once). Chunks are timeline events: each
+  // lasts LatencyModel::PrefillDuration(chunk) and holds its uncompressed prefix; the compression hook runs
+  // at the end of the last chunk.
+  int prefill_chunk = 0;
 };
 
 // Start of the compressible region for a question mode: n (aware) or the first question token (agnostic).

@@ -150,7 +150,7 @@ StatusOr<QuestionMode> ParseQuestionMode(const std::string& s) {
 int CmdRun(int argc, char** argv) {
   std::string trace, policy, out, qmode, latency;
   double budget = 0;
-  int budget_tokens = 0, threads = 0;
+  int budget_tokens = 0, threads = 0, prefill_chunk = 0;
   std::vector<std::string> sets;
   po::options_description opts("kvsim run options");
   opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
@@ -161,7 +161,9 @@ int CmdRun(int argc, char** argv) {
       "question-mode", po::value(&qmode)->default_value("aware"),
       "aware: compress the whole prompt; agnostic: leave the question out of compression")(
       "latency-model", po::value(&latency), "latency model file (default: token steps)")(
-      "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)")(
+      "prefill-chunk", po::value(&prefill_chunk)->default_value(0),
+      "prefill chunk size in tokens (0 = whole prompt)")("threads", po::value(&threads)->default_value(0),
+                                                         "worker threads (0 = all cores)")(
       "out", po::value(&out)->required(), "result.json");
   po::variables_map vm;
   int code;
@@ -181,7 +183,10 @@ int CmdRun(int argc, char** argv) {
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
   auto mode = ParseQuestionMode(qmode);
   if (!mode.ok()) return Fail(mode.status());
-  auto res = RunOne(trace, policy, sets, budget, budget_tokens, *mode, RunOptions{threads, true, latency});
+  if (prefill_chunk < 0)
+    return Fail(Status::InvalidArgument("--prefill-chunk must be >= 0 (0 = whole prompt)"));
+  auto res = RunOne(trace, policy, sets, budget, budget_tokens, *mode,
+                    RunOptions{threads, true, latency, prefill_chunk});
   if (!res.ok()) return Fail(res.status());
   Status st = WriteFileAtomic(out, ToJson(*res));
   if (!st.ok()) return Fail(st);
@@ -197,12 +202,13 @@ int CmdRun(int argc, char** argv) {
 int CmdSweep(int argc, char** argv) {
   std::string config, out, latency;
   std::vector<std::string> traces;
-  int threads = 0;
+  int threads = 0, prefill_chunk = -1;
   po::options_description opts("kvsim sweep options");
   opts.add_options()("config", po::value(&config)->required(),
                      "Experiment text proto (configs/experiments/)")(
       "trace", po::value(&traces)->composing(), "trace file(s) replacing the config's traces (repeatable)")(
       "latency-model", po::value(&latency), "latency model file (overrides the config's)")(
+      "prefill-chunk", po::value(&prefill_chunk), "prefill chunk size in tokens (overrides the config's)")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)")(
       "out", po::value(&out)->required(), "output folder (results.json, results.csv, summary.md)");
   po::variables_map vm;
@@ -218,7 +224,9 @@ int CmdSweep(int argc, char** argv) {
     for (const auto& t : traces) exp->add_traces(t);
     base = ".";
   }
-  auto res = RunSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency});
+  if (vm.count("prefill-chunk") && prefill_chunk < 0)
+    return Fail(Status::InvalidArgument("--prefill-chunk must be >= 0 (0 = whole prompt)"));
+  auto res = RunSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, prefill_chunk});
   if (!res.ok()) return Fail(res.status());
   Status st = WriteSweepOutputs(*res, out);
   if (!st.ok()) return Fail(st);

@@ -499,3 +499,44 @@ TEST_CASE("replay: h2o uses the recorded column sums of a window-only trace", "[
 }
 
 }  // namespace kvsim
+
+namespace kvsim {
+
+TEST_CASE("replay: chunked prefill adds timeline events holding the uncompressed prefix", "[replay]") {
+  testing::TinyTraceSpec spec;  // n = 24, 6 decode steps, 2 layers x 2 KV heads
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  auto snap = PolicyRegistry::Default().Create("snapkv");
+  REQUIRE(snap.ok());
+  std::vector<RunSpec> runs{RunSpec{*snap, "snapkv", 0, 6, QuestionMode::kQueryAware}};
+  LatencyModelProto lp;
+  lp.set_prefill_base_us(5);
+  lp.set_prefill_us_per_token(1);
+  lp.set_decode_base_us(100);
+  auto latency = MakeLinearLatencyModel(lp);
+  ReplayOptions opt{.threads = 1, .latency = latency.get(), .prefill_chunk = 10};
+  auto res = Replay(trace, runs, opt);
+  REQUIRE(res.ok());
+  const RunResult& r = (*res)[0];
+  CHECK(r.prefill_chunks() == 3);  // 10 + 10 + 4
+  REQUIRE(r.timeline_size() == 3 + spec.decode_steps);
+  const double heads = 2 * 2;
+  CHECK(r.timeline(0).kv_tokens() == 10 * heads);
+  CHECK(r.timeline(1).kv_tokens() == 20 * heads);
+  CHECK(r.timeline(2).kv_tokens() == 6 * heads);  // after the compression hook
+  CHECK(r.timeline(0).step() == -3);
+  CHECK(r.timeline(2).step() == -1);
+  CHECK(r.timeline(3).step() == 0);
+  CHECK(r.timeline(0).time() == 15);   // 5 + 10
+  CHECK(r.timeline(1).time() == 30);   // + 5 + 10
+  CHECK(r.timeline(2).time() == 39);   // + 5 + 4
+  CHECK(r.timeline(3).time() == 139);  // + 100
+  // The uncompressed chunks set the peak: 20 tokens x 4 heads x 2 (K, V) x 8 dims x 2 bytes.
+  CHECK(r.metrics().kv_bytes_peak() == 20 * heads * 2 * 8 * 2);
+  // Quality metrics do not depend on chunking.
+  auto whole = Replay(trace, runs, ReplayOptions{.threads = 1});
+  REQUIRE(whole.ok());
+  CHECK(r.metrics().retained_mass_mean() == (*whole)[0].metrics().retained_mass_mean());
+  CHECK((*whole)[0].prefill_chunks() == 1);
+}
+
+}  // namespace kvsim
