@@ -29,6 +29,24 @@ class PromptScores {
   virtual std::span<const float> WindowColumnSums(int group_member, int window) = 0;
 };
 
+// Per-run state built by a policy's first pass over all layers (cross-layer information: MEDA's entropy
+// allocation, MadaKV's compensation, HAE's first-layer decisions). Policies derive their own plan type.
+class PolicyPlan {
+ public:
+  virtual ~PolicyPlan() = default;
+  // Per-layer prompt budgets decided by the first pass; empty = Policy::LayerBudgets decides.
+  std::vector<int> layer_budgets;
+};
+
+// One layer as the first pass sees it (fp32 tensors of every head; see LayerData for layouts).
+struct LayerView {
+  const TraceMeta* meta = nullptr;
+  const LayerData* data = nullptr;
+  int layer = 0;
+  int compress_end = 0;
+  int threads = 1;  // a policy may parallelise its per-layer statistics with ParallelFor
+};
+
 struct HeadContext {
   const TraceMeta* meta = nullptr;
   int layer = 0;
@@ -38,6 +56,7 @@ struct HeadContext {
   const float* keys = nullptr;    // [T][head_dim] this KV head's keys (fp32, post-RoPE)
   const float* values = nullptr;  // [T][head_dim]
   PromptScores* scores = nullptr;
+  const PolicyPlan* plan = nullptr;  // the run's first-pass plan, or null
   int head_dim() const { return meta->model.head_dim; }
   int prefill_length() const { return meta->prefill_length; }
   Modality modality(int32_t token) const { return meta->tokens.modality[token]; }
@@ -75,6 +94,7 @@ struct PolicyRequirements {
   int window = 0;                   // PromptScores::WindowColumnSums(window) (0 = not used)
   bool future_attention = false;    // StepAttention::full_probs (oracle only)
   bool decode_attention = false;    // AfterStep needs cache_probs
+  bool first_pass = false;          // NewPlan / ObserveLayer / FinishPlan before the replay
 };
 
 class Policy {
@@ -91,6 +111,15 @@ class Policy {
   // Default: uniform.
   virtual std::vector<int> LayerBudgets(const TraceMeta& meta, int budget, int compress_len) const;
   virtual std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const = 0;
+
+  // First pass (requirements().first_pass): the engine streams every layer once, in order, before any
+  // compression: plan = NewPlan(...); ObserveLayer(view, plan) for each layer; FinishPlan(plan). The plan
+  // reaches LayerBudgets' caller (plan->layer_budgets, if set) and every HeadPolicy (HeadContext::plan).
+  virtual std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int budget, int compress_len) const {
+    return std::make_unique<PolicyPlan>();
+  }
+  virtual void ObserveLayer(const LayerView& layer, PolicyPlan* plan) const {}
+  virtual void FinishPlan(const TraceMeta& meta, PolicyPlan* plan) const {}
 };
 
 }  // namespace kvsim

@@ -32,6 +32,7 @@ namespace {
 
 struct RunPlan {
   const RunSpec* spec = nullptr;
+  std::shared_ptr<PolicyPlan> policy_plan;  // first-pass state, or null
   int compress_end = 0;
   int budget = 0;
   std::vector<int> layer_budgets;
@@ -211,7 +212,8 @@ class LayerPass {
         w.scores = std::make_unique<UnitScores>(meta_, layer_, u, plan.compress_end);
         scores_ce = plan.compress_end;
       }
-      HeadContext ctx{&meta_, layer_.layer, u, group, plan.compress_end, keys, values, w.scores.get()};
+      HeadContext ctx{&meta_,         layer_.layer,          u, group, plan.compress_end, keys, values,
+                      w.scores.get(), plan.policy_plan.get()};
       w.ctx = ctx;
       w.policies[r] = plan.spec->policy->NewHeadPolicy(ctx);
       HeadCache& cache = w.caches[r];
@@ -261,6 +263,7 @@ class LayerPass {
       HeadContext ctx = w.ctx;
       ctx.compress_end = plan.compress_end;
       ctx.scores = nullptr;  // prompt scores are a prefill-time facility
+      ctx.plan = plan.policy_plan.get();
       const int appended = n - plan.compress_end;
       const int cap = plan.layer_budgets[layer_.layer] + appended;
       StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr};
@@ -555,8 +558,8 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     p.spec = &runs[r];
     p.compress_end = CompressEnd(meta, runs[r].question_mode);
     p.budget = BudgetTokens(runs[r], p.compress_end);
-    p.layer_budgets = runs[r].policy->LayerBudgets(meta, p.budget, p.compress_end);
     p.req = runs[r].policy->requirements();
+    if (p.req.first_pass) p.policy_plan = runs[r].policy->NewPlan(meta, p.budget, p.compress_end);
     p.evicts = runs[r].policy->evicts_during_decode();
     RunAccum& a = acc[r];
     const size_t samples = static_cast<size_t>(num_layers) * h * steps;
@@ -570,6 +573,33 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     a.bound_viol.assign(a.bound_checks.size(), 0);
     a.kept_mod.assign(a.bound_checks.size() * 4, 0);
     a.tokens.assign(a.bound_checks.size() * (steps + 1), 0);
+  }
+  // First pass for policies that need cross-layer information, then every run's per-layer budgets.
+  if (std::any_of(plans.begin(), plans.end(), [](const RunPlan& p) { return p.policy_plan != nullptr; })) {
+    LayerData layer;
+    for (int l = 0; l < num_layers; ++l) {
+      KVSIM_RETURN_IF_ERROR(trace.ReadLayer(l, &layer));
+      layer.layer = l;
+      for (RunPlan& p : plans)
+        if (p.policy_plan)
+          p.spec->policy->ObserveLayer(LayerView{&meta, &layer, l, p.compress_end, options.threads},
+                                       p.policy_plan.get());
+    }
+    for (RunPlan& p : plans)
+      if (p.policy_plan) p.spec->policy->FinishPlan(meta, p.policy_plan.get());
+  }
+  for (RunPlan& p : plans) {
+    if (p.policy_plan && !p.policy_plan->layer_budgets.empty()) {
+      p.layer_budgets = p.policy_plan->layer_budgets;
+      if (static_cast<int>(p.layer_budgets.size()) != num_layers)
+        return Status::Internal(p.spec->policy->name() +
+                                ": first-pass plan has the wrong number of layer budgets");
+      for (int b : p.layer_budgets)
+        if (b < 0 || b > p.compress_end)
+          return Status::Internal(p.spec->policy->name() + ": first-pass layer budget outside [0, prompt]");
+    } else {
+      p.layer_budgets = p.spec->policy->LayerBudgets(meta, p.budget, p.compress_end);
+    }
   }
   // Run configurations in an order that groups equal compressible regions (shared prompt scores).
   std::vector<size_t> order(runs.size());

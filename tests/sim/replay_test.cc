@@ -2,6 +2,7 @@
 
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -537,6 +538,83 @@ TEST_CASE("replay: chunked prefill adds timeline events holding the uncompressed
   REQUIRE(whole.ok());
   CHECK(r.metrics().retained_mass_mean() == (*whole)[0].metrics().retained_mass_mean());
   CHECK((*whole)[0].prefill_chunks() == 1);
+}
+
+}  // namespace kvsim
+
+namespace kvsim {
+namespace {
+
+// First-pass test policy: observes every layer (recording order and the layer's key sum), then gives
+// even layers one token more and odd layers one token less than the uniform budget; keeps the most
+// recent tokens. Its heads check that they see the plan.
+struct ObservedPlan : PolicyPlan {
+  std::vector<int> order;
+  std::vector<double> key_sums;
+  bool finished = false;
+};
+class FirstPassPolicy final : public Policy {
+ public:
+  std::string name() const override { return "first_pass_test"; }
+  std::string ParamsText() const override { return ""; }
+  PolicyRequirements requirements() const override { return {.first_pass = true}; }
+  bool evicts_during_decode() const override { return false; }
+  std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int budget, int) const override {
+    auto p = std::make_unique<ObservedPlan>();
+    budget_ = budget;
+    return p;
+  }
+  void ObserveLayer(const LayerView& v, PolicyPlan* plan) const override {
+    auto* p = static_cast<ObservedPlan*>(plan);
+    CHECK_FALSE(p->finished);
+    p->order.push_back(v.layer);
+    double s = 0;
+    for (float x : v.data->keys) s += x;
+    p->key_sums.push_back(s);
+  }
+  void FinishPlan(const TraceMeta& meta, PolicyPlan* plan) const override {
+    auto* p = static_cast<ObservedPlan*>(plan);
+    p->finished = true;
+    std::vector<int> all(meta.model.num_layers);
+    std::iota(all.begin(), all.end(), 0);
+    CHECK(p->order == all);
+    CHECK(p->key_sums.size() == all.size());
+    for (int l = 0; l < meta.model.num_layers; ++l)
+      p->layer_budgets.push_back(budget_ + (l % 2 == 0 ? 1 : -1));
+  }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const override {
+    struct Recent final : HeadPolicy {
+      void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
+        REQUIRE(ctx.plan != nullptr);
+        CHECK(static_cast<const ObservedPlan*>(ctx.plan)->finished);
+        CHECK(budget == ctx.plan->layer_budgets[ctx.layer]);
+        cache->AssignRange(ctx.compress_end - budget, ctx.compress_end);
+      }
+    };
+    return std::make_unique<Recent>();
+  }
+  mutable int budget_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("replay: first pass sees every layer in order before any compression", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 4;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  auto policy = std::make_shared<FirstPassPolicy>();
+  std::vector<RunSpec> runs{RunSpec{policy, "fp", 0, 5, QuestionMode::kQueryAware}};
+  auto res = Replay(trace, runs, ReplayOptions{.threads = 2});
+  REQUIRE(res.ok());
+  const RunResult& r = (*res)[0];
+  REQUIRE(r.layers_size() == 4);
+  CHECK(r.layers(0).budget_tokens_mean() == 6);
+  CHECK(r.layers(1).budget_tokens_mean() == 4);
+  CHECK(r.layers(2).budget_tokens_mean() == 6);
+  CHECK(r.layers(3).budget_tokens_mean() == 4);
+  CHECK(r.layers(0).metrics().kept_tokens_by_modality().text() +
+            r.layers(0).metrics().kept_tokens_by_modality().image() ==
+        6);
 }
 
 }  // namespace kvsim
