@@ -12,7 +12,7 @@ DEMO_DIR   ?= demo-out
 DEMO_TRACE := $(DEMO_DIR)/llava15_7b_multi_image.h5
 DEMO_CFG   := configs/synth/llava15_7b_multi_image.textproto
 
-.PHONY: setup build test asan-test demo bench format clean
+.PHONY: setup build cli test asan-test demo bench format clean
 
 setup:
 	@bash scripts/setup.sh
@@ -22,6 +22,10 @@ $(BUILD)/Makefile: CMakeLists.txt | setup
 
 build: setup $(BUILD)/Makefile
 	cmake --build $(BUILD) -j $(JOBS)
+
+# Only the kvsim binary (what the demo needs).
+cli: setup $(BUILD)/Makefile
+	cmake --build $(BUILD) -j $(JOBS) --target kvsim
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
@@ -33,18 +37,19 @@ asan-test: setup
 	  ctest --output-on-failure -j $(JOBS)
 
 # The trace is regenerated only when its config changes.
-$(DEMO_TRACE): $(DEMO_CFG) | build
+$(DEMO_TRACE): $(DEMO_CFG) | cli
 	@mkdir -p $(DEMO_DIR)
 	$(KVSIM) synth --config $(DEMO_CFG) --out $@
 
-demo: build $(DEMO_TRACE)
+demo: cli $(DEMO_TRACE)
 	$(KVSIM) sweep --config configs/experiments/demo.textproto --trace $(DEMO_TRACE) --out $(DEMO_DIR)/results
 	@echo
 	@cat $(DEMO_DIR)/results/summary.md
 	@echo
 	@echo "Results: $(DEMO_DIR)/results/{summary.md,results.json,results.csv}"
 
-bench: build $(DEMO_TRACE)
+bench: cli $(DEMO_TRACE)
+	cmake --build $(BUILD) -j $(JOBS) --target kvsim_bench
 	$(BUILD)/kvsim_bench --trace $(DEMO_TRACE)
 
 format:

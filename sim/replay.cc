@@ -678,6 +678,13 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
       LayerResult* lr = out.add_layers();
       lr->set_layer(l);
       lr->set_budget_tokens_mean(p.layer_budgets[l]);
+      for (int u = 0; u < hkv; ++u) {
+        const int32_t* tk = &a.tokens[(static_cast<size_t>(l) * hkv + u) * (steps + 1)];
+        double sum = 0;
+        for (int e = 1; e <= steps; ++e) sum += tk[e];
+        lr->add_kv_head_tokens_mean(steps > 0 ? sum / steps : 0);
+        lr->add_kv_head_tokens_peak(*std::max_element(tk, tk + steps + 1));
+      }
       FillQuality(meta, a, l, l + 1, lr->mutable_metrics());
       FillMemory(meta, a, l, l + 1, options.prefill_chunk, dur, lr->mutable_metrics());
     }

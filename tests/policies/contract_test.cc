@@ -38,6 +38,15 @@ void CheckInvariants(const TraceMeta& meta, const std::vector<RunSpec>& runs,
     CHECK(m.regret_vs_oracle_mean() >= -1e-5);
     CHECK(m.kv_bytes_peak() <= m.full_kv_bytes_peak() + 1e-9);
     CHECK(r.layers_size() == meta.model.num_layers);
+    for (const auto& l : r.layers()) {
+      REQUIRE(l.kv_head_tokens_mean_size() == meta.model.num_kv_heads);
+      double heads = 0;
+      for (int u = 0; u < meta.model.num_kv_heads; ++u) {
+        heads += l.kv_head_tokens_mean(u);
+        CHECK(l.kv_head_tokens_peak(u) >= l.kv_head_tokens_mean(u));
+      }
+      CHECK(heads / meta.model.num_kv_heads == Approx(l.metrics().kept_tokens_mean()).epsilon(1e-9));
+    }
     // Σ layer budgets = L * B (exact totals for uneven allocations), unless the policy ignores the budget.
     double total = 0;
     for (const auto& l : r.layers()) total += l.budget_tokens_mean();
