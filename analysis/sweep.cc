@@ -122,8 +122,19 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
 Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir) {
   namespace fs = std::filesystem;
   const fs::path final_dir(out_dir);
-  const fs::path tmp = fs::path(out_dir + ".tmp." + std::to_string(::getpid()));
   std::error_code ec;
+  // Only ever replace a folder that holds nothing but an earlier sweep's outputs.
+  if (fs::exists(final_dir, ec)) {
+    if (!fs::is_directory(final_dir, ec))
+      return Status::InvalidArgument(out_dir + ": exists and is not a folder; choose another --out");
+    for (const auto& entry : fs::directory_iterator(final_dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name != "results.json" && name != "results.csv" && name != "summary.md")
+        return Status::InvalidArgument(out_dir + ": folder holds '" + name +
+                                       "', which is not a kvsim sweep output; choose an empty or new --out");
+    }
+  }
+  const fs::path tmp = fs::path(out_dir + ".tmp." + std::to_string(::getpid()));
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp, ec);
   if (ec) return Status::InvalidArgument(out_dir + ": cannot create the output folder: " + ec.message());

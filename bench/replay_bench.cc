@@ -139,9 +139,13 @@ int main(int argc, char** argv) {
       "| variant | wall s | peak RSS MB | RSS / trace size | samples/s | vs 1 thread "
       "|\n|---|---:|---:|---:|---:|---:|\n");
   auto row = [&](const char* name, const Measure& m) {
-    std::printf("| %s | %.2f | %.0f | %.3f | %.3g | %.2fx |\n", name, m.seconds, m.peak_rss_mb,
-                m.peak_rss_mb * 1048576.0 / st.st_size, m.samples > 0 ? m.samples / m.seconds : 0.0,
-                one.seconds / m.seconds);
+    const double rss_share = m.peak_rss_mb * 1048576.0 / st.st_size;
+    if (m.samples <= 0) {  // the read-only pass: no samples, no speed-up to speak of
+      std::printf("| %s | %.2f | %.0f | %.3f | - | - |\n", name, m.seconds, m.peak_rss_mb, rss_share);
+      return;
+    }
+    std::printf("| %s | %.2f | %.0f | %.3f | %.3g | %.2fx |\n", name, m.seconds, m.peak_rss_mb, rss_share,
+                m.samples / m.seconds, one.seconds / m.seconds);
   };
   row("read every layer only (I/O + fp16 decode)", io);
   row("sweep, 1 thread", one);

@@ -152,6 +152,18 @@ TEST_CASE("cli: sweep is deterministic across invocations and thread counts", "[
               Kvsim() + " sweep --config " + exp + " --trace " + TinyTrace() + " --out " + dir + "/a",
               &out) == 0);
   CHECK(ReadAll(dir + "/a/results.json") == ReadAll(dir + "/b/results.json"));
+  // Never replaces a folder holding anything else, nor a file.
+  std::ofstream(dir + "/a/notes.txt") << "mine";
+  CHECK(testing::RunCommand(
+            Kvsim() + " sweep --config " + exp + " --trace " + TinyTrace() + " --out " + dir + "/a", &out) ==
+        1);
+  CHECK(out.find("notes.txt") != std::string::npos);
+  CHECK(fs::exists(dir + "/a/notes.txt"));
+  std::ofstream(dir + "/file") << "x";
+  CHECK(testing::RunCommand(
+            Kvsim() + " sweep --config " + exp + " --trace " + TinyTrace() + " --out " + dir + "/file",
+            &out) == 1);
+  CHECK(ReadAll(dir + "/file") == "x");
   // CSV: header + per run (all + per layer) rows.
   const std::string csv = ReadAll(dir + "/a/results.csv");
   CHECK(csv.rfind("trace,trace_hash,model,policy", 0) == 0);
