@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
               st.st_size / 1e9);
   std::printf("runs: %zu (6 baselines; full once, the others x budgets 5/10/20/50%%)\n\n", runs.size());
   std::printf(
-      "| variant | wall s | peak RSS MB | RSS / trace size | samples/s | vs 1 thread "
+      "| variant | wall s | peak RSS MB | RSS / trace size | samples/s | speed-up vs 1 thread "
       "|\n|---|---:|---:|---:|---:|---:|\n");
   auto row = [&](const char* name, const Measure& m) {
     const double rss_share = m.peak_rss_mb * 1048576.0 / st.st_size;
