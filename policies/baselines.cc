@@ -118,9 +118,16 @@ class OracleHead final : public HeadPolicy {
   }
   void BeforeStep(const HeadContext& ctx, const StepAttention& att, int cap, HeadCache* cache) override {
     const int pos = ctx.prefill_length() + att.step;
-    std::vector<std::span<const float>> rows;
-    for (int g = 0; g < ctx.group_size; ++g) rows.emplace_back(att.full_probs[g], pos + 1);
-    std::vector<int32_t> keep = TopKIndices(AggregateGroup(rows, agg_), cap);
+    std::vector<int32_t> keep;
+    if (ctx.group_size == 1) {  // MHA: the engine's sorted copy gives the threshold without a selection
+      const std::span<const float> row(att.full_probs[0], pos + 1);
+      const int k = std::min(cap, pos + 1);
+      keep = k > 0 ? TopKIndicesWithThreshold(row, k, att.full_sorted[0][k - 1]) : std::vector<int32_t>{};
+    } else {
+      std::vector<std::span<const float>> rows;
+      for (int g = 0; g < ctx.group_size; ++g) rows.emplace_back(att.full_probs[g], pos + 1);
+      keep = TopKIndices(AggregateGroup(rows, agg_), cap);
+    }
     append_new_ = !keep.empty() && keep.back() == pos;
     if (append_new_) keep.pop_back();
     cache->Assign(keep);

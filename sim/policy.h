@@ -72,6 +72,9 @@ struct StepAttention {
   // Only for policies with Requirements::future_attention: full-cache attention of this step's queries over
   // every token [0, prefill_length + step], [group][prefill_length + step + 1]. Null otherwise.
   const float* const* full_probs = nullptr;
+  // Alongside full_probs: each query head's full_probs sorted descending (length prefill_length + step + 1,
+  // zeros last), so a policy can read the k-th largest value without sorting.
+  const float* const* full_sorted = nullptr;
 };
 
 class HeadPolicy {

@@ -123,7 +123,7 @@ struct UnitWork {
   HeadContext ctx;
   std::unique_ptr<UnitScores> scores;
   std::vector<DecodeReference> refs;                  // per group member
-  std::vector<float> prefix;                          // [g][t][T + 1]: mass of the k highest-attention tokens
+  std::vector<float> sorted;                          // [g][t][T]: the step's probabilities, descending
   std::vector<float> max_vnorm;                       // [t]
   std::vector<double> full_mod;                       // [g][t][4]
   std::vector<std::unique_ptr<HeadPolicy>> policies;  // per run
@@ -170,7 +170,7 @@ class LayerPass {
     const float* values = layer_.values.data() + static_cast<size_t>(u) * t_all * d;
     // Full-attention reference, shared by every run.
     w.refs.resize(group);
-    w.prefix.assign(static_cast<size_t>(group) * steps * (t_all + 1), 0.0f);
+    w.sorted.assign(static_cast<size_t>(group) * steps * t_all, 0.0f);
     w.full_mod.assign(static_cast<size_t>(group) * steps * 4, 0.0);
     std::vector<float> sorted;
     for (int g = 0; g < group; ++g) {
@@ -180,11 +180,7 @@ class LayerPass {
         const float* row = w.refs[g].row(t);
         const int first = w.refs[g].first[t], last = w.refs[g].last(t);
         SortDescendingNonNegative({row + first, static_cast<size_t>(last - first + 1)}, &sorted);
-        float* pre = &w.prefix[(static_cast<size_t>(g) * steps + t) * (t_all + 1)];
-        double s = 0;
-        pre[0] = 0;
-        for (size_t k = 0; k < sorted.size(); ++k) pre[k + 1] = static_cast<float>(s += sorted[k]);
-        for (int k = static_cast<int>(sorted.size()) + 1; k <= t_all; ++k) pre[k] = pre[sorted.size()];
+        std::copy(sorted.begin(), sorted.end(), &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all]);
         double* fm = &w.full_mod[(static_cast<size_t>(g) * steps + t) * 4];
         for (int j = first; j <= last; ++j) fm[static_cast<int>(meta_.tokens.modality[j])] += row[j];
       }
@@ -254,8 +250,11 @@ class LayerPass {
     const int d = m_.head_dim, group = m_.GroupSize();
     const int32_t pos = n + t;
     const LogitTransform tf(m_);
-    std::vector<const float*> full(group);
-    for (int g = 0; g < group; ++g) full[g] = w.refs[g].row(t);
+    std::vector<const float*> full(group), full_sorted(group);
+    for (int g = 0; g < group; ++g) {
+      full[g] = w.refs[g].row(t);
+      full_sorted[g] = &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all];
+    }
     for (size_t r = 0; r < plans_.size(); ++r) {
       const RunPlan& plan = plans_[r];
       HeadCache& cache = w.caches[r];
@@ -266,7 +265,8 @@ class LayerPass {
       ctx.plan = plan.policy_plan.get();
       const int appended = n - plan.compress_end;
       const int cap = plan.layer_budgets[layer_.layer] + appended;
-      StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr};
+      StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr,
+                           plan.req.future_attention ? full_sorted.data() : nullptr};
       hp.BeforeStep(ctx, before, cap, &cache);
       if (hp.AppendNewToken()) cache.Append(pos);
       CheckCache(w, cache, pos);
@@ -336,9 +336,11 @@ class LayerPass {
         a.retained[si] = static_cast<float>(retained);
         a.covered[si] = static_cast<float>(covered);
         a.err[si] = static_cast<float>(o2 > 0 ? diff / std::sqrt(o2) : diff);
-        const int k = std::min(visible, pos - first + 1);
-        a.regret[si] =
-            w.prefix[(static_cast<size_t>(g) * steps + t) * (t_all + 1) + k] - static_cast<float>(retained);
+        // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
+        const float* best = &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all];
+        double top = 0;
+        for (int i = 0, k = std::min(visible, pos - first + 1); i < k; ++i) top += best[i];
+        a.regret[si] = static_cast<float>(top - retained);
         double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
         double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
         const double* wfm = &w.full_mod[(static_cast<size_t>(g) * steps + t) * 4];
@@ -354,7 +356,8 @@ class LayerPass {
         if (wsum > 0)
           for (int s = 0; s < slots; ++s) cp[s] = static_cast<float>(cp[s] * inv);
       }
-      StepAttention after{t, slots, w.cache_probs.data(), plan.req.future_attention ? full.data() : nullptr};
+      StepAttention after{t, slots, w.cache_probs.data(), plan.req.future_attention ? full.data() : nullptr,
+                          plan.req.future_attention ? full_sorted.data() : nullptr};
       hp.AfterStep(ctx, after, &cache);
     }
   }

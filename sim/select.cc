@@ -23,7 +23,14 @@ std::vector<int32_t> TopKIndices(std::span<const float> scores, int k) {
   // every score above it and the lowest-indexed ties, which is already ascending.
   std::vector<float> v(scores.begin(), scores.end());
   std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<float>());
-  const float tau = v[k - 1];
+  return TopKIndicesWithThreshold(scores, k, v[k - 1]);
+}
+
+std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int k, float tau) {
+  const int n = static_cast<int>(scores.size());
+  k = std::clamp(k, 0, n);
+  std::vector<int32_t> idx;
+  idx.reserve(k);
   int above = 0;
   for (float s : scores) above += s > tau;
   int ties = k - above;

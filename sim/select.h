@@ -11,6 +11,9 @@ namespace kvsim {
 // on sort stability or thread count. k is clamped to [0, scores.size()].
 std::vector<int32_t> TopKIndices(std::span<const float> scores, int k);
 
+// TopKIndices when the k-th largest score `kth` is already known (e.g. from a sorted copy).
+std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int k, float kth);
+
 // Sorts non-negative values in descending order into `out` (radix sort, O(n)); `out` is resized.
 void SortDescendingNonNegative(std::span<const float> values, std::vector<float>* out);
 

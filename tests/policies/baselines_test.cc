@@ -70,8 +70,8 @@ HeadCache Prefill(HeadPolicy& hp, const HeadContext& ctx, int budget) {
 
 // One decode step without attention feedback: BeforeStep, then append the new token.
 void Step(HeadPolicy& hp, const HeadContext& ctx, int step, int cap, HeadCache* cache,
-          const float* const* full_probs = nullptr) {
-  StepAttention att{step, cache->size(), nullptr, full_probs};
+          const float* const* full_probs = nullptr, const float* const* full_sorted = nullptr) {
+  StepAttention att{step, cache->size(), nullptr, full_probs, full_sorted};
   hp.BeforeStep(ctx, att, cap, cache);
   if (hp.AppendNewToken()) cache->Append(ctx.prefill_length() + step);
 }
@@ -412,6 +412,25 @@ TEST_CASE("oracle: each step keeps the top-cap tokens of that step's attention",
   Step(*hp, ctx, 1, 3, &cache, rows1);
   CHECK_FALSE(hp->AppendNewToken());
   CHECK(Tokens(cache) == std::vector<int32_t>{0, 1, 2});
+}
+
+TEST_CASE("oracle: MHA selection uses the engine's sorted row as the threshold", "[baselines]") {
+  const TraceMeta meta = Meta(4, 3, 1, 1);  // n = 4, MHA
+  const HeadContext ctx = Ctx(meta, 1, 4, nullptr);
+  OraclePolicy p{policy::OracleParams()};
+  auto hp = p.NewHeadPolicy(ctx);
+  HeadCache cache = Prefill(*hp, ctx, 3);
+  // Step 0 (token 4): [.1, .4, .2, .2, .1]; top-3 = 1 (.4) and the tied .2s at 2, 3 -> {1, 2, 3}; the new
+  // token (.1) is left out.
+  const std::vector<float> row{.1f, .4f, .2f, .2f, .1f}, sorted{.4f, .2f, .2f, .1f, .1f};
+  const float* probs[1] = {row.data()};
+  const float* sorted_rows[1] = {sorted.data()};
+  Step(*hp, ctx, 0, 3, &cache, probs, sorted_rows);
+  CHECK_FALSE(hp->AppendNewToken());
+  CHECK(Tokens(cache) == std::vector<int32_t>{1, 2, 3});
+  // cap 2: .4 and the first .2 (tie to the lower index).
+  Step(*hp, ctx, 0, 2, &cache, probs, sorted_rows);
+  CHECK(Tokens(cache) == std::vector<int32_t>{1, 2});
 }
 
 TEST_CASE("oracle: GQA selection follows the group aggregation", "[baselines]") {
