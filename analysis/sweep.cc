@@ -24,10 +24,10 @@ StatusOr<std::unique_ptr<LatencyModel>> MaybeLatency(const std::string& path) {
   return LoadLatencyModel(path);
 }
 
-std::string DefaultLabel(const config::PolicySpec& p) {
-  if (p.has_label()) return p.label();
-  std::string label = p.name();
-  for (const auto& s : p.set()) label += " " + s;
+// "snapkv window=16 pooling=MAX_POOL": the policy name and its overrides.
+std::string LabelFor(const std::string& name, const std::vector<std::string>& sets) {
+  std::string label = name;
+  for (const auto& s : sets) label += " " + s;
   return label;
 }
 
@@ -39,9 +39,7 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
   KVSIM_ASSIGN_OR_RETURN(auto p, PolicyRegistry::Default().Create(policy, sets));
   KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(options.latency_model));
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
-  std::string label = policy;
-  for (const auto& s : sets) label += " " + s;
-  std::vector<RunSpec> runs{RunSpec{p, label, budget_fraction, budget_tokens, mode}};
+  std::vector<RunSpec> runs{RunSpec{p, LabelFor(policy, sets), budget_fraction, budget_tokens, mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
   ReplayOptions ro{options.threads, latency.get(), options.progress, hash,
@@ -83,12 +81,13 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     const std::vector<std::string> sets(ps.set().begin(), ps.set().end());
     KVSIM_ASSIGN_OR_RETURN(auto policy, PolicyRegistry::Default().Create(ps.name(), sets));
     const PolicyInfo* info = PolicyRegistry::Default().Find(ps.name());
+    const std::string label = ps.has_label() ? ps.label() : LabelFor(ps.name(), sets);
     if (!info->uses_budget) {
-      runs.push_back(RunSpec{policy, DefaultLabel(ps), 1.0, 0, mode});
+      runs.push_back(RunSpec{policy, label, 1.0, 0, mode});
       continue;
     }
-    for (double b : experiment.budgets()) runs.push_back(RunSpec{policy, DefaultLabel(ps), b, 0, mode});
-    for (int b : experiment.budget_tokens()) runs.push_back(RunSpec{policy, DefaultLabel(ps), 0, b, mode});
+    for (double b : experiment.budgets()) runs.push_back(RunSpec{policy, label, b, 0, mode});
+    for (int b : experiment.budget_tokens()) runs.push_back(RunSpec{policy, label, 0, b, mode});
   }
   std::string latency_path =
       options.latency_model.empty() ? experiment.latency_model() : options.latency_model;

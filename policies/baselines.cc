@@ -79,15 +79,11 @@ class H2OHead final : public HeadPolicy {
   }
   void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) override {
     if (p_.one_shot()) return;
-    for (int s = 0; s < att.num_slots; ++s) {
-      float v = 0;
-      for (int g = 0; g < ctx.group_size; ++g) {
-        const float x = att.cache_probs[static_cast<size_t>(g) * att.num_slots + s];
-        v = p_.group_aggregation() == policy::MAX ? std::max(v, x) : v + x;
-      }
-      if (p_.group_aggregation() == policy::MEAN) v /= static_cast<float>(ctx.group_size);
-      acc_[cache->token(s)] += v;
-    }
+    std::vector<std::span<const float>> rows;
+    for (int g = 0; g < ctx.group_size; ++g)
+      rows.emplace_back(att.cache_probs + static_cast<size_t>(g) * att.num_slots, att.num_slots);
+    const std::vector<float> step = AggregateGroup(rows, p_.group_aggregation());
+    for (int s = 0; s < att.num_slots; ++s) acc_[cache->token(s)] += step[s];
   }
 
  private:
