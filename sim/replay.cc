@@ -459,12 +459,11 @@ EventTokens Timeline(const TraceMeta& meta, const RunAccum& a, int l0, int l1, i
   return ev;
 }
 
-// Memory over the event timeline for layers [l0, l1); `dur` holds the duration of every event.
-void FillMemory(const TraceMeta& meta, const RunAccum& a, int l0, int l1, int chunk,
-                const std::vector<double>& dur, Metrics* m) {
+// Memory over the event timeline `ev` of `num_layers` layers; `dur` holds the duration of every event.
+void FillMemory(const TraceMeta& meta, const EventTokens& ev, int num_layers, const std::vector<double>& dur,
+                Metrics* m) {
   const int hkv = meta.model.num_kv_heads, s = meta.num_decode_steps;
   const double bytes_per_token = 2.0 * meta.model.head_dim * meta.model.ModelDtypeBytes();
-  const EventTokens ev = Timeline(meta, a, l0, l1, chunk);
   const size_t first_decode = ev.tokens.size() - s;
   double peak = 0, fp = 0, full_peak = 0, full_fp = 0, total = 0, kept_sum = 0;
   for (size_t e = 0; e < ev.tokens.size(); ++e) {
@@ -473,7 +472,7 @@ void FillMemory(const TraceMeta& meta, const RunAccum& a, int l0, int l1, int ch
     fp += ev.tokens[e] * bytes_per_token * dur[e];
     full_fp += ev.full_tokens[e] * bytes_per_token * dur[e];
     total += dur[e];
-    if (e >= first_decode) kept_sum += ev.tokens[e] / ((l1 - l0) * hkv);
+    if (e >= first_decode) kept_sum += ev.tokens[e] / (num_layers * hkv);
   }
   m->set_kv_bytes_peak(peak);
   m->set_kv_bytes_mean(total > 0 ? fp / total : 0);
@@ -676,7 +675,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     }
     out.set_prefill_chunks(static_cast<int>(chunks));
     FillQuality(meta, a, 0, num_layers, out.mutable_metrics());
-    FillMemory(meta, a, 0, num_layers, options.prefill_chunk, dur, out.mutable_metrics());
+    FillMemory(meta, ev, num_layers, dur, out.mutable_metrics());
     for (int l = 0; l < num_layers; ++l) {
       LayerResult* lr = out.add_layers();
       lr->set_layer(l);
@@ -689,7 +688,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
         lr->add_kv_head_tokens_peak(*std::max_element(tk, tk + steps + 1));
       }
       FillQuality(meta, a, l, l + 1, lr->mutable_metrics());
-      FillMemory(meta, a, l, l + 1, options.prefill_chunk, dur, lr->mutable_metrics());
+      FillMemory(meta, Timeline(meta, a, l, l + 1, options.prefill_chunk), 1, dur, lr->mutable_metrics());
     }
   }
   return results;

@@ -156,7 +156,7 @@ Status MemoryTrace::ReadLayer(int layer, LayerData* out) {
   if (layer < 0 || layer >= static_cast<int>(layers_.size()))
     return Status::NotFound("<memory>: layer " + std::to_string(layer) + " not present");
   *out = layers_[layer];
-  return Status::Ok();
+  return ValidateLayer(meta_, *out, "<memory>");
 }
 
 Status MemoryTrace::Begin(const TraceMeta& meta) {

@@ -105,7 +105,8 @@ class TraceSource {
  public:
   virtual ~TraceSource() = default;
   virtual const TraceMeta& meta() const = 0;
-  // Reads one layer; `out` is overwritten. Only this layer's data is resident. Must be callable from a
+  // Reads one layer; `out` is overwritten and has passed ValidateLayer (shapes, finite values). Only this
+  // layer's data is resident. Must be callable from a
   // thread other than the one that opened the source (the engine prefetches the next layer), though never
   // concurrently with itself.
   virtual Status ReadLayer(int layer, LayerData* out) = 0;
