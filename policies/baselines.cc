@@ -203,7 +203,7 @@ std::unique_ptr<HeadPolicy> OraclePolicy::NewHeadPolicy(const HeadContext&) cons
 }
 
 void RegisterBaselinePolicies(PolicyRegistry* r) {
-  r->Register({"full", "keeps every token (reference)", "kvsim.policy.FullParams", false},
+  r->Register({"full", "keeps every token (reference)", "kvsim.policy.FullParams", false, false},
               TypedFactory<FullPolicy, policy::FullParams>());
   r->Register({"streaming_llm", "attention sinks + sliding recent window (Xiao et al. 2024)",
                "kvsim.policy.StreamingLLMParams"},
@@ -219,7 +219,7 @@ void RegisterBaselinePolicies(PolicyRegistry* r) {
                "kvsim.policy.PyramidKVParams"},
               TypedFactory<PyramidKVPolicy, policy::PyramidKVParams>());
   r->Register({"oracle", "per step, the budget's highest-attention tokens of that step (upper bound)",
-               "kvsim.policy.OracleParams"},
+               "kvsim.policy.OracleParams", true, false},
               TypedFactory<OraclePolicy, policy::OracleParams>());
 }
 

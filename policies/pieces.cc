@@ -1,6 +1,8 @@
 #include "policies/pieces.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "sim/select.h"
@@ -76,6 +78,73 @@ std::vector<int> RebalanceToTotal(std::vector<int> budgets, int64_t target, int 
     for (int l = L - 1; l >= 0 && total > target; --l)
       if (budgets[l] > 0) --budgets[l], --total;
   return budgets;
+}
+
+std::vector<int> ProportionalLayerBudgets(std::span<const double> weights, int64_t total, int cap) {
+  const int L = static_cast<int>(weights.size());
+  std::vector<int> out(L, 0);
+  if (L == 0 || cap <= 0) return out;
+  total = std::clamp<int64_t>(total, 0, static_cast<int64_t>(L) * cap);
+  // Water-filling in doubles: cap every layer whose share exceeds cap, re-split the rest, repeat.
+  std::vector<double> x(L, 0.0);
+  std::vector<char> capped(L, 0);
+  for (;;) {
+    double remaining = static_cast<double>(total), w = 0;
+    int free = 0;
+    for (int l = 0; l < L; ++l) {
+      if (capped[l]) {
+        remaining -= cap;
+      } else {
+        w += std::max(0.0, weights[l]);
+        ++free;
+      }
+    }
+    if (free == 0) break;
+    bool changed = false;
+    for (int l = 0; l < L; ++l) {
+      if (capped[l]) continue;
+      x[l] = w > 0 ? remaining * std::max(0.0, weights[l]) / w : remaining / free;
+      if (x[l] > cap) capped[l] = 1, changed = true;
+    }
+    if (!changed) break;
+  }
+  int64_t sum = 0;
+  std::vector<std::pair<double, int>> frac;  // (-fractional part, layer): largest first, then lower layer
+  for (int l = 0; l < L; ++l) {
+    out[l] = capped[l] ? cap : std::min(cap, static_cast<int>(std::floor(x[l])));
+    sum += out[l];
+    if (!capped[l]) frac.emplace_back(-(x[l] - std::floor(x[l])), l);
+  }
+  std::sort(frac.begin(), frac.end());
+  for (size_t i = 0; sum < total && !frac.empty(); i = (i + 1) % frac.size()) {
+    const int l = frac[i].second;
+    if (out[l] < cap) ++out[l], ++sum;
+  }
+  return out;
+}
+
+std::vector<int32_t> TextPriorSelect(const HeadContext& ctx, std::vector<float> scores, int n, int recent,
+                                     int heavy, policy::TextPrior prior, int num_sinks) {
+  recent = std::clamp(recent, 0, n);
+  const int limit = n - recent;
+  heavy = std::clamp(heavy, 0, limit);
+  scores.resize(n);
+  if (prior != policy::NO_TEXT_PRIOR) {
+    const float mx = n > 0 ? *std::max_element(scores.begin(), scores.end()) : 0.0f;
+    for (int j = 0; j < n; ++j)
+      if (IsTextLike(ctx.modality(j))) scores[j] += mx;
+  } else {
+    for (int j = 0; j < std::min(num_sinks, limit); ++j) scores[j] = std::numeric_limits<float>::infinity();
+  }
+  std::vector<int32_t> keep = TopKPlusTail(scores, heavy, limit, n);
+  if (prior == policy::KEEP_ALL_TEXT) {
+    std::vector<char> in(n, 0);
+    for (int32_t j : keep) in[j] = 1;
+    for (int j = 0; j < n; ++j)
+      if (!in[j] && IsTextLike(ctx.modality(j))) keep.push_back(j);
+    std::sort(keep.begin(), keep.end());
+  }
+  return keep;
 }
 
 std::vector<int> PyramidLayerBudgets(int num_layers, int budget, int window, int beta, int compress_len) {

@@ -40,6 +40,25 @@ std::vector<int> UniformLayerBudgets(int num_layers, int budget, int compress_le
 // or adds what a cap removed from the first layer downwards; docs/policies/pyramidkv.md).
 std::vector<int> PyramidLayerBudgets(int num_layers, int budget, int window, int beta, int compress_len);
 
+// Splits `total` tokens over layers in proportion to `weights` (>= 0), each layer capped at `cap`:
+// water-filling (what a cap removes goes to the uncapped layers in proportion to their weights; all-zero
+// weights share equally), then largest-remainder rounding (ties: the lower layer). Σ = min(total, L * cap)
+// exactly and no layer exceeds cap (MEDA Eq. 7 with S_l <= prompt length).
+std::vector<int> ProportionalLayerBudgets(std::span<const double> weights, int64_t total, int cap);
+
+// Whether a token counts as text for a text prior: every non-visual token (text and other, i.e. everything
+// but image and video; the official code's "non-image span").
+inline bool IsTextLike(Modality m) { return m != Modality::kImage && m != Modality::kVideo; }
+
+// Text-prior selection over [0, n) (MEDA Eqs. 9-10, LOOK-M): keeps the last `recent` tokens and the `heavy`
+// highest-scoring tokens before them, after
+//   ADD_MAX:        s[j] += max(s) for text tokens (text outranks every visual token),
+//   KEEP_ALL_TEXT:  the same ranking, plus every text token kept (the budget becomes a floor),
+//   NO_TEXT_PRIOR:  scores unchanged; the first `num_sinks` tokens are kept first (they use heavy slots).
+// `scores` has length >= n. Returns ascending positions.
+std::vector<int32_t> TextPriorSelect(const HeadContext& ctx, std::vector<float> scores, int n, int recent,
+                                     int heavy, policy::TextPrior prior, int num_sinks);
+
 // Applies caps and restores the exact total: every layer <= cap, Σ = min(target, L * cap); surplus goes to
 // layers in order of index, one token at a time (deterministic).
 std::vector<int> RebalanceToTotal(std::vector<int> budgets, int64_t target, int cap);

@@ -1,11 +1,14 @@
 #include "policies/registry.h"
 
+#include "policies/merge.h"
+
 namespace kvsim {
 
 const PolicyRegistry& PolicyRegistry::Default() {
   static const PolicyRegistry* registry = [] {
     auto* r = new PolicyRegistry();
     RegisterBaselinePolicies(r);
+    RegisterMultimodalPolicies(r);
     return r;
   }();
   return *registry;
@@ -24,12 +27,27 @@ std::vector<PolicyInfo> PolicyRegistry::List() const {
 }
 
 const PolicyInfo* PolicyRegistry::Find(const std::string& name) const {
-  auto it = entries_.find(name);
+  auto it = entries_.find(name.substr(0, name.find('+')));
   return it == entries_.end() ? nullptr : &it->second.info;
 }
 
 StatusOr<std::shared_ptr<const Policy>> PolicyRegistry::Create(const std::string& name,
                                                                std::span<const std::string> sets) const {
+  const size_t plus = name.find('+');
+  if (plus != std::string::npos) {
+    const std::string base = name.substr(0, plus), suffix = name.substr(plus + 1);
+    policy::MergeStrategy strategy;
+    if (!ParseMergeSuffix(suffix, &strategy))
+      return Status::InvalidArgument("policy '" + name + "': unknown merge '" + suffix + "' (use " + base +
+                                     "+average, +pivot or +weighted)");
+    const PolicyInfo* info = Find(base);
+    if (info && !info->merge_wrappable)
+      return Status::InvalidArgument("policy '" + name + "': " + base +
+                                     " cannot be wrapped with a merge (it evicts nothing, re-selects every "
+                                     "step, or has its own `merge` parameter)");
+    KVSIM_ASSIGN_OR_RETURN(auto inner, Create(base, sets));
+    return WrapWithMerge(std::move(inner), strategy);
+  }
   auto it = entries_.find(name);
   if (it == entries_.end()) {
     std::string names;

@@ -18,6 +18,9 @@ struct PolicyInfo {
   std::string summary;      // one line
   std::string params_type;  // Protobuf message name of its parameters
   bool uses_budget = true;  // false for `full`: a sweep runs it once
+  // Whether "name+average|pivot|weighted" may wrap it with a merge (policies/merge.h): false for policies
+  // that evict nothing, re-select from every token each step, or have their own merge option.
+  bool merge_wrappable = true;
 };
 
 class PolicyRegistry {
@@ -28,8 +31,10 @@ class PolicyRegistry {
 
   void Register(PolicyInfo info, Factory factory);
   std::vector<PolicyInfo> List() const;
+  // Also finds the base of a merge-wrapped name ("snapkv+average" -> snapkv).
   const PolicyInfo* Find(const std::string& name) const;
-  // Error names the unknown policy or parameter and lists what exists.
+  // Error names the unknown policy or parameter and lists what exists. "base+average|pivot|weighted"
+  // wraps a merge-wrappable policy (`sets` go to the base policy).
   StatusOr<std::shared_ptr<const Policy>> Create(const std::string& name,
                                                  std::span<const std::string> sets = {}) const;
 
@@ -43,5 +48,6 @@ class PolicyRegistry {
 
 // Built-in registrations (policies/*.cc).
 void RegisterBaselinePolicies(PolicyRegistry* registry);
+void RegisterMultimodalPolicies(PolicyRegistry* registry);  // meda, look_m (policies/meda.cc)
 
 }  // namespace kvsim

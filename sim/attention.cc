@@ -11,13 +11,6 @@
 namespace kvsim {
 namespace {
 
-// kvsim parallelises over heads itself; BLAS runs single-threaded inside each task, which also keeps
-// every product's reduction order independent of the thread count (bit-identical results).
-void EnsureSingleThreadedBlas() {
-  static std::once_flag once;
-  std::call_once(once, [] { openblas_set_num_threads(1); });
-}
-
 constexpr int kRowBlock = 256;
 
 // exp(x) for x <= 0 (softmax after max subtraction), branch-free so loops over it vectorise:
@@ -42,12 +35,19 @@ inline float ExpNonPositive(float x) {
 }
 
 // Soft-cap in place (scale already applied by the GEMM).
+}  // namespace
+
 void SoftCap(float* x, int n, float cap) {
   if (cap <= 0) return;
   for (int i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
 }
 
-}  // namespace
+// kvsim parallelises over heads itself; BLAS runs single-threaded inside each task, which also keeps
+// every product's reduction order independent of the thread count (bit-identical results).
+void EnsureSingleThreadedBlas() {
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(1); });
+}
 
 float LogitTransform::operator()(float dot) const {
   float z = dot * scale;
@@ -127,6 +127,17 @@ void AccumulateColumnSums(const ModelInfo& m, const float* queries, const int32_
       for (int j = lo; j < hi; ++j) dst[j] += row[j];
     }
   }
+}
+
+float SoftmaxEntropy(float* logits, int n) {
+  if (n <= 1) return 0.0f;
+  thread_local std::vector<float> copy;
+  copy.assign(logits, logits + n);
+  const float lse = SoftmaxInPlace(logits, n);
+  // H = -Σ p (x - lse) = lse - Σ p x: no logarithm per element.
+  double px = 0;
+  for (int j = 0; j < n; ++j) px += static_cast<double>(logits[j]) * copy[j];
+  return static_cast<float>(std::max(0.0, lse - px));
 }
 
 }  // namespace kvsim

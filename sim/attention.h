@@ -53,4 +53,14 @@ void AccumulateColumnSums(const ModelInfo& m, const float* queries, const int32_
 // Softmax of one row of logits in place, numerically stable; returns log-sum-exp.
 float SoftmaxInPlace(float* x, int n);
 
+// Entropy -Σ p log p (nats) of softmax(logits); the row is left holding the probabilities.
+float SoftmaxEntropy(float* logits, int n);
+
+// Gemma-style logit soft-cap in place: x = cap * tanh(x / cap); cap <= 0 leaves x unchanged.
+void SoftCap(float* x, int n, float cap);
+
+// BLAS runs single-threaded: kvsim parallelises over heads itself, which also keeps every product's
+// reduction order independent of the thread count. Call before the first BLAS product of a code path.
+void EnsureSingleThreadedBlas();
+
 }  // namespace kvsim

@@ -69,6 +69,18 @@ void HeadCache::MergeInto(int slot, int32_t token, float weight, std::span<const
   m.members.emplace_back(token, weight);
 }
 
+void HeadCache::SetMerge(int slot, MergedSlot merge) {
+  KVSIM_CHECK(slot >= 0 && slot < size());
+  KVSIM_CHECK(static_cast<int>(merge.key.size()) == head_dim_ &&
+              static_cast<int>(merge.value.size()) == head_dim_);
+  if (merge_of_[slot] < 0) {
+    merge_of_[slot] = static_cast<int32_t>(merges_.size());
+    merges_.emplace_back();
+    ++num_merged_slots_;
+  }
+  merges_[merge_of_[slot]] = std::move(merge);
+}
+
 std::vector<int32_t> HeadCache::CoveredTokens() const {
   std::vector<int32_t> out(tokens_.begin(), tokens_.end());
   for (int s = 0; s < size(); ++s)

@@ -43,6 +43,9 @@ class HeadCache {
   void MergeInto(int slot, int32_t token, float weight, std::span<const float> key,
                  std::span<const float> value);
 
+  // Makes `slot` a merge holding exactly this key/value and these merged-in members (replacing any).
+  void SetMerge(int slot, MergedSlot merge);
+
   // Every token this cache covers (anchors and merged-in), for invariant checks.
   std::vector<int32_t> CoveredTokens() const;
 

@@ -7,6 +7,7 @@
 // Reusable pieces (scorers, selection, per-layer allocation, decode eviction) live in policies/.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -29,13 +30,16 @@ class PromptScores {
   virtual std::span<const float> WindowColumnSums(int group_member, int window) = 0;
 };
 
-// Per-run state built by a policy's first pass over all layers (cross-layer information: MEDA's entropy
-// allocation, MadaKV's compensation, HAE's first-layer decisions). Policies derive their own plan type.
+// State built by a policy's first pass over all layers (cross-layer information: MEDA's per-layer entropy,
+// MadaKV's modality preferences, HAE's first-layer scores). It does not depend on the budget: the engine
+// builds one plan per (policy object, compressible region) and shares it by every budget of a sweep; the
+// per-budget decisions come from Policy::PlannedLayerBudgets and the heads. Policies derive their own type.
 class PolicyPlan {
  public:
   virtual ~PolicyPlan() = default;
-  // Per-layer prompt budgets decided by the first pass; empty = Policy::LayerBudgets decides.
-  std::vector<int> layer_budgets;
+  // Per-layer statistics reported in results (LayerResult.policy_stats), by name; each vector has one value
+  // per layer. Ordered by name, so results are deterministic.
+  std::map<std::string, std::vector<double>> layer_stats;
 };
 
 // One layer as the first pass sees it (fp32 tensors of every head; see LayerData for layouts).
@@ -98,6 +102,7 @@ struct PolicyRequirements {
   bool future_attention = false;    // StepAttention::full_probs (oracle only)
   bool decode_attention = false;    // AfterStep needs cache_probs
   bool first_pass = false;          // NewPlan / ObserveLayer / FinishPlan before the replay
+  bool all_prompt_queries = false;  // LayerView / first pass reads the query of every compressible token
 };
 
 class Policy {
@@ -109,6 +114,15 @@ class Policy {
   virtual PolicyRequirements requirements() const = 0;
   // true: keeps the cache at <= the budget during decode; false: compresses the prompt, then appends.
   virtual bool evicts_during_decode() const = 0;
+  // true for variants whose budget is a floor or a target rather than a cap (official-code behaviours that
+  // keep every text token, or compress only at the first decode step). The engine then checks only that the
+  // cache grows by at most one slot per step after the prefill event; results report how many prompt
+  // tokens were actually kept (Metrics.prompt_kept_tokens_mean, prompt_kept_over_budget).
+  virtual bool may_exceed_budget() const { return false; }
+  // When the prompt is compressed: -1 = the prefill hook (OnPrefill); 0 = in AfterStep of decode step 0
+  // (official MEDA/LOOK-M code compresses when the first token is generated; OnPrefill then keeps all).
+  // Kept-token statistics (by modality, vs the budget) are taken right after this event.
+  virtual int compression_step() const { return -1; }
   // Prompt budget of every layer (tokens per KV head) for a uniform per-layer budget `budget` over
   // `compress_len` compressible tokens. Must sum to num_layers * budget unless capped by compress_len.
   // Default: uniform.
@@ -116,13 +130,21 @@ class Policy {
   virtual std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const = 0;
 
   // First pass (requirements().first_pass): the engine streams every layer once, in order, before any
-  // compression: plan = NewPlan(...); ObserveLayer(view, plan) for each layer; FinishPlan(plan). The plan
-  // reaches LayerBudgets' caller (plan->layer_budgets, if set) and every HeadPolicy (HeadContext::plan).
-  virtual std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int budget, int compress_len) const {
+  // compression: plan = NewPlan(...); ObserveLayer(view, plan) for each layer; FinishPlan(plan). One plan
+  // serves every run of this policy object with the same compressible region (every budget of a sweep).
+  // Per-layer budgets then come from PlannedLayerBudgets, and the plan reaches every HeadPolicy
+  // (HeadContext::plan).
+  virtual std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int compress_len) const {
     return std::make_unique<PolicyPlan>();
   }
   virtual void ObserveLayer(const LayerView& layer, PolicyPlan* plan) const {}
   virtual void FinishPlan(const TraceMeta& meta, PolicyPlan* plan) const {}
+  // Per-layer budgets of a first-pass policy (each in [0, compress_len]); the total may differ from
+  // num_layers * budget only for variants that say so in their docs. Default: LayerBudgets.
+  virtual std::vector<int> PlannedLayerBudgets(const TraceMeta& meta, int budget, int compress_len,
+                                               const PolicyPlan& plan) const {
+    return LayerBudgets(meta, budget, compress_len);
+  }
 };
 
 }  // namespace kvsim

@@ -38,6 +38,8 @@ struct RunPlan {
   std::vector<int> layer_budgets;
   PolicyRequirements req;
   bool evicts = false;
+  bool may_exceed = false;    // Policy::may_exceed_budget
+  int compression_step = -1;  // Policy::compression_step
 };
 
 int BudgetTokens(const RunSpec& r, int compress_len) {
@@ -115,8 +117,10 @@ struct RunAccum {
   std::vector<float> retained, covered, err, regret;
   std::vector<double> ret_mod, full_mod;          // [(layer * H + head) * 4 + modality], summed over steps
   std::vector<int64_t> bound_checks, bound_viol;  // [layer * Hkv + unit]
-  std::vector<int32_t> kept_mod;                  // [(layer * Hkv + unit) * 4 + modality] after prefill
-  std::vector<int32_t> tokens;                    // [(layer * Hkv + unit) * (S + 1) + event]
+  std::vector<int32_t> kept_mod;     // [(layer * Hkv + unit) * 4 + modality] after the compression event
+  std::vector<int32_t> prompt_kept;  // [layer * Hkv + unit] compressible-prompt slots after compression
+  std::vector<int32_t> merged_tokens, merged_slots, merge_max;  // [layer * Hkv + unit] at the end
+  std::vector<int32_t> tokens;                                  // [(layer * Hkv + unit) * (S + 1) + event]
 };
 
 struct UnitWork {
@@ -128,6 +132,7 @@ struct UnitWork {
   std::vector<double> full_mod;                       // [g][t][4]
   std::vector<std::unique_ptr<HeadPolicy>> policies;  // per run
   std::vector<HeadCache> caches;                      // per run
+  std::vector<int> prefill_size;                      // per run: cache slots after the prefill event
   std::vector<float> cache_probs, out;                // scratch
   std::vector<uint32_t> stamp;                        // [T] for CheckCache
   uint32_t epoch = 0;
@@ -200,6 +205,7 @@ class LayerPass {
     w.stamp.assign(t_all, 0);
     w.policies.resize(plans_.size());
     w.caches.assign(plans_.size(), HeadCache(d));
+    w.prefill_size.assign(plans_.size(), 0);
     int scores_ce = -1;
     for (size_t r = 0; r < plans_.size(); ++r) {
       const RunPlan& plan = plans_[r];
@@ -218,15 +224,42 @@ class LayerPass {
       w.policies[r]->OnPrefill(ctx, budget, &cache);
       for (int j = plan.compress_end; j < n; ++j) cache.Append(j);
       CheckCache(w, cache, n - 1);
-      KVSIM_CHECK_MSG(cache.size() <= budget + (n - plan.compress_end),
-                      plan.spec->policy->name() + " kept " + std::to_string(cache.size()) +
-                          " slots after prefill, budget " + std::to_string(budget));
+      if (!plan.may_exceed)
+        KVSIM_CHECK_MSG(cache.size() <= budget + (n - plan.compress_end),
+                        plan.spec->policy->name() + " kept " + std::to_string(cache.size()) +
+                            " slots after prefill, budget " + std::to_string(budget));
+      w.prefill_size[r] = cache.size();
       RunAccum& a = acc_[r];
-      for (int32_t tok : cache.tokens())
-        ++a.kept_mod[UnitIndex(u) * 4 + static_cast<int>(meta_.tokens.modality[tok])];
+      if (plan.compression_step < 0) RecordCompression(plan, cache, u, &a);
       a.tokens[UnitIndex(u) * (steps + 1)] = cache.size();
     }
     w.scores.reset();  // prompt scores are a prefill-time facility
+  }
+
+  // Kept-token statistics right after the compression event.
+  void RecordCompression(const RunPlan& plan, const HeadCache& cache, int u, RunAccum* a) const {
+    int prompt = 0;
+    for (int32_t tok : cache.tokens()) {
+      if (tok >= meta_.prefill_length) continue;
+      ++a->kept_mod[UnitIndex(u) * 4 + static_cast<int>(meta_.tokens.modality[tok])];
+      if (tok < plan.compress_end) ++prompt;
+    }
+    a->prompt_kept[UnitIndex(u)] = prompt;
+  }
+
+  // Merge statistics at the end of the request.
+  void RecordMerges(const HeadCache& cache, int u, RunAccum* a) const {
+    int merged = 0, slots = 0, most = 0;
+    for (int s = 0; s < cache.size(); ++s) {
+      if (!cache.is_merged(s)) continue;
+      const int members = static_cast<int>(cache.merged(s).members.size());
+      merged += members;
+      ++slots;
+      most = std::max(most, members);
+    }
+    a->merged_tokens[UnitIndex(u)] = merged;
+    a->merged_slots[UnitIndex(u)] = slots;
+    a->merge_max[UnitIndex(u)] = most;
   }
 
   // Never a token twice, never a token from the future (O(cache size) with an epoch-stamped marker).
@@ -275,7 +308,7 @@ class LayerPass {
                                                  std::to_string(cache.size()) + " slots at decode, cap " +
                                                  std::to_string(cap));
       else
-        KVSIM_CHECK_MSG(cache.size() <= cap + t + 1,
+        KVSIM_CHECK_MSG(cache.size() <= (plan.may_exceed ? std::max(cap, w.prefill_size[r]) : cap) + t + 1,
                         plan.spec->policy->name() + " exceeded prompt budget + decode");
       RunAccum& a = acc_[r];
       a.tokens[UnitIndex(u) * (steps + 1) + 1 + t] = cache.size();
@@ -359,6 +392,11 @@ class LayerPass {
       StepAttention after{t, slots, w.cache_probs.data(), plan.req.future_attention ? full.data() : nullptr,
                           plan.req.future_attention ? full_sorted.data() : nullptr};
       hp.AfterStep(ctx, after, &cache);
+      if (t == 0 && plan.compression_step == 0) {
+        CheckCache(w, cache, pos);
+        RecordCompression(plan, cache, u, &a);
+      }
+      if (t == steps - 1) RecordMerges(cache, u, &a);
     }
   }
 
@@ -428,6 +466,17 @@ void FillQuality(const TraceMeta& meta, const RunAccum& a, int l0, int l1, Metri
   SetByModality(m->mutable_kept_tokens_by_modality(), km);
   m->set_bound_checks(static_cast<double>(checks));
   m->set_bound_violations(static_cast<double>(viol));
+  double prompt = 0, merged = 0, slots = 0, most = 0;
+  for (size_t i = static_cast<size_t>(l0) * hkv; i < static_cast<size_t>(l1) * hkv; ++i) {
+    prompt += a.prompt_kept[i];
+    merged += a.merged_tokens[i];
+    slots += a.merged_slots[i];
+    most = std::max<double>(most, a.merge_max[i]);
+  }
+  m->set_prompt_kept_tokens_mean(prompt / units);
+  m->set_merged_tokens_mean(merged / units);
+  m->set_merged_slots_mean(slots / units);
+  m->set_merge_members_max(most);
 }
 
 // The request's timeline: prefill chunks (the compression hook runs at the end of the last one), then
@@ -537,6 +586,13 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
               ", which the trace does not store; lower the window (--set window=N) "
               "or capture more prompt queries");
     }
+    if (req.all_prompt_queries && !meta.HasAllPromptQueries())
+      return Status::FailedPrecondition(
+          RunName(r) + ": " + r.policy->name() +
+          " reads the query of every prompt token, but the trace stores " + "queries of only the last " +
+          std::to_string(meta.query_positions.size() - meta.num_decode_steps) +
+          " prompt tokens; capture (or synthesize) with all prompt queries (query_storage: ALL)");
+    if (req.first_pass) continue;  // its layer budgets come from the first pass; checked after it
     const int budget = BudgetTokens(r, ce);
     const std::vector<int> lb = r.policy->LayerBudgets(meta, budget, ce);
     if (static_cast<int>(lb.size()) != meta.model.num_layers)
@@ -561,8 +617,9 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     p.compress_end = CompressEnd(meta, runs[r].question_mode);
     p.budget = BudgetTokens(runs[r], p.compress_end);
     p.req = runs[r].policy->requirements();
-    if (p.req.first_pass) p.policy_plan = runs[r].policy->NewPlan(meta, p.budget, p.compress_end);
     p.evicts = runs[r].policy->evicts_during_decode();
+    p.may_exceed = runs[r].policy->may_exceed_budget();
+    p.compression_step = runs[r].policy->compression_step();
     RunAccum& a = acc[r];
     const size_t samples = static_cast<size_t>(num_layers) * h * steps;
     a.retained.assign(samples, 0);
@@ -574,34 +631,46 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     a.bound_checks.assign(static_cast<size_t>(num_layers) * hkv, 0);
     a.bound_viol.assign(a.bound_checks.size(), 0);
     a.kept_mod.assign(a.bound_checks.size() * 4, 0);
+    a.prompt_kept.assign(a.bound_checks.size(), 0);
+    a.merged_tokens.assign(a.bound_checks.size(), 0);
+    a.merged_slots.assign(a.bound_checks.size(), 0);
+    a.merge_max.assign(a.bound_checks.size(), 0);
     a.tokens.assign(a.bound_checks.size() * (steps + 1), 0);
   }
-  // First pass for policies that need cross-layer information, then every run's per-layer budgets.
-  if (std::any_of(plans.begin(), plans.end(), [](const RunPlan& p) { return p.policy_plan != nullptr; })) {
+  // First pass for policies that need cross-layer information: one plan per (policy object, compressible
+  // region), shared by every budget. Then every run's per-layer budgets.
+  std::map<std::pair<const Policy*, int>, std::shared_ptr<PolicyPlan>> shared_plans;
+  for (RunPlan& p : plans)
+    if (p.req.first_pass) {
+      auto& plan = shared_plans[{p.spec->policy.get(), p.compress_end}];
+      if (!plan) plan = p.spec->policy->NewPlan(meta, p.compress_end);
+      p.policy_plan = plan;
+    }
+  if (!shared_plans.empty()) {
     LayerData layer;
     for (int l = 0; l < num_layers; ++l) {
       KVSIM_RETURN_IF_ERROR(trace.ReadLayer(l, &layer));
       layer.layer = l;
-      for (RunPlan& p : plans)
-        if (p.policy_plan)
-          p.spec->policy->ObserveLayer(LayerView{&meta, &layer, l, p.compress_end, options.threads},
-                                       p.policy_plan.get());
+      for (auto& [key, plan] : shared_plans)
+        key.first->ObserveLayer(LayerView{&meta, &layer, l, key.second, options.threads}, plan.get());
     }
-    for (RunPlan& p : plans)
-      if (p.policy_plan) p.spec->policy->FinishPlan(meta, p.policy_plan.get());
+    for (auto& [key, plan] : shared_plans) {
+      key.first->FinishPlan(meta, plan.get());
+      for (const auto& [name, values] : plan->layer_stats)
+        if (static_cast<int>(values.size()) != num_layers)
+          return Status::Internal(key.first->name() + ": layer statistic '" + name +
+                                  "' has the wrong number of layers");
+    }
   }
   for (RunPlan& p : plans) {
-    if (p.policy_plan && !p.policy_plan->layer_budgets.empty()) {
-      p.layer_budgets = p.policy_plan->layer_budgets;
-      if (static_cast<int>(p.layer_budgets.size()) != num_layers)
-        return Status::Internal(p.spec->policy->name() +
-                                ": first-pass plan has the wrong number of layer budgets");
-      for (int b : p.layer_budgets)
-        if (b < 0 || b > p.compress_end)
-          return Status::Internal(p.spec->policy->name() + ": first-pass layer budget outside [0, prompt]");
-    } else {
-      p.layer_budgets = p.spec->policy->LayerBudgets(meta, p.budget, p.compress_end);
-    }
+    p.layer_budgets =
+        p.policy_plan ? p.spec->policy->PlannedLayerBudgets(meta, p.budget, p.compress_end, *p.policy_plan)
+                      : p.spec->policy->LayerBudgets(meta, p.budget, p.compress_end);
+    if (static_cast<int>(p.layer_budgets.size()) != num_layers)
+      return Status::Internal(p.spec->policy->name() + ": wrong number of layer budgets");
+    for (int b : p.layer_budgets)
+      if (b < 0 || b > p.compress_end)
+        return Status::Internal(p.spec->policy->name() + ": layer budget outside [0, prompt]");
   }
   // Run configurations in an order that groups equal compressible regions (shared prompt scores).
   std::vector<size_t> order(runs.size());
@@ -676,10 +745,21 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     out.set_prefill_chunks(static_cast<int>(chunks));
     FillQuality(meta, a, 0, num_layers, out.mutable_metrics());
     FillMemory(meta, ev, num_layers, dur, out.mutable_metrics());
+    const double allocated =
+        std::accumulate(p.layer_budgets.begin(), p.layer_budgets.end(), 0.0) / std::max(1, num_layers);
+    out.set_allocated_budget_tokens_mean(allocated);
+    out.mutable_metrics()->set_prompt_kept_over_budget(
+        p.budget > 0 ? out.metrics().prompt_kept_tokens_mean() / p.budget : 0);
     for (int l = 0; l < num_layers; ++l) {
       LayerResult* lr = out.add_layers();
       lr->set_layer(l);
       lr->set_budget_tokens_mean(p.layer_budgets[l]);
+      if (p.policy_plan)
+        for (const auto& [name, values] : p.policy_plan->layer_stats) {
+          PolicyStat* st = lr->add_policy_stats();
+          st->set_name(name);
+          st->set_value(values[l]);
+        }
       for (int u = 0; u < hkv; ++u) {
         const int32_t* tk = &a.tokens[(static_cast<size_t>(l) * hkv + u) * (steps + 1)];
         double sum = 0;
@@ -688,6 +768,8 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
         lr->add_kv_head_tokens_peak(*std::max_element(tk, tk + steps + 1));
       }
       FillQuality(meta, a, l, l + 1, lr->mutable_metrics());
+      lr->mutable_metrics()->set_prompt_kept_over_budget(
+          p.layer_budgets[l] > 0 ? lr->metrics().prompt_kept_tokens_mean() / p.layer_budgets[l] : 0);
       FillMemory(meta, Timeline(meta, a, l, l + 1, options.prefill_chunk), 1, dur, lr->mutable_metrics());
     }
   }

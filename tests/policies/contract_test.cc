@@ -3,6 +3,7 @@
 // the future, or a cache over its budget; these tests make every policy go through those checks.)
 
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <numeric>
 
 #include "policies/registry.h"
@@ -12,13 +13,32 @@
 namespace kvsim {
 namespace {
 
+// Every registered policy with its defaults, plus merge-wrapped baselines and official-code variants.
+std::vector<std::pair<std::string, std::vector<std::string>>> AllConfigs() {
+  std::vector<std::pair<std::string, std::vector<std::string>>> configs;
+  for (const PolicyInfo& info : PolicyRegistry::Default().List()) configs.push_back({info.name, {}});
+  for (const char* wrapped : {"snapkv+average", "pyramidkv+pivot", "h2o+weighted", "h2o+average",
+                              "streaming_llm+average", "streaming_llm+pivot"})
+    configs.push_back({wrapped, {}});
+  configs.push_back({"h2o+pivot", {"one_shot=true"}});
+  configs.push_back({"meda", {"variant=OFFICIAL_CODE"}});
+  configs.push_back({"meda", {"entropy=FULL_SELF", "merge=PIVOT"}});
+  configs.push_back(
+      {"look_m", {"text_prior=KEEP_ALL_TEXT", "merge=AVERAGE", "merge_filter=ABOVE_MEAN_SIMILARITY"}});
+  configs.push_back({"look_m", {"text_prior=NO_TEXT_PRIOR", "merge=WEIGHTED"}});
+  configs.push_back({"look_m", {"merge=NO_MERGE"}});
+  return configs;
+}
+
 std::vector<RunSpec> AllRuns(QuestionMode mode) {
   std::vector<RunSpec> runs;
-  for (const PolicyInfo& info : PolicyRegistry::Default().List()) {
-    auto p = PolicyRegistry::Default().Create(info.name);
+  for (const auto& [name, sets] : AllConfigs()) {
+    auto p = PolicyRegistry::Default().Create(name, sets);
     REQUIRE(p.ok());
-    for (double b : {0.1, 0.25, 0.5, 1.0}) runs.push_back(RunSpec{*p, info.name, b, 0, mode});
-    runs.push_back(RunSpec{*p, info.name, 0, 3, mode});  // absolute budget
+    std::string label = name;
+    for (const std::string& s : sets) label += " " + s;
+    for (double b : {0.1, 0.25, 0.5, 1.0}) runs.push_back(RunSpec{*p, label, b, 0, mode});
+    runs.push_back(RunSpec{*p, label, 0, 3, mode});  // absolute budget
   }
   return runs;
 }
@@ -29,8 +49,9 @@ void CheckInvariants(const TraceMeta& meta, const std::vector<RunSpec>& runs,
   for (size_t i = 0; i < runs.size(); ++i) {
     const RunResult& r = res[i];
     const Metrics& m = r.metrics();
-    INFO(r.policy() << " budget " << runs[i].budget_fraction << "/" << runs[i].budget_tokens << " "
-                    << r.question_mode());
+    INFO(r.label() << " budget " << runs[i].budget_fraction << "/" << runs[i].budget_tokens << " "
+                   << r.question_mode());
+    const bool floor_budget = runs[i].policy->may_exceed_budget();
     CHECK(m.bound_violations() == 0);
     CHECK(m.retained_mass_mean() <= m.covered_mass_mean() + 1e-6);
     CHECK(m.covered_mass_mean() <= 1.0 + 1e-5);
@@ -56,15 +77,28 @@ void CheckInvariants(const TraceMeta& meta, const std::vector<RunSpec>& runs,
       CHECK(m.retained_mass_mean() == Approx(1.0).epsilon(1e-6));
       CHECK(m.output_rel_error_mean() < 1e-5);
       CHECK(m.regret_vs_oracle_mean() == Approx(0).margin(1e-5));
-    } else {
+    } else if (!floor_budget) {
       CHECK(total == static_cast<double>(r.budget_tokens()) * meta.model.num_layers);
+      CHECK(r.allocated_budget_tokens_mean() == r.budget_tokens());
+      CHECK(m.prompt_kept_tokens_mean() <= r.budget_tokens() + 1e-9);
+      CHECK(m.prompt_kept_over_budget() <= 1 + 1e-9);
     }
+    // Merging only ever adds coverage; kept + merged tokens never exceed the compressible prompt + decode.
+    CHECK(m.merged_tokens_mean() >= 0);
+    CHECK(m.merged_slots_mean() <= m.merged_tokens_mean() + 1e-9);
+    if (r.policy().find('+') == std::string::npos &&
+        r.parameters().find("merge: NO_MERGE") != std::string::npos)
+      CHECK(m.merged_tokens_mean() == 0);
+    for (const auto& l : r.layers())
+      for (const auto& st : l.policy_stats()) CHECK(std::isfinite(st.value()));
     // Decode-evicting policies never exceed their cap; others hold at most budget + appended + decode.
     const int appended = meta.prefill_length - ce;
     for (const auto& tp : r.timeline()) {
       const double per_head = tp.kv_tokens() / (meta.model.num_layers * meta.model.num_kv_heads);
       const double decode = tp.step() + 1;
-      if (r.policy() != "full") CHECK(per_head <= r.budget_tokens() + appended + decode + 1e-9);
+      if (r.policy() != "full" && !floor_budget)
+        CHECK(per_head <= r.budget_tokens() + appended + decode + 1e-9);
+      CHECK(per_head <= meta.prefill_length + decode + 1e-9);
     }
     // MHA: the oracle is the per-head optimum (zero regret). GQA: it optimises the group mean, so each head
     // may lose a little against its own optimum.

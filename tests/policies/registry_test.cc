@@ -18,11 +18,12 @@ Status CreateStatus(const std::string& name, std::vector<std::string> sets) {
 
 }  // namespace
 
-TEST_CASE("registry: the six baselines are listed, sorted by name", "[registry]") {
+TEST_CASE("registry: the baselines and multimodal policies are listed, sorted by name", "[registry]") {
   const auto list = PolicyRegistry::Default().List();
   std::vector<std::string> names;
   for (const PolicyInfo& i : list) names.push_back(i.name);
-  CHECK(names == std::vector<std::string>{"full", "h2o", "oracle", "pyramidkv", "snapkv", "streaming_llm"});
+  CHECK(names == std::vector<std::string>{"full", "h2o", "look_m", "meda", "oracle", "pyramidkv", "snapkv",
+                                          "streaming_llm"});
   for (const PolicyInfo& i : list) {
     INFO(i.name);
     CHECK_FALSE(i.summary.empty());
@@ -54,7 +55,39 @@ TEST_CASE("registry: unknown policy names list the known ones", "[registry]") {
   CHECK(st.code() == StatusCode::kInvalidArgument);
   INFO(st.message());
   CHECK(Contains(st.message(), "unknown policy 'snap'"));
-  CHECK(Contains(st.message(), "full, h2o, oracle, pyramidkv, snapkv, streaming_llm"));
+  CHECK(Contains(st.message(), "full, h2o, look_m, meda, oracle, pyramidkv, snapkv, streaming_llm"));
+}
+
+TEST_CASE("registry: base+merge wraps an evicting policy", "[registry][merge]") {
+  auto p = PolicyRegistry::Default().Create("snapkv+average", std::vector<std::string>{"window=8"});
+  REQUIRE(p.ok());
+  CHECK((*p)->name() == "snapkv+average");
+  CHECK((*p)->ParamsText() == "window: 8 kernel_size: 5 pooling: AVG group_aggregation: MEAN merge: AVERAGE");
+  CHECK((*p)->requirements().window == 8);
+  auto h = PolicyRegistry::Default().Create("h2o+pivot");
+  REQUIRE(h.ok());
+  CHECK((*h)->evicts_during_decode());
+  CHECK(PolicyRegistry::Default().Create("streaming_llm+weighted").ok());
+  const PolicyInfo* info = PolicyRegistry::Default().Find("pyramidkv+average");
+  REQUIRE(info);
+  CHECK(info->name == "pyramidkv");
+}
+
+TEST_CASE("registry: bad merge wrappers are refused with the fix", "[registry][merge]") {
+  Status st = CreateStatus("snapkv+median", {});
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(Contains(st.message(), "unknown merge 'median'"));
+  CHECK(Contains(st.message(), "snapkv+average"));
+  for (const char* name : {"full+average", "oracle+pivot", "meda+average", "look_m+average"}) {
+    INFO(name);
+    st = CreateStatus(name, {});
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK(Contains(st.message(), "cannot be wrapped"));
+  }
+  st = CreateStatus("nope+average", {});
+  CHECK(Contains(st.message(), "unknown policy 'nope'"));
+  st = CreateStatus("snapkv+average", {"window=0"});
+  CHECK(Contains(st.message(), "window must be >= 1"));
 }
 
 TEST_CASE("registry: --set overrides reach the policy", "[registry]") {

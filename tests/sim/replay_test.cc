@@ -559,10 +559,9 @@ class FirstPassPolicy final : public Policy {
   std::string ParamsText() const override { return ""; }
   PolicyRequirements requirements() const override { return {.first_pass = true}; }
   bool evicts_during_decode() const override { return false; }
-  std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int budget, int) const override {
-    auto p = std::make_unique<ObservedPlan>();
-    budget_ = budget;
-    return p;
+  std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int) const override {
+    ++plans_made_;
+    return std::make_unique<ObservedPlan>();
   }
   void ObserveLayer(const LayerView& v, PolicyPlan* plan) const override {
     auto* p = static_cast<ObservedPlan*>(plan);
@@ -579,21 +578,30 @@ class FirstPassPolicy final : public Policy {
     std::iota(all.begin(), all.end(), 0);
     CHECK(p->order == all);
     CHECK(p->key_sums.size() == all.size());
-    for (int l = 0; l < meta.model.num_layers; ++l)
-      p->layer_budgets.push_back(budget_ + (l % 2 == 0 ? 1 : -1));
+    p->layer_stats["key_sum"] = p->key_sums;
+  }
+  std::vector<int> PlannedLayerBudgets(const TraceMeta& meta, int budget, int,
+                                       const PolicyPlan& plan) const override {
+    CHECK(static_cast<const ObservedPlan&>(plan).finished);
+    std::vector<int> b;
+    for (int l = 0; l < meta.model.num_layers; ++l) b.push_back(budget + (l % 2 == 0 ? 1 : -1));
+    return b;
   }
   std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const override {
     struct Recent final : HeadPolicy {
+      explicit Recent(int expected) : expected_(expected) {}
+      int expected_;
       void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
         REQUIRE(ctx.plan != nullptr);
         CHECK(static_cast<const ObservedPlan*>(ctx.plan)->finished);
-        CHECK(budget == ctx.plan->layer_budgets[ctx.layer]);
+        CHECK(budget == expected_ + (ctx.layer % 2 == 0 ? 1 : -1));
         cache->AssignRange(ctx.compress_end - budget, ctx.compress_end);
       }
     };
-    return std::make_unique<Recent>();
+    return std::make_unique<Recent>(expected_budget);
   }
-  mutable int budget_ = 0;
+  mutable int plans_made_ = 0;
+  int expected_budget = 5;
 };
 
 }  // namespace
@@ -606,7 +614,11 @@ TEST_CASE("replay: first pass sees every layer in order before any compression",
   std::vector<RunSpec> runs{RunSpec{policy, "fp", 0, 5, QuestionMode::kQueryAware}};
   auto res = Replay(trace, runs, ReplayOptions{.threads = 2});
   REQUIRE(res.ok());
+  CHECK(policy->plans_made_ == 1);
   const RunResult& r = (*res)[0];
+  CHECK(r.allocated_budget_tokens_mean() == 5);
+  REQUIRE(r.layers(1).policy_stats_size() == 1);
+  CHECK(r.layers(1).policy_stats(0).name() == "key_sum");
   REQUIRE(r.layers_size() == 4);
   CHECK(r.layers(0).budget_tokens_mean() == 6);
   CHECK(r.layers(1).budget_tokens_mean() == 4);
@@ -615,6 +627,21 @@ TEST_CASE("replay: first pass sees every layer in order before any compression",
   CHECK(r.layers(0).metrics().kept_tokens_by_modality().text() +
             r.layers(0).metrics().kept_tokens_by_modality().image() ==
         6);
+  CHECK(r.layers(0).metrics().prompt_kept_tokens_mean() == 6);
+  CHECK(r.layers(0).metrics().prompt_kept_over_budget() == 1);
+}
+
+TEST_CASE("replay: one first-pass plan serves every budget of a policy object", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 2;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  auto policy = std::make_shared<FirstPassPolicy>();
+  std::vector<RunSpec> runs{RunSpec{policy, "fp", 0, 5, QuestionMode::kQueryAware},
+                            RunSpec{policy, "fp", 0, 5, QuestionMode::kQueryAware},
+                            RunSpec{policy, "fp", 0, 5, QuestionMode::kQueryAgnostic}};
+  auto res = Replay(trace, runs, ReplayOptions{.threads = 1});
+  REQUIRE(res.ok());
+  CHECK(policy->plans_made_ == 2);  // one per compressible region
 }
 
 }  // namespace kvsim

@@ -1,0 +1,254 @@
+#include "policies/merge.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "sim/attention.h"
+
+namespace kvsim {
+namespace {
+
+// Rows scaled to unit length (zero rows stay zero).
+void NormalizeRows(const float* x, int rows, int d, float* out) {
+  for (int r = 0; r < rows; ++r) {
+    double s = 0;
+    for (int k = 0; k < d; ++k) s += static_cast<double>(x[r * d + k]) * x[r * d + k];
+    const float inv = s > 0 ? static_cast<float>(1.0 / std::sqrt(s)) : 0.0f;
+    for (int k = 0; k < d; ++k) out[r * d + k] = x[r * d + k] * inv;
+  }
+}
+
+const float* OriginalKey(const HeadContext& ctx, int32_t tok) {
+  return ctx.keys + static_cast<size_t>(tok) * ctx.head_dim();
+}
+const float* OriginalValue(const HeadContext& ctx, int32_t tok) {
+  return ctx.values + static_cast<size_t>(tok) * ctx.head_dim();
+}
+
+}  // namespace
+
+void NearestByCosine(const float* queries, int num_queries, const float* targets, int num_targets, int d,
+                     std::vector<int>* nearest, std::vector<float>* similarity) {
+  nearest->assign(num_queries, -1);
+  similarity->assign(num_queries, 0.0f);
+  if (num_queries == 0 || num_targets == 0) return;
+  EnsureSingleThreadedBlas();
+  std::vector<float> t(static_cast<size_t>(num_targets) * d);
+  NormalizeRows(targets, num_targets, d, t.data());
+  constexpr int kBlock = 256;  // query rows per GEMM: bounds the similarity block to 256 x num_targets
+  std::vector<float> q(static_cast<size_t>(kBlock) * d), sim(static_cast<size_t>(kBlock) * num_targets);
+  for (int b = 0; b < num_queries; b += kBlock) {
+    const int rows = std::min(kBlock, num_queries - b);
+    NormalizeRows(queries + static_cast<size_t>(b) * d, rows, d, q.data());
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, num_targets, d, 1.0f, q.data(), d, t.data(), d,
+                0.0f, sim.data(), num_targets);
+    for (int r = 0; r < rows; ++r) {
+      const float* row = sim.data() + static_cast<size_t>(r) * num_targets;
+      const int best = static_cast<int>(std::max_element(row, row + num_targets) - row);  // first maximum
+      (*nearest)[b + r] = best;
+      (*similarity)[b + r] = row[best];
+    }
+  }
+}
+
+void Merger::Apply(const HeadContext& ctx, int slot, Sums& s, HeadCache* cache) const {
+  const int d = ctx.head_dim();
+  const int32_t anchor = cache->token(slot);
+  const double m = static_cast<double>(s.members.size());
+  const double a = strategy_ == policy::PIVOT ? 1.0 + m / 2 : 1.0;
+  const double inv = 1.0 / (1.0 + m);
+  MergedSlot out;
+  out.key.resize(d);
+  out.value.resize(d);
+  const float* ka = OriginalKey(ctx, anchor);
+  const float* va = OriginalValue(ctx, anchor);
+  for (int k = 0; k < d; ++k) {
+    out.key[k] = static_cast<float>((a * ka[k] + s.k[k]) * inv);
+    out.value[k] = static_cast<float>((a * va[k] + s.v[k]) * inv);
+  }
+  out.members = s.members;
+  cache->SetMerge(slot, std::move(out));
+}
+
+void Merger::KeepAndMerge(const HeadContext& ctx, std::span<const int32_t> kept,
+                          std::span<const int32_t> evicted, HeadCache* cache) {
+  cache->Assign(kept);
+  sums_.clear();
+  MergeTokens(ctx, evicted, cache);
+}
+
+void Merger::MergeTokens(const HeadContext& ctx, std::span<const int32_t> tokens, HeadCache* cache) {
+  if (strategy_ == policy::NO_MERGE || tokens.empty() || cache->size() == 0) return;
+  const int d = ctx.head_dim(), slots = cache->size(), e = static_cast<int>(tokens.size());
+  std::vector<float> targets(static_cast<size_t>(slots) * d), x(static_cast<size_t>(e) * d);
+  for (int s = 0; s < slots; ++s) {
+    const float* k = cache->is_merged(s) ? cache->merged(s).key.data() : OriginalKey(ctx, cache->token(s));
+    std::copy(k, k + d, targets.begin() + static_cast<size_t>(s) * d);
+  }
+  for (int i = 0; i < e; ++i) {
+    const float* k = OriginalKey(ctx, tokens[i]);
+    std::copy(k, k + d, x.begin() + static_cast<size_t>(i) * d);
+  }
+  std::vector<int> nearest;
+  std::vector<float> sim;
+  NearestByCosine(x.data(), e, targets.data(), slots, d, &nearest, &sim);
+  double threshold = -2;  // below every cosine
+  if (filter_ == policy::ABOVE_MEAN_SIMILARITY) {
+    double mean = 0;
+    for (float s : sim) mean += s;
+    threshold = mean / e;
+  }
+  std::vector<char> dirty(slots, 0);
+  for (int i = 0; i < e; ++i) {
+    if (sim[i] < threshold) continue;  // filtered out: dropped
+    const int slot = nearest[i];
+    const float c = strategy_ == policy::AVERAGE ? 1.0f : strategy_ == policy::PIVOT ? 0.5f : sim[i];
+    Sums& s = sums_[cache->token(slot)];
+    if (s.k.empty()) {
+      s.k.assign(d, 0.0f);
+      s.v.assign(d, 0.0f);
+    }
+    const float* k = OriginalKey(ctx, tokens[i]);
+    const float* v = OriginalValue(ctx, tokens[i]);
+    for (int j = 0; j < d; ++j) {
+      s.k[j] += c * k[j];
+      s.v[j] += c * v[j];
+    }
+    s.members.emplace_back(tokens[i], c);
+    dirty[slot] = 1;
+  }
+  for (int s = 0; s < slots; ++s)
+    if (dirty[s]) Apply(ctx, s, sums_[cache->token(s)], cache);
+}
+
+void Merger::Reconcile(const HeadContext& ctx, std::span<const int32_t> before, HeadCache* cache) {
+  if (strategy_ == policy::NO_MERGE) return;
+  mark_.resize(ctx.meta->total_tokens(), 0);
+  for (int32_t tok : cache->tokens()) mark_[tok] = 1;
+  std::vector<int32_t> originals;
+  for (int32_t tok : before) {
+    if (mark_[tok]) continue;
+    originals.push_back(tok);
+    auto it = sums_.find(tok);
+    if (it != sums_.end()) {
+      for (const auto& [member, c] : it->second.members) originals.push_back(member);
+      sums_.erase(it);
+    }
+  }
+  for (int32_t tok : cache->tokens()) mark_[tok] = 0;
+  // A policy that rebuilt the cache (Assign) dropped the merges of the anchors it kept: restore them.
+  if (!sums_.empty())
+    for (int s = 0; s < cache->size(); ++s)
+      if (!cache->is_merged(s)) {
+        auto it = sums_.find(cache->token(s));
+        if (it != sums_.end()) Apply(ctx, s, it->second, cache);
+      }
+  std::sort(originals.begin(), originals.end());
+  MergeTokens(ctx, originals, cache);
+}
+
+// ---- wrapper ----
+namespace {
+
+const char* StrategySuffix(policy::MergeStrategy s) {
+  switch (s) {
+    case policy::AVERAGE:
+      return "average";
+    case policy::PIVOT:
+      return "pivot";
+    case policy::WEIGHTED:
+      return "weighted";
+    default:
+      return "none";
+  }
+}
+
+class MergeWrappedHead final : public HeadPolicy {
+ public:
+  MergeWrappedHead(std::unique_ptr<HeadPolicy> base, policy::MergeStrategy strategy)
+      : base_(std::move(base)), merger_(strategy, policy::MERGE_ALL) {}
+
+  void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
+    base_->OnPrefill(ctx, budget, cache);
+    // The cache held [0, compress_end) as plain slots: every token the base left out was evicted.
+    std::vector<char> kept(ctx.compress_end, 0);
+    for (int32_t tok : cache->tokens())
+      if (tok < ctx.compress_end) kept[tok] = 1;
+    std::vector<int32_t> evicted;
+    for (int32_t j = 0; j < ctx.compress_end; ++j)
+      if (!kept[j]) evicted.push_back(j);
+    merger_.MergeTokens(ctx, evicted, cache);
+  }
+  void BeforeStep(const HeadContext& ctx, const StepAttention& att, int cap, HeadCache* cache) override {
+    before_.assign(cache->tokens().begin(), cache->tokens().end());
+    base_->BeforeStep(ctx, att, cap, cache);
+    merger_.Reconcile(ctx, before_, cache);
+  }
+  bool AppendNewToken() const override { return base_->AppendNewToken(); }
+  void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) override {
+    before_.assign(cache->tokens().begin(), cache->tokens().end());
+    base_->AfterStep(ctx, att, cache);
+    merger_.Reconcile(ctx, before_, cache);
+  }
+
+ private:
+  std::unique_ptr<HeadPolicy> base_;
+  Merger merger_;
+  std::vector<int32_t> before_;
+};
+
+class MergeWrappedPolicy final : public Policy {
+ public:
+  MergeWrappedPolicy(std::shared_ptr<const Policy> base, policy::MergeStrategy strategy)
+      : base_(std::move(base)), strategy_(strategy) {}
+  std::string name() const override { return base_->name() + "+" + StrategySuffix(strategy_); }
+  std::string ParamsText() const override {
+    const std::string base = base_->ParamsText();
+    return base + (base.empty() ? "" : " ") + "merge: " + policy::MergeStrategy_Name(strategy_);
+  }
+  PolicyRequirements requirements() const override { return base_->requirements(); }
+  bool evicts_during_decode() const override { return base_->evicts_during_decode(); }
+  bool may_exceed_budget() const override { return base_->may_exceed_budget(); }
+  int compression_step() const override { return base_->compression_step(); }
+  std::vector<int> LayerBudgets(const TraceMeta& meta, int budget, int compress_len) const override {
+    return base_->LayerBudgets(meta, budget, compress_len);
+  }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const override {
+    return std::make_unique<MergeWrappedHead>(base_->NewHeadPolicy(ctx), strategy_);
+  }
+  std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int compress_len) const override {
+    return base_->NewPlan(meta, compress_len);
+  }
+  void ObserveLayer(const LayerView& layer, PolicyPlan* plan) const override {
+    base_->ObserveLayer(layer, plan);
+  }
+  void FinishPlan(const TraceMeta& meta, PolicyPlan* plan) const override { base_->FinishPlan(meta, plan); }
+  std::vector<int> PlannedLayerBudgets(const TraceMeta& meta, int budget, int compress_len,
+                                       const PolicyPlan& plan) const override {
+    return base_->PlannedLayerBudgets(meta, budget, compress_len, plan);
+  }
+
+ private:
+  std::shared_ptr<const Policy> base_;
+  policy::MergeStrategy strategy_;
+};
+
+}  // namespace
+
+bool ParseMergeSuffix(const std::string& suffix, policy::MergeStrategy* strategy) {
+  for (policy::MergeStrategy s : {policy::AVERAGE, policy::PIVOT, policy::WEIGHTED})
+    if (suffix == StrategySuffix(s)) {
+      *strategy = s;
+      return true;
+    }
+  return false;
+}
+
+std::shared_ptr<const Policy> WrapWithMerge(std::shared_ptr<const Policy> base,
+                                            policy::MergeStrategy strategy) {
+  return std::make_shared<MergeWrappedPolicy>(std::move(base), strategy);
+}
+
+}  // namespace kvsim

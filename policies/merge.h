@@ -1,0 +1,68 @@
+#pragma once
+// Merging evicted tokens into kept cache slots, as a piece any policy can use (MEDA Eqs. 11-12; LOOK-M's
+// pivot / average / weighted merges) and as a wrapper around any evicting policy ("snapkv+average").
+//
+// Target: each evicted token e joins the slot c(e) whose current key is most cosine-similar to k_e, per KV
+// head (ties: the earliest slot). A merged slot's key and value are a function of its anchor's original
+// k_a, v_a and its m merged-in tokens (their original keys/values), so merges compose across batches:
+//   AVERAGE  (MEDA Eq. 12):  k_c = (k_a + Σ_e k_e) / (1 + m)
+//   PIVOT    (LOOK-M):       k~_e = (k_e + k_a) / 2,  k_c = (k_a + Σ_e k~_e) / (1 + m)
+//   WEIGHTED (LOOK-M):       k_c = (k_a + Σ_e s_e k_e) / (1 + m),  s_e = cos(k_e, k_c(e)) at assignment
+// Values use the same assignment and coefficients. Formulas and deviations: docs/policies/merging.md.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "policies/policy_params.pb.h"
+#include "sim/policy.h"
+
+namespace kvsim {
+
+// For every row of `queries` ([num_queries][d]) the index of the most cosine-similar row of `targets`
+// ([num_targets][d]) and that similarity. Zero vectors have similarity 0 to everything. Ties: lowest index.
+void NearestByCosine(const float* queries, int num_queries, const float* targets, int num_targets, int d,
+                     std::vector<int>* nearest, std::vector<float>* similarity);
+
+// Per-(layer, KV head) merge state: the running sums behind every merged slot, so later evictions can merge
+// into (or dissolve) an existing merge.
+class Merger {
+ public:
+  Merger(policy::MergeStrategy strategy, policy::MergeFilter filter) : strategy_(strategy), filter_(filter) {}
+
+  policy::MergeStrategy strategy() const { return strategy_; }
+
+  // Replaces the cache content with `kept` (positions, as plain slots) and merges `evicted` into them.
+  void KeepAndMerge(const HeadContext& ctx, std::span<const int32_t> kept, std::span<const int32_t> evicted,
+                    HeadCache* cache);
+
+  // Merges original tokens (not in the cache) into the cache's current slots, one batch.
+  void MergeTokens(const HeadContext& ctx, std::span<const int32_t> tokens, HeadCache* cache);
+
+  // After a policy changed the cache: `before` is the slot anchors before the change. Anchors that left
+  // are merged into the remaining slots together with whatever they had absorbed; surviving anchors whose
+  // merge the change dropped (e.g. HeadCache::Assign) get it back.
+  void Reconcile(const HeadContext& ctx, std::span<const int32_t> before, HeadCache* cache);
+
+ private:
+  struct Sums {
+    std::vector<float> k, v;  // Σ coefficient * original key/value of the members
+    std::vector<std::pair<int32_t, float>> members;
+  };
+  void Apply(const HeadContext& ctx, int slot, Sums& s, HeadCache* cache) const;
+
+  policy::MergeStrategy strategy_;
+  policy::MergeFilter filter_;
+  std::unordered_map<int32_t, Sums> sums_;  // by anchor token
+  std::vector<char> mark_;                  // scratch, by token position
+};
+
+// Registry support: "base+average" / "base+pivot" / "base+weighted" wraps an evicting policy so that every
+// token it evicts (at the prefill hook and during decode) is merged into the nearest kept slot.
+bool ParseMergeSuffix(const std::string& suffix, policy::MergeStrategy* strategy);
+std::shared_ptr<const Policy> WrapWithMerge(std::shared_ptr<const Policy> base,
+                                            policy::MergeStrategy strategy);
+
+}  // namespace kvsim
