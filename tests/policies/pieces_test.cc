@@ -137,4 +137,36 @@ TEST_CASE("PyramidLayerBudgets: degenerate cases are uniform", "[pieces]") {
   CHECK(PyramidLayerBudgets(3, 20, 4, 100, 1000) == std::vector<int>{36, 20, 4});
 }
 
+TEST_CASE("ProportionalLayerBudgets: water-filling under the cap, exact total, largest remainder",
+          "[pieces]") {
+  CHECK(ProportionalLayerBudgets(std::vector<double>{1, 2, 3}, 30, 100) == std::vector<int>{5, 10, 15});
+  CHECK(ProportionalLayerBudgets(std::vector<double>{1, 2, 3}, 21, 100) == std::vector<int>{4, 7, 10});
+  // (25, 50, 75) with cap 60: 15 tokens move to the others in ratio 1:2.
+  CHECK(ProportionalLayerBudgets(std::vector<double>{1, 2, 3}, 150, 60) == std::vector<int>{30, 60, 60});
+  // Two rounds of capping: (1, 1, 8) * 50 / 10 -> layer 2 capped at 20, then 15 / 15 ... all capped.
+  CHECK(ProportionalLayerBudgets(std::vector<double>{1, 1, 8}, 50, 20) == std::vector<int>{15, 15, 20});
+  CHECK(ProportionalLayerBudgets(std::vector<double>{1, 1, 8}, 70, 20) == std::vector<int>{20, 20, 20});
+  CHECK(ProportionalLayerBudgets(std::vector<double>{0, 0}, 7, 10) == std::vector<int>{4, 3});  // all zero
+  CHECK(ProportionalLayerBudgets(std::vector<double>{0, 1}, 7, 5) == std::vector<int>{2, 5});   // zero weight
+}
+
+TEST_CASE("TextPriorSelect: add-max, keep-all-text and the sink family", "[pieces]") {
+  TraceMeta meta;
+  meta.prefill_length = 6;
+  meta.tokens.Resize(6);
+  for (int j : {1, 2, 4}) meta.tokens.modality[j] = Modality::kImage;
+  meta.tokens.modality[5] = Modality::kOther;  // counts as text
+  HeadContext ctx;
+  ctx.meta = &meta;
+  const std::vector<float> s{0.1f, 0.9f, 0.5f, 0.05f, 0.8f, 0.3f};
+  // Recent 1 (token 5); 2 heavy over [0, 5). Add-max: text 0 (1.0) and 3 (0.95) beat image 1 (0.9).
+  CHECK(TextPriorSelect(ctx, s, 6, 1, 2, policy::ADD_MAX, 0) == std::vector<int32_t>{0, 3, 5});
+  CHECK(TextPriorSelect(ctx, s, 6, 1, 2, policy::NO_TEXT_PRIOR, 0) == std::vector<int32_t>{1, 4, 5});
+  // Keep-all-text: 1 heavy (0) + recent (5) + every text token (3): 3 tokens for a budget of 2.
+  CHECK(TextPriorSelect(ctx, s, 6, 1, 1, policy::KEEP_ALL_TEXT, 0) == std::vector<int32_t>{0, 3, 5});
+  // One sink takes a heavy slot: 0, then the best of the rest (1).
+  CHECK(TextPriorSelect(ctx, s, 6, 1, 2, policy::NO_TEXT_PRIOR, 1) == std::vector<int32_t>{0, 1, 5});
+  CHECK(TextPriorSelect(ctx, s, 6, 6, 3, policy::ADD_MAX, 0).size() == 6);  // recent covers everything
+}
+
 }  // namespace kvsim

@@ -107,4 +107,16 @@ TEST_CASE("HeadCache::has_merges counts merged slots through evictions", "[cache
   CHECK_FALSE(c.is_merged(2));
 }
 
+TEST_CASE("HeadCache: SetMerge replaces a slot's merge wholesale", "[cache_state]") {
+  HeadCache c(2);
+  c.AssignRange(0, 3);
+  c.MergeInto(1, 5, 1.0f, std::vector<float>{1, 1}, std::vector<float>{2, 2});
+  c.SetMerge(1, MergedSlot{{3, 3}, {4, 4}, {{6, 0.5f}, {7, 0.5f}}});
+  REQUIRE(c.is_merged(1));
+  CHECK(c.merged(1).key == std::vector<float>{3, 3});
+  CHECK(c.merged(1).members.size() == 2);
+  c.SetMerge(0, MergedSlot{{0, 0}, {0, 0}, {{8, 1.0f}}});
+  CHECK(c.CoveredTokens() == std::vector<int32_t>{0, 1, 2, 8, 6, 7});
+}
+
 }  // namespace kvsim
