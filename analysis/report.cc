@@ -65,7 +65,12 @@ void MetricColumns(const Metrics& m, std::ostringstream& os) {
                       m.full_mass_by_modality().text(),
                       m.full_mass_by_modality().image(),
                       m.full_mass_by_modality().video(),
-                      m.samples()};
+                      m.samples(),
+                      m.prompt_kept_tokens_mean(),
+                      m.prompt_kept_over_budget(),
+                      m.merged_tokens_mean(),
+                      m.merged_slots_mean(),
+                      m.merge_members_max()};
   for (double x : v) os << ',' << Num(x, 9);
 }
 
@@ -78,7 +83,8 @@ std::string ResultsCsv(const std::vector<RunResult>& runs) {
         "output_rel_error_p95,regret_vs_oracle_mean,regret_vs_oracle_p95,bound_checks,bound_violations,"
         "kv_bytes_peak,kv_bytes_mean,kv_footprint,full_kv_bytes_peak,full_kv_bytes_mean,kv_memory_ratio,"
         "kept_tokens_mean,kept_text,kept_image,kept_video,retained_mass_text,retained_mass_image,"
-        "retained_mass_video,full_mass_text,full_mass_image,full_mass_video,samples\n";
+        "retained_mass_video,full_mass_text,full_mass_image,full_mass_video,samples,prompt_kept_tokens_mean,"
+        "prompt_kept_over_budget,merged_tokens_mean,merged_slots_mean,merge_members_max\n";
   for (const RunResult& r : runs) {
     auto prefix = [&](const std::string& layer, double layer_budget) {
       os << CsvField(r.trace_path()) << ',' << r.trace_hash() << ',' << CsvField(r.trace_model()) << ','
@@ -86,7 +92,7 @@ std::string ResultsCsv(const std::vector<RunResult>& runs) {
          << r.question_mode() << ',' << Num(r.budget_fraction()) << ',' << r.budget_tokens() << ',' << layer
          << ',' << Num(layer_budget);
     };
-    prefix("all", r.budget_tokens());
+    prefix("all", r.allocated_budget_tokens_mean());  // = budget_tokens unless the allocation is inexact
     MetricColumns(r.metrics(), os);
     os << '\n';
     for (const LayerResult& l : r.layers()) {
@@ -117,10 +123,9 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
        << "model " << first->trace_model() << ", hash " << first->trace_hash() << ", seed "
        << first->trace_seed() << ", question mode " << first->question_mode() << ", compressible prompt "
        << first->compressed_prompt_tokens() << " tokens, time unit " << first->time_unit() << ".\n\n"
-       << "| policy | budget | kept/head | KV mem vs full | retained mass | covered | out err mean | out err "
-          "p95 "
-          "| regret vs oracle | bound viol. |\n"
-       << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+       << "| policy | budget | prompt kept / budget | kept/head | KV mem vs full | retained mass | covered | "
+          "merged/head | out err mean | out err p95 | regret vs oracle | bound viol. |\n"
+       << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     std::vector<const RunResult*> rows;
     for (const auto& r : runs)
       if (r.trace_path() == t) rows.push_back(&r);
@@ -138,16 +143,23 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
         budget << Num(100 * r->budget_fraction(), 3) << "% (" << r->budget_tokens() << ")";
       else
         budget << r->budget_tokens() << " tok";
-      os << "| " << r->label() << " | " << budget.str() << " | " << std::fixed << std::setprecision(1)
-         << m.kept_tokens_mean() << " | " << std::setprecision(3) << m.kv_memory_ratio() << " | "
-         << m.retained_mass_mean() << " | " << m.covered_mass_mean() << " | " << m.output_rel_error_mean()
-         << " | " << m.output_rel_error_p95() << " | " << m.regret_vs_oracle_mean() << " | "
-         << std::defaultfloat << m.bound_violations() << " |\n";
+      os << "| " << r->label() << " | " << budget.str() << " | " << std::fixed << std::setprecision(2)
+         << m.prompt_kept_over_budget() << " | " << std::setprecision(1) << m.kept_tokens_mean() << " | "
+         << std::setprecision(3) << m.kv_memory_ratio() << " | " << m.retained_mass_mean() << " | "
+         << m.covered_mass_mean() << " | " << std::setprecision(1) << m.merged_tokens_mean() << " | "
+         << std::setprecision(3) << m.output_rel_error_mean() << " | " << m.output_rel_error_p95() << " | "
+         << m.regret_vs_oracle_mean() << " | " << std::defaultfloat << m.bound_violations() << " |\n";
     }
-    // Best causal policy per budget (the oracle is an upper bound, not a contender).
+    // Best causal policy per budget (the oracle is an upper bound, not a contender; neither is a variant
+    // that kept more prompt tokens than the budget).
     std::map<int, const RunResult*> best;
+    bool over_budget = false;
     for (const RunResult* r : rows) {
       if (r->policy() == "oracle" || r->policy() == "full") continue;
+      if (r->metrics().prompt_kept_over_budget() > 1 + 1e-9) {
+        over_budget = true;
+        continue;
+      }
       auto& b = best[r->budget_tokens()];
       if (!b || r->metrics().output_rel_error_mean() < b->metrics().output_rel_error_mean()) b = r;
     }
@@ -156,11 +168,17 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
       for (const auto& [b, r] : best)
         os << " " << b << " tokens: **" << r->label() << "** (" << std::setprecision(3)
            << r->metrics().output_rel_error_mean() << ");" << std::defaultfloat;
+      if (over_budget) os << " (runs that kept more prompt tokens than their budget are not ranked)";
       os << "\n";
     }
     os << "\n";
   }
-  os << "Columns: *kept/head* = cache slots per KV head averaged over decode steps; *KV mem vs full* = "
+  os << "Columns: *prompt kept / budget* = compressible-prompt slots per KV head right after compression "
+        "over "
+        "the requested budget (> 1: the variant treats the budget as a floor); *kept/head* = cache slots per "
+        "KV "
+        "head averaged over decode steps; *merged/head* = tokens merged into kept slots per KV head; "
+        "*KV mem vs full* = "
         "time-weighted KV bytes relative to the full cache; *retained mass* = full-attention mass on tokens "
         "kept as themselves (mean over decode steps, layers, heads); *out err* = ‖ô − o‖/‖o‖ of the "
         "attention "

@@ -62,17 +62,21 @@ struct TextPriorMerge {
 };
 
 // Compresses [0, compress_end) of a cache that holds it as plain slots (plus anything after it), keeping
-// `keep` and merging the rest of [0, compress_end) into the kept slots.
-void CompressAndMerge(const HeadContext& ctx, std::vector<int32_t> keep, Merger* merger, HeadCache* cache) {
+// `keep` and merging the rest of [0, compress_end) into the kept compressible slots only: tokens after
+// compress_end (a query-agnostic run's question, the first decode token) are kept as they are and never
+// absorb context.
+void CompressAndMerge(const HeadContext& ctx, std::span<const int32_t> keep, Merger* merger,
+                      HeadCache* cache) {
   const int ce = ctx.compress_end;
   std::vector<char> in(ce, 0);
   for (int32_t j : keep) in[j] = 1;
-  std::vector<int32_t> evicted;
+  std::vector<int32_t> evicted, tail;
   for (int32_t j = 0; j < ce; ++j)
     if (!in[j]) evicted.push_back(j);
   for (int32_t tok : cache->tokens())
-    if (tok >= ce) keep.push_back(tok);  // appended prompt tokens and decode tokens stay
+    if (tok >= ce) tail.push_back(tok);
   merger->KeepAndMerge(ctx, keep, evicted, cache);
+  for (int32_t tok : tail) cache->Append(tok);
 }
 
 class MedaHead final : public HeadPolicy {

@@ -17,7 +17,7 @@ constexpr int kRowBlock = 256;
 // Cody–Waite range reduction x = n ln2 + r, |r| <= ln2/2, and the Cephes degree-6 polynomial for exp(r)
 // (max error ~2 ulp); inputs below -87.3 are clamped (exp < 1.2e-38 there).
 inline float ExpNonPositive(float x) {
-  x = x < -87.3f ? -87.3f : x;
+  x = std::max(x, -87.3f);
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -59,8 +59,13 @@ float SoftmaxInPlace(float* x, int n) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int i = 0; i < n; ++i) mx = std::max(mx, x[i]);
   for (int i = 0; i < n; ++i) x[i] = ExpNonPositive(x[i] - mx);
-  double sum = 0;
-  for (int i = 0; i < n; ++i) sum += x[i];
+  // Four independent double partial sums (vectorises; fixed order, so deterministic).
+  double part[4] = {0, 0, 0, 0};
+  int i4 = 0;
+  for (; i4 + 4 <= n; i4 += 4)
+    for (int k = 0; k < 4; ++k) part[k] += x[i4 + k];
+  for (; i4 < n; ++i4) part[0] += x[i4];
+  const double sum = (part[0] + part[1]) + (part[2] + part[3]);
   const float inv = static_cast<float>(1.0 / sum);
   for (int i = 0; i < n; ++i) x[i] *= inv;
   return mx + static_cast<float>(std::log(sum));
@@ -129,15 +134,29 @@ void AccumulateColumnSums(const ModelInfo& m, const float* queries, const int32_
   }
 }
 
-float SoftmaxEntropy(float* logits, int n) {
+float SoftmaxEntropy(const float* x, int n) {
   if (n <= 1) return 0.0f;
-  thread_local std::vector<float> copy;
-  copy.assign(logits, logits + n);
-  const float lse = SoftmaxInPlace(logits, n);
-  // H = -Σ p (x - lse) = lse - Σ p x: no logarithm per element.
-  double px = 0;
-  for (int j = 0; j < n; ++j) px += static_cast<double>(logits[j]) * copy[j];
-  return static_cast<float>(std::max(0.0, lse - px));
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+  // With y = x - max and e = exp(y): H = log Σe - Σ e y / Σe (no logarithm per element). Simple map and
+  // reduction loops (they vectorise), partial sums combined in a fixed order.
+  thread_local std::vector<float> y, e;
+  y.resize(n);
+  e.resize(n);
+  float* __restrict yp = y.data();
+  float* __restrict ep = e.data();
+  for (int i = 0; i < n; ++i) yp[i] = x[i] - mx;
+  for (int i = 0; i < n; ++i) ep[i] = ExpNonPositive(yp[i]);
+  double z[4] = {0, 0, 0, 0}, zy[4] = {0, 0, 0, 0};
+  int i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int k = 0; k < 4; ++k) {
+      z[k] += e[i + k];
+      zy[k] += e[i + k] * y[i + k];
+    }
+  for (; i < n; ++i) z[0] += e[i], zy[0] += e[i] * y[i];
+  const double sz = (z[0] + z[1]) + (z[2] + z[3]), szy = (zy[0] + zy[1]) + (zy[2] + zy[3]);
+  return static_cast<float>(std::max(0.0, std::log(sz) - szy / sz));
 }
 
 }  // namespace kvsim

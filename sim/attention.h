@@ -50,11 +50,21 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
 void AccumulateColumnSums(const ModelInfo& m, const float* queries, const int32_t* q_pos, int num_queries,
                           const float* keys, int key_limit, float* col_sums);
 
+// q . k with 8 independent partial sums (vectorises without -ffast-math; fixed order, so deterministic).
+inline float Dot(const float* a, const float* b, int d) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int k = 0;
+  for (; k + 8 <= d; k += 8)
+    for (int i = 0; i < 8; ++i) acc[i] += a[k + i] * b[k + i];
+  for (; k < d; ++k) acc[k & 7] += a[k] * b[k];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
 // Softmax of one row of logits in place, numerically stable; returns log-sum-exp.
 float SoftmaxInPlace(float* x, int n);
 
-// Entropy -Σ p log p (nats) of softmax(logits); the row is left holding the probabilities.
-float SoftmaxEntropy(float* logits, int n);
+// Entropy -Σ p log p (nats) of softmax(logits), without materialising the probabilities.
+float SoftmaxEntropy(const float* logits, int n);
 
 // Gemma-style logit soft-cap in place: x = cap * tanh(x / cap); cap <= 0 leaves x unchanged.
 void SoftCap(float* x, int n, float cap);

@@ -7,6 +7,7 @@
 namespace kvsim {
 
 void HeadCache::Assign(std::span<const int32_t> tokens) {
+  ++version_;
   tokens_.assign(tokens.begin(), tokens.end());
   merge_of_.assign(tokens_.size(), -1);
   merges_.clear();
@@ -14,6 +15,7 @@ void HeadCache::Assign(std::span<const int32_t> tokens) {
 }
 
 void HeadCache::AssignRange(int32_t begin, int32_t end) {
+  ++version_;
   tokens_.resize(end - begin);
   for (int32_t i = begin; i < end; ++i) tokens_[i - begin] = i;
   merge_of_.assign(tokens_.size(), -1);
@@ -27,6 +29,7 @@ void HeadCache::Append(int32_t token) {
 }
 
 void HeadCache::EvictSlot(int slot) {
+  ++version_;
   KVSIM_CHECK(slot >= 0 && slot < size());
   if (merge_of_[slot] >= 0) --num_merged_slots_;
   tokens_.erase(tokens_.begin() + slot);
@@ -34,6 +37,7 @@ void HeadCache::EvictSlot(int slot) {
 }
 
 void HeadCache::EvictSlots(std::span<const int> slots) {
+  ++version_;
   if (slots.empty()) return;
   std::vector<char> drop(tokens_.size(), 0);
   for (int s : slots) {
@@ -56,6 +60,7 @@ void HeadCache::EvictSlots(std::span<const int> slots) {
 
 void HeadCache::MergeInto(int slot, int32_t token, float weight, std::span<const float> key,
                           std::span<const float> value) {
+  ++version_;
   KVSIM_CHECK(slot >= 0 && slot < size());
   KVSIM_CHECK(static_cast<int>(key.size()) == head_dim_ && static_cast<int>(value.size()) == head_dim_);
   if (merge_of_[slot] < 0) {
@@ -70,6 +75,7 @@ void HeadCache::MergeInto(int slot, int32_t token, float weight, std::span<const
 }
 
 void HeadCache::SetMerge(int slot, MergedSlot merge) {
+  ++version_;
   KVSIM_CHECK(slot >= 0 && slot < size());
   KVSIM_CHECK(static_cast<int>(merge.key.size()) == head_dim_ &&
               static_cast<int>(merge.value.size()) == head_dim_);

@@ -29,6 +29,9 @@ class HeadCache {
   bool is_merged(int slot) const { return merge_of_[slot] >= 0; }
   const MergedSlot& merged(int slot) const { return merges_[merge_of_[slot]]; }
   bool has_merges() const { return num_merged_slots_ > 0; }
+  // Counts every change other than Append (evictions, assignments, merges): a checker that saw version v
+  // only needs to look at the slots appended since, if the version is still v.
+  uint64_t version() const { return version_; }
 
   // Replaces the content with these tokens as plain slots (ascending).
   void Assign(std::span<const int32_t> tokens);
@@ -55,6 +58,7 @@ class HeadCache {
   std::vector<int32_t> merge_of_;  // per slot: index into merges_, or -1
   std::vector<MergedSlot> merges_;
   int num_merged_slots_ = 0;
+  uint64_t version_ = 0;
 };
 
 }  // namespace kvsim

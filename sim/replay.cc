@@ -136,6 +136,12 @@ struct UnitWork {
   std::vector<float> cache_probs, out;                // scratch
   std::vector<uint32_t> stamp;                        // [T] for CheckCache
   uint32_t epoch = 0;
+  struct Checked {  // per run: what CheckCache saw last
+    uint64_t version = ~uint64_t{0};
+    int size = 0;
+    int32_t max_token = -1;
+  };
+  std::vector<Checked> checked;
 };
 
 class LayerPass {
@@ -206,6 +212,7 @@ class LayerPass {
     w.policies.resize(plans_.size());
     w.caches.assign(plans_.size(), HeadCache(d));
     w.prefill_size.assign(plans_.size(), 0);
+    w.checked.assign(plans_.size(), {});
     int scores_ce = -1;
     for (size_t r = 0; r < plans_.size(); ++r) {
       const RunPlan& plan = plans_[r];
@@ -223,7 +230,7 @@ class LayerPass {
       const int budget = plan.layer_budgets[layer_.layer];
       w.policies[r]->OnPrefill(ctx, budget, &cache);
       for (int j = plan.compress_end; j < n; ++j) cache.Append(j);
-      CheckCache(w, cache, n - 1);
+      CheckCache(w, cache, n - 1, r);
       if (!plan.may_exceed)
         KVSIM_CHECK_MSG(cache.size() <= budget + (n - plan.compress_end),
                         plan.spec->policy->name() + " kept " + std::to_string(cache.size()) +
@@ -262,8 +269,29 @@ class LayerPass {
     a->merge_max[UnitIndex(u)] = most;
   }
 
-  // Never a token twice, never a token from the future (O(cache size) with an epoch-stamped marker).
-  static void CheckCache(UnitWork& w, const HeadCache& cache, int32_t last_token) {
+  // Never a token twice, never a token from the future (O(covered tokens) with an epoch-stamped marker).
+  // When the cache only grew by appends since the last check of run r, only the new slots are checked:
+  // each must be newer than every token seen before (so it cannot be a duplicate) and not from the future.
+  static void CheckCache(UnitWork& w, const HeadCache& cache, int32_t last_token, size_t r) {
+    UnitWork::Checked& c = w.checked[r];
+    if (cache.version() == c.version && cache.size() >= c.size) {
+      for (int s = c.size; s < cache.size(); ++s) {
+        const int32_t tok = cache.token(s);
+        KVSIM_CHECK_MSG(tok > c.max_token && tok <= last_token,
+                        "cache holds a token outside [0, current position] or twice");
+        c.max_token = tok;
+      }
+      c.size = cache.size();
+      return;
+    }
+    c.version = cache.version();
+    c.size = cache.size();
+    c.max_token = -1;
+    for (int s = 0; s < cache.size(); ++s) {
+      c.max_token = std::max(c.max_token, cache.token(s));
+      if (cache.is_merged(s))
+        for (const auto& member : cache.merged(s).members) c.max_token = std::max(c.max_token, member.first);
+    }
     const uint32_t epoch = ++w.epoch;
     auto mark = [&](int32_t tok) {
       KVSIM_CHECK_MSG(tok >= 0 && tok <= last_token, "cache holds a token outside [0, current position]");
@@ -302,7 +330,7 @@ class LayerPass {
                            plan.req.future_attention ? full_sorted.data() : nullptr};
       hp.BeforeStep(ctx, before, cap, &cache);
       if (hp.AppendNewToken()) cache.Append(pos);
-      CheckCache(w, cache, pos);
+      CheckCache(w, cache, pos, r);
       if (plan.evicts)
         KVSIM_CHECK_MSG(cache.size() <= cap, plan.spec->policy->name() + " holds " +
                                                  std::to_string(cache.size()) + " slots at decode, cap " +
@@ -343,12 +371,22 @@ class LayerPass {
             v = w.ctx.values + static_cast<size_t>(tok) * d;
           } else {
             const MergedSlot& ms = cache.merged(s);
-            const float* q = DecodeQuery(qh, t);
-            float dot = 0;
-            for (int k = 0; k < d; ++k) dot += q[k] * ms.key[k];
-            wgt = static_cast<float>(std::exp(static_cast<double>(tf(dot)) - lse));
+            wgt = static_cast<float>(
+                std::exp(static_cast<double>(tf(Dot(DecodeQuery(qh, t), ms.key.data(), d))) - lse));
             covered += pt;
-            for (const auto& [mt, mw] : ms.members) covered += p[mt];
+            // Four independent partial sums in registers: no serial dependency chain over the members.
+            const auto* mem = ms.members.data();
+            const size_t nm = ms.members.size();
+            float m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+            size_t i = 0;
+            for (; i + 4 <= nm; i += 4) {
+              m0 += p[mem[i].first];
+              m1 += p[mem[i + 1].first];
+              m2 += p[mem[i + 2].first];
+              m3 += p[mem[i + 3].first];
+            }
+            for (; i < nm; ++i) m0 += p[mem[i].first];
+            covered += (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
             v = ms.value.data();
           }
           cp[s] = wgt;
@@ -393,7 +431,7 @@ class LayerPass {
                           plan.req.future_attention ? full_sorted.data() : nullptr};
       hp.AfterStep(ctx, after, &cache);
       if (t == 0 && plan.compression_step == 0) {
-        CheckCache(w, cache, pos);
+        CheckCache(w, cache, pos, r);
         RecordCompression(plan, cache, u, &a);
       }
       if (t == steps - 1) RecordMerges(cache, u, &a);

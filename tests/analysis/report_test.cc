@@ -26,6 +26,18 @@ TEST_CASE("report: CSV has one overall row and one row per layer, quoting fields
   CHECK(rows == 1 + 1 + 3);
   CHECK(csv.find("\"snapkv window=8, \"\"x\"\"\"") != std::string::npos);
   CHECK(csv.find(",all,") != std::string::npos);
+  CHECK(csv.find(",prompt_kept_tokens_mean,prompt_kept_over_budget,merged_tokens_mean,merged_slots_mean,"
+                 "merge_members_max\n") != std::string::npos);
+}
+
+TEST_CASE("report: the overall CSV row's layer budget is the allocated mean", "[report]") {
+  RunResult r;
+  r.set_policy("meda");
+  r.set_label("meda");
+  r.set_budget_tokens(10);
+  r.set_allocated_budget_tokens_mean(8.5);
+  const std::string csv = ResultsCsv({r});
+  CHECK(csv.find(",10,all,8.5,") != std::string::npos);
 }
 
 TEST_CASE("report: summary lists every run and the best causal policy per budget", "[report]") {
@@ -40,10 +52,18 @@ TEST_CASE("report: summary lists every run and the best causal policy per budget
     runs[i].set_budget_fraction(0.1);
     runs[i].mutable_metrics()->set_output_rel_error_mean(err[i]);
   }
+  runs[2].mutable_metrics()->set_prompt_kept_over_budget(2.5);
+  runs[2].mutable_metrics()->set_merged_tokens_mean(42);
   const std::string md = SummaryMarkdown(runs, "title");
   CHECK(md.find("# title") == 0);
   CHECK(md.find("| snapkv | 10% (10)") != std::string::npos);
-  CHECK(md.find("**h2o**") != std::string::npos);  // oracle is not a contender
+  CHECK(md.find("| prompt kept / budget |") != std::string::npos);
+  CHECK(md.find("| h2o | 10% (10) | 2.50 |") != std::string::npos);  // the overshoot is visible
+  CHECK(md.find("| 42.0 |") != std::string::npos);                   // merged tokens per head
+  // h2o has the lowest error but kept 2.5x its budget: snapkv is the best within budget.
+  CHECK(md.find("**snapkv**") != std::string::npos);
+  CHECK(md.find("**h2o**") == std::string::npos);
+  CHECK(md.find("not ranked") != std::string::npos);
 }
 
 TEST_CASE("report: WriteFileAtomic writes whole files and fails cleanly", "[report]") {
