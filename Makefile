@@ -1,6 +1,7 @@
 # kvsim — two entry points (README quick start runs them through ./run, which installs packages first):
-#   make demo   install packages, build, synthesize the LLaVA-1.5-7B-shaped demo trace, sweep the baseline
-#               policies over budgets 5/10/20/50%, write demo-out/results/{summary.md,results.json,results.csv}
+#   make demo   install packages, build, synthesize the LLaVA-1.5-7B-shaped demo trace, sweep the baselines,
+#               MEDA (paper + official code) and LOOK-M over budgets 5/10/20/50%, write
+#               demo-out/results/{summary.md,results.json,results.csv}
 #   make test   install packages, build, run every test (CTest + Catch2)
 # Both are idempotent. Other targets: build, asan-test (AddressSanitizer + UBSan stage of CI), bench, format.
 

@@ -1,7 +1,9 @@
-// Benchmark: the baseline sweep (full, streaming_llm, h2o, snapkv, pyramidkv, oracle x budgets 5/10/20/50%)
-// over one trace, with variants measured side by side in the same run (each in its own child process so
-// peak RSS is its own): read-only pass (I/O + decode floor), the sweep on 1 thread, the sweep on all
-// threads. Prints a markdown table for docs/performance.md.
+// Benchmark, variants measured side by side in the same run (each in its own child process so peak RSS is
+// its own); prints markdown tables for docs/performance.md.
+//   baseline:   the baseline sweep (full, streaming_llm, h2o, snapkv, pyramidkv, oracle x budgets
+//               5/10/20/50%): read-only pass (I/O + decode floor), the sweep on 1 thread, on all threads;
+//   multimodal: the cost of merging and of the multimodal policies, each x budgets 5/10/20/50% on all
+//               threads, as a ratio to snapkv over the same budgets.
 
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -30,6 +32,17 @@ struct Measure {
   double samples = 0;
   bool ok = false;
 };
+
+// One policy (with overrides) over budgets 5/10/20/50%.
+std::vector<RunSpec> BudgetRuns(const std::string& name, const std::vector<std::string>& sets,
+                                const std::string& label) {
+  auto p = PolicyRegistry::Default().Create(name, sets);
+  if (!p.ok()) std::abort();
+  std::vector<RunSpec> runs;
+  for (double b : {0.05, 0.10, 0.20, 0.50})
+    runs.push_back(RunSpec{*p, label, b, 0, QuestionMode::kQueryAware});
+  return runs;
+}
 
 std::vector<RunSpec> BaselineRuns() {
   std::vector<RunSpec> runs;
@@ -75,11 +88,12 @@ Measure InChild(Body body) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string trace_path;
+  std::string trace_path, suite;
   int threads = 0;
   po::options_description opts("kvsim_bench options");
   opts.add_options()("help,h", "help")("trace", po::value(&trace_path)->required(), "trace (.h5)")(
-      "threads", po::value(&threads)->default_value(0), "threads for the parallel variant (0 = all cores)");
+      "threads", po::value(&threads)->default_value(0), "threads for the parallel variant (0 = all cores)")(
+      "suite", po::value(&suite)->default_value("all"), "baseline | multimodal | all");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, opts), vm);
@@ -123,6 +137,55 @@ int main(int argc, char** argv) {
       return samples;
     };
   };
+  if (suite != "all" && suite != "baseline" && suite != "multimodal") {
+    std::cerr << "kvsim_bench: --suite '" << suite << "': expected baseline, multimodal or all\n";
+    return 2;
+  }
+  std::printf("trace: %s (%s, %d layers, %d/%d heads, d %d, prompt %d, %d decode steps, %.2f GB)\n\n",
+              trace_path.c_str(), meta.model.name.c_str(), meta.model.num_layers, meta.model.num_heads,
+              meta.model.num_kv_heads, meta.model.head_dim, meta.prefill_length, meta.num_decode_steps,
+              st.st_size / 1e9);
+  if (suite != "baseline") {
+    auto replay = [&](std::vector<RunSpec> rs) {
+      return [&, rs]() -> double {
+        auto t = OpenTrace(trace_path);
+        if (!t.ok()) return -1;
+        auto res = Replay(**t, rs, ReplayOptions{.threads = threads});
+        if (!res.ok()) return -1;
+        double samples = 0;
+        for (const auto& r : *res) samples += r.metrics().samples();
+        return samples;
+      };
+    };
+    struct Variant {
+      const char* what;
+      std::vector<RunSpec> runs;
+    };
+    const std::vector<Variant> variants{
+        {"snapkv (reference)", BudgetRuns("snapkv", {}, "snapkv")},
+        {"snapkv+average (merging every evicted token)", BudgetRuns("snapkv+average", {}, "snapkv+average")},
+        {"look_m (text prior + pivot merge)", BudgetRuns("look_m", {}, "look_m")},
+        {"meda (first pass: cross-modal entropy; average merge)", BudgetRuns("meda", {}, "meda")},
+        {"meda variant=OFFICIAL_CODE (first pass: causal self-attention entropy)",
+         BudgetRuns("meda", {"variant=OFFICIAL_CODE"}, "meda-code")},
+    };
+    std::printf("multimodal: each variant = one policy x budgets 5/10/20/50%% (4 runs), %d threads\n\n",
+                threads);
+    std::printf("| variant | wall s | peak RSS MB | vs snapkv |\n|---|---:|---:|---:|\n");
+    double ref = 0;
+    for (const Variant& v : variants) {
+      const Measure m = InChild(replay(v.runs));
+      if (!m.ok) {
+        std::cerr << "kvsim_bench: " << v.what << " failed\n";
+        return 1;
+      }
+      if (ref == 0) ref = m.seconds;
+      std::printf("| %s | %.2f | %.0f | %.2fx |\n", v.what, m.seconds, m.peak_rss_mb, m.seconds / ref);
+      std::fflush(stdout);
+    }
+    std::printf("\n");
+    if (suite == "multimodal") return 0;
+  }
   const Measure io = InChild(read_only);
   const Measure one = InChild(sweep(1));
   const Measure par = InChild(sweep(threads));
@@ -130,11 +193,8 @@ int main(int argc, char** argv) {
     std::cerr << "kvsim_bench: a measurement failed\n";
     return 1;
   }
-  std::printf("trace: %s (%s, %d layers, %d/%d heads, d %d, prompt %d, %d decode steps, %.2f GB)\n",
-              trace_path.c_str(), meta.model.name.c_str(), meta.model.num_layers, meta.model.num_heads,
-              meta.model.num_kv_heads, meta.model.head_dim, meta.prefill_length, meta.num_decode_steps,
-              st.st_size / 1e9);
-  std::printf("runs: %zu (6 baselines; full once, the others x budgets 5/10/20/50%%)\n\n", runs.size());
+  std::printf("baseline runs: %zu (6 baselines; full once, the others x budgets 5/10/20/50%%)\n\n",
+              runs.size());
   std::printf(
       "| variant | wall s | peak RSS MB | RSS / trace size | samples/s | speed-up vs 1 thread "
       "|\n|---|---:|---:|---:|---:|---:|\n");

@@ -138,8 +138,9 @@ void Merger::Reconcile(const HeadContext& ctx, std::span<const int32_t> before, 
     }
   }
   for (int32_t tok : cache->tokens()) mark_[tok] = 0;
-  // A policy that rebuilt the cache (Assign) dropped the merges of the anchors it kept: restore them.
-  if (!sums_.empty())
+  // A policy that rebuilt the cache (Assign) dropped the merges of the anchors it kept: restore them (every
+  // surviving anchor with sums is a merged slot unless a merge was dropped).
+  if (static_cast<size_t>(cache->num_merged_slots()) < sums_.size())
     for (int s = 0; s < cache->size(); ++s)
       if (!cache->is_merged(s)) {
         auto it = sums_.find(cache->token(s));
@@ -182,15 +183,17 @@ class MergeWrappedHead final : public HeadPolicy {
     merger_.MergeTokens(ctx, evicted, cache);
   }
   void BeforeStep(const HeadContext& ctx, const StepAttention& att, int cap, HeadCache* cache) override {
+    const uint64_t version = cache->version();
     before_.assign(cache->tokens().begin(), cache->tokens().end());
     base_->BeforeStep(ctx, att, cap, cache);
-    merger_.Reconcile(ctx, before_, cache);
+    if (cache->version() != version) merger_.Reconcile(ctx, before_, cache);  // else: only appends, if any
   }
   bool AppendNewToken() const override { return base_->AppendNewToken(); }
   void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) override {
+    const uint64_t version = cache->version();
     before_.assign(cache->tokens().begin(), cache->tokens().end());
     base_->AfterStep(ctx, att, cache);
-    merger_.Reconcile(ctx, before_, cache);
+    if (cache->version() != version) merger_.Reconcile(ctx, before_, cache);
   }
 
  private:

@@ -29,6 +29,7 @@ class HeadCache {
   bool is_merged(int slot) const { return merge_of_[slot] >= 0; }
   const MergedSlot& merged(int slot) const { return merges_[merge_of_[slot]]; }
   bool has_merges() const { return num_merged_slots_ > 0; }
+  int num_merged_slots() const { return num_merged_slots_; }
   // Counts every change other than Append (evictions, assignments, merges): a checker that saw version v
   // only needs to look at the slots appended since, if the version is still v.
   uint64_t version() const { return version_; }

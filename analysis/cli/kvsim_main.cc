@@ -138,6 +138,10 @@ int CmdListPolicies(int argc, char** argv) {
     std::cout << p.name << "\n    " << p.summary << "\n    parameters (" << p.params_type
               << "): " << (policy.ok() ? (*policy)->ParamsText() : "") << "\n";
   }
+  std::cout
+      << "\nMerge wrappers: NAME+average, NAME+pivot, NAME+weighted merge every token NAME evicts into its\n"
+         "nearest kept slot (any policy above except full, oracle, meda, look_m; "
+         "docs/policies/merging.md).\n";
   return kExitOk;
 }
 

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "sim/results.pb.h"
@@ -180,6 +181,30 @@ TEST_CASE("cli: inspect and validate", "[cli]") {
   CHECK(out.find("-> ok") != std::string::npos);
   CHECK(testing::RunCommand(Kvsim() + " list-policies", &out) == 0);
   CHECK(out.find("pyramidkv") != std::string::npos);
+  CHECK(out.find("variant: PAPER entropy: CROSS_MODAL") != std::string::npos);  // meda, resolved defaults
+  CHECK(out.find("NAME+average") != std::string::npos);
+}
+
+TEST_CASE("cli: merge-wrapped and multimodal policies run end to end; bad wrappers fail cleanly", "[cli]") {
+  const std::string dir = testing::ScratchDir("cli_merge");
+  std::string out;
+  REQUIRE(testing::RunCommand(Kvsim() + " run --trace " + TinyTrace() +
+                                  " --policy snapkv+pivot --budget 0.25 --set window=4 --out " + dir +
+                                  "/r.json",
+                              &out) == 0);
+  std::ifstream in(dir + "/r.json");
+  const std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(json.find("\"policy\": \"snapkv+pivot\"") != std::string::npos);
+  CHECK(json.find("\"merged_tokens_mean\"") != std::string::npos);
+  REQUIRE(testing::RunCommand(Kvsim() + " run --trace " + TinyTrace() +
+                                  " --policy meda --budget 0.25 --set variant=OFFICIAL_CODE --out " + dir +
+                                  "/m.json",
+                              &out) == 0);
+  CHECK(testing::RunCommand(Kvsim() + " run --trace " + TinyTrace() +
+                                " --policy oracle+average --budget 0.25 --out " + dir + "/x.json",
+                            &out) != 0);
+  CHECK(out.find("cannot be wrapped") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(dir + "/x.json"));
 }
 
 TEST_CASE("cli: validate reports recorded aggregates that disagree with Q/K (exit 3)", "[cli]") {
