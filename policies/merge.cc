@@ -232,6 +232,11 @@ class MergeWrappedPolicy final : public Policy {
                                        const PolicyPlan& plan) const override {
     return base_->PlannedLayerBudgets(meta, budget, compress_len, plan);
   }
+  std::vector<int> PlannedHeadBudgets(const TraceMeta& meta, int budget, int compress_len,
+                                      const PolicyPlan& plan,
+                                      std::span<const int> layer_budgets) const override {
+    return base_->PlannedHeadBudgets(meta, budget, compress_len, plan, layer_budgets);
+  }
 
  private:
   std::shared_ptr<const Policy> base_;

@@ -9,6 +9,7 @@ const PolicyRegistry& PolicyRegistry::Default() {
     auto* r = new PolicyRegistry();
     RegisterBaselinePolicies(r);
     RegisterMultimodalPolicies(r);
+    RegisterAdaptivePolicies(r);
     return r;
   }();
   return *registry;

@@ -49,5 +49,6 @@ class PolicyRegistry {
 // Built-in registrations (policies/*.cc).
 void RegisterBaselinePolicies(PolicyRegistry* registry);
 void RegisterMultimodalPolicies(PolicyRegistry* registry);  // meda, look_m (policies/meda.cc)
+void RegisterAdaptivePolicies(PolicyRegistry* registry);    // adakv (policies/adakv.cc)
 
 }  // namespace kvsim

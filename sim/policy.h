@@ -145,6 +145,15 @@ class Policy {
                                                const PolicyPlan& plan) const {
     return LayerBudgets(meta, budget, compress_len);
   }
+  // Optional ragged per-(layer, KV head) budgets of a first-pass policy ([layer * num_kv_heads + kv_head],
+  // each in [0, compress_len]); empty = every KV head of layer l gets layer_budgets[l]. When set, a layer's
+  // budget (reported as LayerResult.budget_tokens_mean) is the mean of its heads' budgets, each head's
+  // OnPrefill receives its own budget and the engine checks every head against its own cap.
+  virtual std::vector<int> PlannedHeadBudgets(const TraceMeta& meta, int budget, int compress_len,
+                                              const PolicyPlan& plan,
+                                              std::span<const int> layer_budgets) const {
+    return {};
+  }
 };
 
 }  // namespace kvsim

@@ -36,6 +36,8 @@ struct RunPlan {
   int compress_end = 0;
   int budget = 0;
   std::vector<int> layer_budgets;
+  std::vector<int>
+      head_budgets;  // [layer * Hkv + kv head]; every head of layer l: layer_budgets[l] if uniform
   PolicyRequirements req;
   bool evicts = false;
   bool may_exceed = false;    // Policy::may_exceed_budget
@@ -227,7 +229,7 @@ class LayerPass {
       w.policies[r] = plan.spec->policy->NewHeadPolicy(ctx);
       HeadCache& cache = w.caches[r];
       cache.AssignRange(0, plan.compress_end);
-      const int budget = plan.layer_budgets[layer_.layer];
+      const int budget = plan.head_budgets[UnitIndex(u)];
       w.policies[r]->OnPrefill(ctx, budget, &cache);
       for (int j = plan.compress_end; j < n; ++j) cache.Append(j);
       CheckCache(w, cache, n - 1, r);
@@ -325,7 +327,7 @@ class LayerPass {
       ctx.scores = nullptr;  // prompt scores are a prefill-time facility
       ctx.plan = plan.policy_plan.get();
       const int appended = n - plan.compress_end;
-      const int cap = plan.layer_budgets[layer_.layer] + appended;
+      const int cap = plan.head_budgets[UnitIndex(u)] + appended;
       StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr,
                            plan.req.future_attention ? full_sorted.data() : nullptr};
       hp.BeforeStep(ctx, before, cap, &cache);
@@ -709,6 +711,26 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     for (int b : p.layer_budgets)
       if (b < 0 || b > p.compress_end)
         return Status::Internal(p.spec->policy->name() + ": layer budget outside [0, prompt]");
+    if (p.policy_plan)
+      p.head_budgets =
+          p.spec->policy->PlannedHeadBudgets(meta, p.budget, p.compress_end, *p.policy_plan, p.layer_budgets);
+    if (p.head_budgets.empty()) {
+      for (int l = 0; l < num_layers; ++l)
+        for (int u = 0; u < hkv; ++u) p.head_budgets.push_back(p.layer_budgets[l]);
+    } else {
+      if (static_cast<int>(p.head_budgets.size()) != num_layers * hkv)
+        return Status::Internal(p.spec->policy->name() + ": wrong number of per-head budgets");
+      for (int l = 0; l < num_layers; ++l) {
+        double sum = 0;
+        for (int u = 0; u < hkv; ++u) {
+          const int b = p.head_budgets[static_cast<size_t>(l) * hkv + u];
+          if (b < 0 || b > p.compress_end)
+            return Status::Internal(p.spec->policy->name() + ": head budget outside [0, prompt]");
+          sum += b;
+        }
+        p.layer_budgets[l] = static_cast<int>(std::lround(sum / hkv));
+      }
+    }
   }
   // Run configurations in an order that groups equal compressible regions (shared prompt scores).
   std::vector<size_t> order(runs.size());
@@ -784,14 +806,20 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     FillQuality(meta, a, 0, num_layers, out.mutable_metrics());
     FillMemory(meta, ev, num_layers, dur, out.mutable_metrics());
     const double allocated =
-        std::accumulate(p.layer_budgets.begin(), p.layer_budgets.end(), 0.0) / std::max(1, num_layers);
+        std::accumulate(p.head_budgets.begin(), p.head_budgets.end(), 0.0) / std::max(1, num_layers * hkv);
     out.set_allocated_budget_tokens_mean(allocated);
     out.mutable_metrics()->set_prompt_kept_over_budget(
         p.budget > 0 ? out.metrics().prompt_kept_tokens_mean() / p.budget : 0);
     for (int l = 0; l < num_layers; ++l) {
       LayerResult* lr = out.add_layers();
       lr->set_layer(l);
-      lr->set_budget_tokens_mean(p.layer_budgets[l]);
+      double head_sum = 0;
+      for (int u = 0; u < hkv; ++u) {
+        const int b = p.head_budgets[static_cast<size_t>(l) * hkv + u];
+        lr->add_kv_head_budgets(b);
+        head_sum += b;
+      }
+      lr->set_budget_tokens_mean(head_sum / hkv);
       if (p.policy_plan)
         for (const auto& [name, values] : p.policy_plan->layer_stats) {
           PolicyStat* st = lr->add_policy_stats();
@@ -807,7 +835,8 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
       }
       FillQuality(meta, a, l, l + 1, lr->mutable_metrics());
       lr->mutable_metrics()->set_prompt_kept_over_budget(
-          p.layer_budgets[l] > 0 ? lr->metrics().prompt_kept_tokens_mean() / p.layer_budgets[l] : 0);
+          lr->budget_tokens_mean() > 0 ? lr->metrics().prompt_kept_tokens_mean() / lr->budget_tokens_mean()
+                                       : 0);
       FillMemory(meta, Timeline(meta, a, l, l + 1, options.prefill_chunk), 1, dur, lr->mutable_metrics());
     }
   }

@@ -21,6 +21,8 @@ std::vector<std::pair<std::string, std::vector<std::string>>> AllConfigs() {
                               "streaming_llm+average", "streaming_llm+pivot"})
     configs.push_back({wrapped, {}});
   configs.push_back({"h2o+pivot", {"one_shot=true"}});
+  configs.push_back({"adakv+average", {"window=4"}});
+  configs.push_back({"adakv", {"floor_fraction=0"}});
   configs.push_back({"meda", {"variant=OFFICIAL_CODE"}});
   configs.push_back({"meda", {"entropy=FULL_SELF", "merge=PIVOT"}});
   configs.push_back(
