@@ -237,6 +237,11 @@ class MergeWrappedPolicy final : public Policy {
                                       std::span<const int> layer_budgets) const override {
     return base_->PlannedHeadBudgets(meta, budget, compress_len, plan, layer_budgets);
   }
+  std::map<std::string, std::vector<double>> PlannedLayerStats(const TraceMeta& meta, int budget,
+                                                               int compress_len,
+                                                               const PolicyPlan& plan) const override {
+    return base_->PlannedLayerStats(meta, budget, compress_len, plan);
+  }
 
  private:
   std::shared_ptr<const Policy> base_;

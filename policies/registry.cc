@@ -10,6 +10,7 @@ const PolicyRegistry& PolicyRegistry::Default() {
     RegisterBaselinePolicies(r);
     RegisterMultimodalPolicies(r);
     RegisterAdaptivePolicies(r);
+    RegisterMadaKVPolicy(r);
     return r;
   }();
   return *registry;

@@ -50,5 +50,6 @@ class PolicyRegistry {
 void RegisterBaselinePolicies(PolicyRegistry* registry);
 void RegisterMultimodalPolicies(PolicyRegistry* registry);  // meda, look_m (policies/meda.cc)
 void RegisterAdaptivePolicies(PolicyRegistry* registry);    // adakv (policies/adakv.cc)
+void RegisterMadaKVPolicy(PolicyRegistry* registry);        // madakv (policies/madakv.cc)
 
 }  // namespace kvsim

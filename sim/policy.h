@@ -40,6 +40,9 @@ class PolicyPlan {
   // Per-layer statistics reported in results (LayerResult.policy_stats), by name; each vector has one value
   // per layer. Ordered by name, so results are deterministic.
   std::map<std::string, std::vector<double>> layer_stats;
+  // Per-(layer, KV head) statistics ([layer * num_kv_heads + kv_head]), reported as
+  // LayerResult.policy_head_stats (e.g. MadaKV's modality preference per head).
+  std::map<std::string, std::vector<double>> head_stats;
 };
 
 // One layer as the first pass sees it (fp32 tensors of every head; see LayerData for layouts).
@@ -61,6 +64,7 @@ struct HeadContext {
   const float* values = nullptr;  // [T][head_dim]
   PromptScores* scores = nullptr;
   const PolicyPlan* plan = nullptr;  // the run's first-pass plan, or null
+  int run_budget = 0;                // the run's requested budget B (tokens per layer per KV head)
   int head_dim() const { return meta->model.head_dim; }
   int prefill_length() const { return meta->prefill_length; }
   Modality modality(int32_t token) const { return meta->tokens.modality[token]; }
@@ -152,6 +156,13 @@ class Policy {
   virtual std::vector<int> PlannedHeadBudgets(const TraceMeta& meta, int budget, int compress_len,
                                               const PolicyPlan& plan,
                                               std::span<const int> layer_budgets) const {
+    return {};
+  }
+  // Budget-dependent per-layer statistics of a first-pass policy (name -> one value per layer), reported
+  // next to the plan's layer_stats in LayerResult.policy_stats. Called after PlannedHeadBudgets.
+  virtual std::map<std::string, std::vector<double>> PlannedLayerStats(const TraceMeta& meta, int budget,
+                                                                       int compress_len,
+                                                                       const PolicyPlan& plan) const {
     return {};
   }
 };

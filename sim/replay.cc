@@ -38,6 +38,7 @@ struct RunPlan {
   std::vector<int> layer_budgets;
   std::vector<int>
       head_budgets;  // [layer * Hkv + kv head]; every head of layer l: layer_budgets[l] if uniform
+  std::map<std::string, std::vector<double>> run_layer_stats;  // Policy::PlannedLayerStats
   PolicyRequirements req;
   bool evicts = false;
   bool may_exceed = false;    // Policy::may_exceed_budget
@@ -223,8 +224,9 @@ class LayerPass {
         w.scores = std::make_unique<UnitScores>(meta_, layer_, u, plan.compress_end);
         scores_ce = plan.compress_end;
       }
-      HeadContext ctx{&meta_,         layer_.layer,          u, group, plan.compress_end, keys, values,
-                      w.scores.get(), plan.policy_plan.get()};
+      HeadContext ctx{
+          &meta_,         layer_.layer,           u,          group, plan.compress_end, keys, values,
+          w.scores.get(), plan.policy_plan.get(), plan.budget};
       w.ctx = ctx;
       w.policies[r] = plan.spec->policy->NewHeadPolicy(ctx);
       HeadCache& cache = w.caches[r];
@@ -326,6 +328,7 @@ class LayerPass {
       ctx.compress_end = plan.compress_end;
       ctx.scores = nullptr;  // prompt scores are a prefill-time facility
       ctx.plan = plan.policy_plan.get();
+      ctx.run_budget = plan.budget;
       const int appended = n - plan.compress_end;
       const int cap = plan.head_budgets[UnitIndex(u)] + appended;
       StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr,
@@ -700,6 +703,10 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
         if (static_cast<int>(values.size()) != num_layers)
           return Status::Internal(key.first->name() + ": layer statistic '" + name +
                                   "' has the wrong number of layers");
+      for (const auto& [name, values] : plan->head_stats)
+        if (values.size() != static_cast<size_t>(num_layers) * hkv)
+          return Status::Internal(key.first->name() + ": head statistic '" + name +
+                                  "' has the wrong number of (layer, KV head) values");
     }
   }
   for (RunPlan& p : plans) {
@@ -730,6 +737,13 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
         }
         p.layer_budgets[l] = static_cast<int>(std::lround(sum / hkv));
       }
+    }
+    if (p.policy_plan) {
+      p.run_layer_stats = p.spec->policy->PlannedLayerStats(meta, p.budget, p.compress_end, *p.policy_plan);
+      for (const auto& [name, values] : p.run_layer_stats)
+        if (static_cast<int>(values.size()) != num_layers)
+          return Status::Internal(p.spec->policy->name() + ": layer statistic '" + name +
+                                  "' has the wrong number of layers");
     }
   }
   // Run configurations in an order that groups equal compressible regions (shared prompt scores).
@@ -820,12 +834,21 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
         head_sum += b;
       }
       lr->set_budget_tokens_mean(head_sum / hkv);
-      if (p.policy_plan)
-        for (const auto& [name, values] : p.policy_plan->layer_stats) {
+      if (p.policy_plan) {
+        std::map<std::string, double> stats;  // plan (budget-independent) and run statistics, by name
+        for (const auto& [name, values] : p.policy_plan->layer_stats) stats[name] = values[l];
+        for (const auto& [name, values] : p.run_layer_stats) stats[name] = values[l];
+        for (const auto& [name, value] : stats) {
           PolicyStat* st = lr->add_policy_stats();
           st->set_name(name);
-          st->set_value(values[l]);
+          st->set_value(value);
         }
+        for (const auto& [name, values] : p.policy_plan->head_stats) {
+          PolicyHeadStat* st = lr->add_policy_head_stats();
+          st->set_name(name);
+          for (int u = 0; u < hkv; ++u) st->add_values(values[static_cast<size_t>(l) * hkv + u]);
+        }
+      }
       for (int u = 0; u < hkv; ++u) {
         const int32_t* tk = &a.tokens[(static_cast<size_t>(l) * hkv + u) * (steps + 1)];
         double sum = 0;
