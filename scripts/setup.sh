@@ -9,6 +9,7 @@ PACKAGES=(
   catch2
   libopenblas-pthread-dev libopenblas0-pthread
   python3-numpy python3-h5py
+  python3-torch  # capture tool tests (traces/capture); CPU-only PyTorch
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

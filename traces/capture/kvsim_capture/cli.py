@@ -1,0 +1,76 @@
+"""Command line: python3 -m kvsim_capture --model DIR --image a.jpg --prompt "..." --out trace.h5 (docs/capture.md).
+Exit codes: 0 ok, 1 capture error (one line on stderr), 2 usage error."""
+import argparse
+import sys
+
+from .errors import CaptureError
+from .recorder import CaptureOptions
+
+
+def parse_indices(text):
+    """'0-3,8' -> [0, 1, 2, 3, 8]."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if "-" in part:
+            a, b = part.split("-", 1)
+            out += range(int(a), int(b) + 1)
+        elif part:
+            out.append(int(part))
+    return sorted(set(out))
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python3 -m kvsim_capture",
+                                description="Record a Hugging Face vision-language model run into a kvsim trace.")
+    p.add_argument("--model", required=True, help="local model folder (config, weights, processor)")
+    p.add_argument("--image", action="append", default=[], help="image file; repeat for several")
+    p.add_argument("--video", help="video file (needs python3-opencv)")
+    p.add_argument("--fps", type=float, default=1.0, help="video frames sampled per second (default 1)")
+    p.add_argument("--max-frames", type=int, default=0, help="cap on sampled frames (0 = none)")
+    p.add_argument("--prompt", required=True, help="the user's question")
+    p.add_argument("--system-prompt", help="optional system message")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out", required=True, help="trace path (.h5); written to a temporary name, then renamed")
+    p.add_argument("--layers", type=parse_indices, help="layer subset, e.g. 0-7,31 (default all)")
+    p.add_argument("--kv-heads", type=parse_indices, help="KV head subset (their query heads come along)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage dtype of Q/K/V")
+    p.add_argument("--model-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
+    p.add_argument("--device", help="torch device (default cuda when available)")
+    p.add_argument("--attn", default="sdpa", help="attention implementation the capture wraps: sdpa or eager")
+    p.add_argument("--query-window", type=int, default=64, help="store queries of the last W prompt tokens")
+    p.add_argument("--all-queries", action="store_true", help="store every prompt query (lets kvsim validate "
+                   "recompute the aggregates)")
+    p.add_argument("--no-column-sums", action="store_true", help="do not record prefill column sums")
+    p.add_argument("--decode-rows", action="store_true", help="also record decode attention rows (extension)")
+    p.add_argument("--stream-blocks", type=parse_indices, default=[],
+                   help="MuKV/ReKV block encodings at these granularities, e.g. 49,196,784 (video only)")
+    p.add_argument("--scratch-dir", help="folder for spill files during the run (default: TMPDIR)")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    opts = CaptureOptions(layers=args.layers, kv_heads=args.kv_heads, storage_dtype=args.dtype,
+                          query_window=args.query_window, all_queries=args.all_queries,
+                          column_sums=not args.no_column_sums, decode_rows=args.decode_rows,
+                          scratch_dir=args.scratch_dir)
+    try:
+        opts.validate()
+        if args.max_new_tokens < 1:
+            raise CaptureError("--max-new-tokens must be >= 1")
+        if args.video and args.image:
+            raise CaptureError("give --image or --video, not both")
+        from . import hf  # noqa: PLC0415 - imports transformers lazily
+        model, processor = hf.load(args.model, args.model_dtype, args.device)
+        res = hf.capture(model, processor, args.out, args.prompt, images=args.image, video=args.video,
+                         fps=args.fps, max_new_tokens=args.max_new_tokens, options=opts,
+                         system_prompt=args.system_prompt, inner=args.attn,
+                         stream_granularities=args.stream_blocks, max_frames=args.max_frames)
+    except CaptureError as e:
+        print("kvsim_capture: error: %s" % e, file=sys.stderr)
+        return 1
+    print("kvsim_capture: %d prompt tokens + %d decode steps -> %s" % (res.prompt_tokens, res.decode_steps, res.path),
+          file=sys.stderr)
+    print(res.generated_text)
+    return 0

@@ -1,0 +1,160 @@
+"""Writes kvsim trace format v1 (docs/trace-format.md) with h5py, layer by layer, to a temporary file that
+is renamed into place only when complete: a file under its final name is always a complete trace."""
+import os
+
+import h5py
+import numpy as np
+
+from .errors import CaptureError
+
+FORMAT_NAME = "kvsim-trace"
+FORMAT_VERSION = 1
+MODALITY_NAMES = "text,image,video,other"
+ROLE_NAMES = "system,context,question,generated"
+STORAGE_DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
+FLOAT16_MAX = 65504.0
+
+# Root attributes the C++ reader requires, with the Python type they are written as.
+_INT_ATTRS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "causal", "sliding_window",
+              "prefill_length", "num_decode_steps")
+_REAL_ATTRS = ("softmax_scale", "logit_softcap", "rope_theta")
+_STR_ATTRS = ("model_name", "model_family", "model_dtype", "storage_dtype", "source", "generator",
+              "generator_version")
+
+
+class TraceWriter:
+    """Streams one trace to `path`: begin() writes metadata, write_layer() one layer at a time in order,
+    finish() closes and renames. Used as a context manager, an exception before finish() deletes the
+    temporary file (`<path>.tmp.<pid>`, the same name kvsim's C++ writer uses)."""
+
+    def __init__(self, path, chunk_tokens=1024):
+        self.path = os.fspath(path)
+        self.tmp_path = "%s.tmp.%d" % (self.path, os.getpid())
+        self.chunk_tokens = chunk_tokens
+        self._file = None
+        self._next_layer = 0
+        self._meta = None
+        self._finished = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self._finished:
+            self.abort()
+        return False
+
+    def abort(self):
+        if self._file is not None:
+            try:
+                self._file.close()
+            except Exception:  # noqa: BLE001 - best effort while unwinding
+                pass
+            self._file = None
+        if os.path.exists(self.tmp_path):
+            os.remove(self.tmp_path)
+
+    def begin(self, attrs, tokens, query_positions):
+        """attrs: the root attributes of docs/trace-format.md (format, version, query_mode and seed are
+        filled in); tokens: dict of per-token arrays (modality, segment_id, patch_row, patch_col,
+        position_id, role, token_id, optional text); query_positions: ascending int array."""
+        for k in _INT_ATTRS + _REAL_ATTRS + _STR_ATTRS:
+            if k not in attrs:
+                raise CaptureError("%s: internal: root attribute '%s' missing" % (self.path, k))
+        if attrs["storage_dtype"] not in STORAGE_DTYPES:
+            raise CaptureError("%s: storage_dtype must be float16 or float32, got '%s'"
+                               % (self.path, attrs["storage_dtype"]))
+        n, steps = int(attrs["prefill_length"]), int(attrs["num_decode_steps"])
+        t = n + steps
+        qpos = np.asarray(query_positions, dtype=np.int32)
+        folder = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(folder):
+            raise CaptureError("%s: folder '%s' does not exist" % (self.path, folder))
+        try:
+            self._file = h5py.File(self.tmp_path, "w")
+        except OSError as e:
+            raise CaptureError("%s: cannot create '%s' (%s); check that the folder is writable"
+                               % (self.path, self.tmp_path, e)) from e
+        f = self._file
+        f.attrs["format"] = FORMAT_NAME
+        f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+        for k in _INT_ATTRS:
+            f.attrs[k] = np.int64(attrs[k])
+        for k in _REAL_ATTRS:
+            f.attrs[k] = np.float64(attrs[k])
+        for k in _STR_ATTRS:
+            f.attrs[k] = str(attrs[k])
+        f.attrs["seed"] = np.uint64(attrs.get("seed", 0))
+        f.attrs["query_mode"] = "all" if len(qpos) == t else "window_and_decode"
+        f.attrs["has_prefill_column_sums"] = np.int64(1 if attrs.get("has_prefill_column_sums") else 0)
+        if attrs.get("config_text"):
+            f.attrs["config_text"] = str(attrs["config_text"])
+        tk = f.create_group("tokens")
+        spec = (("modality", "<u1"), ("segment_id", "<i4"), ("patch_row", "<i4"), ("patch_col", "<i4"),
+                ("position_id", "<i8"), ("role", "<u1"), ("token_id", "<i8"))
+        for name, dt in spec:
+            arr = np.asarray(tokens[name]).astype(dt)
+            if arr.shape != (t,):
+                raise CaptureError("%s: internal: tokens/%s has shape %s, expected (%d,)"
+                                   % (self.path, name, arr.shape, t))
+            tk.create_dataset(name, data=arr)
+        tk.create_dataset("phase", data=(np.arange(t) >= n).astype("<u1"))
+        tk["modality"].attrs["names"] = MODALITY_NAMES
+        tk["role"].attrs["names"] = ROLE_NAMES
+        if tokens.get("text") is not None:
+            tk.create_dataset("text", data=[str(s) for s in tokens["text"]],
+                              dtype=h5py.string_dtype("utf-8"))
+        f.create_group("queries").create_dataset("positions", data=qpos)
+        f.create_group("layers")
+        if attrs.get("has_prefill_column_sums"):
+            f.create_group("aggregates")
+        self._meta = dict(attrs, t=t, tq=len(qpos))
+
+    def _tensor(self, group, name, data, heads, rows):
+        m = self._meta
+        d = int(m["head_dim"])
+        dtype = STORAGE_DTYPES[m["storage_dtype"]]
+        if tuple(data.shape) != (heads, rows, d):
+            raise CaptureError("%s: internal: %s/%s has shape %s, expected %s"
+                               % (self.path, group.name, name, tuple(data.shape), (heads, rows, d)))
+        chunks = (1, max(1, min(rows, self.chunk_tokens)), d)
+        ds = group.create_dataset(name, shape=(heads, rows, d), dtype=dtype, chunks=chunks)
+        for h in range(heads):  # one head at a time: bounded host memory when `data` is a memmap
+            ds[h] = np.asarray(data[h], dtype=dtype)
+
+    def write_layer(self, layer, keys, values, queries, prefill_column_sums=None):
+        m = self._meta
+        if m is None or layer != self._next_layer or layer >= m["num_layers"]:
+            raise CaptureError("%s: internal: layers must be written in order after begin(); expected %d, got %d"
+                               % (self.path, self._next_layer, layer))
+        g = self._file["layers"].create_group("layer_%03d" % layer)
+        self._tensor(g, "keys", keys, m["num_kv_heads"], m["t"])
+        self._tensor(g, "values", values, m["num_kv_heads"], m["t"])
+        self._tensor(g, "queries", queries, m["num_heads"], m["tq"])
+        if m.get("has_prefill_column_sums"):
+            s = np.asarray(prefill_column_sums, dtype="<f4")
+            if s.shape != (m["num_heads"], m["prefill_length"]):
+                raise CaptureError("%s: internal: prefill_column_sums shape %s" % (self.path, s.shape))
+            self._file["aggregates"].create_group("layer_%03d" % layer).create_dataset(
+                "prefill_column_sums", data=s)
+        self._next_layer += 1
+
+    def write_extra(self, name, data, attrs=None, chunks=None):
+        """Writes an optional dataset outside the v1 layout (e.g. 'capture/position_ids'); kvsim ignores it."""
+        ds = self._file.create_dataset(name, data=data, chunks=chunks)
+        for k, v in (attrs or {}).items():
+            ds.attrs[k] = v
+        return ds
+
+    def extra_group(self, name):
+        return self._file.require_group(name)
+
+    def finish(self):
+        m = self._meta
+        if m is None or self._next_layer != m["num_layers"]:
+            raise CaptureError("%s: internal: finish() after %d of %s layers"
+                               % (self.path, self._next_layer, m and m["num_layers"]))
+        self._file.close()
+        self._file = None
+        os.replace(self.tmp_path, self.path)
+        self._finished = True
