@@ -24,6 +24,35 @@ StatusOr<ValidationReport> ValidateTrace(TraceSource& trace, int threads) {
       return Status::DataLoss(trace.Describe() + ": layer " + std::to_string(l) +
                               " lacks prefill_column_sums although the trace declares them");
     ++rep.layers_checked;
+    std::vector<float> rows;
+    KVSIM_ASSIGN_OR_RETURN(const bool has_rows, trace.ReadRecordedDecodeRows(l, &rows));
+    if (has_rows && meta.num_decode_steps > 0) {
+      rep.decode_rows_present = true;
+      ++rep.decode_rows_layers;
+      const int steps = meta.num_decode_steps;
+      const int qi = meta.QueryIndex(n);
+      KVSIM_CHECK(qi >= 0);
+      std::vector<double> dev(m.num_heads, 0);
+      std::vector<int> worst(m.num_heads, -1);
+      ParallelFor(m.num_heads, threads, [&](int h) {
+        const float* q =
+            layer.queries.data() + (static_cast<size_t>(h) * meta.query_positions.size() + qi) * d;
+        const size_t kv = static_cast<size_t>(h / m.GroupSize()) * t_all * d;
+        DecodeReference ref;
+        ComputeDecodeReference(m, n, steps, q, layer.keys.data() + kv, layer.values.data() + kv, &ref);
+        const float* rec = rows.data() + static_cast<size_t>(h) * steps * t_all;
+        for (size_t i = 0; i < ref.probs.size(); ++i) {
+          const double e = std::fabs(static_cast<double>(rec[i]) - ref.probs[i]);
+          if (e > dev[h]) dev[h] = e, worst[h] = static_cast<int>(i);
+        }
+      });
+      for (int h = 0; h < m.num_heads; ++h)
+        if (dev[h] > rep.decode_max_abs_deviation) {
+          rep.decode_max_abs_deviation = dev[h];
+          rep.decode_worst_layer = l, rep.decode_worst_head = h;
+          rep.decode_worst_step = worst[h] / t_all, rep.decode_worst_key = worst[h] % t_all;
+        }
+    }
     if (!rep.aggregates_checked) continue;
     std::vector<double> abs_dev(m.num_heads, 0), rel_dev(m.num_heads, 0);
     std::vector<int> worst_key(m.num_heads, -1);
@@ -67,6 +96,15 @@ std::string ValidationReport::Text(const TraceMeta& meta, double tolerance) cons
       os << " (layer " << worst_layer << ", head " << worst_head << ", key " << worst_key << ")";
     os << ", max rel deviation " << max_rel_deviation << " -> "
        << (max_abs_deviation <= tolerance ? "ok" : "MISMATCH") << " (tolerance " << tolerance << ")\n";
+  }
+  if (decode_rows_present) {
+    os << "aggregates: decode attention rows (" << decode_rows_layers
+       << " layers) vs recomputed from the decode queries: max abs deviation " << decode_max_abs_deviation;
+    if (decode_worst_layer >= 0)
+      os << " (layer " << decode_worst_layer << ", head " << decode_worst_head << ", step "
+         << decode_worst_step << ", key " << decode_worst_key << ")";
+    os << " -> " << (decode_max_abs_deviation <= tolerance ? "ok" : "MISMATCH") << " (tolerance " << tolerance
+       << ")\n";
   }
   return os.str();
 }

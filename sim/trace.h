@@ -112,6 +112,11 @@ class TraceSource {
   virtual Status ReadLayer(int layer, LayerData* out) = 0;
   // Human-readable identity: a file path or "<memory>".
   virtual std::string Describe() const = 0;
+  // Decode attention rows recorded by the capture tool for validation (the optional extension
+  // /capture/decode_attention/layer_XXX, docs/trace-format.md): [num_heads][num_decode_steps][T], step s's
+  // probabilities over keys [0, n + s]. Returns false when the trace has none. Only `kvsim validate` reads
+  // it.
+  virtual StatusOr<bool> ReadRecordedDecodeRows(int layer, std::vector<float>* out) { return false; }
 };
 
 class TraceSink {

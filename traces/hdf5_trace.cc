@@ -7,6 +7,7 @@
 #include <bit>
 #include <cerrno>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -541,6 +542,22 @@ Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out) {
                     StorageDtype::kFloat32, &scratch_, &out->prefill_column_sums);
   if (!st.ok()) return st.WithContext(path_);
   return ValidateLayer(meta_, *out, path_);
+}
+
+StatusOr<bool> Hdf5TraceReader::ReadRecordedDecodeRows(int layer, std::vector<float>* out) {
+  SilenceHdf5Errors();
+  const std::string name = LayerName("/capture/decode_attention", layer);
+  if (!LinkExists(file_, name)) return false;
+  const hsize_t h = meta_.model.num_heads, s = meta_.num_decode_steps, t = meta_.total_tokens();
+  Status st = ReadFloats(file_, name, {h, s, t},
+                         "[num_heads=" + std::to_string(h) + ", decode_steps=" + std::to_string(s) +
+                             ", T=" + std::to_string(t) + "]",
+                         StorageDtype::kFloat32, &scratch_, out);
+  if (!st.ok()) return st.WithContext(path_);
+  for (float x : *out)
+    if (!std::isfinite(x))
+      return Status::DataLoss(path_ + ": " + name + " holds a non-finite value (re-capture the trace)");
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------- writer

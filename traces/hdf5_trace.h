@@ -24,6 +24,7 @@ class Hdf5TraceReader final : public TraceSource {
   const TraceMeta& meta() const override { return meta_; }
   Status ReadLayer(int layer, LayerData* out) override;
   std::string Describe() const override { return path_; }
+  StatusOr<bool> ReadRecordedDecodeRows(int layer, std::vector<float>* out) override;
 
  private:
   Hdf5TraceReader() = default;

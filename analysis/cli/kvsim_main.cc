@@ -125,7 +125,7 @@ int CmdValidate(int argc, char** argv) {
   auto rep = ValidateTrace(**src, threads);
   if (!rep.ok()) return Fail(rep.status());
   std::cout << trace << ": " << rep->Text((*src)->meta(), tolerance);
-  return rep->aggregates_checked && rep->max_abs_deviation > tolerance ? kExitMismatch : kExitOk;
+  return rep->Mismatch(tolerance) ? kExitMismatch : kExitOk;
 }
 
 int CmdListPolicies(int argc, char** argv) {

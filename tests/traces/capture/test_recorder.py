@@ -48,6 +48,25 @@ class CaptureTest(unittest.TestCase):
         with open(self.path("r.json")) as f:
             self.assertEqual(json.load(f)["policy"], "snapkv")
 
+    def test_kvsim_validate_checks_recorded_decode_rows(self):
+        # Window-only traces cannot have their prefill column sums rechecked; decode rows can.
+        run(model(), self.path(), CaptureOptions(query_window=8, decode_rows=True), max_new_tokens=5)
+        v = kvsim("validate", self.path())
+        self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+        m = re.search(r"decode attention rows \((\d+) layers\) vs recomputed from the decode queries: "
+                      r"max abs deviation ([0-9.e+-]+)", v.stdout)
+        self.assertIsNotNone(m, v.stdout)
+        self.assertLess(float(m.group(2)), 5e-3, v.stdout)
+        with h5py.File(self.path(), "r+") as f:  # a recorded row that disagrees with Q/K
+            rows = f["capture/decode_attention/layer_001"]
+            bad = rows[...]
+            bad[0, 0, 0] += 0.5
+            rows[...] = bad
+        v = kvsim("validate", self.path())
+        self.assertEqual(v.returncode, 3, v.stdout + v.stderr)
+        self.assertIn("MISMATCH", v.stdout)
+        self.assertIn("layer 1, head 0, step 0, key 0", v.stdout)
+
     def test_float16_window_trace_validates(self):
         gen, _, _ = run(model(), self.path(), CaptureOptions(query_window=8), max_new_tokens=5)
         v = kvsim("validate", self.path())
