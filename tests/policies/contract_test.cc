@@ -23,7 +23,7 @@ std::vector<std::pair<std::string, std::vector<std::string>>> AllConfigs() {
   configs.push_back({"h2o+pivot", {"one_shot=true"}});
   configs.push_back({"adakv+average", {"window=4"}});
   configs.push_back({"adakv", {"floor_fraction=0"}});
-  configs.push_back({"madakv", {"combine=MIN_OF_BOTH", "proxy_window=4"}});
+  configs.push_back({"madakv", {"combine=THETA_SETS", "proxy_window=4"}});
   configs.push_back({"madakv+pivot", {"theta=0.5", "pooling=AVG", "kernel_size=3"}});
   configs.push_back({"meda", {"variant=OFFICIAL_CODE"}});
   configs.push_back({"meda", {"entropy=FULL_SELF", "merge=PIVOT"}});
