@@ -215,6 +215,7 @@ class MergeWrappedPolicy final : public Policy {
   bool evicts_during_decode() const override { return base_->evicts_during_decode(); }
   bool may_exceed_budget() const override { return base_->may_exceed_budget(); }
   int compression_step() const override { return base_->compression_step(); }
+  int decode_headroom() const override { return base_->decode_headroom(); }
   std::vector<int> LayerBudgets(const TraceMeta& meta, int budget, int compress_len) const override {
     return base_->LayerBudgets(meta, budget, compress_len);
   }

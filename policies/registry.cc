@@ -11,6 +11,7 @@ const PolicyRegistry& PolicyRegistry::Default() {
     RegisterMultimodalPolicies(r);
     RegisterAdaptivePolicies(r);
     RegisterMadaKVPolicy(r);
+    RegisterHAEPolicy(r);
     return r;
   }();
   return *registry;

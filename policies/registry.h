@@ -51,5 +51,6 @@ void RegisterBaselinePolicies(PolicyRegistry* registry);
 void RegisterMultimodalPolicies(PolicyRegistry* registry);  // meda, look_m (policies/meda.cc)
 void RegisterAdaptivePolicies(PolicyRegistry* registry);    // adakv (policies/adakv.cc)
 void RegisterMadaKVPolicy(PolicyRegistry* registry);        // madakv (policies/madakv.cc)
+void RegisterHAEPolicy(PolicyRegistry* registry);           // hae (policies/hae.cc)
 
 }  // namespace kvsim

@@ -127,6 +127,9 @@ class Policy {
   // (official MEDA/LOOK-M code compresses when the first token is generated; OnPrefill then keeps all).
   // Kept-token statistics (by modality, vs the budget) are taken right after this event.
   virtual int compression_step() const { return -1; }
+  // Decode-evicting policies that let the cache grow past its cap before evicting in a batch (HAE's DDES
+  // bin of RC_size tokens): the engine allows cap + decode_headroom() slots during decode.
+  virtual int decode_headroom() const { return 0; }
   // Prompt budget of every layer (tokens per KV head) for a uniform per-layer budget `budget` over
   // `compress_len` compressible tokens. Must sum to num_layers * budget unless capped by compress_len.
   // Default: uniform.

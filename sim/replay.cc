@@ -43,6 +43,7 @@ struct RunPlan {
   bool evicts = false;
   bool may_exceed = false;    // Policy::may_exceed_budget
   int compression_step = -1;  // Policy::compression_step
+  int headroom = 0;           // Policy::decode_headroom
 };
 
 int BudgetTokens(const RunSpec& r, int compress_len) {
@@ -336,12 +337,13 @@ class LayerPass {
       hp.BeforeStep(ctx, before, cap, &cache);
       if (hp.AppendNewToken()) cache.Append(pos);
       CheckCache(w, cache, pos, r);
+      const int limit = (plan.may_exceed ? std::max(cap, w.prefill_size[r]) : cap) + plan.headroom;
       if (plan.evicts)
-        KVSIM_CHECK_MSG(cache.size() <= cap, plan.spec->policy->name() + " holds " +
-                                                 std::to_string(cache.size()) + " slots at decode, cap " +
-                                                 std::to_string(cap));
+        KVSIM_CHECK_MSG(cache.size() <= limit, plan.spec->policy->name() + " holds " +
+                                                   std::to_string(cache.size()) + " slots at decode, cap " +
+                                                   std::to_string(limit));
       else
-        KVSIM_CHECK_MSG(cache.size() <= (plan.may_exceed ? std::max(cap, w.prefill_size[r]) : cap) + t + 1,
+        KVSIM_CHECK_MSG(cache.size() <= limit + t + 1,
                         plan.spec->policy->name() + " exceeded prompt budget + decode");
       RunAccum& a = acc_[r];
       a.tokens[UnitIndex(u) * (steps + 1) + 1 + t] = cache.size();
@@ -663,6 +665,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     p.evicts = runs[r].policy->evicts_during_decode();
     p.may_exceed = runs[r].policy->may_exceed_budget();
     p.compression_step = runs[r].policy->compression_step();
+    p.headroom = std::max(0, runs[r].policy->decode_headroom());
     RunAccum& a = acc[r];
     const size_t samples = static_cast<size_t>(num_layers) * h * steps;
     a.retained.assign(samples, 0);

@@ -24,6 +24,11 @@ std::vector<std::pair<std::string, std::vector<std::string>>> AllConfigs() {
   configs.push_back({"adakv+average", {"window=4"}});
   configs.push_back({"adakv", {"floor_fraction=0"}});
   configs.push_back({"madakv", {"combine=THETA_SETS", "proxy_window=4"}});
+  configs.push_back({"hae", {"mode=BUDGET", "rc_size=2"}});
+  configs.push_back({"hae", {"mode=BUDGET", "components=DDES_ONLY", "rc_size=3"}});
+  configs.push_back({"hae", {"mode=BUDGET", "components=DAP_ONLY"}});
+  configs.push_back({"hae", {"components=DDES_ONLY", "rc_size=4", "ddes_init=PROMPT_COLUMN_SUMS"}});
+  configs.push_back({"hae+average", {"mode=BUDGET", "rc_size=2"}});
   configs.push_back({"madakv+pivot", {"theta=0.5", "pooling=AVG", "kernel_size=3"}});
   configs.push_back({"meda", {"variant=OFFICIAL_CODE"}});
   configs.push_back({"meda", {"entropy=FULL_SELF", "merge=PIVOT"}});

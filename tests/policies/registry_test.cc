@@ -22,7 +22,7 @@ TEST_CASE("registry: the baselines and multimodal policies are listed, sorted by
   const auto list = PolicyRegistry::Default().List();
   std::vector<std::string> names;
   for (const PolicyInfo& i : list) names.push_back(i.name);
-  CHECK(names == std::vector<std::string>{"adakv", "full", "h2o", "look_m", "madakv", "meda", "oracle",
+  CHECK(names == std::vector<std::string>{"adakv", "full", "h2o", "hae", "look_m", "madakv", "meda", "oracle",
                                           "pyramidkv", "snapkv", "streaming_llm"});
   for (const PolicyInfo& i : list) {
     INFO(i.name);
@@ -56,7 +56,7 @@ TEST_CASE("registry: unknown policy names list the known ones", "[registry]") {
   INFO(st.message());
   CHECK(Contains(st.message(), "unknown policy 'snap'"));
   CHECK(Contains(st.message(),
-                 "adakv, full, h2o, look_m, madakv, meda, oracle, pyramidkv, snapkv, streaming_llm"));
+                 "adakv, full, h2o, hae, look_m, madakv, meda, oracle, pyramidkv, snapkv, streaming_llm"));
 }
 
 TEST_CASE("registry: base+merge wraps an evicting policy", "[registry][merge]") {
