@@ -14,6 +14,7 @@
 #include "analysis/sweep.h"
 #include "analysis/trace_stats.h"
 #include "analysis/validate.h"
+#include "analysis/verify_hae.h"
 #include "policies/registry.h"
 #include "sim/version.h"
 #include "traces/hdf5_trace.h"
@@ -203,6 +204,68 @@ int CmdRun(int argc, char** argv) {
   return kExitOk;
 }
 
+// `kvsim verify hae`: the report next to its markdown summary (report.json -> report.md).
+int CmdVerify(int argc, char** argv) {
+  std::string what, trace, out, preset = "llava";
+  VerifyHaeOptions o;
+  po::options_description opts("kvsim verify hae options");
+  opts.add_options()("what", po::value(&what)->required(), "what to verify: hae")(
+      "trace", po::value(&trace)->required(), "trace file (.h5); needs every prompt query")(
+      "out", po::value(&out)->required(), "report.json (report.md is written next to it)")(
+      "preset", po::value(&preset)->default_value("llava"),
+      "DAP thresholds and bin from HAE Table 5: llava (r 0.0012, alpha 0.001, d 64), phi-a (0.0005, 0.0005, "
+      "128), phi-b (0.0015, 0.0015, 56)")("r", po::value<double>(),
+                                          "DAP: A_j <= r * sum (overrides the preset)")(
+      "alpha", po::value<double>(), "DAP: max text attention < alpha (overrides the preset)")(
+      "rc-size", po::value<int>(), "DDES bin d (overrides the preset)")(
+      "dap-layer", po::value(&o.dap_layer)->default_value(0), "layer DAP scores at")(
+      "epsilon", po::value(&o.epsilon)->default_value(0.01), "Theorem 2.1's epsilon")(
+      "sparsity-epsilon", po::value(&o.sparsity_epsilon)->default_value(1e-4),
+      "App. A.1: entries <= this count as sparse")("threads", po::value(&o.threads)->default_value(0),
+                                                   "worker threads (0 = all cores)");
+  po::positional_options_description pos;
+  pos.add("what", 1);
+  po::variables_map vm;
+  int code;
+  const char* usage =
+      "usage: kvsim verify hae --trace T.h5 [--preset llava|phi-a|phi-b] [--epsilon E] --out report.json";
+  if (!Parse(argc, argv, usage, opts, &pos, vm, &code)) return code;
+  if (what != "hae") {
+    std::fprintf(stderr, "kvsim: usage error: unknown verification '%s' (available: hae)\n%s\n", what.c_str(),
+                 usage);
+    return kExitUsage;
+  }
+  if (preset == "llava") {
+    o.r = 0.0012, o.alpha = 0.001, o.rc_size = 64;
+  } else if (preset == "phi-a") {
+    o.r = 0.0005, o.alpha = 0.0005, o.rc_size = 128;
+  } else if (preset == "phi-b") {
+    o.r = 0.0015, o.alpha = 0.0015, o.rc_size = 56;
+  } else {
+    return Fail(Status::InvalidArgument("--preset '" + preset + "': expected llava, phi-a or phi-b"));
+  }
+  if (vm.count("r")) o.r = vm["r"].as<double>();
+  if (vm.count("alpha")) o.alpha = vm["alpha"].as<double>();
+  if (vm.count("rc-size")) o.rc_size = vm["rc-size"].as<int>();
+  auto src = OpenTrace(trace);
+  if (!src.ok()) return Fail(src.status());
+  auto hash = HashFile(trace);
+  if (hash.ok()) o.trace_hash = *hash;
+  auto rep = VerifyHae(**src, o);
+  if (!rep.ok()) return Fail(rep.status());
+  std::string md = out;
+  if (md.size() > 5 && md.substr(md.size() - 5) == ".json") md = md.substr(0, md.size() - 5);
+  md += ".md";
+  const std::string text = HaeVerifyMarkdown(*rep);
+  Status st = WriteFileAtomic(out, ToJson(*rep));
+  if (st.ok()) st = WriteFileAtomic(md, text);
+  if (!st.ok()) return Fail(st);
+  std::fprintf(stderr, "kvsim: Theorem 2.1 %s; Corollary 2.1 %lld/%lld flushes hold -> %s, %s\n",
+               rep->theorem().verdict().c_str(), static_cast<long long>(rep->corollary().holds()),
+               static_cast<long long>(rep->corollary().flushes()), out.c_str(), md.c_str());
+  return kExitOk;
+}
+
 int CmdSweep(int argc, char** argv) {
   std::string config, out, latency;
   std::vector<std::string> traces;
@@ -250,6 +313,7 @@ const char kTopUsage[] =
     "  list-policies  list registered policies and their parameters\n"
     "  run            replay one policy at one budget\n"
     "  sweep          replay traces x policies x budgets, write results and a summary\n"
+    "  verify hae     measure HAE's Theorem 2.1 / Corollary 2.1 and sparsity on a trace\n"
     "  version        print version and git commit\n";
 
 }  // namespace
@@ -279,6 +343,7 @@ int main(int argc, char** argv) {
     if (cmd == "list-policies") return CmdListPolicies(sub_argc, sub_argv);
     if (cmd == "run") return CmdRun(sub_argc, sub_argv);
     if (cmd == "sweep") return CmdSweep(sub_argc, sub_argv);
+    if (cmd == "verify") return CmdVerify(sub_argc, sub_argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvsim: error: %s\n", e.what());
     return kExitInput;
