@@ -66,6 +66,15 @@ std::vector<FlushOutcome> SimulateDdesVsGreedy(std::span<const float> rows, int 
   std::vector<FlushOutcome> out;
   double greedy_since_flush = 0;
   auto lowest = [&](std::vector<int32_t>& cache, size_t count) {  // removes and returns Σβ of the lowest
+    if (count == 1) {  // per-step greedy: one linear scan (ties: the earlier slot)
+      size_t best = 0;
+      for (size_t i = 1; i < cache.size(); ++i)
+        if (beta[cache[i]] < beta[cache[best]]) best = i;
+      removed.assign(1, cache[best]);
+      const double loss = beta[cache[best]];
+      cache.erase(cache.begin() + static_cast<std::ptrdiff_t>(best));
+      return loss;
+    }
     std::vector<size_t> idx(cache.size());
     std::iota(idx.begin(), idx.end(), 0);
     std::stable_sort(idx.begin(), idx.end(),
@@ -298,6 +307,7 @@ StatusOr<HaeVerifyReport> VerifyHae(TraceSource& trace, const VerifyHaeOptions& 
     th->set_reason("attention received does not decay with age on this trace (fitted lambda " +
                    std::to_string(lambda) + ")");
   } else {
+    const bool exponential = th->fit().r_squared() >= o.min_r_squared;
     // The theorem's k: log(ε / Attn_max) / log(1 − λ) (premise k <= bound, as stated; see docs).
     const double k = std::log(o.epsilon / attn_max) / std::log(1 - lambda);
     th->set_k_bound(k);
@@ -316,7 +326,13 @@ StatusOr<HaeVerifyReport> VerifyHae(TraceSource& trace, const VerifyHaeOptions& 
       }
     }
     th->set_steps_violated(violated);
-    if (violated == 0) {
+    if (!exponential) {
+      th->set_verdict("not applicable");
+      th->set_reason("the attention prompt tokens receive does not decay exponentially on this trace (R² " +
+                     std::to_string(th->fit().r_squared()) + " < " + std::to_string(o.min_r_squared) +
+                     "); the bound check below is informational (" + std::to_string(violated) + " of " +
+                     std::to_string(S) + " steps exceed it)");
+    } else if (violated == 0) {
       th->set_verdict("holds");
       th->set_reason(
           "at every decode step the evicted tokens' measured attention mass stays under the "

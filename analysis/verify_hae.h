@@ -21,8 +21,9 @@ struct VerifyHaeOptions {
   double r = 0.0012;  // DAP thresholds (HAE Table 5, LLaVA-1.5-7B)
   double alpha = 0.001;
   int dap_layer = 0;
-  int rc_size = 64;       // DDES bin d
-  double epsilon = 0.01;  // Theorem 2.1's ε
+  int rc_size = 64;            // DDES bin d
+  double epsilon = 0.01;       // Theorem 2.1's ε
+  double min_r_squared = 0.5;  // below: the trace is not exponential and the theorem does not apply
   double sparsity_epsilon = 1e-4;
   int threads = 0;
   std::string trace_hash;  // recorded in the report

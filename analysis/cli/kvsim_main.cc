@@ -220,6 +220,8 @@ int CmdVerify(int argc, char** argv) {
       "rc-size", po::value<int>(), "DDES bin d (overrides the preset)")(
       "dap-layer", po::value(&o.dap_layer)->default_value(0), "layer DAP scores at")(
       "epsilon", po::value(&o.epsilon)->default_value(0.01), "Theorem 2.1's epsilon")(
+      "min-r2", po::value(&o.min_r_squared)->default_value(0.5),
+      "decay fits with a lower R² make Theorem 2.1 not applicable")(
       "sparsity-epsilon", po::value(&o.sparsity_epsilon)->default_value(1e-4),
       "App. A.1: entries <= this count as sparse")("threads", po::value(&o.threads)->default_value(0),
                                                    "worker threads (0 = all cores)");
