@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "policies/hae.h"
+#include "policies/pieces.h"
 #include "sim/attention.h"
 #include "sim/parallel.h"
 #include "sim/version.h"
@@ -126,8 +127,6 @@ std::vector<FlushOutcome> SimulateDdesVsGreedy(std::span<const float> rows, int 
 }
 
 namespace {
-
-bool IsVisual(Modality m) { return m == Modality::kImage || m == Modality::kVideo; }
 
 // Per KV head contributions of one layer.
 struct HeadPart {

@@ -13,8 +13,6 @@
 namespace kvsim {
 namespace {
 
-Status Need(bool ok, const std::string& what) { return ok ? Status::Ok() : Status::InvalidArgument(what); }
-
 // Per (layer, KV head): the pooled observation-window scores over [0, compress_end - window), descending.
 struct AdaKVPlan final : PolicyPlan {
   int window = 0;                          // min(params.window, compress_end)
@@ -95,32 +93,15 @@ std::unique_ptr<PolicyPlan> AdaKVPolicy::NewPlan(const TraceMeta& meta, int comp
 
 void AdaKVPolicy::ObserveLayer(const LayerView& view, PolicyPlan* plan) const {
   auto* p = static_cast<AdaKVPlan*>(plan);
-  const TraceMeta& meta = *view.meta;
-  const ModelInfo& m = meta.model;
-  const int ce = view.compress_end, w = p->window, d = m.head_dim, t_all = meta.total_tokens();
-  const size_t tq = meta.query_positions.size();
-  std::vector<int32_t> pos(w);
-  std::iota(pos.begin(), pos.end(), ce - w);
-  const int first_query = meta.QueryIndex(ce - w);
-  KVSIM_CHECK_MSG(first_query >= 0,
-                  "adakv: missing window queries (CheckRuns should have refused the trace)");
-  ParallelFor(m.num_kv_heads, view.threads, [&](int u) {
+  const int ce = view.compress_end, w = p->window, hkv = view.meta->model.num_kv_heads;
+  ParallelFor(hkv, view.threads, [&](int u) {
     // The same scores SnapKVSelection computes at the prefill hook (window column sums, group-aggregated,
     // truncated before the window, pooled), so the split and the heads' selections agree.
-    const float* keys = view.data->keys.data() + static_cast<size_t>(u) * t_all * d;
-    std::vector<std::vector<float>> per_head(m.GroupSize(), std::vector<float>(ce, 0.0f));
-    std::vector<std::span<const float>> spans;
-    for (int g = 0; g < m.GroupSize(); ++g) {
-      const int qh = u * m.GroupSize() + g;
-      const float* q = view.data->queries.data() + (static_cast<size_t>(qh) * tq + first_query) * d;
-      AccumulateColumnSums(m, q, pos.data(), w, keys, ce, per_head[g].data());
-      spans.emplace_back(per_head[g]);
-    }
-    std::vector<float> score = AggregateGroup(spans, params_.group_aggregation());
+    std::vector<float> score = LayerGroupWindowColumnSums(view, u, w, params_.group_aggregation());
     score.resize(ce - w);
     score = Pool1D(score, params_.kernel_size(), params_.pooling());
     std::sort(score.begin(), score.end(), std::greater<float>());
-    p->sorted[static_cast<size_t>(view.layer) * m.num_kv_heads + u] = std::move(score);
+    p->sorted[static_cast<size_t>(view.layer) * hkv + u] = std::move(score);
   });
 }
 

@@ -9,8 +9,6 @@
 namespace kvsim {
 namespace {
 
-Status Need(bool ok, const std::string& what) { return ok ? Status::Ok() : Status::InvalidArgument(what); }
-
 // Evicts the slot with the lowest score among slots [0, limit) (ties: the oldest), until size <= target.
 template <typename ScoreFn>
 void EvictLowest(HeadCache* cache, int target, int protected_tail, ScoreFn score) {

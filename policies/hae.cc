@@ -14,10 +14,6 @@
 namespace kvsim {
 namespace {
 
-Status Need(bool ok, const std::string& what) { return ok ? Status::Ok() : Status::InvalidArgument(what); }
-
-bool IsVisual(Modality m) { return m == Modality::kImage || m == Modality::kVideo; }
-
 struct HAEPlan final : PolicyPlan {
   int dap_layer = 0;
   DapScores scores;

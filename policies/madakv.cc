@@ -14,10 +14,6 @@
 namespace kvsim {
 namespace {
 
-Status Need(bool ok, const std::string& what) { return ok ? Status::Ok() : Status::InvalidArgument(what); }
-
-bool IsVisual(Modality m) { return m == Modality::kImage || m == Modality::kVideo; }
-
 // ψ over [0, compress_end - window): group-aggregated proxy-window column sums, optionally pooled.
 std::vector<float> Psi(std::vector<float> colsum, int limit, const policy::MadaKVParams& p) {
   colsum.resize(limit);
@@ -205,28 +201,12 @@ std::unique_ptr<PolicyPlan> MadaKVPolicy::NewPlan(const TraceMeta& meta, int com
 void MadaKVPolicy::ObserveLayer(const LayerView& view, PolicyPlan* plan) const {
   auto* p = static_cast<MadaKVPlan*>(plan);
   const TraceMeta& meta = *view.meta;
-  const ModelInfo& m = meta.model;
-  const int ce = view.compress_end, w = p->window, d = m.head_dim, t_all = meta.total_tokens();
-  const size_t tq = meta.query_positions.size();
-  std::vector<int32_t> pos(w);
-  std::iota(pos.begin(), pos.end(), ce - w);
-  const int first_query = meta.QueryIndex(ce - w);
-  KVSIM_CHECK_MSG(first_query >= 0,
-                  "madakv: missing proxy queries (CheckRuns should have refused the trace)");
-  ParallelFor(m.num_kv_heads, view.threads, [&](int u) {
+  const int ce = view.compress_end, w = p->window, hkv = meta.model.num_kv_heads;
+  ParallelFor(hkv, view.threads, [&](int u) {
     // ψ exactly as the head computes it at the prefill hook (Eq. 7), then Eqs. 6 and 9.
-    const float* keys = view.data->keys.data() + static_cast<size_t>(u) * t_all * d;
-    std::vector<std::vector<float>> per_head(m.GroupSize(), std::vector<float>(ce, 0.0f));
-    std::vector<std::span<const float>> spans;
-    for (int g = 0; g < m.GroupSize(); ++g) {
-      const int qh = u * m.GroupSize() + g;
-      const float* q = view.data->queries.data() + (static_cast<size_t>(qh) * tq + first_query) * d;
-      AccumulateColumnSums(m, q, pos.data(), w, keys, ce, per_head[g].data());
-      spans.emplace_back(per_head[g]);
-    }
-    const std::vector<float> psi = Psi(AggregateGroup(spans, params_.group_aggregation()), ce - w, params_);
-    p->stats[static_cast<size_t>(view.layer) * m.num_kv_heads + u] =
-        ComputeModalityStats(meta, psi, params_.theta());
+    const std::vector<float> psi =
+        Psi(LayerGroupWindowColumnSums(view, u, w, params_.group_aggregation()), ce - w, params_);
+    p->stats[static_cast<size_t>(view.layer) * hkv + u] = ComputeModalityStats(meta, psi, params_.theta());
   });
 }
 

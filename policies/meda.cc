@@ -12,10 +12,6 @@
 namespace kvsim {
 namespace {
 
-Status Need(bool ok, const std::string& what) { return ok ? Status::Ok() : Status::InvalidArgument(what); }
-
-bool IsVisual(Modality m) { return m == Modality::kImage || m == Modality::kVideo; }
-
 constexpr int kEntropyRows = 128;  // query rows per GEMM block
 
 // Gathers rows `idx` of a [*][d] matrix.
@@ -209,15 +205,26 @@ double MedaLayerEntropy(const LayerView& view, policy::MedaParams::Entropy mode)
   return std::accumulate(per_head.begin(), per_head.end(), 0.0) / std::max(1, m.num_heads);
 }
 
+namespace {
+
+// softmax_l(E): the share of the total budget each layer asks for (Eq. 7, before caps and clamps).
+std::vector<double> BudgetShares(std::span<const double> entropy) {
+  if (entropy.empty()) return {};
+  const double mx = *std::max_element(entropy.begin(), entropy.end());
+  std::vector<double> w(entropy.size());
+  double z = 0;
+  for (size_t l = 0; l < w.size(); ++l) z += w[l] = std::exp(entropy[l] - mx);
+  for (double& x : w) x /= z;
+  return w;
+}
+
+}  // namespace
+
 std::vector<int> MedaLayerBudgets(std::span<const double> entropy, int budget, int compress_len, bool clamp,
                                   double min_ratio) {
   const int L = static_cast<int>(entropy.size());
   if (L == 0) return {};
-  const double mx = *std::max_element(entropy.begin(), entropy.end());
-  std::vector<double> w(L);
-  double z = 0;
-  for (int l = 0; l < L; ++l) z += w[l] = std::exp(entropy[l] - mx);
-  for (double& x : w) x /= z;
+  const std::vector<double> w = BudgetShares(entropy);
   budget = std::clamp(budget, 0, compress_len);
   if (!clamp) return ProportionalLayerBudgets(w, static_cast<int64_t>(L) * budget, compress_len);
   const double rho = compress_len > 0 ? static_cast<double>(budget) / compress_len : 0;
@@ -291,13 +298,7 @@ void MedaPolicy::FinishPlan(const TraceMeta& meta, PolicyPlan* plan) const {
   p->layer_stats[params_.entropy() == policy::MedaParams::CROSS_MODAL ? "cross_modal_entropy"
                                                                       : "self_attention_entropy"] =
       p->entropy;
-  // softmax_l(E): the share of the total budget layer l asks for (before caps / clamps).
-  const double mx = *std::max_element(p->entropy.begin(), p->entropy.end());
-  std::vector<double> w(p->entropy.size());
-  double z = 0;
-  for (size_t l = 0; l < w.size(); ++l) z += w[l] = std::exp(p->entropy[l] - mx);
-  for (double& x : w) x /= z;
-  p->layer_stats["budget_share"] = w;
+  p->layer_stats["budget_share"] = BudgetShares(p->entropy);
 }
 
 std::vector<int> MedaPolicy::PlannedLayerBudgets(const TraceMeta&, int budget, int compress_len,

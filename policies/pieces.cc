@@ -5,6 +5,7 @@
 #include <limits>
 #include <numeric>
 
+#include "sim/attention.h"
 #include "sim/select.h"
 
 namespace kvsim {
@@ -53,6 +54,29 @@ std::vector<float> Pool1D(std::span<const float> x, int kernel, policy::Pooling 
     }
   }
   return out;
+}
+
+std::vector<float> LayerGroupWindowColumnSums(const LayerView& view, int kv_head, int window,
+                                              policy::GroupAggregation agg) {
+  const TraceMeta& meta = *view.meta;
+  const ModelInfo& m = meta.model;
+  const int ce = view.compress_end, d = m.head_dim, t_all = meta.total_tokens(), group = m.GroupSize();
+  window = std::min(window, ce);
+  const int first_query = meta.QueryIndex(ce - window);
+  KVSIM_CHECK_MSG(first_query >= 0, "window queries missing (CheckRuns should have refused the trace)");
+  std::vector<int32_t> pos(window);
+  std::iota(pos.begin(), pos.end(), ce - window);
+  const float* keys = view.data->keys.data() + static_cast<size_t>(kv_head) * t_all * d;
+  const size_t tq = meta.query_positions.size();
+  std::vector<std::vector<float>> per_head(group, std::vector<float>(ce, 0.0f));
+  std::vector<std::span<const float>> spans;
+  for (int g = 0; g < group; ++g) {
+    const int qh = kv_head * group + g;
+    const float* q = view.data->queries.data() + (static_cast<size_t>(qh) * tq + first_query) * d;
+    AccumulateColumnSums(m, q, pos.data(), window, keys, ce, per_head[g].data());
+    spans.emplace_back(per_head[g]);
+  }
+  return AggregateGroup(spans, agg);
 }
 
 std::vector<int32_t> TopKPlusTail(std::span<const float> scores, int k, int limit, int n) {

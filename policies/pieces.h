@@ -19,6 +19,12 @@ std::vector<float> AggregateGroup(std::span<const std::span<const float>> per_he
 // Convenience: aggregates PromptScores::ColumnSums / WindowColumnSums over the group.
 std::vector<float> GroupColumnSums(const HeadContext& ctx, policy::GroupAggregation agg);
 std::vector<float> GroupWindowColumnSums(const HeadContext& ctx, int window, policy::GroupAggregation agg);
+// The first-pass twin: KV head `kv_head`'s group-aggregated column sums over [0, view.compress_end) of the
+// last `window` compressible queries, computed from the layer's tensors with the same arithmetic as
+// PromptScores::WindowColumnSums at the prefill hook (so a plan and the heads agree bit for bit).
+// REQUIRES: the window's queries are stored (CheckRuns checks the policy's `window` requirement).
+std::vector<float> LayerGroupWindowColumnSums(const LayerView& view, int kv_head, int window,
+                                              policy::GroupAggregation agg);
 
 // 1-D pooling with stride 1 and padding kernel/2 on both sides, output length = input length (PyTorch
 // avg_pool1d with padding=kernel//2, count_include_pad=True: zeros count in the divisor; max_pool1d pads
@@ -46,9 +52,11 @@ std::vector<int> PyramidLayerBudgets(int num_layers, int budget, int window, int
 // exactly and no layer exceeds cap (MEDA Eq. 7 with S_l <= prompt length).
 std::vector<int> ProportionalLayerBudgets(std::span<const double> weights, int64_t total, int cap);
 
-// Whether a token counts as text for a text prior: every non-visual token (text and other, i.e. everything
-// but image and video; the official code's "non-image span").
-inline bool IsTextLike(Modality m) { return m != Modality::kImage && m != Modality::kVideo; }
+// Visual tokens (image and video patches) for the multimodal policies.
+inline bool IsVisual(Modality m) { return m == Modality::kImage || m == Modality::kVideo; }
+// Whether a token counts as text for a text prior: every non-visual token (text and other; the official
+// code's "non-image span").
+inline bool IsTextLike(Modality m) { return !IsVisual(m); }
 
 // Text-prior selection over [0, n) (MEDA Eqs. 9-10, LOOK-M): keeps the last `recent` tokens and the `heavy`
 // highest-scoring tokens before them, after

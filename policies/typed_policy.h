@@ -11,6 +11,11 @@
 
 namespace kvsim {
 
+// Parameter validation: Ok, or InvalidArgument(what) naming the field and the allowed range.
+inline Status Need(bool ok, const std::string& what) {
+  return ok ? Status::Ok() : Status::InvalidArgument(what);
+}
+
 template <typename Params>
 class TypedPolicy : public Policy {
  public:
