@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,51 @@ struct TokenTable {
   void Resize(int64_t n);
 };
 
+// ---- Streaming video traces (docs/streaming.md) ----
+// A streaming trace records a video stream that arrives over time and questions asked at timestamps. The
+// token table holds, in order: the init (system) prompt [0, init_len), the video [init_len, init_len +
+// num_frames * tokens_per_frame) (frame f's tokens are contiguous, segment_id = f), and then, per question in
+// time order, its question tokens (role question, phase prefill) followed by its answer tokens (role
+// generated, phase decode). prefill_length = init_len + num_frames * tokens_per_frame (the "stream");
+// num_decode_steps = every question and answer token. K/V/Q of the question and answer tokens come from a
+// run in which question i followed the frames that had arrived by its time: their position ids continue
+// from init_len + frames_before * tokens_per_frame.
+struct StreamQuestion {
+  double time_s = 0;                // arrival time (video seconds)
+  int32_t token_begin = 0;          // first question token in the token table (>= prefill_length)
+  int32_t num_question_tokens = 0;  // >= 1
+  int32_t num_answer_tokens = 0;    // answer decode steps, right after the question tokens (>= 1)
+  // Frames with frame_time_s <= time_s: what the question may use. Derived from the times (not stored).
+  int32_t frames_before = 0;
+  std::vector<int32_t> evidence_frames;  // ground truth frames (synthetic traces); may be empty
+};
+
+// Per-granularity block encodings (MuKV): the video token stream [init_len, init_len + F*P) cut into
+// contiguous G-token blocks from its start (the tail shorter than G is dropped), each block encoded on its
+// own after the init prompt only (block-local positions init_len .. init_len + G - 1).
+struct BlockEncodingInfo {
+  int granularity = 0;  // G
+  int num_blocks = 0;   // B = floor(F * P / G)
+  // Trace position of each block token, [B * G] (block b's tokens are entries [b*G, (b+1)*G)).
+  std::vector<int32_t> token_positions;
+  // Layers whose attention_received is stored (ascending; always includes the last layer).
+  std::vector<int32_t> attention_layers;
+};
+
+struct StreamInfo {
+  double fps = 0;  // nominal frame rate (informative; frame_time_s is authoritative)
+  int init_len = 0;
+  int tokens_per_frame = 0;  // P
+  int num_frames = 0;        // F
+  std::vector<double> frame_time_s;  // [F], non-decreasing: arrival time of each frame
+  std::vector<StreamQuestion> questions;  // by time (non-decreasing), spans in token-table order
+  std::vector<BlockEncodingInfo> block_encodings;  // ascending granularity; may be empty
+
+  int video_begin() const { return init_len; }
+  int video_end() const { return init_len + num_frames * tokens_per_frame; }
+  const BlockEncodingInfo* FindBlocks(int granularity) const;  // null if not stored
+};
+
 struct TraceMeta {
   int format_version = kTraceFormatVersion;
   ModelInfo model;
@@ -80,6 +126,9 @@ struct TraceMeta {
   bool has_prefill_column_sums = false;  // aggregates/layer_XXX/prefill_column_sums [H, n]
   TokenTable tokens;
   std::string config_text;  // optional: the generator config (e.g. synth textproto) for provenance
+  std::optional<StreamInfo> stream;  // set for streaming traces (group /streaming in the file)
+
+  bool is_streaming() const { return stream.has_value(); }
 
   int total_tokens() const { return prefill_length + num_decode_steps; }
   bool HasAllPromptQueries() const;
@@ -93,12 +142,26 @@ struct TraceMeta {
 //   keys, values: [num_kv_heads][T][head_dim]
 //   queries:      [num_heads][query_positions.size()][head_dim]
 //   prefill_column_sums (optional, empty if absent): [num_heads][n], Σ_i A[i, j] over prompt queries i
+// One layer of one granularity's block encodings, fp32 in memory:
+//   keys, values: [num_kv_heads][B*G][head_dim]
+//   attention_received: [num_heads][B*G] (empty when not stored for this layer): per query head, the
+//   attention each block token receives from its own block's queries (causal, softmax over init + block).
+struct BlockLayerData {
+  int granularity = 0;
+  std::vector<float> keys;
+  std::vector<float> values;
+  std::vector<float> attention_received;
+};
+
 struct LayerData {
   int layer = -1;
   std::vector<float> keys;
   std::vector<float> values;
   std::vector<float> queries;
   std::vector<float> prefill_column_sums;
+  // Streaming traces with block encodings: one entry per meta.stream->block_encodings, same order. Filled by
+  // writers' callers (TraceSink::WriteLayer writes them); ReadLayer leaves it empty (use ReadBlockLayer).
+  std::vector<BlockLayerData> blocks;
 };
 
 class TraceSource {
@@ -117,6 +180,9 @@ class TraceSource {
   // probabilities over keys [0, n + s]. Returns false when the trace has none. Only `kvsim validate` reads
   // it.
   virtual StatusOr<bool> ReadRecordedDecodeRows(int layer, std::vector<float>* out) { return false; }
+  // Streaming traces: one layer of one granularity's block encodings (meta().stream->FindBlocks(g) must be
+  // non-null). Same threading contract as ReadLayer.
+  virtual Status ReadBlockLayer(int granularity, int layer, BlockLayerData* out);
 };
 
 class TraceSink {
@@ -141,6 +207,7 @@ class MemoryTrace : public TraceSource, public TraceSink {
   Status Begin(const TraceMeta& meta) override;
   Status WriteLayer(const LayerData& layer) override;
   Status Finish() override { return Status::Ok(); }
+  Status ReadBlockLayer(int granularity, int layer, BlockLayerData* out) override;
   TraceMeta& mutable_meta() { return meta_; }
   std::vector<LayerData>& layers() { return layers_; }
 
@@ -151,5 +218,8 @@ class MemoryTrace : public TraceSource, public TraceSink {
 
 // Checks a layer's tensor sizes against the meta, and finiteness. `what` names the source for messages.
 Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::string& what);
+// Checks one layer of block encodings against meta.stream (sizes, finiteness, attention_received present at
+// the layers listed in attention_layers).
+Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData& block, const std::string& what);
 
 }  // namespace kvsim
