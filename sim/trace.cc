@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 namespace kvsim {
@@ -62,9 +63,207 @@ int TraceMeta::QueryIndex(int32_t pos) const {
   return static_cast<int>(it - query_positions.begin());
 }
 
+const BlockEncodingInfo* StreamInfo::FindBlocks(int granularity) const {
+  for (const BlockEncodingInfo& b : block_encodings)
+    if (b.granularity == granularity) return &b;
+  return nullptr;
+}
+
+int FramesBefore(const StreamInfo& s, double t) {
+  // frame_time_s is non-decreasing (Validate): count the prefix with time <= t.
+  return static_cast<int>(std::upper_bound(s.frame_time_s.begin(), s.frame_time_s.end(), t) -
+                          s.frame_time_s.begin());
+}
+
 namespace {
 Status Bad(const std::string& field, const std::string& what) {
   return Status::InvalidArgument("field '" + field + "': " + what);
+}
+
+std::string Num(double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+
+std::string IntList(const std::vector<int>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+// The streaming rules of Validate (docs/streaming.md), run after the common shape checks: the token layout
+// (init prompt, video frames, then per question its question and answer tokens), the frame times, the
+// questions, query_positions and the block encodings.
+Status ValidateStream(const TraceMeta& meta) {
+  const StreamInfo& s = *meta.stream;
+  const TokenTable& tk = meta.tokens;
+  const int64_t t = meta.total_tokens();
+  const int n = meta.prefill_length;
+  if (!std::isfinite(s.fps) || s.fps < 0)
+    return Bad("streaming/fps", "must be a finite number >= 0 (nominal frame rate), got " + Num(s.fps));
+  if (s.init_len < 1) return Bad("streaming/init_len", "must be >= 1 (the init prompt precedes the video)");
+  if (s.tokens_per_frame < 1) return Bad("streaming/tokens_per_frame", "must be >= 1");
+  if (s.num_frames < 1) return Bad("streaming/num_frames", "must be >= 1");
+  if (static_cast<int64_t>(s.init_len) + static_cast<int64_t>(s.num_frames) * s.tokens_per_frame != n)
+    return Bad("prefill_length", "is " + std::to_string(n) +
+                                     ", a streaming trace needs init_len + num_frames * tokens_per_frame = " +
+                                     std::to_string(static_cast<int64_t>(s.init_len) +
+                                                    static_cast<int64_t>(s.num_frames) * s.tokens_per_frame));
+  if (static_cast<int>(s.frame_time_s.size()) != s.num_frames)
+    return Bad("streaming/frame_time_s",
+               "has " + std::to_string(s.frame_time_s.size()) +
+                   " entries, expected num_frames = " + std::to_string(s.num_frames));
+  for (int f = 0; f < s.num_frames; ++f) {
+    const double x = s.frame_time_s[f];
+    if (!std::isfinite(x) || x < 0)
+      return Bad("streaming/frame_time_s",
+                 "frame " + std::to_string(f) + " has time " + Num(x) + "; times must be finite and >= 0");
+    if (f > 0 && x < s.frame_time_s[f - 1])
+      return Bad("streaming/frame_time_s", "must be non-decreasing (frame " + std::to_string(f) + " at " +
+                                               Num(x) + " s comes before frame " + std::to_string(f - 1) +
+                                               " at " + Num(s.frame_time_s[f - 1]) + " s)");
+  }
+  // Prefill tokens: init prompt then video frames, all phase prefill, none generated.
+  for (int i = 0; i < n; ++i) {
+    if (tk.phase[i] != Phase::kPrefill)
+      return Bad("tokens/phase", "token " + std::to_string(i) + " (init prompt or video) must be prefill");
+    if (tk.role[i] == Role::kGenerated || tk.role[i] == Role::kQuestion)
+      return Bad("tokens/role", "token " + std::to_string(i) + " (init prompt or video) is marked " +
+                                    RoleName(tk.role[i]) +
+                                    "; roles question/generated belong after prefill_length");
+    if (i >= s.video_begin()) {
+      const int f = (i - s.video_begin()) / s.tokens_per_frame;
+      if (tk.modality[i] != Modality::kVideo)
+        return Bad("tokens/modality", "video token " + std::to_string(i) + " (frame " + std::to_string(f) +
+                                          ") must have modality video, got " + ModalityName(tk.modality[i]));
+      if (tk.segment_id[i] != f)
+        return Bad("tokens/segment_id", "video token " + std::to_string(i) +
+                                            " must have segment_id = its frame " + std::to_string(f) +
+                                            ", got " + std::to_string(tk.segment_id[i]));
+    }
+  }
+  // Questions: time order, spans tiling [prefill_length, T).
+  if (s.questions.empty())
+    return Bad("streaming/questions", "is empty; a streaming trace needs at least one question");
+  int64_t next = n;
+  for (size_t qi = 0; qi < s.questions.size(); ++qi) {
+    const StreamQuestion& q = s.questions[qi];
+    const std::string qs = "question " + std::to_string(qi);
+    if (!std::isfinite(q.time_s))
+      return Bad("streaming/questions/time_s", qs + " has a non-finite time " + Num(q.time_s));
+    if (qi > 0 && q.time_s < s.questions[qi - 1].time_s)
+      return Bad("streaming/questions/time_s",
+                 qs + " at t=" + Num(q.time_s) + " s comes before question " + std::to_string(qi - 1) +
+                     " at t=" + Num(s.questions[qi - 1].time_s) + " s; questions must be sorted by time");
+    if (q.token_begin != next)
+      return Bad("streaming/questions/token_begin",
+                 qs + " begins at token " + std::to_string(q.token_begin) + ", expected " +
+                     std::to_string(next) +
+                     " (question spans follow prefill_length and each other without gaps)");
+    if (q.num_question_tokens < 1)
+      return Bad("streaming/questions/num_question_tokens", qs + " must have >= 1 question token");
+    if (q.num_answer_tokens < 1)
+      return Bad("streaming/questions/num_answer_tokens", qs + " must have >= 1 answer token");
+    const int64_t qend = next + q.num_question_tokens;
+    const int64_t aend = qend + q.num_answer_tokens;
+    if (aend > t)
+      return Bad("streaming/questions",
+                 qs + " ends at token " + std::to_string(aend) +
+                     ", past prefill_length + num_decode_steps = " + std::to_string(t));
+    const int fb = FramesBefore(s, q.time_s);
+    if (fb < 1)
+      return Bad("streaming/questions/time_s",
+                 qs + " at t=" + Num(q.time_s) + " s comes before the first frame (t=" +
+                     Num(s.frame_time_s[0]) + " s); ask it after a frame has arrived");
+    if (q.frames_before != fb)
+      return Bad("streaming/questions/frames_before",
+                 qs + " has frames_before " + std::to_string(q.frames_before) + " but " + std::to_string(fb) +
+                     " frames have frame_time_s <= " + Num(q.time_s) + "; it is derived from the times");
+    for (size_t e = 0; e < q.evidence_frames.size(); ++e) {
+      const int32_t ef = q.evidence_frames[e];
+      if (ef < 0 || ef >= fb)
+        return Bad("streaming/questions/evidence_frames",
+                   qs + " (t=" + Num(q.time_s) + " s) lists evidence frame " + std::to_string(ef) +
+                       ", outside the frames that arrived before it [0, " + std::to_string(fb) + ")");
+      if (e > 0 && ef <= q.evidence_frames[e - 1])
+        return Bad("streaming/questions/evidence_frames",
+                   qs + ": evidence frames must be strictly ascending");
+    }
+    for (int64_t i = next; i < aend; ++i) {
+      const bool is_q = i < qend;
+      const Role want_role = is_q ? Role::kQuestion : Role::kGenerated;
+      const Phase want_phase = is_q ? Phase::kPrefill : Phase::kDecode;
+      if (tk.role[i] != want_role || tk.phase[i] != want_phase)
+        return Bad(tk.role[i] != want_role ? "tokens/role" : "tokens/phase",
+                   "token " + std::to_string(i) + " is a " + (is_q ? "question" : "answer") + " token of " +
+                       qs + " and must be role " + RoleName(want_role) + ", phase " + PhaseName(want_phase) +
+                       " (got " + RoleName(tk.role[i]) + ", " + PhaseName(tk.phase[i]) + ")");
+    }
+    next = aend;
+  }
+  if (next != t)
+    return Bad("streaming/questions",
+               "question and answer spans end at token " + std::to_string(next) + " but the trace has " +
+                   std::to_string(t) +
+                   " tokens; num_decode_steps must count every question and answer token");
+  // query_positions: every question/answer token (checked by the caller); prompt queries none, exactly the
+  // video tokens, or the whole prompt.
+  int n_prompt_q = 0;
+  for (int32_t p : meta.query_positions) n_prompt_q += p < n;
+  if (n_prompt_q != 0) {
+    const int video_len = n - s.video_begin();
+    const bool all_prompt = n_prompt_q == n;  // ascending + unique + all < n => exactly [0, n)
+    const bool all_video = n_prompt_q == video_len && meta.query_positions[0] == s.video_begin();
+    if (!all_prompt && !all_video)
+      return Bad("query_positions",
+                 "a streaming trace stores either no prompt queries, every video token's query [" +
+                     std::to_string(s.video_begin()) + ", " + std::to_string(n) +
+                     "), or every prompt query; got " + std::to_string(n_prompt_q) + " prompt queries");
+  }
+  // Block encodings.
+  const int64_t video_len = static_cast<int64_t>(s.num_frames) * s.tokens_per_frame;
+  const int num_layers = meta.model.num_layers;
+  for (size_t bi = 0; bi < s.block_encodings.size(); ++bi) {
+    const BlockEncodingInfo& b = s.block_encodings[bi];
+    const std::string gs = "granularity " + std::to_string(b.granularity);
+    if (b.granularity < 1)
+      return Bad("streaming_blocks/granularities",
+                 "entry " + std::to_string(bi) + " is " + std::to_string(b.granularity) + "; must be >= 1");
+    if (bi > 0 && b.granularity <= s.block_encodings[bi - 1].granularity)
+      return Bad("streaming_blocks/granularities", "must be strictly ascending (unique)");
+    if (b.granularity > video_len)
+      return Bad("streaming_blocks/granularities", gs + " exceeds the video length " +
+                                                       std::to_string(video_len) +
+                                                       " tokens (no whole block); drop it");
+    if (b.num_blocks != video_len / b.granularity)
+      return Bad("streaming_blocks/num_blocks",
+                 gs + " has " + std::to_string(b.num_blocks) +
+                     " blocks, expected floor(num_frames * tokens_per_frame / G) = " +
+                     std::to_string(video_len / b.granularity));
+    const size_t bg = static_cast<size_t>(b.num_blocks) * b.granularity;
+    if (b.token_positions.size() != bg)
+      return Bad("streaming_blocks/token_positions",
+                 gs + " has " + std::to_string(b.token_positions.size()) +
+                     " entries, expected num_blocks * G = " + std::to_string(bg));
+    for (size_t j = 0; j < bg; ++j)
+      if (b.token_positions[j] < s.video_begin() || b.token_positions[j] >= s.video_end())
+        return Bad("streaming_blocks/token_positions",
+                   gs + " entry " + std::to_string(j) + " = " + std::to_string(b.token_positions[j]) +
+                       " is outside the video [" + std::to_string(s.video_begin()) + ", " +
+                       std::to_string(s.video_end()) + ")");
+    for (size_t j = 0; j < b.attention_layers.size(); ++j) {
+      const int32_t l = b.attention_layers[j];
+      if (l < 0 || l >= num_layers || (j > 0 && l <= b.attention_layers[j - 1]))
+        return Bad("streaming_blocks/attention_layers",
+                   gs + ": layers must be strictly ascending in [0, " + std::to_string(num_layers) + ")");
+    }
+    if (b.attention_layers.empty() || b.attention_layers.back() != num_layers - 1)
+      return Bad("streaming_blocks/attention_layers",
+                 gs + ": attention_received must be stored at the last layer (" +
+                     std::to_string(num_layers - 1) + ")");
+  }
+  return Status::Ok();
 }
 }  // namespace
 
@@ -118,6 +317,7 @@ Status TraceMeta::Validate() const {
       return Bad("tokens/role", "token " + std::to_string(i) + " has unknown role code " +
                                     std::to_string(static_cast<int>(tk.role[i])) +
                                     " (0 system, 1 context, 2 question, 3 generated)");
+    if (stream) continue;  // streaming traces: ValidateStream checks phases and roles
     const Phase want = i < prefill_length ? Phase::kPrefill : Phase::kDecode;
     if (tk.phase[i] != want)
       return Bad("tokens/phase", "token " + std::to_string(i) + " is marked " + PhaseName(tk.phase[i]) +
@@ -141,6 +341,7 @@ Status TraceMeta::Validate() const {
     if (QueryIndex(p) < 0)
       return Bad("query_positions",
                  "lacks decode token " + std::to_string(p) + "; every decode step's query is required");
+  if (stream) return ValidateStream(*this);
   // The stored prompt queries must be a suffix (the last W prompt tokens) or all of them.
   int n_prompt_q = 0;
   for (int32_t p : query_positions) n_prompt_q += p < prefill_length;
@@ -155,8 +356,46 @@ Status TraceMeta::Validate() const {
 Status MemoryTrace::ReadLayer(int layer, LayerData* out) {
   if (layer < 0 || layer >= static_cast<int>(layers_.size()))
     return Status::NotFound("<memory>: layer " + std::to_string(layer) + " not present");
-  *out = layers_[layer];
+  const LayerData& src = layers_[layer];
+  out->layer = src.layer;
+  out->keys = src.keys;
+  out->values = src.values;
+  out->queries = src.queries;
+  out->prefill_column_sums = src.prefill_column_sums;
+  out->blocks.clear();  // block encodings are read with ReadBlockLayer
   return ValidateLayer(meta_, *out, "<memory>");
+}
+
+Status TraceSource::ReadBlockLayer(int granularity, int layer, BlockLayerData* out) {
+  const TraceMeta& m = meta();
+  if (!m.is_streaming())
+    return Status::NotFound(Describe() + ": trace has no block encodings for granularity " +
+                            std::to_string(granularity) +
+                            "; it is not a streaming trace (no /streaming group)");
+  std::vector<int> have;
+  for (const BlockEncodingInfo& b : m.stream->block_encodings) have.push_back(b.granularity);
+  if (!m.stream->FindBlocks(granularity))
+    return Status::NotFound(Describe() + ": trace has no block encodings for granularity " +
+                            std::to_string(granularity) + "; stored granularities: " + IntList(have) +
+                            " (regenerate the trace with this granularity)");
+  return Status::FailedPrecondition(
+      Describe() + ": trace has no block encodings for granularity " + std::to_string(granularity) +
+      "; this trace source cannot read them (layer " + std::to_string(layer) + ")");
+}
+
+Status MemoryTrace::ReadBlockLayer(int granularity, int layer, BlockLayerData* out) {
+  if (!meta_.is_streaming() || !meta_.stream->FindBlocks(granularity))
+    return TraceSource::ReadBlockLayer(granularity, layer, out);
+  if (layer < 0 || layer >= static_cast<int>(layers_.size()))
+    return Status::NotFound("<memory>: layer " + std::to_string(layer) + " not present");
+  for (const BlockLayerData& b : layers_[layer].blocks)
+    if (b.granularity == granularity) {
+      *out = b;
+      return ValidateBlockLayer(meta_, layer, *out, "<memory>");
+    }
+  return Status::NotFound("<memory>: layer " + std::to_string(layer) +
+                          " has no block encodings for granularity " + std::to_string(granularity) +
+                          " (write them in LayerData::blocks)");
 }
 
 Status MemoryTrace::Begin(const TraceMeta& meta) {
@@ -171,7 +410,82 @@ Status MemoryTrace::WriteLayer(const LayerData& layer) {
     return Status::InvalidArgument("layers must be written in order; got layer " +
                                    std::to_string(layer.layer));
   KVSIM_RETURN_IF_ERROR(ValidateLayer(meta_, layer, "<memory>"));
+  KVSIM_RETURN_IF_ERROR(ValidateLayerBlocks(meta_, layer, "<memory>"));
   layers_.push_back(layer);
+  return Status::Ok();
+}
+
+namespace {
+// Branch-free scan first (vectorises); locate the offending index only when there is one.
+Status CheckFinite(const std::string& where, const char* name, const std::vector<float>& v) {
+  uint32_t bad = 0;
+  for (float x : v) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+  }
+  if (!bad) return Status::Ok();
+  for (size_t i = 0; i < v.size(); ++i)
+    if (!std::isfinite(v[i]))
+      return Status::DataLoss(where + " dataset '" + name +
+                              "' holds a non-finite value (NaN/Inf) at flat index " + std::to_string(i) +
+                              "; the capture or generator produced bad data");
+  return Status::Ok();
+}
+}  // namespace
+
+Status ValidateLayerBlocks(const TraceMeta& meta, const LayerData& layer, const std::string& what) {
+  const size_t want = meta.is_streaming() ? meta.stream->block_encodings.size() : 0;
+  if (layer.blocks.size() != want)
+    return Status::InvalidArgument(what + ": layer " + std::to_string(layer.layer) + " carries " +
+                                   std::to_string(layer.blocks.size()) +
+                                   " block encodings, the meta declares " + std::to_string(want) +
+                                   " (one per stream->block_encodings entry, same order)");
+  for (size_t i = 0; i < want; ++i) {
+    if (layer.blocks[i].granularity != meta.stream->block_encodings[i].granularity)
+      return Status::InvalidArgument(what + ": layer " + std::to_string(layer.layer) + " blocks[" +
+                                     std::to_string(i) + "] has granularity " +
+                                     std::to_string(layer.blocks[i].granularity) + ", expected " +
+                                     std::to_string(meta.stream->block_encodings[i].granularity));
+    KVSIM_RETURN_IF_ERROR(ValidateBlockLayer(meta, layer.layer, layer.blocks[i], what));
+  }
+  return Status::Ok();
+}
+
+Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData& block,
+                          const std::string& what) {
+  const std::string where =
+      what + ": block encodings g" + std::to_string(block.granularity) + " layer " + std::to_string(layer);
+  const BlockEncodingInfo* info = meta.is_streaming() ? meta.stream->FindBlocks(block.granularity) : nullptr;
+  if (!info)
+    return Status::InvalidArgument(where + ": the meta declares no block encodings for this granularity");
+  const ModelInfo& m = meta.model;
+  if (layer < 0 || layer >= m.num_layers)
+    return Status::InvalidArgument(where + ": layer outside [0, " + std::to_string(m.num_layers) + ")");
+  const size_t bg = static_cast<size_t>(info->num_blocks) * info->granularity;
+  const size_t kv = static_cast<size_t>(m.num_kv_heads) * bg * m.head_dim;
+  const std::string kvdims = "[num_kv_heads=" + std::to_string(m.num_kv_heads) +
+                             ", B*G=" + std::to_string(bg) + ", head_dim=" + std::to_string(m.head_dim) + "]";
+  auto shape = [&](const char* name, size_t got, size_t want, const std::string& dims) -> Status {
+    if (got != want)
+      return Status::InvalidArgument(where + " dataset '" + name + "' has " + std::to_string(got) +
+                                     " elements, expected " + dims + " = " + std::to_string(want));
+    return Status::Ok();
+  };
+  KVSIM_RETURN_IF_ERROR(shape("keys", block.keys.size(), kv, kvdims));
+  KVSIM_RETURN_IF_ERROR(shape("values", block.values.size(), kv, kvdims));
+  const bool want_att =
+      std::binary_search(info->attention_layers.begin(), info->attention_layers.end(), layer);
+  if (want_att)
+    KVSIM_RETURN_IF_ERROR(
+        shape("attention_received", block.attention_received.size(), static_cast<size_t>(m.num_heads) * bg,
+              "[num_heads=" + std::to_string(m.num_heads) + ", B*G=" + std::to_string(bg) + "]"));
+  else if (!block.attention_received.empty())
+    return Status::InvalidArgument(where +
+                                   " has attention_received but the layer is not in attention_layers");
+  KVSIM_RETURN_IF_ERROR(CheckFinite(where, "keys", block.keys));
+  KVSIM_RETURN_IF_ERROR(CheckFinite(where, "values", block.values));
+  KVSIM_RETURN_IF_ERROR(CheckFinite(where, "attention_received", block.attention_received));
   return Status::Ok();
 }
 
@@ -199,22 +513,7 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
     KVSIM_RETURN_IF_ERROR(shape("prefill_column_sums", layer.prefill_column_sums.size(),
                                 static_cast<size_t>(m.num_heads) * meta.prefill_length,
                                 "[num_heads, prefill_length]"));
-  auto finite = [&](const char* name, const std::vector<float>& v) -> Status {
-    // Branch-free scan first (vectorises); locate the offending index only when there is one.
-    uint32_t bad = 0;
-    for (float x : v) {
-      uint32_t u;
-      std::memcpy(&u, &x, 4);
-      bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
-    }
-    if (!bad) return Status::Ok();
-    for (size_t i = 0; i < v.size(); ++i)
-      if (!std::isfinite(v[i]))
-        return Status::DataLoss(where + " dataset '" + name +
-                                "' holds a non-finite value (NaN/Inf) at flat index " + std::to_string(i) +
-                                "; the capture or generator produced bad data");
-    return Status::Ok();
-  };
+  auto finite = [&](const char* name, const std::vector<float>& v) { return CheckFinite(where, name, v); };
   KVSIM_RETURN_IF_ERROR(finite("keys", layer.keys));
   KVSIM_RETURN_IF_ERROR(finite("values", layer.values));
   KVSIM_RETURN_IF_ERROR(finite("queries", layer.queries));

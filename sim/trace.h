@@ -110,6 +110,9 @@ struct StreamInfo {
   const BlockEncodingInfo* FindBlocks(int granularity) const;  // null if not stored
 };
 
+// Number of frames with frame_time_s <= t (frame_time_s non-decreasing): the frames a question at t may use.
+int FramesBefore(const StreamInfo& s, double t);
+
 struct TraceMeta {
   int format_version = kTraceFormatVersion;
   ModelInfo model;
@@ -221,5 +224,8 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
 // Checks one layer of block encodings against meta.stream (sizes, finiteness, attention_received present at
 // the layers listed in attention_layers).
 Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData& block, const std::string& what);
+// Checks layer.blocks against meta.stream->block_encodings (one entry per granularity, same order; none for
+// non-streaming traces), each with ValidateBlockLayer. Used by sinks' WriteLayer.
+Status ValidateLayerBlocks(const TraceMeta& meta, const LayerData& layer, const std::string& what);
 
 }  // namespace kvsim
