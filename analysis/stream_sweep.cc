@@ -1,0 +1,283 @@
+#include "analysis/stream_sweep.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <iomanip>
+#include <map>
+#include <sstream>
+
+#include "analysis/report.h"
+#include "policies/stream_registry.h"
+#include "sim/stream_replay.h"
+#include "sim/text_proto.h"
+#include "traces/hdf5_trace.h"
+
+namespace kvsim {
+
+namespace {
+
+std::string Num(double v, int prec = 6) {
+  std::ostringstream os;
+  os << std::setprecision(prec) << v;
+  return os.str();
+}
+
+std::string CsvField(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+std::string LabelFor(const std::string& name, const std::vector<std::string>& sets) {
+  std::string label = name;
+  for (const auto& s : sets) label += " " + s;
+  return label;
+}
+
+std::string ResolvePath(const std::string& t, const std::string& base_dir) {
+  return std::filesystem::path(t).is_relative() ? (std::filesystem::path(base_dir) / t).string() : t;
+}
+
+StatusOr<std::unique_ptr<LatencyModel>> MaybeLatency(const std::string& path) {
+  if (path.empty()) return MakeTokenStepLatencyModel();
+  return LoadLatencyModel(path);
+}
+
+double Mb(double bytes) { return bytes / (1024.0 * 1024.0); }
+
+}  // namespace
+
+StatusOr<bool> IsStreamingTrace(const std::string& path) {
+  KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
+  return trace->meta().is_streaming();
+}
+
+StatusOr<bool> ExperimentIsStreaming(const config::Experiment& experiment, const std::string& base_dir) {
+  int streaming = 0, plain = 0;
+  for (const std::string& t : experiment.traces()) {
+    KVSIM_ASSIGN_OR_RETURN(bool s, IsStreamingTrace(ResolvePath(t, base_dir)));
+    (s ? streaming : plain) += 1;
+  }
+  if (streaming > 0 && plain > 0)
+    return Status::InvalidArgument(
+        "experiment mixes streaming and non-streaming traces; split it into two experiments (streaming "
+        "policies replay streaming traces only)");
+  return streaming > 0;
+}
+
+StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std::string& policy,
+                                       const std::vector<std::string>& sets, int budget_tokens,
+                                       const RunOptions& options) {
+  KVSIM_ASSIGN_OR_RETURN(auto p, StreamPolicyRegistry::Default().Create(policy, sets));
+  KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(options.latency_model));
+  KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
+  std::vector<StreamRunSpec> runs{StreamRunSpec{p, LabelFor(policy, sets), budget_tokens}};
+  KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(trace_path));
+  KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
+  StreamReplayOptions ro{options.threads, latency.get(), options.progress, hash, trace_path};
+  KVSIM_ASSIGN_OR_RETURN(auto results, ReplayStream(*trace, runs, ro));
+  return results[0];
+}
+
+StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment, const std::string& base_dir,
+                                           const RunOptions& options) {
+  if (!experiment.budgets().empty())
+    return Status::InvalidArgument(
+        "field 'budgets': streaming experiments take 'budget_tokens' (retrieved visual tokens per layer and "
+        "KV head), not fractions of a history that keeps growing");
+  std::vector<StreamRunSpec> runs;
+  for (const config::PolicySpec& ps : experiment.policies()) {
+    const std::vector<std::string> sets(ps.set().begin(), ps.set().end());
+    KVSIM_ASSIGN_OR_RETURN(auto policy, StreamPolicyRegistry::Default().Create(ps.name(), sets));
+    const StreamPolicyInfo* info = StreamPolicyRegistry::Default().Find(ps.name());
+    const std::string label = ps.has_label() ? ps.label() : LabelFor(ps.name(), sets);
+    if (!info->uses_budget || experiment.budget_tokens().empty()) {
+      runs.push_back(StreamRunSpec{policy, label, 0});
+      continue;
+    }
+    for (int b : experiment.budget_tokens()) runs.push_back(StreamRunSpec{policy, label, b});
+  }
+  std::string latency_path =
+      options.latency_model.empty() ? experiment.latency_model() : options.latency_model;
+  if (!latency_path.empty() && options.latency_model.empty())
+    latency_path = ResolvePath(latency_path, base_dir);
+  KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(latency_path));
+  std::vector<std::string> paths;
+  std::vector<std::unique_ptr<TraceSource>> traces;
+  for (const std::string& t : experiment.traces()) {
+    const std::string path = ResolvePath(t, base_dir);
+    KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
+    KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(path));
+    paths.push_back(path);
+    traces.push_back(std::move(trace));
+  }
+  StreamSweepResult out;
+  out.set_experiment(ToTextWithDefaults(experiment));
+  for (size_t i = 0; i < traces.size(); ++i) {
+    KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(paths[i]));
+    StreamReplayOptions ro{options.threads, latency.get(), options.progress, hash, paths[i]};
+    KVSIM_ASSIGN_OR_RETURN(auto results, ReplayStream(*traces[i], runs, ro));
+    for (auto& r : results) *out.add_runs() = std::move(r);
+  }
+  return out;
+}
+
+namespace {
+
+void QuestionColumns(const StreamQuestionResult& q, std::ostringstream& os) {
+  const double v[] = {q.retained_mass_mean(),       q.retained_mass_p5(),
+                      q.output_rel_error_mean(),    q.output_rel_error_p95(),
+                      q.evidence_frame_recall(),    q.evidence_token_recall(),
+                      q.oracle_frame_recall(),      q.oracle_mass_recall(),
+                      q.visual_tokens_in_context(), q.context_tokens(),
+                      q.frames_covered(),           q.duplicate_tokens(),
+                      q.time_to_first_token_s(),    q.gpu_bytes_at_answer(),
+                      q.cpu_bank_bytes_at_answer(), q.samples()};
+  for (double x : v) os << ',' << Num(x);
+}
+
+const char* kQuestionHeader =
+    "retained_mass_mean,retained_mass_p5,output_rel_error_mean,output_rel_error_p95,evidence_frame_recall,"
+    "evidence_token_recall,oracle_frame_recall,oracle_mass_recall,visual_tokens_in_context,context_tokens,"
+    "frames_covered,duplicate_tokens,time_to_first_token_s,gpu_bytes_at_answer,cpu_bank_bytes_at_answer,"
+    "samples";
+
+void RunPrefix(const StreamRunResult& r, std::ostringstream& os) {
+  os << CsvField(r.trace_path()) << ',' << r.trace_hash() << ',' << CsvField(r.trace_model()) << ','
+     << r.policy() << ',' << CsvField(r.label()) << ',' << CsvField(r.parameters()) << ','
+     << r.budget_tokens();
+}
+
+}  // namespace
+
+std::string StreamResultsCsv(const std::vector<StreamRunResult>& runs) {
+  std::ostringstream os;
+  os << "trace,trace_hash,model,policy,label,parameters,budget_tokens," << kQuestionHeader
+     << ",approximate,cpu_bank_bytes_final,bank_tokens_final,bank_tokens_per_frame,gpu_bytes_peak,"
+        "gpu_bytes_mean,encode_tokens,encode_passes_per_video_token,encode_busy_s,encode_lag_max_s,"
+        "decode_token_steps,time_unit\n";
+  for (const StreamRunResult& r : runs) {
+    RunPrefix(r, os);
+    QuestionColumns(r.mean(), os);
+    os << ',' << (r.approximate() ? 1 : 0) << ',' << Num(r.cpu_bank_bytes_final()) << ','
+       << Num(r.cpu_bank_tokens_final()) << ',' << Num(r.bank_tokens_per_frame()) << ','
+       << Num(r.gpu_bytes_peak()) << ',' << Num(r.gpu_bytes_mean()) << ',' << Num(r.encode_tokens()) << ','
+       << Num(r.encode_passes_per_video_token()) << ',' << Num(r.encode_busy_s()) << ','
+       << Num(r.encode_lag_max_s()) << ',' << Num(r.decode_token_steps()) << ',' << r.time_unit() << '\n';
+  }
+  return os.str();
+}
+
+std::string StreamQuestionsCsv(const std::vector<StreamRunResult>& runs) {
+  std::ostringstream os;
+  os << "trace,trace_hash,model,policy,label,parameters,budget_tokens,question,time_s,frames_before,"
+     << kQuestionHeader << ",policy_stats\n";
+  for (const StreamRunResult& r : runs)
+    for (const StreamQuestionResult& q : r.questions()) {
+      RunPrefix(r, os);
+      os << ',' << q.question() << ',' << Num(q.time_s()) << ',' << q.frames_before();
+      QuestionColumns(q, os);
+      std::map<std::string, double> stats(q.policy_stats().begin(), q.policy_stats().end());
+      std::string s;
+      for (const auto& [k, v] : stats) s += (s.empty() ? "" : ";") + k + "=" + Num(v);
+      os << ',' << CsvField(s) << '\n';
+    }
+  return os.str();
+}
+
+std::string StreamMemoryCsv(const std::vector<StreamRunResult>& runs) {
+  std::ostringstream os;
+  os << "policy,label,budget_tokens,time_s,event,cpu_bank_bytes,gpu_bytes\n";
+  for (const StreamRunResult& r : runs)
+    for (const MemoryPoint& p : r.memory())
+      os << r.policy() << ',' << CsvField(r.label()) << ',' << r.budget_tokens() << ',' << Num(p.time_s(), 10)
+         << ',' << p.event() << ',' << Num(p.cpu_bank_bytes(), 12) << ',' << Num(p.gpu_bytes(), 12) << '\n';
+  return os.str();
+}
+
+std::string StreamSummaryMarkdown(const std::vector<StreamRunResult>& runs, const std::string& title) {
+  std::ostringstream os;
+  os << "# " << title << "\n\n";
+  if (runs.empty()) return os.str() + "No runs.\n";
+  os << "Trace: `" << runs[0].trace_path() << "` (" << runs[0].trace_model() << ", seed "
+     << runs[0].trace_seed()
+     << "). Streaming replay: every question sees only the frames that arrived before it. Means over "
+        "questions; attention metrics over layers, query heads and answer steps (docs/streaming.md).\n\n";
+  os << "| policy | budget (visual tok.) | visual tokens in context | retained mass | output rel. err (mean "
+        "/ "
+        "p95) | evidence frame recall | oracle frame recall | CPU bank MB | GPU peak MB | bank tok./frame | "
+        "encode passes/token |\n";
+  os << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (const StreamRunResult& r : runs) {
+    const StreamQuestionResult& m = r.mean();
+    os << "| " << r.label() << (r.approximate() ? " (approx.)" : "") << " | " << r.budget_tokens() << " | "
+       << Num(m.visual_tokens_in_context(), 5) << " | " << Num(m.retained_mass_mean(), 4) << " | "
+       << Num(m.output_rel_error_mean(), 4) << " / " << Num(m.output_rel_error_p95(), 4) << " | "
+       << (m.evidence_frame_recall() < 0 ? std::string("n/a") : Num(m.evidence_frame_recall(), 3)) << " | "
+       << Num(m.oracle_frame_recall(), 3) << " | " << Num(Mb(r.cpu_bank_bytes_final()), 5) << " | "
+       << Num(Mb(r.gpu_bytes_peak()), 5) << " | " << Num(r.bank_tokens_per_frame(), 4) << " | "
+       << Num(r.encode_passes_per_video_token(), 3) << " |\n";
+  }
+  bool any_stats = false;
+  for (const StreamRunResult& r : runs) any_stats |= r.policy_stats_size() > 0;
+  if (any_stats) {
+    os << "\nPolicy statistics (means over questions):\n\n";
+    for (const StreamRunResult& r : runs) {
+      if (r.policy_stats_size() == 0) continue;
+      std::map<std::string, double> stats(r.policy_stats().begin(), r.policy_stats().end());
+      os << "- " << r.label() << " @ " << r.budget_tokens() << ":";
+      for (const auto& [k, v] : stats) os << " " << k << " " << Num(v, 4) << ";";
+      os << "\n";
+    }
+  }
+  bool approx = false;
+  for (const StreamRunResult& r : runs) approx |= r.approximate();
+  if (approx)
+    os << "\n(approx.): the trace lacks the per-granularity block encodings this policy stores; they were "
+          "derived from the continuous run (docs/streaming.md).\n";
+  os << "\nPer-question rows: questions.csv; memory tiers over time: memory.csv.\n";
+  return os.str();
+}
+
+Status WriteStreamSweepOutputs(const StreamSweepResult& result, const std::string& out_dir) {
+  namespace fs = std::filesystem;
+  const fs::path final_dir(out_dir);
+  std::error_code ec;
+  static const char* kOutputs[] = {"results.json", "results.csv", "questions.csv", "memory.csv",
+                                   "summary.md"};
+  if (fs::exists(final_dir, ec)) {
+    if (!fs::is_directory(final_dir, ec))
+      return Status::InvalidArgument(out_dir + ": exists and is not a folder; choose another --out");
+    for (const auto& entry : fs::directory_iterator(final_dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      bool ours = false;
+      for (const char* o : kOutputs) ours |= name == o;
+      if (!ours)
+        return Status::InvalidArgument(out_dir + ": folder holds '" + name +
+                                       "', which is not a kvsim sweep output; choose an empty or new --out");
+    }
+  }
+  const fs::path tmp = fs::path(out_dir + ".tmp." + std::to_string(::getpid()));
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  if (ec) return Status::InvalidArgument(out_dir + ": cannot create the output folder: " + ec.message());
+  const std::vector<StreamRunResult> runs(result.runs().begin(), result.runs().end());
+  Status st = WriteFileAtomic((tmp / "results.json").string(), ToJson(result));
+  if (st.ok()) st = WriteFileAtomic((tmp / "results.csv").string(), StreamResultsCsv(runs));
+  if (st.ok()) st = WriteFileAtomic((tmp / "questions.csv").string(), StreamQuestionsCsv(runs));
+  if (st.ok()) st = WriteFileAtomic((tmp / "memory.csv").string(), StreamMemoryCsv(runs));
+  if (st.ok())
+    st = WriteFileAtomic((tmp / "summary.md").string(),
+                         StreamSummaryMarkdown(runs, "kvsim streaming sweep summary"));
+  if (st.ok()) {
+    fs::remove_all(final_dir, ec);
+    fs::rename(tmp, final_dir, ec);
+    if (ec) st = Status::InvalidArgument(out_dir + ": cannot move results into place: " + ec.message());
+  }
+  if (!st.ok()) fs::remove_all(tmp, ec);
+  return st;
+}
+
+}  // namespace kvsim

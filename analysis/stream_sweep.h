@@ -1,0 +1,39 @@
+#pragma once
+// `kvsim run` / `kvsim sweep` on streaming traces (docs/streaming.md): builds streaming runs from the
+// streaming policy registry, replays them (sim/stream_replay.h) and writes results: results.json,
+// results.csv (one row per run), questions.csv (one row per run and question), memory.csv (CPU bank and GPU
+// bytes over video time) and summary.md.
+
+#include <string>
+#include <vector>
+
+#include "analysis/experiment.pb.h"
+#include "analysis/sweep.h"
+#include "sim/stream_results.pb.h"
+
+namespace kvsim {
+
+// Whether the trace at `path` is a streaming trace (reads only its metadata).
+StatusOr<bool> IsStreamingTrace(const std::string& path);
+// Whether the experiment's traces are streaming traces; an experiment mixing both kinds is an error.
+StatusOr<bool> ExperimentIsStreaming(const config::Experiment& experiment, const std::string& base_dir);
+
+// One streaming policy at one budget (retrieved visual tokens per layer and KV head; 0 = its default).
+StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std::string& policy,
+                                       const std::vector<std::string>& sets, int budget_tokens,
+                                       const RunOptions& options);
+
+// Every trace x policy x budget_tokens (fractions are refused: the history grows, a fraction of it is not a
+// budget). Policies that do not use a budget run once.
+StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment, const std::string& base_dir,
+                                           const RunOptions& options);
+
+std::string StreamResultsCsv(const std::vector<StreamRunResult>& runs);
+std::string StreamQuestionsCsv(const std::vector<StreamRunResult>& runs);
+std::string StreamMemoryCsv(const std::vector<StreamRunResult>& runs);
+std::string StreamSummaryMarkdown(const std::vector<StreamRunResult>& runs, const std::string& title);
+
+// Same folder contract as WriteSweepOutputs.
+Status WriteStreamSweepOutputs(const StreamSweepResult& result, const std::string& out_dir);
+
+}  // namespace kvsim
