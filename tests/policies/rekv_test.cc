@@ -299,4 +299,20 @@ TEST_CASE("rekv: encoder_window_exceeded and parameter validation", "[rekv]") {
   CHECK(bad2.status().message() == "rekv: default_frames must be >= 1");
 }
 
+// [!mayfail]: policies/rekv.cc (ReKV::Plan) sets encoder_window_exceeded for every question from the whole
+// video's length (num_frames * P > n_local). The K/V a question retrieves were computed causally, so the
+// continuous run differs from ReKV's sliding-window encoder only when the video before *that* question
+// exceeds the window: with n_local = 7, question 0 (3 frames = 6 video tokens) fits and question 1 (8 tokens)
+// does not. Actual: 1 for both.
+TEST_CASE("rekv: encoder_window_exceeded is per question", "[rekv][!mayfail]") {
+  auto ts = HandTrace();
+  const std::vector<StreamRunSpec> runs{{Make({"n_local=7"}), "", 4}};
+  StreamReplayOptions opt;
+  opt.threads = 1;
+  auto res = ReplayStream(ts.trace, runs, opt);
+  REQUIRE(res.ok());
+  CHECK((*res)[0].questions(1).policy_stats().at("encoder_window_exceeded") == 1);
+  CHECK((*res)[0].questions(0).policy_stats().at("encoder_window_exceeded") == 0);
+}
+
 }  // namespace kvsim
