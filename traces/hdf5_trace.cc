@@ -252,6 +252,183 @@ Status ReadIntegers(hid_t file, const std::string& name, hsize_t n, hid_t mem_ty
   return Status::Ok();
 }
 
+// ---- streaming (docs/streaming.md): /streaming and /streaming_blocks
+
+// A numeric attribute `name` of object `obj` (`where` names the object in messages) as int64 values, any
+// number of points (scalar or 1-D). Integers only unless `allow_float` (then read through double).
+Status ReadObjAttrNumbers(hid_t obj, const std::string& where, const char* name, bool allow_float,
+                          std::vector<double>* out) {
+  const std::string what = "attribute '" + std::string(name) + "' of '" + where + "'";
+  const htri_t exists = H5Aexists(obj, name);
+  if (exists < 0) return ReadError(what);
+  if (exists == 0) return Status::InvalidArgument("missing " + what + " (" + kSeeDocs + ")");
+  Hid attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  Hid space(attr.ok() ? H5Aget_space(attr) : -1, H5Sclose);
+  Hid type(attr.ok() ? H5Aget_type(attr) : -1, H5Tclose);
+  if (!space.ok() || !type.ok()) return ReadError(what);
+  const H5T_class_t cls = H5Tget_class(type);
+  if (cls != H5T_INTEGER && !(allow_float && cls == H5T_FLOAT))
+    return Status::InvalidArgument(what + " must be " + (allow_float ? "a number" : "an integer") + " (" +
+                                   kSeeDocs + ")");
+  const hssize_t n = H5Sget_simple_extent_npoints(space);
+  if (n < 0) return ReadError(what);
+  if (cls == H5T_INTEGER) {
+    std::vector<long long> v(n);
+    if (n > 0 && H5Aread(attr, H5T_NATIVE_LLONG, v.data()) < 0) return ReadError(what);
+    out->assign(v.begin(), v.end());
+  } else {
+    out->resize(n);
+    if (n > 0 && H5Aread(attr, H5T_NATIVE_DOUBLE, out->data()) < 0) return ReadError(what);
+  }
+  return Status::Ok();
+}
+
+Status ReadObjScalar(hid_t obj, const std::string& where, const char* name, double* out) {
+  std::vector<double> v;
+  KVSIM_RETURN_IF_ERROR(ReadObjAttrNumbers(obj, where, name, true, &v));
+  if (v.size() != 1)
+    return Status::InvalidArgument("attribute '" + std::string(name) + "' of '" + where +
+                                   "' must be a scalar");
+  *out = v[0];
+  return Status::Ok();
+}
+Status ReadObjScalar(hid_t obj, const std::string& where, const char* name, int* out) {
+  std::vector<double> v;
+  KVSIM_RETURN_IF_ERROR(ReadObjAttrNumbers(obj, where, name, false, &v));
+  if (v.size() != 1 || v[0] < INT_MIN || v[0] > INT_MAX)
+    return Status::InvalidArgument("attribute '" + std::string(name) + "' of '" + where +
+                                   "' must be a scalar int in range");
+  *out = static_cast<int>(v[0]);
+  return Status::Ok();
+}
+
+// Length of the 1-D dataset `name` (absolute path).
+Status Dataset1DLength(hid_t file, const std::string& name, const std::string& desc, hsize_t* n) {
+  if (!LinkExists(file, name))
+    return Status::InvalidArgument("missing dataset '" + name + "' (" + desc + "); " + kSeeDocs);
+  Hid ds(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose);
+  Hid space(ds.ok() ? H5Dget_space(ds) : -1, H5Sclose);
+  if (!space.ok()) return ReadError("dataset '" + name + "'");
+  if (H5Sget_simple_extent_ndims(space) != 1)
+    return Status::InvalidArgument("dataset '" + name + "' must be 1-D (" + desc + ")");
+  H5Sget_simple_extent_dims(space, n, nullptr);
+  return Status::Ok();
+}
+
+// Reads the whole 1-D float dataset `name` of length n as float64.
+Status ReadDoubles(hid_t file, const std::string& name, hsize_t n, std::vector<double>* out) {
+  Hid ds;
+  KVSIM_RETURN_IF_ERROR(OpenDataset(file, name, {n}, "[" + std::to_string(n) + "]", &ds));
+  Hid type(H5Dget_type(ds), H5Tclose);
+  if (!type.ok() || H5Tget_class(type) != H5T_FLOAT)
+    return Status::InvalidArgument("dataset '" + name + "' must have a float dtype (" + kSeeDocs + ")");
+  out->resize(n);
+  if (n > 0 && H5Dread(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, out->data()) < 0)
+    return ReadError("dataset '" + name + "'");
+  return Status::Ok();
+}
+
+std::string BlockGroupName(int granularity) { return "/streaming_blocks/g" + std::to_string(granularity); }
+
+// Reads /streaming (and, when present, /streaming_blocks) into m->stream. Only called when /streaming
+// exists; the rest of the invariants are checked by Validate().
+Status ReadStream(hid_t file, TraceMeta* m) {
+  StreamInfo s;
+  Hid g(H5Gopen2(file, "/streaming", H5P_DEFAULT), H5Gclose);
+  if (!g.ok()) return ReadError("group '/streaming'");
+  KVSIM_RETURN_IF_ERROR(ReadObjScalar(g, "/streaming", "fps", &s.fps));
+  KVSIM_RETURN_IF_ERROR(ReadObjScalar(g, "/streaming", "init_len", &s.init_len));
+  KVSIM_RETURN_IF_ERROR(ReadObjScalar(g, "/streaming", "tokens_per_frame", &s.tokens_per_frame));
+  KVSIM_RETURN_IF_ERROR(ReadObjScalar(g, "/streaming", "num_frames", &s.num_frames));
+  if (s.num_frames < 1 || s.num_frames > m->prefill_length)
+    return Status::InvalidArgument("attribute 'num_frames' of '/streaming' is " +
+                                   std::to_string(s.num_frames) + ", expected 1..prefill_length");
+  KVSIM_RETURN_IF_ERROR(ReadDoubles(file, "/streaming/frame_time_s", s.num_frames, &s.frame_time_s));
+  hsize_t nq = 0;
+  KVSIM_RETURN_IF_ERROR(Dataset1DLength(file, "/streaming/questions/time_s", "float64 [Q]", &nq));
+  if (nq > static_cast<hsize_t>(m->total_tokens()))
+    return Status::InvalidArgument("dataset '/streaming/questions/time_s' has more questions than tokens");
+  std::vector<double> times;
+  std::vector<int32_t> begin(nq), nqt(nq), nat(nq), offsets(nq + 1);
+  KVSIM_RETURN_IF_ERROR(ReadDoubles(file, "/streaming/questions/time_s", nq, &times));
+  KVSIM_RETURN_IF_ERROR(
+      ReadIntegers(file, "/streaming/questions/token_begin", nq, H5T_NATIVE_INT32, begin.data()));
+  KVSIM_RETURN_IF_ERROR(
+      ReadIntegers(file, "/streaming/questions/num_question_tokens", nq, H5T_NATIVE_INT32, nqt.data()));
+  KVSIM_RETURN_IF_ERROR(
+      ReadIntegers(file, "/streaming/questions/num_answer_tokens", nq, H5T_NATIVE_INT32, nat.data()));
+  KVSIM_RETURN_IF_ERROR(
+      ReadIntegers(file, "/streaming/questions/evidence_offsets", nq + 1, H5T_NATIVE_INT32, offsets.data()));
+  hsize_t ne = 0;
+  KVSIM_RETURN_IF_ERROR(Dataset1DLength(file, "/streaming/questions/evidence_frames", "int32 [E]", &ne));
+  std::vector<int32_t> ev(ne);
+  KVSIM_RETURN_IF_ERROR(
+      ReadIntegers(file, "/streaming/questions/evidence_frames", ne, H5T_NATIVE_INT32, ev.data()));
+  if (offsets[0] != 0 || offsets[nq] != static_cast<int32_t>(ne))
+    return Status::InvalidArgument(
+        "dataset '/streaming/questions/evidence_offsets' must start at 0 and end at the length of "
+        "'/streaming/questions/evidence_frames' (" +
+        std::to_string(ne) + ")");
+  for (hsize_t i = 0; i < nq; ++i) {
+    if (offsets[i + 1] < offsets[i])
+      return Status::InvalidArgument(
+          "dataset '/streaming/questions/evidence_offsets' must be non-decreasing");
+    StreamQuestion q;
+    q.time_s = times[i];
+    q.token_begin = begin[i];
+    q.num_question_tokens = nqt[i];
+    q.num_answer_tokens = nat[i];
+    q.evidence_frames.assign(ev.begin() + offsets[i], ev.begin() + offsets[i + 1]);
+    s.questions.push_back(std::move(q));
+  }
+  // frames_before is derived; FramesBefore needs non-decreasing times (Validate reports them otherwise).
+  if (std::is_sorted(s.frame_time_s.begin(), s.frame_time_s.end()))
+    for (StreamQuestion& q : s.questions) q.frames_before = FramesBefore(s, q.time_s);
+
+  if (LinkExists(file, "/streaming_blocks")) {
+    Hid bg(H5Gopen2(file, "/streaming_blocks", H5P_DEFAULT), H5Gclose);
+    if (!bg.ok()) return ReadError("group '/streaming_blocks'");
+    std::vector<double> gran;
+    KVSIM_RETURN_IF_ERROR(ReadObjAttrNumbers(bg, "/streaming_blocks", "granularities", false, &gran));
+    int init_len = 0;
+    KVSIM_RETURN_IF_ERROR(ReadObjScalar(bg, "/streaming_blocks", "init_len", &init_len));
+    if (init_len != s.init_len)
+      return Status::InvalidArgument("attribute 'init_len' of '/streaming_blocks' is " +
+                                     std::to_string(init_len) + " but '/streaming' says " +
+                                     std::to_string(s.init_len));
+    const int64_t video_len = static_cast<int64_t>(s.num_frames) * s.tokens_per_frame;
+    for (double gd : gran) {
+      BlockEncodingInfo b;
+      if (gd < 1 || gd > video_len)
+        return Status::InvalidArgument("attribute 'granularities' of '/streaming_blocks' holds " +
+                                       std::to_string(static_cast<long long>(gd)) + ", outside [1, " +
+                                       std::to_string(video_len) + "] (the video's token count)");
+      b.granularity = static_cast<int>(gd);
+      const std::string gname = BlockGroupName(b.granularity);
+      if (!LinkExists(file, gname))
+        return Status::InvalidArgument("missing group '" + gname +
+                                       "' listed in '/streaming_blocks' granularities");
+      Hid gg(H5Gopen2(file, gname.c_str(), H5P_DEFAULT), H5Gclose);
+      if (!gg.ok()) return ReadError("group '" + gname + "'");
+      KVSIM_RETURN_IF_ERROR(ReadObjScalar(gg, gname, "num_blocks", &b.num_blocks));
+      if (b.num_blocks < 0 || static_cast<int64_t>(b.num_blocks) * b.granularity > video_len)
+        return Status::InvalidArgument("attribute 'num_blocks' of '" + gname + "' is " +
+                                       std::to_string(b.num_blocks) + ", expected floor(" +
+                                       std::to_string(video_len) + " / G)");
+      const hsize_t bgn = static_cast<hsize_t>(b.num_blocks) * b.granularity;
+      b.token_positions.resize(bgn);
+      KVSIM_RETURN_IF_ERROR(
+          ReadIntegers(file, gname + "/token_positions", bgn, H5T_NATIVE_INT32, b.token_positions.data()));
+      for (int l = 0; l < m->model.num_layers; ++l)
+        if (LinkExists(file, LayerName(gname.c_str(), l) + "/attention_received"))
+          b.attention_layers.push_back(l);
+      s.block_encodings.push_back(std::move(b));
+    }
+  }
+  m->stream = std::move(s);
+  return Status::Ok();
+}
+
 Status ReadMeta(hid_t file, TraceMeta* m) {
   std::string format, storage, query_mode;
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "format", &format));
@@ -330,6 +507,8 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
                                    " entries, more than T = " + std::to_string(t));
   m->query_positions.resize(tq);
   KVSIM_RETURN_IF_ERROR(ReadIntegers(file, qname, tq, H5T_NATIVE_INT32, m->query_positions.data()));
+  // Block encodings without /streaming (captured non-streaming traces) are an extension the reader ignores.
+  if (LinkExists(file, "/streaming")) KVSIM_RETURN_IF_ERROR(ReadStream(file, m));
 
   KVSIM_RETURN_IF_ERROR(m->Validate());
   const char* want_mode = tq == static_cast<hsize_t>(t) ? "all" : "window_and_decode";
@@ -414,6 +593,68 @@ Status WriteNamesAttr(hid_t file, const char* dataset, const char* names) {
   return Status::Ok();
 }
 
+// Writes /streaming and the /streaming_blocks skeleton (attrs and token positions; the per-layer tensors are
+// written by WriteLayer).
+Status WriteStream(hid_t file, const StreamInfo& s) {
+  Hid g(H5Gcreate2(file, "/streaming", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+  Hid qg(g.ok() ? H5Gcreate2(file, "/streaming/questions", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT) : -1,
+         H5Gclose);
+  if (!qg.ok()) return WriteError("group '/streaming'");
+  KVSIM_RETURN_IF_ERROR(WriteAttr(g, "fps", s.fps));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(g, "init_len", static_cast<long long>(s.init_len)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(g, "tokens_per_frame", static_cast<long long>(s.tokens_per_frame)));
+  KVSIM_RETURN_IF_ERROR(WriteAttr(g, "num_frames", static_cast<long long>(s.num_frames)));
+  KVSIM_RETURN_IF_ERROR(WriteDataset(g, "frame_time_s", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE,
+                                     {s.frame_time_s.size()}, s.frame_time_s.data()));
+  const size_t nq = s.questions.size();
+  std::vector<double> times(nq);
+  std::vector<int32_t> begin(nq), nqt(nq), nat(nq), offsets(nq + 1, 0), ev;
+  for (size_t i = 0; i < nq; ++i) {
+    const StreamQuestion& q = s.questions[i];
+    times[i] = q.time_s;
+    begin[i] = q.token_begin;
+    nqt[i] = q.num_question_tokens;
+    nat[i] = q.num_answer_tokens;
+    ev.insert(ev.end(), q.evidence_frames.begin(), q.evidence_frames.end());
+    offsets[i + 1] = static_cast<int32_t>(ev.size());
+  }
+  KVSIM_RETURN_IF_ERROR(WriteDataset(qg, "time_s", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, {nq}, times.data()));
+  KVSIM_RETURN_IF_ERROR(WriteDataset(qg, "token_begin", H5T_STD_I32LE, H5T_NATIVE_INT32, {nq}, begin.data()));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(qg, "num_question_tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, {nq}, nqt.data()));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(qg, "num_answer_tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, {nq}, nat.data()));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(qg, "evidence_offsets", H5T_STD_I32LE, H5T_NATIVE_INT32, {nq + 1}, offsets.data()));
+  KVSIM_RETURN_IF_ERROR(
+      WriteDataset(qg, "evidence_frames", H5T_STD_I32LE, H5T_NATIVE_INT32, {ev.size()}, ev.data()));
+  if (s.block_encodings.empty()) return Status::Ok();
+  Hid bg(H5Gcreate2(file, "/streaming_blocks", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+  if (!bg.ok()) return WriteError("group '/streaming_blocks'");
+  KVSIM_RETURN_IF_ERROR(WriteAttr(bg, "init_len", static_cast<long long>(s.init_len)));
+  std::vector<long long> gran;
+  for (const BlockEncodingInfo& b : s.block_encodings) gran.push_back(b.granularity);
+  {
+    const hsize_t n = gran.size();
+    Hid space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+    Hid attr(
+        space.ok() ? H5Acreate2(bg, "granularities", H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT) : -1,
+        H5Aclose);
+    if (!attr.ok() || H5Awrite(attr, H5T_NATIVE_LLONG, gran.data()) < 0)
+      return WriteError("attribute 'granularities' of '/streaming_blocks'");
+  }
+  for (const BlockEncodingInfo& b : s.block_encodings) {
+    const std::string name = BlockGroupName(b.granularity);
+    Hid gg(H5Gcreate2(file, name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    if (!gg.ok()) return WriteError("group '" + name + "'");
+    KVSIM_RETURN_IF_ERROR(WriteAttr(gg, "granularity", static_cast<long long>(b.granularity)));
+    KVSIM_RETURN_IF_ERROR(WriteAttr(gg, "num_blocks", static_cast<long long>(b.num_blocks)));
+    KVSIM_RETURN_IF_ERROR(WriteDataset(gg, "token_positions", H5T_STD_I32LE, H5T_NATIVE_INT32,
+                                       {b.token_positions.size()}, b.token_positions.data()));
+  }
+  return Status::Ok();
+}
+
 Status WriteMeta(hid_t file, const TraceMeta& m) {
   const ModelInfo& mi = m.model;
   const TokenTable& tk = m.tokens;
@@ -478,8 +719,9 @@ Status WriteMeta(hid_t file, const TraceMeta& m) {
     if (!type.ok()) return WriteError("dataset '/tokens/text'");
     KVSIM_RETURN_IF_ERROR(WriteDataset(file, "/tokens/text", type, type, {t}, ptrs.data()));
   }
-  return WriteDataset(file, "/queries/positions", H5T_STD_I32LE, H5T_NATIVE_INT32, {m.query_positions.size()},
-                      m.query_positions.data());
+  KVSIM_RETURN_IF_ERROR(WriteDataset(file, "/queries/positions", H5T_STD_I32LE, H5T_NATIVE_INT32,
+                                     {m.query_positions.size()}, m.query_positions.data()));
+  return m.stream ? WriteStream(file, *m.stream) : Status::Ok();
 }
 
 }  // namespace
@@ -542,6 +784,34 @@ Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out) {
                     StorageDtype::kFloat32, &scratch_, &out->prefill_column_sums);
   if (!st.ok()) return st.WithContext(path_);
   return ValidateLayer(meta_, *out, path_);
+}
+
+Status Hdf5TraceReader::ReadBlockLayer(int granularity, int layer, BlockLayerData* out) {
+  SilenceHdf5Errors();
+  const BlockEncodingInfo* info = meta_.is_streaming() ? meta_.stream->FindBlocks(granularity) : nullptr;
+  if (!info) return TraceSource::ReadBlockLayer(granularity, layer, out);
+  const ModelInfo& mi = meta_.model;
+  if (layer < 0 || layer >= mi.num_layers)
+    return Status::NotFound(path_ + ": layer " + std::to_string(layer) + " not in [0, " +
+                            std::to_string(mi.num_layers) + ")");
+  const hsize_t kvh = mi.num_kv_heads, h = mi.num_heads, d = mi.head_dim,
+                bg = static_cast<hsize_t>(info->num_blocks) * info->granularity;
+  const std::string kv_desc = "[num_kv_heads=" + std::to_string(kvh) + ", B*G=" + std::to_string(bg) +
+                              ", head_dim=" + std::to_string(d) + "]";
+  const std::string group = LayerName(BlockGroupName(granularity).c_str(), layer);
+  out->granularity = granularity;
+  Status st =
+      ReadFloats(file_, group + "/keys", {kvh, bg, d}, kv_desc, meta_.storage_dtype, &scratch_, &out->keys);
+  if (st.ok())
+    st = ReadFloats(file_, group + "/values", {kvh, bg, d}, kv_desc, meta_.storage_dtype, &scratch_,
+                    &out->values);
+  out->attention_received.clear();
+  if (st.ok() && std::binary_search(info->attention_layers.begin(), info->attention_layers.end(), layer))
+    st = ReadFloats(file_, group + "/attention_received", {h, bg},
+                    "[num_heads=" + std::to_string(h) + ", B*G=" + std::to_string(bg) + "]",
+                    StorageDtype::kFloat32, &scratch_, &out->attention_received);
+  if (!st.ok()) return st.WithContext(path_);
+  return ValidateBlockLayer(meta_, layer, *out, path_);
 }
 
 StatusOr<bool> Hdf5TraceReader::ReadRecordedDecodeRows(int layer, std::vector<float>* out) {
@@ -611,6 +881,7 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
                                    std::to_string(mi.num_layers - 1) + "; expected layer " +
                                    std::to_string(next_layer_) + ", got " + std::to_string(layer.layer));
   KVSIM_RETURN_IF_ERROR(ValidateLayer(meta_, layer, path_));
+  KVSIM_RETURN_IF_ERROR(ValidateLayerBlocks(meta_, layer, path_));
   if (layer.prefill_column_sums.empty() == meta_.has_prefill_column_sums)
     return Status::InvalidArgument(
         path_ + ": layer " + std::to_string(layer.layer) +
@@ -621,21 +892,28 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
   const hsize_t kvh = mi.num_kv_heads, h = mi.num_heads, d = mi.head_dim, t = meta_.total_tokens(),
                 tq = meta_.query_positions.size();
   const bool half = meta_.storage_dtype == StorageDtype::kFloat16;
-  if (half)  // checked before anything of this layer is written
-    for (const auto& [name, v] :
-         {std::pair{"keys", &layer.keys}, {"values", &layer.values}, {"queries", &layer.queries}})
+  if (half) {  // checked before anything of this layer is written
+    std::vector<std::pair<std::string, const std::vector<float>*>> tensors = {
+        {"keys", &layer.keys}, {"values", &layer.values}, {"queries", &layer.queries}};
+    for (const BlockLayerData& b : layer.blocks) {
+      tensors.emplace_back("g" + std::to_string(b.granularity) + " block keys", &b.keys);
+      tensors.emplace_back("g" + std::to_string(b.granularity) + " block values", &b.values);
+    }
+    for (const auto& [name, v] : tensors)
       if (const int64_t i = FirstBeyondHalf(*v); i >= 0)
         return Status::InvalidArgument(path_ + ": layer " + std::to_string(layer.layer) + " dataset '" +
                                        name + "' holds " + std::to_string((*v)[i]) + " at flat index " +
                                        std::to_string(i) +
                                        ", beyond the float16 range (+-65504); use storage_dtype float32");
+  }
   Hid half_type = HalfType();
   const std::string group = LayerName("/layers", layer.layer);
   Hid g(half_type.ok() ? H5Gcreate2(file_, group.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT) : -1,
         H5Gclose);
   if (!g.ok()) return WriteError("group '" + group + "'").WithContext(path_);
 
-  auto write_tensor = [&](const char* name, hsize_t heads, hsize_t rows, const std::vector<float>& data) {
+  auto write_tensor_in = [&](hid_t loc, const std::string& group, const char* name, hsize_t heads,
+                             hsize_t rows, const std::vector<float>& data) {
     const hsize_t chunk[3] = {1, std::min<hsize_t>(rows, options_.chunk_tokens), d};
     Hid dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
     bool ok =
@@ -649,8 +927,11 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
       FloatToHalf(data.data(), scratch_.data(), data.size());
       buf = scratch_.data();
     }
-    return WriteDataset(g, name, half ? half_type : H5T_IEEE_F32LE, half ? half_type : H5T_NATIVE_FLOAT,
+    return WriteDataset(loc, name, half ? half_type : H5T_IEEE_F32LE, half ? half_type : H5T_NATIVE_FLOAT,
                         {heads, rows, d}, buf, dcpl);
+  };
+  auto write_tensor = [&](const char* name, hsize_t heads, hsize_t rows, const std::vector<float>& data) {
+    return write_tensor_in(g, group, name, heads, rows, data);
   };
   Status st = write_tensor("keys", kvh, t, layer.keys);
   if (st.ok()) st = write_tensor("values", kvh, t, layer.values);
@@ -662,6 +943,21 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
              ? WriteDataset(ag, "prefill_column_sums", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT,
                             {h, static_cast<hsize_t>(meta_.prefill_length)}, layer.prefill_column_sums.data())
              : WriteError("group '" + agg + "'");
+  }
+  for (size_t i = 0; st.ok() && i < layer.blocks.size(); ++i) {
+    const BlockLayerData& b = layer.blocks[i];
+    const hsize_t bgn = static_cast<hsize_t>(meta_.stream->block_encodings[i].num_blocks) * b.granularity;
+    const std::string bgroup = LayerName(BlockGroupName(b.granularity).c_str(), layer.layer);
+    Hid lg(H5Gcreate2(file_, bgroup.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    if (!lg.ok()) {
+      st = WriteError("group '" + bgroup + "'");
+      break;
+    }
+    st = write_tensor_in(lg, bgroup, "keys", kvh, bgn, b.keys);
+    if (st.ok()) st = write_tensor_in(lg, bgroup, "values", kvh, bgn, b.values);
+    if (st.ok() && !b.attention_received.empty())
+      st = WriteDataset(lg, "attention_received", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, {h, bgn},
+                        b.attention_received.data());
   }
   if (!st.ok()) return st.WithContext(path_);
   ++next_layer_;

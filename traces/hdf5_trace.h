@@ -25,6 +25,8 @@ class Hdf5TraceReader final : public TraceSource {
   Status ReadLayer(int layer, LayerData* out) override;
   std::string Describe() const override { return path_; }
   StatusOr<bool> ReadRecordedDecodeRows(int layer, std::vector<float>* out) override;
+  // Streaming traces: /streaming_blocks/gG/layer_XXX (fp16 converted to fp32), validated.
+  Status ReadBlockLayer(int granularity, int layer, BlockLayerData* out) override;
 
  private:
   Hdf5TraceReader() = default;

@@ -19,6 +19,8 @@
 #include "sim/version.h"
 #include "traces/half.h"
 #include "traces/rope.h"
+#include "traces/synth_rng.h"
+#include "traces/synth_streaming.h"
 
 namespace kvsim {
 namespace {
@@ -112,6 +114,10 @@ constexpr Range kProfileRanges[] = {
 };
 
 std::optional<ConfigIssue> CheckConfig(const SynthConfig& c) {
+  if (c.has_streaming()) {  // streaming traces: their own generator and checks (traces/synth_streaming.h)
+    if (auto issue = CheckStreamingConfig(c)) return ConfigIssue{FieldPath{issue->path}, issue->message};
+    return std::nullopt;
+  }
   const synth::ModelShape& m = c.model();
   if (m.num_layers() < 1) return Issue(Path("model", "num_layers"), "must be >= 1");
   if (m.num_heads() < 1) return Issue(Path("model", "num_heads"), "must be >= 1");
@@ -349,47 +355,7 @@ enum class Purpose : uint64_t {
   kQueryNoise,
 };
 
-constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
-
-inline uint64_t Mix64(uint64_t z) {  // splitmix64 finaliser
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-class Rng {
- public:
-  Rng(uint64_t seed, Purpose purpose, uint64_t a = 0, uint64_t b = 0, uint64_t c = 0) {
-    uint64_t h = Mix64(seed ^ kGolden);
-    for (uint64_t key : {static_cast<uint64_t>(purpose), a, b, c}) h = Mix64(h + kGolden * (key + 1));
-    state_ = h;
-  }
-  uint64_t Next() { return Mix64(state_ += kGolden); }
-  double Uniform() { return static_cast<double>(Next() >> 11) * 0x1p-53; }  // [0, 1)
-  // Standard normal, Marsaglia's polar method (pairs; no trigonometry).
-  float Normal() {
-    if (has_spare_) {
-      has_spare_ = false;
-      return spare_;
-    }
-    float u, v, s;
-    do {
-      const uint64_t r = Next();
-      u = static_cast<float>(static_cast<int32_t>(r)) * 0x1p-31f;
-      v = static_cast<float>(static_cast<int32_t>(r >> 32)) * 0x1p-31f;
-      s = u * u + v * v;
-    } while (s >= 1.0f || s == 0.0f);
-    const float f = std::sqrt(-2.0f * std::log(s) / s);
-    spare_ = v * f;
-    has_spare_ = true;
-    return u * f;
-  }
-
- private:
-  uint64_t state_;
-  float spare_ = 0;
-  bool has_spare_ = false;
-};
+using synth_rng::Rng;
 
 // Smooth Gaussian random fields on the patch grids of every visual span, `dims` channels each, unit variance,
 // with correlation exp(-|dx|^2 / (2 length^2)) between patches: random Fourier features,
@@ -860,6 +826,7 @@ StatusOr<synth::SynthConfig> LoadSynthConfig(const std::string& path) {
 
 StatusOr<TraceMeta> BuildSynthMeta(const synth::SynthConfig& config) {
   if (auto issue = CheckConfig(config)) return IssueStatus(*issue, "synth config", "");
+  if (config.has_streaming()) return BuildStreamingSynthMeta(config);
   TraceMeta meta = BuildLayout(config).meta;
   KVSIM_RETURN_IF_ERROR(meta.Validate().WithContext("synth config produced invalid trace metadata"));
   return meta;
@@ -867,6 +834,7 @@ StatusOr<TraceMeta> BuildSynthMeta(const synth::SynthConfig& config) {
 
 Status Synthesize(const synth::SynthConfig& config, TraceSink* sink, int threads) {
   if (auto issue = CheckConfig(config)) return IssueStatus(*issue, "synth config", "");
+  if (config.has_streaming()) return SynthesizeStreaming(config, sink, threads);
   TokenLayout layout = BuildLayout(config);
   KVSIM_RETURN_IF_ERROR(layout.meta.Validate().WithContext("synth config produced invalid trace metadata"));
   KVSIM_RETURN_IF_ERROR(sink->Begin(layout.meta));

@@ -13,6 +13,7 @@
 
 #include "tests/test_util.h"
 #include "traces/half.h"
+#include "traces/synth.h"
 
 namespace kvsim {
 namespace {
@@ -370,6 +371,178 @@ TEST_CASE("scripts/read_trace_example.py reads a trace with h5py", "[hdf5]") {
   char want[64];
   std::snprintf(want, sizeof want, "first key %.6f", HalfToFloat(FloatToHalf(ld.keys[0])));
   CHECK(out.find(want) != std::string::npos);
+}
+
+namespace {
+// The shipped tiny streaming config, synthesized in memory with the given storage dtype.
+MemoryTrace TinyStream(const std::string& dtype, bool video_queries = true) {
+  auto config = LoadSynthConfig(testing::SourceDir() + "/configs/synth/streaming_tiny.textproto");
+  REQUIRE(config.ok());
+  config->mutable_storage()->set_dtype(dtype);
+  config->mutable_streaming()->set_store_video_queries(video_queries);
+  MemoryTrace tr;
+  Status st = Synthesize(*config, &tr, 2);
+  INFO(st.message());
+  REQUIRE(st.ok());
+  return tr;
+}
+
+void CheckStreamEqual(const StreamInfo& a, const StreamInfo& b) {
+  CHECK(a.fps == b.fps);
+  CHECK(a.init_len == b.init_len);
+  CHECK(a.tokens_per_frame == b.tokens_per_frame);
+  CHECK(a.num_frames == b.num_frames);
+  CHECK(a.frame_time_s == b.frame_time_s);
+  REQUIRE(a.questions.size() == b.questions.size());
+  for (size_t i = 0; i < a.questions.size(); ++i) {
+    CHECK(a.questions[i].time_s == b.questions[i].time_s);
+    CHECK(a.questions[i].token_begin == b.questions[i].token_begin);
+    CHECK(a.questions[i].num_question_tokens == b.questions[i].num_question_tokens);
+    CHECK(a.questions[i].num_answer_tokens == b.questions[i].num_answer_tokens);
+    CHECK(a.questions[i].frames_before == b.questions[i].frames_before);
+    CHECK(a.questions[i].evidence_frames == b.questions[i].evidence_frames);
+  }
+  REQUIRE(a.block_encodings.size() == b.block_encodings.size());
+  for (size_t i = 0; i < a.block_encodings.size(); ++i) {
+    CHECK(a.block_encodings[i].granularity == b.block_encodings[i].granularity);
+    CHECK(a.block_encodings[i].num_blocks == b.block_encodings[i].num_blocks);
+    CHECK(a.block_encodings[i].token_positions == b.block_encodings[i].token_positions);
+    CHECK(a.block_encodings[i].attention_layers == b.block_encodings[i].attention_layers);
+  }
+}
+
+void SetDoubles(hid_t file, const char* name, const std::vector<double>& v) {
+  hid_t ds = H5Dopen2(file, name, H5P_DEFAULT);
+  REQUIRE(ds >= 0);
+  REQUIRE(H5Dwrite(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0);
+  H5Dclose(ds);
+}
+void SetInts(hid_t file, const char* name, const std::vector<int32_t>& v) {
+  hid_t ds = H5Dopen2(file, name, H5P_DEFAULT);
+  REQUIRE(ds >= 0);
+  REQUIRE(H5Dwrite(ds, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0);
+  H5Dclose(ds);
+}
+}  // namespace
+
+TEST_CASE("hdf5 trace: streaming traces round-trip with their block encodings", "[hdf5][streaming]") {
+  const std::string dir = testing::ScratchDir("hdf5_streaming");
+  for (const char* dtype : {"float16", "float32"}) {
+    for (bool video_queries : {true, false}) {
+      INFO(dtype << " video_queries " << video_queries);
+      MemoryTrace tr = TinyStream(dtype, video_queries);
+      const std::string path = dir + "/" + dtype + (video_queries ? "_vq" : "") + ".h5";
+      RoundTrip(tr, path, Hdf5WriteOptions{.compression_level = video_queries ? 0 : 3, .chunk_tokens = 64});
+      auto r = Hdf5TraceReader::Open(path);
+      REQUIRE(r.ok());
+      const TraceMeta& m = (*r)->meta();
+      REQUIRE(m.is_streaming());
+      CheckStreamEqual(*m.stream, *tr.meta().stream);
+      CHECK(m.stream->block_encodings.back().attention_layers.size() ==
+            (video_queries ? static_cast<size_t>(m.model.num_layers) : 1u));
+      for (size_t gi = 0; gi < m.stream->block_encodings.size(); ++gi) {
+        const int g = m.stream->block_encodings[gi].granularity;
+        for (int l = 0; l < m.model.num_layers; ++l) {
+          BlockLayerData got;
+          Status st = (*r)->ReadBlockLayer(g, l, &got);
+          INFO(st.message());
+          REQUIRE(st.ok());
+          const BlockLayerData& want = tr.layers()[l].blocks[gi];
+          CHECK(got.granularity == g);
+          CHECK(got.keys == want.keys);  // the generator already rounds to the storage dtype
+          CHECK(got.values == want.values);
+          CHECK(got.attention_received == want.attention_received);  // float32 in the file
+        }
+      }
+      BlockLayerData b;
+      Status st = (*r)->ReadBlockLayer(5, 0, &b);
+      CHECK(Contains(st, path + ": trace has no block encodings for granularity 5"));
+    }
+  }
+}
+
+TEST_CASE("hdf5 trace: bad streaming groups give one-line errors", "[hdf5][streaming]") {
+  const std::string dir = testing::ScratchDir("hdf5_streaming_errors");
+  const std::string path = dir + "/t.h5";
+  MemoryTrace tr = TinyStream("float16", false);
+  REQUIRE(WriteTrace(tr, path).ok());
+  const StreamInfo& s = *tr.meta().stream;
+  auto open_error = [&]() {
+    Status st = Hdf5TraceReader::Open(path).status();
+    INFO(st.message());
+    CHECK_FALSE(st.ok());
+    CHECK(st.message().find('\n') == std::string::npos);
+    CHECK(Contains(st, path + ": "));
+    return st;
+  };
+  SECTION("questions out of order") {
+    {
+      RawFile f(path);
+      std::vector<double> t;
+      for (const StreamQuestion& q : s.questions) t.push_back(q.time_s);
+      std::swap(t[0], t[1]);
+      SetDoubles(f.id, "/streaming/questions/time_s", t);
+    }
+    CHECK(Contains(open_error(), "streaming/questions/time_s"));
+  }
+  SECTION("evidence frame after the question") {
+    {
+      RawFile f(path);
+      std::vector<int32_t> ev;
+      for (const StreamQuestion& q : s.questions)
+        ev.insert(ev.end(), q.evidence_frames.begin(), q.evidence_frames.end());
+      ev[0] = s.questions[0].frames_before;  // arrives after question 0
+      SetInts(f.id, "/streaming/questions/evidence_frames", ev);
+    }
+    CHECK(Contains(open_error(), "streaming/questions/evidence_frames"));
+  }
+  SECTION("missing last-layer attention_received") {
+    {
+      RawFile f(path);
+      REQUIRE(H5Ldelete(f.id, "/streaming_blocks/g16/layer_003/attention_received", H5P_DEFAULT) >= 0);
+    }
+    Status st = open_error();
+    CHECK(Contains(st, "streaming_blocks/attention_layers"));
+    CHECK(Contains(st, "last layer"));
+  }
+  SECTION("missing block keys") {
+    {
+      RawFile f(path);
+      REQUIRE(H5Ldelete(f.id, "/streaming_blocks/g4/layer_001/keys", H5P_DEFAULT) >= 0);
+    }
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE(r.ok());
+    BlockLayerData b;
+    Status st = (*r)->ReadBlockLayer(4, 1, &b);
+    CHECK(Contains(st, "missing dataset '/streaming_blocks/g4/layer_001/keys'"));
+    CHECK((*r)->ReadBlockLayer(4, 2, &b).ok());
+  }
+  SECTION("bad evidence offsets") {
+    {
+      RawFile f(path);
+      std::vector<int32_t> off(s.questions.size() + 1, 0);
+      SetInts(f.id, "/streaming/questions/evidence_offsets", off);
+    }
+    CHECK(Contains(open_error(), "evidence_offsets"));
+  }
+}
+
+TEST_CASE("hdf5 trace: /streaming_blocks without /streaming stays a plain trace", "[hdf5][streaming]") {
+  const std::string dir = testing::ScratchDir("hdf5_blocks_only");
+  const std::string path = dir + "/t.h5";
+  MemoryTrace tr = testing::MakeTinyTrace();
+  REQUIRE(WriteTrace(tr, path).ok());
+  {
+    RawFile f(path);
+    hid_t g = H5Gcreate2(f.id, "/streaming_blocks", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    REQUIRE(g >= 0);
+    H5Gclose(g);
+  }
+  auto r = Hdf5TraceReader::Open(path);
+  REQUIRE(r.ok());
+  CHECK_FALSE((*r)->meta().is_streaming());
+  BlockLayerData b;
+  CHECK(Contains((*r)->ReadBlockLayer(4, 0, &b), "not a streaming trace"));
 }
 
 }  // namespace kvsim
