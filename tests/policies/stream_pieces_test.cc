@@ -85,16 +85,22 @@ TEST_CASE("stream_pieces: FuseSignals = alpha * minmax(att) + (1 - alpha) * minm
   CheckNear(FuseSignals(att, freq, 0.8), {0.2, 0.4, 0.8});  // .8*[0,.5,1] + .2*[1,0,0]
 }
 
-TEST_CASE("stream_pieces: TopKIndices ties (lower index first) and TopKSorted", "[stream_pieces]") {
+TEST_CASE("stream_pieces: TopKSorted ties (lower index first), returned ascending", "[stream_pieces]") {
+  // (The descending-order helper is not named here: HEAD's TopKIndices clashes with sim/select.h's TopKIndices
+  // and is being renamed; TopKSorted is the stable entry point and what MuKV and ReKV use.)
   const std::vector<float> s{0.5f, 0.9f, 0.5f, 0.9f, 0.1f};
-  CHECK(TopKIndices(s, 3) == std::vector<int32_t>{1, 3, 0});  // .9 (1), .9 (3), then .5 at 0 before 2
-  CHECK(TopKSorted(s, 3) == std::vector<int32_t>{0, 1, 3});
-  CHECK(TopKIndices(s, 1) == std::vector<int32_t>{1});
-  CHECK(TopKIndices(s, 0).empty());
-  CHECK(TopKIndices(s, 9) == std::vector<int32_t>{1, 3, 0, 2, 4});  // clamped to the size
-  CHECK(TopKSorted(s, 9) == std::vector<int32_t>{0, 1, 2, 3, 4});
+  CHECK(TopKSorted(s, 3) == std::vector<int32_t>{0, 1, 3});  // .9 (1), .9 (3), then .5 at 0 before 2
+  CHECK(TopKSorted(s, 2) == std::vector<int32_t>{1, 3});
+  CHECK(TopKSorted(s, 1) == std::vector<int32_t>{1});        // .9 tie: index 1 before 3
+  CHECK(TopKSorted(s, 0).empty());
+  CHECK(TopKSorted(s, 9) == std::vector<int32_t>{0, 1, 2, 3, 4});  // clamped to the size
+  CHECK(TopKSorted(s, -1).empty());
   const std::vector<float> same{2, 2, 2, 2};
-  CHECK(TopKIndices(same, 2) == std::vector<int32_t>{0, 1});
+  CHECK(TopKSorted(same, 2) == std::vector<int32_t>{0, 1});
+  const std::vector<float> desc{5, 4, 3, 2, 1};
+  CHECK(TopKSorted(desc, 3) == std::vector<int32_t>{0, 1, 2});
+  const std::vector<float> asc{1, 2, 3, 4, 5};
+  CHECK(TopKSorted(asc, 3) == std::vector<int32_t>{2, 3, 4});
 }
 
 TEST_CASE("stream_pieces: MeanRows (representative vector of the kept rows)", "[stream_pieces]") {
