@@ -4,6 +4,8 @@
 #include <cmath>
 #include <numeric>
 
+#include "sim/select.h"
+
 namespace kvsim {
 
 void MinMaxNormalize(std::span<float> x) {
@@ -72,7 +74,7 @@ std::vector<float> FuseSignals(std::span<const float> att, std::span<const float
   return out;
 }
 
-std::vector<int32_t> TopKIndices(std::span<const float> scores, int k) {
+std::vector<int32_t> TopKByScore(std::span<const float> scores, int k) {
   std::vector<int32_t> idx(scores.size());
   std::iota(idx.begin(), idx.end(), 0);
   k = std::clamp(k, 0, static_cast<int>(idx.size()));
@@ -83,11 +85,7 @@ std::vector<int32_t> TopKIndices(std::span<const float> scores, int k) {
   return idx;
 }
 
-std::vector<int32_t> TopKSorted(std::span<const float> scores, int k) {
-  std::vector<int32_t> idx = TopKIndices(scores, k);
-  std::sort(idx.begin(), idx.end());
-  return idx;
-}
+std::vector<int32_t> TopKSorted(std::span<const float> scores, int k) { return TopKIndices(scores, k); }
 
 std::vector<float> MeanRows(const float* x, int dim, std::span<const int32_t> rows) {
   std::vector<double> acc(dim, 0.0);

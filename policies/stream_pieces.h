@@ -22,8 +22,8 @@ std::vector<float> FrequencySignalDiff(const float* keys, int n, int dim);
 std::vector<float> FuseSignals(std::span<const float> att, std::span<const float> freq, double alpha);
 
 // Indices of the k largest scores (ties: lower index first), returned in descending score order.
-std::vector<int32_t> TopKIndices(std::span<const float> scores, int k);
-// The same set, ascending by index (kept tokens keep their order in the block).
+std::vector<int32_t> TopKByScore(std::span<const float> scores, int k);
+// The same set, ascending by index (kept tokens keep their order in the block); = TopKIndices (sim/select.h).
 std::vector<int32_t> TopKSorted(std::span<const float> scores, int k);
 
 // Mean of the given rows of a [rows][dim] matrix.

@@ -556,7 +556,7 @@ StreamTimeline SimulateStreamTimeline(const TraceMeta& meta, const StreamPlan& p
     tl.cpu_at_answer[qi] = cpu;
     tl.gpu_at_answer[qi] = gpu;
     record("question");
-    const double attended = context_tokens.empty() ? 0 : context_tokens[qi];
+    const double attended = s.init_len + (context_tokens.empty() ? 0 : context_tokens[qi]);
     const int64_t prefill = dur_us(latency.PrefillDuration(q.num_question_tokens));
     int64_t steps = 0, first = 0;
     for (int a = 0; a < q.num_answer_tokens; ++a) {
@@ -708,10 +708,7 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
   for (RunState& st : states) {
     std::vector<double> ctx_tokens(nq, 0);
     for (int q = 0; q < nq; ++q)
-      ctx_tokens[q] = st.acc[q].layers
-                          ? (st.acc[q].context_tokens / st.acc[q].layers) -
-                                s.questions[q].num_question_tokens - s.questions[q].num_answer_tokens
-                          : 0;
+      ctx_tokens[q] = st.acc[q].layers ? st.acc[q].visual_tokens / st.acc[q].layers : 0;
     const StreamTimeline tl = SimulateStreamTimeline(meta, *st.plan, ctx_tokens, latency);
     StreamRunResult r;
     r.set_policy(st.spec->policy->name());

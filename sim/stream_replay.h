@@ -66,8 +66,8 @@ struct StreamTimeline {
   double encode_busy_s = 0, encode_lag_max_s = 0;
 };
 
-// Simulates frames, jobs and questions of one plan. `context_tokens[q]` is the mean GPU context (init +
-// retrieved + question) of question q, used for its step durations and memory.
+// Simulates frames, jobs and questions of one plan. `context_tokens[q]` is the mean number of retrieved
+// tokens of question q (over layers), used for its step durations and GPU memory.
 StreamTimeline SimulateStreamTimeline(const TraceMeta& meta, const StreamPlan& plan,
                                       std::span<const double> context_tokens, const LatencyModel& latency);
 
