@@ -179,9 +179,9 @@ std::string StreamQuestionsCsv(const std::vector<StreamRunResult>& runs) {
       RunPrefix(r, os);
       os << ',' << q.question() << ',' << Num(q.time_s()) << ',' << q.frames_before();
       QuestionColumns(q, os);
-      std::map<std::string, double> stats(q.policy_stats().begin(), q.policy_stats().end());
       std::string s;
-      for (const auto& [k, v] : stats) s += (s.empty() ? "" : ";") + k + "=" + Num(v);
+      for (const StreamStat& x : q.policy_stats())
+        s += (s.empty() ? "" : ";") + x.name() + "=" + Num(x.value());
       os << ',' << CsvField(s) << '\n';
     }
   return os.str();
@@ -226,9 +226,8 @@ std::string StreamSummaryMarkdown(const std::vector<StreamRunResult>& runs, cons
     os << "\nPolicy statistics (means over questions):\n\n";
     for (const StreamRunResult& r : runs) {
       if (r.policy_stats_size() == 0) continue;
-      std::map<std::string, double> stats(r.policy_stats().begin(), r.policy_stats().end());
       os << "- " << r.label() << " @ " << r.budget_tokens() << ":";
-      for (const auto& [k, v] : stats) os << " " << k << " " << Num(v, 4) << ";";
+      for (const StreamStat& x : r.policy_stats()) os << " " << x.name() << " " << Num(x.value(), 4) << ";";
       os << "\n";
     }
   }

@@ -36,6 +36,12 @@ std::vector<VideoBlock> CutVideoBlocks(const StreamInfo& s, int g) {
   return out;
 }
 
+double FindStreamStat(const google::protobuf::RepeatedPtrField<StreamStat>& stats, const std::string& name) {
+  for (const StreamStat& s : stats)
+    if (s.name() == name) return s.value();
+  return std::nan("");
+}
+
 namespace {
 
 constexpr double kUsPerSecond = 1e6;
@@ -753,8 +759,10 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
       qr->set_gpu_bytes_at_answer(tl.gpu_at_answer[qi]);
       qr->set_cpu_bank_bytes_at_answer(tl.cpu_at_answer[qi]);
       if (qi < static_cast<int>(st.plan->question_stats.size()))
-        for (const auto& [k, v] : st.plan->question_stats[qi]) {
-          (*qr->mutable_policy_stats())[k] = v;
+        for (const auto& [k, v] : st.plan->question_stats[qi]) {  // std::map: ordered by name
+          StreamStat* ps = qr->add_policy_stats();
+          ps->set_name(k);
+          ps->set_value(v);
           stat_sums[k] += v;
         }
       // Means.
@@ -797,7 +805,11 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
     mean.set_evidence_frame_recall(ev_n > 0 ? mean.evidence_frame_recall() / ev_n : -1);
     mean.set_evidence_token_recall(ev_n > 0 ? mean.evidence_token_recall() / ev_n : -1);
     *r.mutable_mean() = mean;
-    for (const auto& [k, v] : stat_sums) (*r.mutable_policy_stats())[k] = v / std::max(1, nq);
+    for (const auto& [k, v] : stat_sums) {
+      StreamStat* ps = r.add_policy_stats();
+      ps->set_name(k);
+      ps->set_value(v / std::max(1, nq));
+    }
     for (const MemoryPoint& p : tl.memory) *r.add_memory() = p;
     double bank_tokens = 0;
     for (const BankBlock& b : st.plan->bank) bank_tokens += b.kept.size();

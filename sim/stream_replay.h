@@ -44,6 +44,9 @@ Status CheckStreamRuns(const TraceMeta& meta, std::span<const StreamRunSpec> run
 StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::span<const StreamRunSpec> runs,
                                                     const StreamReplayOptions& options);
 
+// A policy statistic by name from a result's list (NaN when absent).
+double FindStreamStat(const google::protobuf::RepeatedPtrField<StreamStat>& stats, const std::string& name);
+
 // ---- Pieces exposed for tests ----
 
 // Blocks of `granularity` tokens cut from the video token stream (the tail shorter than G is dropped):

@@ -5,6 +5,7 @@
 #include <google/protobuf/text_format.h>
 
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 namespace kvsim {
@@ -65,8 +66,31 @@ Status SetFieldFromString(const std::string& assignment, google::protobuf::Messa
     return Status::InvalidArgument("--set '" + assignment + "': " + desc->name() + " has no parameter '" +
                                    key + "' (parameters: " + (names.empty() ? "none" : names) + ")");
   }
-  if (field->is_repeated() || field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE)
+  if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE)
     return Status::InvalidArgument("--set '" + assignment + "': '" + key + "' is not a scalar parameter");
+  if (field->is_repeated()) {
+    // A list replaces the whole field: "key=1,2,3" or "key=[1, 2, 3]".
+    std::string list = value;
+    if (!list.empty() && list.front() == '[') list.erase(0, 1);
+    if (!list.empty() && list.back() == ']') list.pop_back();
+    std::unique_ptr<google::protobuf::Message> scratch(target->New());
+    std::string text;
+    std::stringstream items(list);
+    for (std::string item; std::getline(items, item, ',');) {
+      if (item.find_first_not_of(" \t") == std::string::npos) continue;
+      if (field->type() == google::protobuf::FieldDescriptor::TYPE_STRING &&
+          item.find('"') == std::string::npos)
+        item = "\"" + item + "\"";
+      text += key + ": " + item + " ";
+    }
+    if (!google::protobuf::TextFormat::MergeFromString(text, scratch.get()))
+      return Status::InvalidArgument("--set '" + assignment + "': '" + value +
+                                     "' is not a comma-separated list of " + field->type_name() + " for '" +
+                                     key + "'");
+    target->GetReflection()->ClearField(target, field);
+    target->MergeFrom(*scratch);
+    return Status::Ok();
+  }
   std::string literal = value;
   if (field->type() == google::protobuf::FieldDescriptor::TYPE_STRING && (value.empty() || value[0] != '"'))
     literal = "\"" + value + "\"";

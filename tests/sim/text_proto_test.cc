@@ -153,3 +153,22 @@ TEST_CASE("ToTextWithDefaults prints unset proto2 fields with their defaults, on
 }
 
 }  // namespace kvsim
+
+namespace kvsim {
+TEST_CASE("SetFieldFromString: a repeated field takes a comma-separated list that replaces it",
+          "[text_proto]") {
+  policy::MuKVParams p;
+  REQUIRE(SetFieldFromString("granularities=4,16,64", &p).ok());
+  REQUIRE(p.granularities_size() == 3);
+  CHECK(p.granularities(2) == 64);
+  REQUIRE(SetFieldFromString("keep_ratios=[0.5, 0.25]", &p).ok());
+  CHECK(p.keep_ratios_size() == 2);
+  CHECK(p.keep_ratios(1) == 0.25);
+  REQUIRE(SetFieldFromString("granularities=8", &p).ok());  // replaces, does not append
+  CHECK(p.granularities_size() == 1);
+  const Status bad = SetFieldFromString("granularities=4,x", &p);
+  CHECK_FALSE(bad.ok());
+  CHECK(bad.message().find("comma-separated list") != std::string::npos);
+  CHECK(p.granularities_size() == 1);  // unchanged on error
+}
+}  // namespace kvsim
