@@ -35,9 +35,9 @@ Status CreateStatus(std::vector<std::string> sets) {
 }
 
 // ---- Hand-made block encodings ----
-// 4 frames of 196 tokens (init 4): blocks of 49 (16), 196 (4) and 784 (1). Every token of a block has the same
-// key, the unit vector at the block's angle, so its representative r (mean of the kept keys) is that vector
-// whatever is kept. 2 query heads, 1 KV head, head_dim 2, 2 layers.
+// 4 frames of 196 tokens (init 4): blocks of 49 (16), 196 (4) and 784 (1). Every token of a block has the
+// same key, the unit vector at the block's angle, so its representative r (mean of the kept keys) is that
+// vector whatever is kept. 2 query heads, 1 KV head, head_dim 2, 2 layers.
 constexpr double kDeg = M_PI / 180.0;
 
 TinyStreamSpec BigSpec(int head_dim) {
@@ -58,7 +58,8 @@ TinyStreamSpec BigSpec(int head_dim) {
 
 class HandAccess : public StreamLayerAccess {
  public:
-  HandAccess(MemoryTrace* trace, std::map<int, std::vector<double>> angles) : trace_(trace) {
+  HandAccess(MemoryTrace* trace, std::map<int, std::vector<double>> angles, bool with_attention = true)
+      : trace_(trace) {
     const TraceMeta& meta = trace->meta();
     for (auto& [g, deg] : angles) {
       BlockEncodingInfo info;
@@ -83,6 +84,7 @@ class HandAccess : public StreamLayerAccess {
         // int(g * keep) offsets.
         data.attention_received[i] = data.attention_received[n + i] = static_cast<float>(i % g);
       }
+      if (!with_attention) data.attention_received.clear();
       info_[g] = std::move(info);
       data_[g] = std::move(data);
     }
@@ -183,7 +185,7 @@ TEST_CASE("mukv: CutVideoBlocks per granularity, leftovers dropped", "[mukv]") {
   StreamInfo s;
   s.init_len = 4;
   s.tokens_per_frame = 4;
-  s.num_frames = 3;  // video tokens 4..15
+  s.num_frames = 3;                // video tokens 4..15
   auto b5 = CutVideoBlocks(s, 5);  // 12 / 5 = 2 blocks, 2 tokens dropped
   REQUIRE(b5.size() == 2);
   CHECK(b5[0].first_token == 4);
@@ -291,7 +293,8 @@ TEST_CASE("mukv: plan on hand-made encodings: bank, kept offsets, CPU bytes", "[
   CHECK(plan.bank[20].kept.size() == 627);
   CHECK(plan.bank[20].kept.front() == 157);
   // Jobs: g tokens each; CPU after the last job = 767 kept tokens * 16 B (K,V * L 2 * Hkv 1 * d 2 * 2 B) +
-  // 21 representatives (Hkv * d * 2 B = 4 B each) = 12272 + 84. After frame 0's five blocks: 35 tokens, 5 reps.
+  // 21 representatives (Hkv * d * 2 B = 4 B each) = 12272 + 84. After frame 0's five blocks: 35 tokens, 5
+  // reps.
   CHECK(plan.jobs[20].tokens == 784);
   CHECK(plan.jobs[20].cpu_bytes_after == Approx(767 * 16 + 21 * 4));
   CHECK(plan.jobs[4].cpu_bytes_after == Approx((4 * 4 + 19) * 16 + 5 * 4));
@@ -302,15 +305,14 @@ TEST_CASE("mukv: plan on hand-made encodings: bank, kept offsets, CPU bytes", "[
 
 TEST_CASE("mukv: stage 1, semi-hierarchical rerank and assembly order (hand-computed)", "[mukv]") {
   HandCase c = MakeHandCase();
-  // Budget 411: k = round(k_g * 411 / 8212) -> 20 * .05005 = 1.0, 32 * .05005 = 1.6 -> 2, 12 * .05005 = .6 -> 1
-  // (min 1); candidates 2k = 2, 4, 2.
-  // Question 1 (all 4 frames). Query [1, 0]: s = cos θ.
+  // Budget 411: k = round(k_g * 411 / 8212) -> 20 * .05005 = 1.0, 32 * .05005 = 1.6 -> 2, 12 * .05005 = .6 ->
+  // 1 (min 1); candidates 2k = 2, 4, 2. Question 1 (all 4 frames). Query [1, 0]: s = cos θ.
   //   g49 candidates: A (20°) .93969, B (-25°) .90631. g196: f2 (10°) .98481, f0 (50°) .64279,
   //   f1 (-70°) .34202, f3 (80°) .17365. g784: -60°, s = .5.
   //   c = r of the one coarse candidate (-60°). s' = .7 s + .3 cos(θ + 60°):
-  //   A .7*.93969 + .3*cos 80° = .70988; B .7*.90631 + .3*cos 35° = .88016 -> B (bank 11) replaces A (bank 0).
-  //   f2 .68937 + .3*cos 70° = .79197; f1 .23941 + .3*cos(-10°) = .53486; f0 .44995 + .3*cos 110° = .34735;
-  //   f3 -.10826 -> f2 (bank 14), f1 (bank 9) instead of f2, f0 (bank 4). g784: λ = 0 -> bank 20.
+  //   A .7*.93969 + .3*cos 80° = .70988; B .7*.90631 + .3*cos 35° = .88016 -> B (bank 11) replaces A (bank
+  //   0). f2 .68937 + .3*cos 70° = .79197; f1 .23941 + .3*cos(-10°) = .53486; f0 .44995 + .3*cos 110° =
+  //   .34735; f3 -.10826 -> f2 (bank 14), f1 (bank 9) instead of f2, f0 (bank 4). g784: λ = 0 -> bank 20.
   // Question 0 (2.5 s: frames 0..2; the g784 block is ready at frame 3): no coarse candidate -> no rerank:
   //   g49 A (bank 0), g196 f2, f0 (banks 14, 4), no g784.
   SECTION("OFFICIAL_CODE: score order (fine, medium, coarse; each by descending score)") {
@@ -322,7 +324,8 @@ TEST_CASE("mukv: stage 1, semi-hierarchical rerank and assembly order (hand-comp
     CHECK(r.stats[1].at("retrieved_blocks_g49") == 1);
     CHECK(r.stats[1].at("retrieved_blocks_g196") == 2);
     CHECK(r.stats[1].at("retrieved_blocks_g784") == 1);
-    // {11, 14, 9, 20}: every fine block's root (20) retrieved; 11 ⊂ 14, 9 -> 14 adjacent, both ⊂ 20: 1 cluster.
+    // {11, 14, 9, 20}: every fine block's root (20) retrieved; 11 ⊂ 14, 9 -> 14 adjacent, both ⊂ 20: 1
+    // cluster.
     CHECK(r.stats[1].at("hierarchy_coherence") == 1);
     CHECK(r.stats[1].at("temporal_clusters") == 1);
     CHECK(r.stats[0].at("rerank_changed_blocks") == 0);
@@ -381,6 +384,39 @@ TEST_CASE("mukv: stage 1, semi-hierarchical rerank and assembly order (hand-comp
   }
 }
 
+TEST_CASE("mukv: PAPER variant: continuous blocks, temporal assembly", "[mukv]") {
+  HandCase c = MakeHandCase();
+  Retrieval r = Retrieve(c, {"variant=PAPER"}, 821);
+  const StreamPlan& plan = *r.plan;
+  REQUIRE(plan.bank.size() == 21);
+  for (const BankBlock& b : plan.bank) CHECK(b.source == BlockSource::kStream);  // the continuous run's K/V
+  CHECK(plan.bank[20].first_token == 4);
+  CHECK(plan.bank[20].kept.size() == 627);
+  for (int q = 0; q < 2; ++q) {
+    INFO("question " << q);
+    const V& e = r.banks[q];
+    CHECK(e.size() == static_cast<size_t>(q == 0 ? 2 + 3 : 2 + 3 + 1));  // k = 2, 3, 1; no g784 for q0
+    for (size_t i = 1; i < e.size(); ++i) {
+      const BankBlock &x = plan.bank[e[i - 1]], &y = plan.bank[e[i]];
+      CHECK((x.first_token < y.first_token || (x.first_token == y.first_token && x.granularity > y.granularity)));
+    }
+  }
+}
+
+TEST_CASE("mukv: block encodings without attention_received are refused", "[mukv]") {
+  HandCase c = MakeHandCase();
+  HandAccess no_att(&c.ts.trace, {{49, std::vector<double>(16, 0.0)}, {196, {0, 0, 0, 0}}, {784, {0}}}, false);
+  StreamPlanInput in;
+  in.meta = &c.ts.trace.meta();
+  in.budget_tokens = 411;
+  in.layers = &no_att;
+  auto plan = Make()->Plan(in);
+  REQUIRE_FALSE(plan.ok());
+  CHECK(plan.status().code() == StatusCode::kFailedPrecondition);
+  CHECK(plan.status().message().find("granularity 49 lack attention_received at the last layer (1)") !=
+        std::string::npos);
+}
+
 TEST_CASE("mukv: end to end with derived block encodings (approximate)", "[mukv]") {
   testing::TinyStream ts = MakeTinyStreamTrace(BigSpec(8));
   const TraceMeta& meta = ts.trace.meta();
@@ -404,7 +440,7 @@ TEST_CASE("mukv: end to end with derived block encodings (approximate)", "[mukv]
     CHECK(r.encode_passes_per_video_token() == Approx(3));
     // Question 0 (2.5 s): 12 g49 + 3 g196 blocks encoded: (48 + 57) * 64 + 15 * 16.
     CHECK(r.questions(0).cpu_bank_bytes_at_answer() == Approx(105 * 64 + 15 * 16));
-    CHECK(r.questions(0).policy_stats().at("retrieved_blocks_g784") == 0);
+    CHECK(FindStreamStat(r.questions(0).policy_stats(), "retrieved_blocks_g784") == 0);
     CHECK(r.questions(0).frames_covered() <= 3);
   }
   const StreamRunResult& code = (*res)[0];
@@ -412,7 +448,7 @@ TEST_CASE("mukv: end to end with derived block encodings (approximate)", "[mukv]
   // k = 1, 2, 1: question 0 gets 4 + 2*19 visual tokens, question 1 4 + 38 + 627.
   CHECK(code.questions(0).visual_tokens_in_context() == Approx(42));
   CHECK(code.questions(1).visual_tokens_in_context() == Approx(669));
-  CHECK(code.questions(1).policy_stats().at("retrieved_tokens") == 669);
+  CHECK(FindStreamStat(code.questions(1).policy_stats(), "retrieved_tokens") == 669);
   CHECK((*res)[1].questions(1).visual_tokens_in_context() == Approx(669));
   CHECK((*res)[2].budget_tokens() == 8212);
   // At the default budget everything available is retrieved: 767 tokens for question 1, 105 for question 0.
@@ -432,35 +468,69 @@ TEST_CASE("mukv: validation errors are one-line InvalidArgument messages", "[muk
   CHECK(st.message().find('\n') == std::string::npos);
 }
 
-// [!mayfail]: MuKV's per-granularity parameters (granularities, keep_ratios, alphas, top_k, lambdas) are
-// repeated fields, and SetFieldFromString (sim/text_proto.cc, "if (field->is_repeated() || ...) return
-// InvalidArgument(... "is not a scalar parameter")") rejects every repeated field, so no `--set` (CLI) or
-// StreamPolicyRegistry::Create override can change them: the policy always runs 49/196/784, and the
-// length/keep validation in MuKV::Validate (policies/mukv.cc) is unreachable. Expected: a list syntax such as
-// `granularities=[2, 4, 8]` (text-format list) sets the whole field.
-TEST_CASE("mukv: per-granularity parameters can be overridden", "[mukv][!mayfail]") {
-  const std::vector<std::string> small{"granularities=[2, 4, 8]", "keep_ratios=[0.5, 0.5, 0.5]",
-                                       "top_k=[2, 1, 1]"};
+// Per-granularity lists via `--set key=[a, b, c]` (or `key=a,b,c`), end to end on the default tiny trace
+// (init 4, 6 frames of 4 tokens at 1 fps, questions at 2.5 s and 5 s, L 2, Hkv 1, d 8, every query stored).
+TEST_CASE("mukv: small granularities end to end (derived encodings)", "[mukv]") {
+  const std::vector<std::string> small{"granularities=[2, 4, 8]", "keep_ratios=0.5,0.5,0.5", "top_k=[2, 1, 1]"};
   auto p = StreamPolicyRegistry::Default().Create("mukv", small);
   INFO((p.ok() ? std::string("ok") : p.status().message()));
   REQUIRE(p.ok());
   CHECK((*p)->requirements().granularities == std::vector<int>{2, 4, 8});
-  // Default tiny trace: 6 frames of 4 tokens -> 12 + 6 + 3 blocks keeping 1, 2, 4 tokens.
+  // 24 video tokens -> 12 + 6 + 3 blocks keeping int(.5 g) = 1, 2, 4 tokens. Default budget 2*1 + 1*2 + 1*4.
   testing::TinyStream ts = MakeTinyStreamTrace();
-  CHECK((*p)->DefaultBudgetTokens(ts.trace.meta()) == 2 * 1 + 1 * 2 + 1 * 4);
-  const std::vector<StreamRunSpec> runs{{*p, "small", 0}};
+  CHECK((*p)->DefaultBudgetTokens(ts.trace.meta()) == 8);
+  const std::vector<StreamRunSpec> runs{{*p, "small", 0}, {*p, "small16", 16}};
   StreamReplayOptions opt;
   opt.threads = 1;
   auto res = ReplayStream(ts.trace, runs, opt);
+  INFO((res.ok() ? std::string("ok") : res.status().message()));
   REQUIRE(res.ok());
-  CHECK((*res)[0].approximate());
-  CHECK((*res)[0].cpu_bank_tokens_final() == Approx(12 + 12 + 12));
-  // Mismatched lengths and a keep ratio giving 0 tokens.
+  const StreamRunResult& r = (*res)[0];
+  CHECK(r.approximate());  // the tiny trace has no /streaming_blocks: derived from the continuous run
+  CHECK(r.budget_tokens() == 8);
+  CHECK(r.cpu_bank_tokens_final() == Approx(12 + 12 + 12));
+  CHECK(r.bank_tokens_per_frame() == Approx(6));
+  CHECK(r.encode_passes_per_video_token() == Approx(3));
+  // 64 B per token (2 * L 2 * Hkv 1 * d 8 * 2 B), representatives 16 B: 36 * 64 + 21 * 16.
+  CHECK(r.cpu_bank_bytes_final() == Approx(2640));
+  // Question 0 at 2.5 s: g2 blocks 0..5, g4 frames 0..2, g8 block 0 (ready at frame 1) encoded:
+  // (6 + 6 + 4) * 64 + 10 * 16 = 1184.
+  CHECK(r.questions(0).cpu_bank_bytes_at_answer() == Approx(1184));
+  for (int q = 0; q < 2; ++q) {
+    INFO("question " << q);
+    // k = 2, 1, 1 at the default budget: 2*1 + 2 + 4 = 8 tokens (enough blocks are available for both).
+    CHECK(r.questions(q).visual_tokens_in_context() == Approx(8));
+    CHECK(FindStreamStat(r.questions(q).policy_stats(), "retrieved_blocks_g2") == 2);
+    CHECK(FindStreamStat(r.questions(q).policy_stats(), "retrieved_blocks_g4") == 1);
+    CHECK(FindStreamStat(r.questions(q).policy_stats(), "retrieved_blocks_g8") == 1);
+    // GPU while answering: the init prompt (resident) + 8 retrieved + 2 question + 2 answer tokens.
+    CHECK(r.questions(q).gpu_bytes_at_answer() == Approx((4 + 8 + 2 + 2) * 64));
+  }
+  // Budget 16 = 2 x the default: k = 4, 2, 2. Question 1: 4 + 4 + 8 = 16; question 0 has one g8 block: 12.
+  const StreamRunResult& r16 = (*res)[1];
+  CHECK(r16.questions(1).visual_tokens_in_context() == Approx(16));
+  CHECK(r16.questions(0).visual_tokens_in_context() == Approx(12));
+  CHECK(FindStreamStat(r16.questions(0).policy_stats(), "retrieved_blocks_g8") == 1);
+}
+
+TEST_CASE("mukv: per-granularity validation errors", "[mukv]") {
+  // Mismatched lengths (the other lists keep their 3 defaults).
   Status st = CreateStatus({"granularities=[2, 4]"});
   CHECK(st.code() == StatusCode::kInvalidArgument);
   CHECK(st.message() == "mukv: keep_ratios, alphas, lambdas and top_k need one value per granularity (2)");
-  st = CreateStatus({"granularities=[2, 4, 8]"});  // default keep .1: int(2 * .1) = 0
+  st = CreateStatus({"granularities=[2, 4, 8]"});  // default keep .1: int(2 * .1) = 0 tokens
+  CHECK(st.code() == StatusCode::kInvalidArgument);
   CHECK(st.message() == "mukv: keep_ratios: int(g * keep) must be >= 1 for g = 2");
+  st = CreateStatus({"granularities=[8, 4, 2]", "keep_ratios=[0.5, 0.5, 0.5]"});
+  CHECK(st.message() == "mukv: granularities must be >= 1 and strictly ascending (fine to coarse)");
+  st = CreateStatus({"keep_ratios=[0.1, 0.1, 1.5]"});
+  CHECK(st.message() == "mukv: keep_ratios must be in (0, 1]");
+  st = CreateStatus({"lambdas=[0.3, 0.3, -1]"});
+  CHECK(st.message() == "mukv: lambdas must be in [0, 1]");
+  st = CreateStatus({"granularities=2,x"});
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  for (const std::string& m : {st.message(), CreateStatus({"granularities=[2, 4]"}).message()})
+    CHECK(m.find('\n') == std::string::npos);
 }
 
 }  // namespace kvsim
