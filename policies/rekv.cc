@@ -100,11 +100,13 @@ class ReKV : public TypedStreamPolicy<policy::ReKVParams> {
     opt.representative_bytes_per_frame =
         static_cast<double>(m.num_layers) * m.num_kv_heads * m.head_dim * m.ModelDtypeBytes();
     BuildFrameBank(*in.meta, opt, plan.get());
-    const StreamInfo& s = *in.meta->stream;
-    const double video = static_cast<double>(s.num_frames) * s.tokens_per_frame;
-    // The continuous run attended to the whole history; ReKV's encoder sees only its local window.
-    plan->question_stats.assign(s.questions.size(), {{"encoder_window_exceeded",
-                                                      params_.n_local() > 0 && video > params_.n_local()}});
+    // The continuous run attended to the whole history; ReKV's encoder sees only its local window. The
+    // retrieved K/V of a question differ from ReKV's only when the video before it exceeds the window.
+    for (const StreamQuestion& q : in.meta->stream->questions) {
+      const double history = static_cast<double>(q.frames_before) * in.meta->stream->tokens_per_frame;
+      plan->question_stats.push_back(
+          {{"encoder_window_exceeded", params_.n_local() > 0 && history > params_.n_local() ? 1.0 : 0.0}});
+    }
     return plan;
   }
   Status SelectAtLayer(const StreamLayerInput& in, const StreamPlan& plan, int question,
