@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "analysis/report.h"
+#include "policies/registry.h"
 #include "policies/stream_registry.h"
 #include "sim/stream_replay.h"
 #include "sim/text_proto.h"
@@ -49,6 +50,18 @@ double Mb(double bytes) { return bytes / (1024.0 * 1024.0); }
 
 }  // namespace
 
+Status CheckStreamingPolicyName(const std::string& name) {
+  if (StreamPolicyRegistry::Default().Find(name)) return Status::Ok();
+  std::string known;
+  for (const StreamPolicyInfo& i : StreamPolicyRegistry::Default().List())
+    known += (known.empty() ? "" : ", ") + i.name;
+  if (PolicyRegistry::Default().Find(name))
+    return Status::InvalidArgument(
+        "'" + name + "' is not a streaming policy and this is a streaming trace; streaming policies: " +
+        known + " (docs/streaming.md)");
+  return Status::Ok();  // the registry names the unknown policy
+}
+
 StatusOr<bool> IsStreamingTrace(const std::string& path) {
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
   return trace->meta().is_streaming();
@@ -70,6 +83,7 @@ StatusOr<bool> ExperimentIsStreaming(const config::Experiment& experiment, const
 StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std::string& policy,
                                        const std::vector<std::string>& sets, int budget_tokens,
                                        const RunOptions& options) {
+  KVSIM_RETURN_IF_ERROR(CheckStreamingPolicyName(policy).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(auto p, StreamPolicyRegistry::Default().Create(policy, sets));
   KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(options.latency_model));
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
@@ -90,6 +104,7 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
   std::vector<StreamRunSpec> runs;
   for (const config::PolicySpec& ps : experiment.policies()) {
     const std::vector<std::string> sets(ps.set().begin(), ps.set().end());
+    KVSIM_RETURN_IF_ERROR(CheckStreamingPolicyName(ps.name()));
     KVSIM_ASSIGN_OR_RETURN(auto policy, StreamPolicyRegistry::Default().Create(ps.name(), sets));
     const StreamPolicyInfo* info = StreamPolicyRegistry::Default().Find(ps.name());
     const std::string label = ps.has_label() ? ps.label() : LabelFor(ps.name(), sets);
@@ -122,6 +137,67 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
     for (auto& r : results) *out.add_runs() = std::move(r);
   }
   return out;
+}
+
+std::string FormatStreamSummary(const TraceMeta& meta) {
+  const ModelInfo& m = meta.model;
+  const StreamInfo& s = *meta.stream;
+  std::ostringstream os;
+  os << "model: " << m.name << " (" << m.family << "), " << m.num_layers << " layers, " << m.num_heads
+     << " query heads / " << m.num_kv_heads << " KV heads, head_dim " << m.head_dim << ", rope_theta "
+     << m.rope_theta << "\n";
+  os << "source: " << meta.source << " (" << meta.generator << " " << meta.generator_version << "), seed "
+     << meta.seed << "; storage " << StorageDtypeName(meta.storage_dtype) << "\n";
+  const double duration = s.frame_time_s.empty() ? 0 : s.frame_time_s.back();
+  os << "stream: init prompt " << s.init_len << " tokens, " << s.num_frames << " frames x "
+     << s.tokens_per_frame << " tokens (" << static_cast<int64_t>(s.num_frames) * s.tokens_per_frame
+     << " video tokens) at " << s.fps << " fps, last frame at " << Num(duration, 6) << " s; KV "
+     << Num(KvBytesPerToken(meta) / 1024.0, 4) << " KiB per token (all layers)\n";
+  os << "questions: " << s.questions.size() << "\n";
+  os << "   #   time_s  frames_before  question  answer  evidence_frames\n";
+  for (size_t i = 0; i < s.questions.size(); ++i) {
+    const StreamQuestion& q = s.questions[i];
+    std::string ev;
+    for (int32_t f : q.evidence_frames) ev += (ev.empty() ? "" : ",") + std::to_string(f);
+    os << std::setw(4) << i << std::setw(9) << Num(q.time_s, 6) << std::setw(15) << q.frames_before
+       << std::setw(10) << q.num_question_tokens << std::setw(8) << q.num_answer_tokens << "  "
+       << (ev.empty() ? "-" : ev) << "\n";
+  }
+  if (s.block_encodings.empty()) {
+    os << "block encodings: none (policies that need them derive them from the continuous run: "
+          "approximate)\n";
+  } else {
+    os << "block encodings:";
+    for (const BlockEncodingInfo& b : s.block_encodings) {
+      os << " g" << b.granularity << " (" << b.num_blocks << " blocks, attention at layers";
+      for (int32_t l : b.attention_layers) os << " " << l;
+      os << ")";
+    }
+    os << "\n";
+  }
+  return os.str();
+}
+
+std::string StreamSummaryJson(const TraceMeta& meta) {
+  const StreamInfo& s = *meta.stream;
+  std::ostringstream os;
+  os << "{\"model\": \"" << meta.model.name << "\", \"num_layers\": " << meta.model.num_layers
+     << ", \"init_len\": " << s.init_len << ", \"num_frames\": " << s.num_frames
+     << ", \"tokens_per_frame\": " << s.tokens_per_frame << ", \"fps\": " << Num(s.fps, 10)
+     << ", \"questions\": [";
+  for (size_t i = 0; i < s.questions.size(); ++i) {
+    const StreamQuestion& q = s.questions[i];
+    os << (i ? ", " : "") << "{\"time_s\": " << Num(q.time_s, 10)
+       << ", \"frames_before\": " << q.frames_before << ", \"question_tokens\": " << q.num_question_tokens
+       << ", \"answer_tokens\": " << q.num_answer_tokens << ", \"evidence_frames\": [";
+    for (size_t j = 0; j < q.evidence_frames.size(); ++j) os << (j ? ", " : "") << q.evidence_frames[j];
+    os << "]}";
+  }
+  os << "], \"block_granularities\": [";
+  for (size_t i = 0; i < s.block_encodings.size(); ++i)
+    os << (i ? ", " : "") << s.block_encodings[i].granularity;
+  os << "]}\n";
+  return os.str();
 }
 
 namespace {

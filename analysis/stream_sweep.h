@@ -13,6 +13,8 @@
 
 namespace kvsim {
 
+// Ok for streaming policy names; a one-line error naming the streaming policies for a non-streaming one.
+Status CheckStreamingPolicyName(const std::string& name);
 // Whether the trace at `path` is a streaming trace (reads only its metadata).
 StatusOr<bool> IsStreamingTrace(const std::string& path);
 // Whether the experiment's traces are streaming traces; an experiment mixing both kinds is an error.
@@ -27,6 +29,12 @@ StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std:
 // budget). Policies that do not use a budget run once.
 StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment, const std::string& base_dir,
                                            const RunOptions& options);
+
+// `kvsim inspect` on a streaming trace: model, stream, questions (time, frames before, evidence) and block
+// encodings. (The decode-attention statistics of plain traces do not apply: each question attends over its
+// own history.)
+std::string FormatStreamSummary(const TraceMeta& meta);
+std::string StreamSummaryJson(const TraceMeta& meta);
 
 std::string StreamResultsCsv(const std::vector<StreamRunResult>& runs);
 std::string StreamQuestionsCsv(const std::vector<StreamRunResult>& runs);

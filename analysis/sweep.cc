@@ -6,6 +6,7 @@
 
 #include "analysis/report.h"
 #include "policies/registry.h"
+#include "policies/stream_registry.h"
 #include "sim/text_proto.h"
 #include "traces/hdf5_trace.h"
 
@@ -31,11 +32,22 @@ std::string LabelFor(const std::string& name, const std::vector<std::string>& se
   return label;
 }
 
+// A streaming policy named for a plain trace: say what it needs instead of "unknown policy".
+Status CheckNotStreamingPolicy(const std::string& name) {
+  if (!PolicyRegistry::Default().Find(name) && StreamPolicyRegistry::Default().Find(name))
+    return Status::InvalidArgument(
+        "'" + name +
+        "' is a streaming policy: it replays streaming traces (frames arriving over "
+        "time, questions at timestamps), and this trace is not one (docs/streaming.md)");
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& policy,
                            const std::vector<std::string>& sets, double budget_fraction, int budget_tokens,
                            QuestionMode mode, const RunOptions& options) {
+  KVSIM_RETURN_IF_ERROR(CheckNotStreamingPolicy(policy).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(auto p, PolicyRegistry::Default().Create(policy, sets));
   KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(options.latency_model));
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
@@ -79,6 +91,7 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
   std::vector<RunSpec> runs;
   for (const config::PolicySpec& ps : experiment.policies()) {
     const std::vector<std::string> sets(ps.set().begin(), ps.set().end());
+    KVSIM_RETURN_IF_ERROR(CheckNotStreamingPolicy(ps.name()));
     KVSIM_ASSIGN_OR_RETURN(auto policy, PolicyRegistry::Default().Create(ps.name(), sets));
     const PolicyInfo* info = PolicyRegistry::Default().Find(ps.name());
     const std::string label = ps.has_label() ? ps.label() : LabelFor(ps.name(), sets);

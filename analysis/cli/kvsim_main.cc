@@ -11,11 +11,13 @@
 #include <vector>
 
 #include "analysis/report.h"
+#include "analysis/stream_sweep.h"
 #include "analysis/sweep.h"
 #include "analysis/trace_stats.h"
 #include "analysis/validate.h"
 #include "analysis/verify_hae.h"
 #include "policies/registry.h"
+#include "policies/stream_registry.h"
 #include "sim/version.h"
 #include "traces/hdf5_trace.h"
 #include "traces/synth.h"
@@ -101,6 +103,10 @@ int CmdInspect(int argc, char** argv) {
   if (!Parse(argc, argv, "usage: kvsim inspect T.h5 [--json]", opts, &pos, vm, &code)) return code;
   auto src = OpenTrace(trace);
   if (!src.ok()) return Fail(src.status());
+  if ((*src)->meta().is_streaming()) {
+    std::cout << (json ? StreamSummaryJson((*src)->meta()) : FormatStreamSummary((*src)->meta()));
+    return kExitOk;
+  }
   auto stats = ComputeTraceStats(**src, threads);
   if (!stats.ok()) return Fail(stats.status());
   std::cout << (json ? TraceStatsToJson((*src)->meta(), *stats) : FormatTraceStats((*src)->meta(), *stats));
@@ -139,6 +145,12 @@ int CmdListPolicies(int argc, char** argv) {
     std::cout << p.name << "\n    " << p.summary << "\n    parameters (" << p.params_type
               << "): " << (policy.ok() ? (*policy)->ParamsText() : "") << "\n";
   }
+  std::cout << "\nStreaming policies (streaming traces only; budget = retrieved visual tokens, docs/streaming.md):\n";
+  for (const StreamPolicyInfo& p : StreamPolicyRegistry::Default().List()) {
+    auto policy = StreamPolicyRegistry::Default().Create(p.name);
+    std::cout << p.name << "\n    " << p.summary << "\n    parameters (" << p.params_type
+              << "): " << (policy.ok() ? (*policy)->ParamsText() : "") << "\n";
+  }
   std::cout
       << "\nMerge wrappers: NAME+average, NAME+pivot, NAME+weighted merge every token NAME evicts into its\n"
          "nearest kept slot (any policy above except full, oracle, meda, look_m; "
@@ -150,6 +162,31 @@ StatusOr<QuestionMode> ParseQuestionMode(const std::string& s) {
   if (s == "aware" || s == "query_aware") return QuestionMode::kQueryAware;
   if (s == "agnostic" || s == "query_agnostic") return QuestionMode::kQueryAgnostic;
   return Status::InvalidArgument("--question-mode '" + s + "': expected 'aware' or 'agnostic'");
+}
+
+// `kvsim run` on a streaming trace: --budget-tokens is the retrieved visual-token budget (optional: the
+// policy's default), fractions are refused.
+int RunStreaming(const std::string& trace, const std::string& policy, const std::vector<std::string>& sets,
+                 bool has_fraction, int budget_tokens, int threads, const std::string& latency,
+                 const std::string& out) {
+  if (Status st = CheckStreamingPolicyName(policy); !st.ok()) return Fail(st.WithContext(trace));
+  if (has_fraction)
+    return Fail(Status::InvalidArgument(
+        trace + " is a streaming trace: give --budget-tokens N (retrieved visual tokens per layer and KV head) "
+                "or no budget (the policy's default), not --budget"));
+  if (budget_tokens < 0)
+    return Fail(Status::InvalidArgument("--budget-tokens must be >= 1 (omit it for the policy default)"));
+  auto res = RunStreamOne(trace, policy, sets, budget_tokens, RunOptions{threads, true, latency, 0});
+  if (!res.ok()) return Fail(res.status());
+  Status st = WriteFileAtomic(out, ToJson(*res));
+  if (!st.ok()) return Fail(st);
+  const StreamQuestionResult& m = res->mean();
+  std::fprintf(stderr,
+               "kvsim: %s budget %d visual tokens: retained mass %.4f, output rel. error %.4f, evidence frame "
+               "recall %.3f, CPU bank %.1f MB -> %s\n",
+               res->label().c_str(), res->budget_tokens(), m.retained_mass_mean(), m.output_rel_error_mean(),
+               m.evidence_frame_recall(), res->cpu_bank_bytes_final() / (1024.0 * 1024.0), out.c_str());
+  return kExitOk;
 }
 
 int CmdRun(int argc, char** argv) {
@@ -176,6 +213,10 @@ int CmdRun(int argc, char** argv) {
       "usage: kvsim run --trace T.h5 --policy P (--budget R | --budget-tokens N) [--set k=v]... --out "
       "result.json";
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
+  auto streaming = IsStreamingTrace(trace);
+  if (!streaming.ok()) return Fail(streaming.status());
+  if (*streaming)
+    return RunStreaming(trace, policy, sets, vm.count("budget") > 0, budget_tokens, threads, latency, out);
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
     return kExitUsage;
@@ -295,6 +336,18 @@ int CmdSweep(int argc, char** argv) {
   }
   if (vm.count("prefill-chunk") && prefill_chunk < 0)
     return Fail(Status::InvalidArgument("--prefill-chunk must be >= 0 (0 = whole prompt)"));
+  auto streaming = ExperimentIsStreaming(*exp, base.empty() ? "." : base);
+  if (!streaming.ok()) return Fail(streaming.status());
+  if (*streaming) {
+    auto sres = RunStreamSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, 0});
+    if (!sres.ok()) return Fail(sres.status().WithContext(config));
+    Status st = WriteStreamSweepOutputs(*sres, out);
+    if (!st.ok()) return Fail(st);
+    std::fprintf(stderr, "kvsim: %d streaming runs -> %s/{results.json,results.csv,questions.csv,memory.csv,"
+                         "summary.md}\n",
+                 sres->runs_size(), out.c_str());
+    return kExitOk;
+  }
   auto res = RunSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, prefill_chunk});
   if (!res.ok()) return Fail(res.status());
   Status st = WriteSweepOutputs(*res, out);
