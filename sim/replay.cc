@@ -32,6 +32,7 @@ namespace {
 
 struct RunPlan {
   const RunSpec* spec = nullptr;
+  int index = 0;                            // position in Replay's `runs` (DecisionRecorder calls)
   std::shared_ptr<PolicyPlan> policy_plan;  // first-pass state, or null
   int compress_end = 0;
   int budget = 0;
@@ -151,8 +152,14 @@ struct UnitWork {
 class LayerPass {
  public:
   LayerPass(const TraceMeta& meta, const LayerData& layer, std::span<const RunPlan> plans,
-            std::vector<RunAccum>& acc, int threads)
-      : meta_(meta), m_(meta.model), layer_(layer), plans_(plans), acc_(acc), threads_(threads) {}
+            std::vector<RunAccum>& acc, int threads, DecisionRecorder* recorder)
+      : meta_(meta),
+        m_(meta.model),
+        layer_(layer),
+        plans_(plans),
+        acc_(acc),
+        threads_(threads),
+        recorder_(recorder) {}
 
   void Run() {
     EventQueue queue;
@@ -241,6 +248,7 @@ class LayerPass {
                         plan.spec->policy->name() + " kept " + std::to_string(cache.size()) +
                             " slots after prefill, budget " + std::to_string(budget));
       w.prefill_size[r] = cache.size();
+      if (recorder_) recorder_->AfterPrefill(plan.index, layer_.layer, u, cache);
       RunAccum& a = acc_[r];
       if (plan.compression_step < 0) RecordCompression(plan, cache, u, &a);
       a.tokens[UnitIndex(u) * (steps + 1)] = cache.size();
@@ -345,6 +353,7 @@ class LayerPass {
       else
         KVSIM_CHECK_MSG(cache.size() <= limit + t + 1,
                         plan.spec->policy->name() + " exceeded prompt budget + decode");
+      if (recorder_) recorder_->BeforeAttention(plan.index, layer_.layer, u, t, cache);
       RunAccum& a = acc_[r];
       a.tokens[UnitIndex(u) * (steps + 1) + 1 + t] = cache.size();
       const int slots = cache.size();
@@ -437,6 +446,7 @@ class LayerPass {
       StepAttention after{t, slots, w.cache_probs.data(), plan.req.future_attention ? full.data() : nullptr,
                           plan.req.future_attention ? full_sorted.data() : nullptr};
       hp.AfterStep(ctx, after, &cache);
+      if (recorder_) recorder_->AfterStep(plan.index, layer_.layer, u, t, cache);
       if (t == 0 && plan.compression_step == 0) {
         CheckCache(w, cache, pos, r);
         RecordCompression(plan, cache, u, &a);
@@ -451,6 +461,7 @@ class LayerPass {
   std::span<const RunPlan> plans_;
   std::vector<RunAccum>& acc_;
   int threads_;
+  DecisionRecorder* recorder_;
   std::vector<UnitWork> units_;
 };
 
@@ -659,6 +670,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
   for (size_t r = 0; r < runs.size(); ++r) {
     RunPlan& p = plans[r];
     p.spec = &runs[r];
+    p.index = static_cast<int>(r);
     p.compress_end = CompressEnd(meta, runs[r].question_mode);
     p.budget = BudgetTokens(runs[r], p.compress_end);
     p.req = runs[r].policy->requirements();
@@ -760,6 +772,15 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     ordered_plans.push_back(plans[i]);
     ordered_acc.push_back(std::move(acc[i]));
   }
+  if (options.recorder) {
+    std::vector<int> ce(runs.size());
+    std::vector<std::vector<int>> hb(runs.size());
+    for (size_t r = 0; r < runs.size(); ++r) {
+      ce[r] = plans[r].compress_end;
+      hb[r] = plans[r].head_budgets;
+    }
+    options.recorder->Begin(meta, runs, ce, hb);
+  }
   Progress progress(options.progress, num_layers);
   // Layer l + 1 is read in the background while layer l is replayed (at most two layers resident).
   LayerData current, next;
@@ -769,7 +790,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     if (l + 1 < num_layers)
       prefetch = std::async(std::launch::async, [&trace, &next, l] { return trace.ReadLayer(l + 1, &next); });
     current.layer = l;
-    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads);
+    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder);
     pass.Run();
     progress.Update(l + 1);
     if (prefetch.valid()) {

@@ -28,6 +28,27 @@ struct RunSpec {
   QuestionMode question_mode = QuestionMode::kQueryAware;
 };
 
+// Optional observer of every cache decision (gpu_replay builds its plans from it). The engine calls it from
+// its worker threads, each call for one (run, layer, KV head) unit; calls for one unit are sequential and in
+// event order, calls for different units may be concurrent. `run` is the index into Replay's `runs`. The
+// recorder must store per unit (no shared mutable state without its own locking) so that what it records
+// never depends on the thread count.
+class DecisionRecorder {
+ public:
+  virtual ~DecisionRecorder() = default;
+  // Once, before any layer: the trace and, per run, its compressible region and per-(layer, KV head)
+  // budgets ([layer * num_kv_heads + kv_head]).
+  virtual void Begin(const TraceMeta& meta, std::span<const RunSpec> runs, std::span<const int> compress_end,
+                     std::span<const std::vector<int>> head_budgets) {}
+  // After the prefill event: the compression hook ran and the tokens after the compressible region were
+  // appended.
+  virtual void AfterPrefill(int run, int layer, int kv_head, const HeadCache& cache) {}
+  // Decode step `step`: the cache the step attends over (after BeforeStep's evictions and the append).
+  virtual void BeforeAttention(int run, int layer, int kv_head, int step, const HeadCache& cache) {}
+  // Decode step `step`: the cache after the policy's AfterStep (compression at step 0, decode merges, ...).
+  virtual void AfterStep(int run, int layer, int kv_head, int step, const HeadCache& cache) {}
+};
+
 struct ReplayOptions {
   int threads = 0;                        // <= 0: hardware concurrency; results never depend on it
   const LatencyModel* latency = nullptr;  // null: token steps
@@ -37,6 +58,7 @@ struct ReplayOptions {
   // lasts LatencyModel::PrefillDuration(chunk) and holds its uncompressed prefix; the compression hook runs
   // at the end of the last chunk.
   int prefill_chunk = 0;
+  DecisionRecorder* recorder = nullptr;  // optional: sees every cache decision (gpu_replay plans)
 };
 
 // Start of the compressible region for a question mode: n (aware) or the first question token (agnostic).

@@ -16,6 +16,7 @@
 #include "analysis/trace_stats.h"
 #include "analysis/validate.h"
 #include "analysis/verify_hae.h"
+#include "gpu_replay/plan.h"
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
 #include "sim/version.h"
@@ -357,6 +358,49 @@ int CmdSweep(int argc, char** argv) {
   return kExitOk;
 }
 
+// `kvsim gpu-plan`: one policy run's decisions as a GPU replay plan (gpu_replay/plan.proto).
+int CmdGpuPlan(int argc, char** argv) {
+  gpu_replay::PlanRequest req;
+  std::string qmode, out;
+  po::options_description opts("kvsim gpu-plan options");
+  opts.add_options()("trace", po::value(&req.trace_path)->required(), "trace file (.h5)")(
+      "policy", po::value(&req.policy)->required(), "policy name (kvsim list-policies), merge wrappers too")(
+      "budget", po::value(&req.budget_fraction),
+      "fraction of the prompt kept per layer per KV head, in (0, 1]")(
+      "budget-tokens", po::value(&req.budget_tokens), "tokens kept per layer per KV head")(
+      "set", po::value(&req.sets)->composing(), "policy parameter override key=value (repeatable)")(
+      "question-mode", po::value(&qmode)->default_value("aware"), "aware | agnostic")(
+      "threads", po::value(&req.threads)->default_value(0), "worker threads (0 = all cores)")(
+      "out", po::value(&out)->required(), "plan file (binary Protobuf; temp file, then rename)");
+  po::variables_map vm;
+  int code;
+  const char* usage =
+      "usage: kvsim gpu-plan --trace T.h5 --policy P (--budget R | --budget-tokens N) [--set k=v]... --out "
+      "plan.pb";
+  if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
+  if (vm.count("budget") == vm.count("budget-tokens")) {
+    std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
+    return kExitUsage;
+  }
+  if (vm.count("budget") && !(req.budget_fraction > 0 && req.budget_fraction <= 1))
+    return Fail(
+        Status::InvalidArgument("--budget " + std::to_string(req.budget_fraction) +
+                                ": must be a fraction in (0, 1]; use --budget-tokens for token counts"));
+  if (vm.count("budget-tokens") && req.budget_tokens < 1)
+    return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
+  auto mode = ParseQuestionMode(qmode);
+  if (!mode.ok()) return Fail(mode.status());
+  req.question_mode = *mode;
+  req.progress = true;
+  auto plan = gpu_replay::BuildPlan(req);
+  if (!plan.ok()) return Fail(plan.status());
+  Status st = gpu_replay::WritePlan(*plan, out);
+  if (!st.ok()) return Fail(st);
+  std::fprintf(stderr, "kvsim: %s: %s -> %s\n", plan->label().c_str(), gpu_replay::PlanSummary(*plan).c_str(),
+               out.c_str());
+  return kExitOk;
+}
+
 const char kTopUsage[] =
     "kvsim "
     "— replay recorded LLM attention traces against KV-cache compression policies\n\n"
@@ -369,6 +413,7 @@ const char kTopUsage[] =
     "  run            replay one policy at one budget\n"
     "  sweep          replay traces x policies x budgets, write results and a summary\n"
     "  verify hae     measure HAE's Theorem 2.1 / Corollary 2.1 and sparsity on a trace\n"
+    "  gpu-plan       write one policy run's decisions as a GPU replay plan (docs/gpu-replay.md)\n"
     "  version        print version and git commit\n";
 
 }  // namespace
@@ -399,6 +444,7 @@ int main(int argc, char** argv) {
     if (cmd == "run") return CmdRun(sub_argc, sub_argv);
     if (cmd == "sweep") return CmdSweep(sub_argc, sub_argv);
     if (cmd == "verify") return CmdVerify(sub_argc, sub_argv);
+    if (cmd == "gpu-plan") return CmdGpuPlan(sub_argc, sub_argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvsim: error: %s\n", e.what());
     return kExitInput;
