@@ -1,7 +1,9 @@
 # kvsim — two entry points (README quick start runs them through ./run, which installs packages first):
 #   make demo   install packages, build, synthesize the LLaVA-1.5-7B-shaped demo trace, sweep the baselines,
 #               MEDA (paper + official code) and LOOK-M over budgets 5/10/20/50%, write
-#               demo-out/results/{summary.md,results.json,results.csv}
+#               demo-out/results/{summary.md,results.json,results.csv}; then synthesize the streaming video
+#               trace (300 frames, 10 questions) and sweep ReKV, MuKV and the streaming baselines into
+#               demo-out/streaming/{summary.md,results.json,results.csv,questions.csv,memory.csv}
 #   make test   install packages, build, run every test (CTest + Catch2)
 # Both are idempotent. Other targets: build, asan-test (AddressSanitizer + UBSan stage of CI), bench, format.
 
@@ -12,6 +14,8 @@ KVSIM      := $(BUILD)/kvsim
 DEMO_DIR   ?= demo-out
 DEMO_TRACE := $(DEMO_DIR)/llava15_7b_multi_image.h5
 DEMO_CFG   := configs/synth/llava15_7b_multi_image.textproto
+STREAM_TRACE := $(DEMO_DIR)/streaming_video.h5
+STREAM_CFG   := configs/synth/streaming_demo.textproto
 
 .PHONY: setup build cli test asan-test demo bench format clean
 
@@ -42,12 +46,21 @@ $(DEMO_TRACE): $(DEMO_CFG) | cli
 	@mkdir -p $(DEMO_DIR)
 	$(KVSIM) synth --config $(DEMO_CFG) --out $@
 
-demo: cli $(DEMO_TRACE)
+$(STREAM_TRACE): $(STREAM_CFG) | cli
+	@mkdir -p $(DEMO_DIR)
+	$(KVSIM) synth --config $(STREAM_CFG) --out $@
+
+demo: cli $(DEMO_TRACE) $(STREAM_TRACE)
 	$(KVSIM) sweep --config configs/experiments/demo.textproto --trace $(DEMO_TRACE) --out $(DEMO_DIR)/results
+	$(KVSIM) sweep --config configs/experiments/streaming_demo.textproto --trace $(STREAM_TRACE) \
+	  --out $(DEMO_DIR)/streaming
 	@echo
 	@cat $(DEMO_DIR)/results/summary.md
 	@echo
+	@cat $(DEMO_DIR)/streaming/summary.md
+	@echo
 	@echo "Results: $(DEMO_DIR)/results/{summary.md,results.json,results.csv}"
+	@echo "Streaming: $(DEMO_DIR)/streaming/{summary.md,results.json,results.csv,questions.csv,memory.csv}"
 
 bench: cli $(DEMO_TRACE)
 	cmake --build $(BUILD) -j $(JOBS) --target kvsim_bench

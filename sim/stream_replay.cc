@@ -77,9 +77,12 @@ void Rerotate(float* x, int d, int64_t delta, double theta) {
 void AttendRows(const ModelInfo& m, const float* q, int rows, const float* k, const float* v, int n,
                 const int* visible, std::vector<float>* probs, std::vector<float>* out) {
   const int d = m.head_dim;
-  probs->assign(static_cast<size_t>(rows) * n, 0.0f);
-  out->assign(static_cast<size_t>(rows) * d, 0.0f);
-  if (rows == 0 || n == 0) return;
+  probs->resize(static_cast<size_t>(rows) * n);  // fully overwritten below (beta = 0, tails zeroed)
+  out->resize(static_cast<size_t>(rows) * d);
+  if (rows == 0 || n == 0) {
+    std::fill(out->begin(), out->end(), 0.0f);
+    return;
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, d, static_cast<float>(m.softmax_scale), q, d,
               k, d, 0.0f, probs->data(), n);
   for (int r = 0; r < rows; ++r) {
@@ -275,19 +278,30 @@ Status ComputeQuestionRef(const TraceMeta& meta, const LayerData& layer, int qid
   ref->probs.assign(h, {});
   ref->out.assign(h, {});
   std::vector<std::vector<double>> mass(h);
-  ParallelFor(h, threads, [&](int qh) {
-    std::vector<float> k, v, qs, probs, out;
-    GatherHistory(meta, layer, q, qh / m.GroupSize(), ref->hist, &k, &v);
-    QueryRows(meta, layer, qh, q.token_begin, nqa, &qs);
-    std::vector<int> vis(nqa);
-    for (int r = 0; r < nqa; ++r) vis[r] = ref->hist + r + 1;
-    AttendRows(m, qs.data(), nqa, k.data(), v.data(), ncols, vis.data(), &probs, &out);
-    mass[qh].assign(ref->hist - s.init_len, 0.0);
-    for (int r = 0; r < nqa; ++r)
-      for (int j = s.init_len; j < ref->hist; ++j)
-        mass[qh][j - s.init_len] += probs[static_cast<size_t>(r) * ncols + j];
-    ref->probs[qh].assign(probs.begin() + static_cast<size_t>(ref->nq) * ncols, probs.end());
-    ref->out[qh].assign(out.begin() + static_cast<size_t>(ref->nq) * d, out.end());
+  const int g = m.GroupSize();
+  // One product per KV head: the group's query heads are stacked, so the history keys are packed once.
+  ParallelFor(m.num_kv_heads, threads, [&](int kh) {
+    std::vector<float> k, v, qs, qh_rows, probs, out;
+    GatherHistory(meta, layer, q, kh, ref->hist, &k, &v);
+    qs.resize(static_cast<size_t>(g) * nqa * d);
+    std::vector<int> vis(static_cast<size_t>(g) * nqa);
+    for (int i = 0; i < g; ++i) {
+      QueryRows(meta, layer, kh * g + i, q.token_begin, nqa, &qh_rows);
+      std::copy(qh_rows.begin(), qh_rows.end(), qs.begin() + static_cast<size_t>(i) * nqa * d);
+      for (int r = 0; r < nqa; ++r) vis[static_cast<size_t>(i) * nqa + r] = ref->hist + r + 1;
+    }
+    AttendRows(m, qs.data(), g * nqa, k.data(), v.data(), ncols, vis.data(), &probs, &out);
+    for (int i = 0; i < g; ++i) {
+      const int qh = kh * g + i;
+      const float* p = probs.data() + static_cast<size_t>(i) * nqa * ncols;
+      mass[qh].assign(ref->hist - s.init_len, 0.0);
+      for (int r = 0; r < nqa; ++r)
+        for (int j = s.init_len; j < ref->hist; ++j)
+          mass[qh][j - s.init_len] += p[static_cast<size_t>(r) * ncols + j];
+      ref->probs[qh].assign(p + static_cast<size_t>(ref->nq) * ncols, p + static_cast<size_t>(nqa) * ncols);
+      const float* o = out.data() + static_cast<size_t>(i) * nqa * d;
+      ref->out[qh].assign(o + static_cast<size_t>(ref->nq) * d, o + static_cast<size_t>(nqa) * d);
+    }
   });
   ref->video_mass.assign(ref->hist - s.init_len, 0.0);
   for (int qh = 0; qh < h; ++qh)
@@ -398,6 +412,7 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
   std::vector<uint8_t> covered(ncols_ref, 0);
   int duplicates = 0;
   std::vector<uint8_t> seen(t, 0);
+  std::vector<int> covered_cols;  // ascending, each once (fixed summation order)
   for (int i = 0; i < n; ++i) {
     const int32_t p = ctx.trace_pos[i];
     if (seen[p]) ++duplicates;
@@ -405,6 +420,8 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
     const int col = p < ref.hist ? p : ref.hist + (p - q.token_begin);
     covered[col] = 1;
   }
+  for (int c = 0; c < ncols_ref; ++c)
+    if (covered[c]) covered_cols.push_back(c);
   std::vector<std::vector<float>> ret(h), err(h);
   ParallelFor(hkv, threads, [&](int kh) {
     std::vector<float> k(static_cast<size_t>(n) * d), v(k.size()), qs(static_cast<size_t>(na) * d), probs,
@@ -424,22 +441,27 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
       std::copy_n(vs, d, v.data() + static_cast<size_t>(i) * d);
       Rerotate(k.data() + static_cast<size_t>(i) * d, d, ctx.new_pos[i] - ctx.stored_pos[i], m.rope_theta);
     }
-    std::vector<int> vis(na);
-    for (int r = 0; r < na; ++r) vis[r] = n - na + r + 1;
-    for (int qh = kh * g; qh < (kh + 1) * g; ++qh) {
-      QueryRows(meta, layer, qh, q.token_begin + nq, na, &qs);
+    // The group's answer queries stacked: one product per KV head.
+    std::vector<int> vis(static_cast<size_t>(g) * na);
+    std::vector<float> qall(static_cast<size_t>(g) * na * d);
+    for (int gi = 0; gi < g; ++gi) {
+      QueryRows(meta, layer, kh * g + gi, q.token_begin + nq, na, &qs);
       for (int r = 0; r < na; ++r) {
         const int i = n - na + r;  // the answer token's own row
         Rerotate(qs.data() + static_cast<size_t>(r) * d, d, ctx.new_pos[i] - ctx.stored_pos[i], m.rope_theta);
+        vis[static_cast<size_t>(gi) * na + r] = n - na + r + 1;
       }
-      AttendRows(m, qs.data(), na, k.data(), v.data(), n, vis.data(), &probs, &out);
+      std::copy(qs.begin(), qs.end(), qall.begin() + static_cast<size_t>(gi) * na * d);
+    }
+    AttendRows(m, qall.data(), g * na, k.data(), v.data(), n, vis.data(), &probs, &out);
+    for (int gi = 0; gi < g; ++gi) {
+      const int qh = kh * g + gi;
       for (int r = 0; r < na; ++r) {
         const float* pf = ref.probs[qh].data() + static_cast<size_t>(r) * ncols_ref;
         double kept = 0;
-        for (int c = 0; c < ncols_ref; ++c)
-          if (covered[c]) kept += pf[c];
+        for (int c : covered_cols) kept += pf[c];
         const float* of = ref.out[qh].data() + static_cast<size_t>(r) * d;
-        const float* oc = out.data() + static_cast<size_t>(r) * d;
+        const float* oc = out.data() + (static_cast<size_t>(gi) * na + r) * d;
         double num = 0, den = 0;
         for (int j = 0; j < d; ++j) {
           num += static_cast<double>(oc[j] - of[j]) * (oc[j] - of[j]);
