@@ -146,7 +146,8 @@ int CmdListPolicies(int argc, char** argv) {
     std::cout << p.name << "\n    " << p.summary << "\n    parameters (" << p.params_type
               << "): " << (policy.ok() ? (*policy)->ParamsText() : "") << "\n";
   }
-  std::cout << "\nStreaming policies (streaming traces only; budget = retrieved visual tokens, docs/streaming.md):\n";
+  std::cout << "\nStreaming policies (streaming traces only; budget = retrieved visual tokens, "
+               "docs/streaming.md):\n";
   for (const StreamPolicyInfo& p : StreamPolicyRegistry::Default().List()) {
     auto policy = StreamPolicyRegistry::Default().Create(p.name);
     std::cout << p.name << "\n    " << p.summary << "\n    parameters (" << p.params_type
@@ -173,8 +174,9 @@ int RunStreaming(const std::string& trace, const std::string& policy, const std:
   if (Status st = CheckStreamingPolicyName(policy); !st.ok()) return Fail(st.WithContext(trace));
   if (has_fraction)
     return Fail(Status::InvalidArgument(
-        trace + " is a streaming trace: give --budget-tokens N (retrieved visual tokens per layer and KV head) "
-                "or no budget (the policy's default), not --budget"));
+        trace +
+        " is a streaming trace: give --budget-tokens N (retrieved visual tokens per layer and KV head) "
+        "or no budget (the policy's default), not --budget"));
   if (budget_tokens < 0)
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1 (omit it for the policy default)"));
   auto res = RunStreamOne(trace, policy, sets, budget_tokens, RunOptions{threads, true, latency, 0});
@@ -182,11 +184,12 @@ int RunStreaming(const std::string& trace, const std::string& policy, const std:
   Status st = WriteFileAtomic(out, ToJson(*res));
   if (!st.ok()) return Fail(st);
   const StreamQuestionResult& m = res->mean();
-  std::fprintf(stderr,
-               "kvsim: %s budget %d visual tokens: retained mass %.4f, output rel. error %.4f, evidence frame "
-               "recall %.3f, CPU bank %.1f MB -> %s\n",
-               res->label().c_str(), res->budget_tokens(), m.retained_mass_mean(), m.output_rel_error_mean(),
-               m.evidence_frame_recall(), res->cpu_bank_bytes_final() / (1024.0 * 1024.0), out.c_str());
+  std::fprintf(
+      stderr,
+      "kvsim: %s budget %d visual tokens: retained mass %.4f, output rel. error %.4f, evidence frame "
+      "recall %.3f, CPU bank %.1f MB -> %s\n",
+      res->label().c_str(), res->budget_tokens(), m.retained_mass_mean(), m.output_rel_error_mean(),
+      m.evidence_frame_recall(), res->cpu_bank_bytes_final() / (1024.0 * 1024.0), out.c_str());
   return kExitOk;
 }
 
@@ -214,9 +217,9 @@ int CmdRun(int argc, char** argv) {
       "usage: kvsim run --trace T.h5 --policy P (--budget R | --budget-tokens N) [--set k=v]... --out "
       "result.json";
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
-  auto streaming = IsStreamingTrace(trace);
-  if (!streaming.ok()) return Fail(streaming.status());
-  if (*streaming)
+  // Streaming traces go to the streaming engine; a trace that cannot be opened is reported below, after the
+  // usage checks.
+  if (auto streaming = IsStreamingTrace(trace); streaming.ok() && *streaming)
     return RunStreaming(trace, policy, sets, vm.count("budget") > 0, budget_tokens, threads, latency, out);
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
@@ -344,8 +347,9 @@ int CmdSweep(int argc, char** argv) {
     if (!sres.ok()) return Fail(sres.status().WithContext(config));
     Status st = WriteStreamSweepOutputs(*sres, out);
     if (!st.ok()) return Fail(st);
-    std::fprintf(stderr, "kvsim: %d streaming runs -> %s/{results.json,results.csv,questions.csv,memory.csv,"
-                         "summary.md}\n",
+    std::fprintf(stderr,
+                 "kvsim: %d streaming runs -> %s/{results.json,results.csv,questions.csv,memory.csv,"
+                 "summary.md}\n",
                  sres->runs_size(), out.c_str());
     return kExitOk;
   }
