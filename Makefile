@@ -62,9 +62,10 @@ demo: cli $(DEMO_TRACE) $(STREAM_TRACE)
 	@echo "Results: $(DEMO_DIR)/results/{summary.md,results.json,results.csv}"
 	@echo "Streaming: $(DEMO_DIR)/streaming/{summary.md,results.json,results.csv,questions.csv,memory.csv}"
 
-bench: cli $(DEMO_TRACE)
+bench: cli $(DEMO_TRACE) $(STREAM_TRACE)
 	cmake --build $(BUILD) -j $(JOBS) --target kvsim_bench
 	$(BUILD)/kvsim_bench --trace $(DEMO_TRACE)
+	$(BUILD)/kvsim_bench --trace $(STREAM_TRACE)
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cc' '*.cuh' '*.cu')

@@ -68,8 +68,6 @@ StatusOr<config::Experiment> LoadExperiment(const std::string& path) {
   if (e.policies().empty())
     return Status::InvalidArgument(path +
                                    ": field 'policies' is empty; add e.g. policies { name: \"snapkv\" }");
-  if (e.budgets().empty() && e.budget_tokens().empty())
-    return Status::InvalidArgument(path + ": no budgets; set 'budgets' (fractions) or 'budget_tokens'");
   for (double b : e.budgets())
     if (!(b > 0 && b <= 1))
       return Status::InvalidArgument(
@@ -87,6 +85,8 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
   const QuestionMode mode = experiment.question_mode() == config::QUERY_AGNOSTIC
                                 ? QuestionMode::kQueryAgnostic
                                 : QuestionMode::kQueryAware;
+  if (experiment.budgets().empty() && experiment.budget_tokens().empty())
+    return Status::InvalidArgument("no budgets; set 'budgets' (fractions) or 'budget_tokens'");
   // Policies × budgets, built and validated once.
   std::vector<RunSpec> runs;
   for (const config::PolicySpec& ps : experiment.policies()) {

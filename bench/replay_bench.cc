@@ -3,7 +3,10 @@
 //   baseline:   the baseline sweep (full, streaming_llm, h2o, snapkv, pyramidkv, oracle x budgets
 //               5/10/20/50%): read-only pass (I/O + decode floor), the sweep on 1 thread, on all threads;
 //   multimodal: the cost of merging and of the multimodal policies, each x budgets 5/10/20/50% on all
-//               threads, as a ratio to snapkv over the same budgets.
+//               threads, as a ratio to snapkv over the same budgets;
+//   streaming:  (streaming traces; the default suite for them) reading every layer and block encoding, the
+//               full-history reference alone (stream_full), rekv / mukv x 3 budgets, and the demo sweep on 1
+//               thread and on all threads, as ratios to stream_full.
 
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -17,9 +20,12 @@
 #include <string>
 #include <vector>
 
+#include "analysis/stream_sweep.h"
 #include "analysis/sweep.h"
 #include "policies/registry.h"
+#include "policies/stream_registry.h"
 #include "sim/parallel.h"
+#include "sim/stream_replay.h"
 
 namespace po = boost::program_options;
 using namespace kvsim;
@@ -85,6 +91,90 @@ Measure InChild(Body body) {
   return Measure{msg[0], msg[1], msg[2], got && WIFEXITED(status) && WEXITSTATUS(status) == 0};
 }
 
+std::vector<StreamRunSpec> StreamRuns(const std::string& name, const std::vector<std::string>& sets,
+                                      const std::vector<int>& budgets) {
+  auto p = StreamPolicyRegistry::Default().Create(name, sets);
+  if (!p.ok()) std::abort();
+  std::vector<StreamRunSpec> runs;
+  for (int b : budgets) runs.push_back(StreamRunSpec{*p, name, b});
+  return runs;
+}
+
+int StreamingSuite(const std::string& trace_path, const TraceMeta& meta, int threads) {
+  const std::vector<int> budgets{2048, 8212, 12544};
+  auto replay = [&](std::vector<StreamRunSpec> rs, int th) {
+    return [&, rs, th]() -> double {
+      auto t = OpenTrace(trace_path);
+      if (!t.ok()) return -1;
+      StreamReplayOptions o;
+      o.threads = th;
+      auto res = ReplayStream(**t, rs, o);
+      if (!res.ok()) {
+        std::cerr << "kvsim_bench: " << res.status().message() << "\n";
+        return -1;
+      }
+      double samples = 0;
+      for (const auto& r : *res) samples += r.mean().samples() * r.questions_size();
+      return samples;
+    };
+  };
+  auto read_all = [&]() -> double {
+    auto t = OpenTrace(trace_path);
+    if (!t.ok()) return -1;
+    LayerData layer;
+    BlockLayerData block;
+    for (int l = 0; l < meta.model.num_layers; ++l) {
+      if (!(*t)->ReadLayer(l, &layer).ok()) return -1;
+      for (const BlockEncodingInfo& b : meta.stream->block_encodings)
+        if (!(*t)->ReadBlockLayer(b.granularity, l, &block).ok()) return -1;
+    }
+    return 0;
+  };
+  std::vector<StreamRunSpec> demo = StreamRuns("stream_full", {}, {0});
+  for (const char* name : {"stream_recent", "stream_uniform", "stream_oracle", "rekv", "mukv"}) {
+    auto r = StreamRuns(name, {}, budgets);
+    demo.insert(demo.end(), r.begin(), r.end());
+  }
+  auto paper = StreamRuns("mukv", {"variant=PAPER"}, budgets);
+  demo.insert(demo.end(), paper.begin(), paper.end());
+  struct Variant {
+    std::string what;
+    std::vector<StreamRunSpec> runs;
+    int threads;
+  };
+  const std::string all = std::to_string(threads) + " threads";
+  const std::vector<Variant> variants{
+      {"stream_full (reference)", StreamRuns("stream_full", {}, {0}), threads},
+      {"rekv x budgets 2048/8212/12544", StreamRuns("rekv", {}, budgets), threads},
+      {"mukv x budgets 2048/8212/12544 (plan: FFT + attention at the last layer)",
+       StreamRuns("mukv", {}, budgets), threads},
+      {"demo sweep (" + std::to_string(demo.size()) + " runs), 1 thread", demo, 1},
+      {"demo sweep (" + std::to_string(demo.size()) + " runs), " + all, demo, threads},
+  };
+  std::printf("streaming: %d frames x %d tokens, %zu questions, %zu block granularities\n\n",
+              meta.stream->num_frames, meta.stream->tokens_per_frame, meta.stream->questions.size(),
+              meta.stream->block_encodings.size());
+  std::printf("| variant | wall s | peak RSS MB | vs stream_full |\n|---|---:|---:|---:|\n");
+  const Measure io = InChild(read_all);
+  if (!io.ok) return 1;
+  double ref = 0;
+  for (const Variant& v : variants) {
+    const Measure m = InChild(replay(v.runs, v.threads));
+    if (!m.ok) {
+      std::cerr << "kvsim_bench: " << v.what << " failed\n";
+      return 1;
+    }
+    if (ref == 0) {
+      std::printf("| read every layer and block encoding only | %.2f | %.0f | %.2fx |\n", io.seconds,
+                  io.peak_rss_mb, io.seconds / m.seconds);
+      ref = m.seconds;
+    }
+    std::printf("| %s | %.2f | %.0f | %.2fx |\n", v.what.c_str(), m.seconds, m.peak_rss_mb, m.seconds / ref);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -93,7 +183,8 @@ int main(int argc, char** argv) {
   po::options_description opts("kvsim_bench options");
   opts.add_options()("help,h", "help")("trace", po::value(&trace_path)->required(), "trace (.h5)")(
       "threads", po::value(&threads)->default_value(0), "threads for the parallel variant (0 = all cores)")(
-      "suite", po::value(&suite)->default_value("all"), "baseline | multimodal | all");
+      "suite", po::value(&suite)->default_value("all"),
+      "baseline | multimodal | streaming | all (streaming traces: streaming)");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, opts), vm);
@@ -116,6 +207,16 @@ int main(int argc, char** argv) {
   probe->reset();
   struct stat st {};
   stat(trace_path.c_str(), &st);
+  if (meta.is_streaming() || suite == "streaming") {
+    if (!meta.is_streaming()) {
+      std::cerr << "kvsim_bench: --suite streaming needs a streaming trace\n";
+      return 2;
+    }
+    std::printf("trace: %s (%s, %d layers, %d/%d heads, d %d, %.2f GB)\n", trace_path.c_str(),
+                meta.model.name.c_str(), meta.model.num_layers, meta.model.num_heads, meta.model.num_kv_heads,
+                meta.model.head_dim, st.st_size / 1e9);
+    return StreamingSuite(trace_path, meta, threads);
+  }
   const auto runs = BaselineRuns();
 
   auto read_only = [&]() -> double {

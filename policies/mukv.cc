@@ -51,6 +51,15 @@ Resolved Resolve(const P& p) {
   return r;
 }
 
+struct CompressedBank {
+  struct Block {
+    BankBlock block;
+    std::vector<float> rep;  // [Hkv * d]
+  };
+  std::vector<Block> blocks;
+  bool approximate = false;
+};
+
 class MuKVPlan : public StreamPlan {
  public:
   std::vector<std::vector<float>> reps;      // per bank block: [Hkv * d]
@@ -105,6 +114,7 @@ class MuKV : public TypedStreamPolicy<P> {
   }
 
   StatusOr<std::unique_ptr<StreamPlan>> Plan(const StreamPlanInput& in) const override;
+  StatusOr<std::shared_ptr<const CompressedBank>> Compress(const StreamPlanInput& in) const;
 
   Status SelectAtLayer(const StreamLayerInput& in, const StreamPlan& plan, int question,
                        ContextSelection* out) const override {
@@ -116,34 +126,27 @@ class MuKV : public TypedStreamPolicy<P> {
   Resolved r_;
 };
 
-StatusOr<std::unique_ptr<StreamPlan>> MuKV::Plan(const StreamPlanInput& in) const {
+// 1. Every block of every granularity compressed at the last layer, with its representative, in arrival
+// order (by ready frame, then fine to coarse). The same at every budget: shared through the plan cache.
+StatusOr<std::shared_ptr<const CompressedBank>> MuKV::Compress(const StreamPlanInput& in) const {
   const TraceMeta& meta = *in.meta;
   const ModelInfo& m = meta.model;
   const StreamInfo& s = *meta.stream;
   const int L = m.num_layers, d = m.head_dim, hkv = m.num_kv_heads, h = m.num_heads;
   const int64_t t = meta.total_tokens();
-  const double bpt = static_cast<double>(KvBytesPerToken(meta));
-  const double rep_bytes = static_cast<double>(hkv) * d * m.ModelDtypeBytes();
   const bool context_free = r_.encoding == P::CONTEXT_FREE;
-  auto plan = std::make_unique<MuKVPlan>();
-  plan->initial_gpu_bytes = s.init_len * bpt;
   auto last = in.layers->Stream(L - 1);
   if (!last.ok()) return last.status();
   const LayerData& stream = **last;
-
-  // 1. Compress every block of every granularity at the last layer; representatives.
-  struct Pending {
-    BankBlock block;
-    std::vector<float> rep;
-  };
-  std::vector<Pending> blocks;
+  auto out = std::make_shared<CompressedBank>();
+  std::vector<CompressedBank::Block>& blocks = out->blocks;
   for (size_t gi = 0; gi < r_.grans.size(); ++gi) {
     const int g = r_.grans[gi];
     auto bl = in.layers->Blocks(g, L - 1);
     if (!bl.ok()) return bl.status();
     const StreamBlockLayer& enc = *bl;
-    plan->approximate |= enc.derived;
-    if (enc.data->attention_received.empty())
+    out->approximate |= enc.derived;
+    if (enc.info->num_blocks > 0 && enc.data->attention_received.empty())
       return Status::FailedPrecondition("block encodings of granularity " + std::to_string(g) +
                                         " lack attention_received at the last layer (" +
                                         std::to_string(L - 1) + "); MuKV's attention signal needs it");
@@ -166,7 +169,7 @@ StatusOr<std::unique_ptr<StreamPlan>> MuKV::Plan(const StreamPlanInput& in) cons
         for (int j = 0; j < g; ++j)
           att[j] +=
               enc.data->attention_received[static_cast<size_t>(qh) * nb + static_cast<size_t>(b) * g + j] / h;
-      Pending p;
+      CompressedBank::Block p;
       p.block.source = context_free ? BlockSource::kEncoded : BlockSource::kStream;
       p.block.granularity = g;
       p.block.index = b;
@@ -183,14 +186,41 @@ StatusOr<std::unique_ptr<StreamPlan>> MuKV::Plan(const StreamPlanInput& in) cons
     }
   }
   // Jobs in arrival order: by ready frame, then fine to coarse.
-  std::stable_sort(blocks.begin(), blocks.end(), [](const Pending& a, const Pending& b) {
-    return a.block.ready_frame != b.block.ready_frame ? a.block.ready_frame < b.block.ready_frame
-                                                      : a.block.granularity < b.block.granularity;
-  });
+  std::stable_sort(
+      blocks.begin(), blocks.end(), [](const CompressedBank::Block& a, const CompressedBank::Block& b) {
+        return a.block.ready_frame != b.block.ready_frame ? a.block.ready_frame < b.block.ready_frame
+                                                          : a.block.granularity < b.block.granularity;
+      });
+  return std::shared_ptr<const CompressedBank>(std::move(out));
+}
+
+StatusOr<std::unique_ptr<StreamPlan>> MuKV::Plan(const StreamPlanInput& in) const {
+  const TraceMeta& meta = *in.meta;
+  const ModelInfo& m = meta.model;
+  const StreamInfo& s = *meta.stream;
+  const int L = m.num_layers, d = m.head_dim, hkv = m.num_kv_heads, h = m.num_heads;
+  const int64_t t = meta.total_tokens();
+  const double bpt = static_cast<double>(KvBytesPerToken(meta));
+  const double rep_bytes = static_cast<double>(hkv) * d * m.ModelDtypeBytes();
+  auto plan = std::make_unique<MuKVPlan>();
+  plan->initial_gpu_bytes = s.init_len * bpt;
+  auto compute = [&]() -> StatusOr<StreamPlanCache::Value> {
+    auto c = Compress(in);
+    if (!c.ok()) return c.status();
+    return StreamPlanCache::Value(*c);
+  };
+  auto cached = in.cache ? in.cache->GetOrCompute(this, "compressed_bank", compute) : compute();
+  if (!cached.ok()) return cached.status();
+  const auto& compressed = *static_cast<const CompressedBank*>(cached->get());
+  const auto& blocks = compressed.blocks;
+  plan->approximate = compressed.approximate;
+  auto last = in.layers->Stream(L - 1);
+  if (!last.ok()) return last.status();
+  const LayerData& stream = **last;
   double cpu = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     plan->bank.push_back(blocks[i].block);
-    plan->reps.push_back(std::move(blocks[i].rep));
+    plan->reps.push_back(blocks[i].rep);
     cpu += blocks[i].block.kept.size() * bpt + rep_bytes;
     EncodeJob j;
     j.ready_frame = blocks[i].block.ready_frame;

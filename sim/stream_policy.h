@@ -10,8 +10,10 @@
 // metrics.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -113,11 +115,45 @@ class StreamLayerAccess {
   virtual StatusOr<StreamBlockLayer> Blocks(int granularity, int layer) = 0;
 };
 
+// Work a policy shares between the runs of one replay (MuKV's compressed bank is the same at every budget):
+// GetOrCompute runs `compute` once per (owner, key) — concurrent callers of the same key wait for it — and
+// hands every caller the same value. Lives for one ReplayStream call.
+class StreamPlanCache {
+ public:
+  using Value = std::shared_ptr<const void>;
+  StatusOr<Value> GetOrCompute(const void* owner, const std::string& key,
+                               const std::function<StatusOr<Value>()>& compute) {
+    Entry* e;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      e = &entries_[{owner, key}];
+    }
+    std::lock_guard<std::mutex> lock(e->mu);
+    if (!e->done) {
+      auto v = compute();
+      if (!v.ok()) return v.status();
+      e->value = *v;
+      e->done = true;
+    }
+    return e->value;
+  }
+
+ private:
+  struct Entry {
+    std::mutex mu;
+    bool done = false;
+    Value value;
+  };
+  std::mutex mu_;
+  std::map<std::pair<const void*, std::string>, Entry> entries_;
+};
+
 struct StreamPlanInput {
   const TraceMeta* meta = nullptr;
   int budget_tokens = 0;  // retrieved visual tokens per layer and KV head; 0 = the policy's default
   StreamLayerAccess* layers = nullptr;
   int threads = 1;
+  StreamPlanCache* cache = nullptr;  // set by the engine; null = nothing shared (direct calls in tests)
 };
 
 // What SelectAtLayer sees: this layer's continuous K/V/Q and the block encodings the policy asked for.

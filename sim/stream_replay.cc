@@ -226,6 +226,12 @@ class Access : public StreamLayerAccess {
   std::map<int, BlockEncodingInfo> derived_info_;
 };
 
+// Per-worker scratch, reused across calls: the buffers are tens of MB, and fresh allocations cost page
+// faults and zeroing on every (question, layer, run).
+struct Scratch {
+  std::vector<float> k, v, qs, qh_rows, probs, out, qall;
+};
+
 // ---- Per-question reference (shared by every run) ----
 
 struct QuestionRef {
@@ -266,7 +272,7 @@ void QueryRows(const TraceMeta& meta, const LayerData& layer, int qh, int32_t fi
 }
 
 Status ComputeQuestionRef(const TraceMeta& meta, const LayerData& layer, int qidx, int threads,
-                          QuestionRef* ref) {
+                          std::vector<Scratch>* scratch, QuestionRef* ref) {
   const StreamInfo& s = *meta.stream;
   const StreamQuestion& q = s.questions[qidx];
   const ModelInfo& m = meta.model;
@@ -280,8 +286,9 @@ Status ComputeQuestionRef(const TraceMeta& meta, const LayerData& layer, int qid
   std::vector<std::vector<double>> mass(h);
   const int g = m.GroupSize();
   // One product per KV head: the group's query heads are stacked, so the history keys are packed once.
-  ParallelFor(m.num_kv_heads, threads, [&](int kh) {
-    std::vector<float> k, v, qs, qh_rows, probs, out;
+  ParallelForWorkers(m.num_kv_heads, threads, [&](int kh, int w) {
+    Scratch& sc = (*scratch)[w];
+    auto &k = sc.k, &v = sc.v, &qs = sc.qs, &qh_rows = sc.qh_rows, &probs = sc.probs, &out = sc.out;
     GatherHistory(meta, layer, q, kh, ref->hist, &k, &v);
     qs.resize(static_cast<size_t>(g) * nqa * d);
     std::vector<int> vis(static_cast<size_t>(g) * nqa);
@@ -398,9 +405,10 @@ Status Assemble(const TraceMeta& meta, const StreamLayerInput& in, const StreamP
 }
 
 // Attends the answer queries over the assembled context for every query head; accumulates metrics.
+// Runs on one worker (the caller parallelises over runs).
 void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const StreamLayerInput& in,
                      const AssembledContext& ctx, const StreamQuestion& q, const QuestionRef& ref,
-                     int threads, QuestionAccum* acc) {
+                     Scratch* sc, QuestionAccum* acc) {
   const ModelInfo& m = meta.model;
   const StreamInfo& s = *meta.stream;
   const int d = m.head_dim, h = m.num_heads, hkv = m.num_kv_heads, g = m.GroupSize();
@@ -423,9 +431,10 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
   for (int c = 0; c < ncols_ref; ++c)
     if (covered[c]) covered_cols.push_back(c);
   std::vector<std::vector<float>> ret(h), err(h);
-  ParallelFor(hkv, threads, [&](int kh) {
-    std::vector<float> k(static_cast<size_t>(n) * d), v(k.size()), qs(static_cast<size_t>(na) * d), probs,
-        out;
+  auto &k = sc->k, &v = sc->v, &qs = sc->qs, &probs = sc->probs, &out = sc->out, &qall = sc->qall;
+  for (int kh = 0; kh < hkv; ++kh) {
+    k.resize(static_cast<size_t>(n) * d);
+    v.resize(k.size());
     for (int i = 0; i < n; ++i) {
       const float *ks, *vs;
       if (ctx.source[i] == 0) {
@@ -443,7 +452,7 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
     }
     // The group's answer queries stacked: one product per KV head.
     std::vector<int> vis(static_cast<size_t>(g) * na);
-    std::vector<float> qall(static_cast<size_t>(g) * na * d);
+    qall.resize(static_cast<size_t>(g) * na * d);
     for (int gi = 0; gi < g; ++gi) {
       QueryRows(meta, layer, kh * g + gi, q.token_begin + nq, na, &qs);
       for (int r = 0; r < na; ++r) {
@@ -471,7 +480,7 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
         err[qh].push_back(static_cast<float>(den > 0 ? std::sqrt(num / den) : std::sqrt(num)));
       }
     }
-  });
+  }
   for (int qh = 0; qh < h; ++qh) {
     acc->retained.insert(acc->retained.end(), ret[qh].begin(), ret[qh].end());
     acc->err.insert(acc->err.end(), err[qh].begin(), err[qh].end());
@@ -667,28 +676,31 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
     grans.insert(req.granularities.begin(), req.granularities.end());
   }
   Access access(&trace, needs_attention);
+  std::vector<Scratch> scratch(threads);
 
-  // 1. Plans.
+  // 1. Plans, in parallel over runs (work shared between runs goes through the plan cache).
   std::vector<RunState> states(runs.size());
-  for (size_t i = 0; i < runs.size(); ++i) {
+  StreamPlanCache cache;
+  std::vector<Status> plan_status(runs.size());
+  ParallelForWorkers(static_cast<int>(runs.size()), threads, [&](int i, int) {
     RunState& st = states[i];
     st.spec = &runs[i];
     st.budget = runs[i].budget_tokens > 0 ? runs[i].budget_tokens : runs[i].policy->DefaultBudgetTokens(meta);
-    StreamPlanInput in{&meta, st.budget, &access, threads};
+    StreamPlanInput in{&meta, st.budget, &access, 1, &cache};
     auto plan = runs[i].policy->Plan(in);
-    if (!plan.ok()) return plan.status().WithContext("run '" + runs[i].label + "'");
+    if (!plan.ok()) {
+      plan_status[i] = plan.status().WithContext("run '" + runs[i].label + "'");
+      return;
+    }
     st.plan = std::move(*plan);
-    st.plan->approximate |= [&] {
-      for (int g : runs[i].policy->requirements().granularities)
-        if (!s.FindBlocks(g)) return true;
-      return false;
-    }();
+    for (int g : runs[i].policy->requirements().granularities) st.plan->approximate |= !s.FindBlocks(g);
     st.available.assign(nq, std::vector<uint8_t>(st.plan->bank.size(), 0));
     for (int q = 0; q < nq; ++q)
       for (size_t b = 0; b < st.plan->bank.size(); ++b)
         st.available[q][b] = st.plan->bank[b].ready_frame < s.questions[q].frames_before;
     st.acc.assign(nq, {});
-  }
+  });
+  for (const Status& st : plan_status) KVSIM_RETURN_IF_ERROR(st);
 
   // 2. The per-layer pass.
   for (int l = 0; l < L; ++l) {
@@ -709,8 +721,11 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
     for (int qi = 0; qi < nq; ++qi) {
       const StreamQuestion& q = s.questions[qi];
       QuestionRef ref;
-      KVSIM_RETURN_IF_ERROR(ComputeQuestionRef(meta, layer, qi, threads, &ref));
-      for (RunState& st : states) {
+      KVSIM_RETURN_IF_ERROR(ComputeQuestionRef(meta, layer, qi, threads, &scratch, &ref));
+      // Runs in parallel (each run's selection, assembly and metrics are its own).
+      std::vector<Status> status(states.size());
+      ParallelForWorkers(static_cast<int>(states.size()), threads, [&](int ri, int w) {
+        RunState& st = states[ri];
         StreamLayerInput in = base;
         in.budget_tokens = st.budget;
         in.available = st.available[qi];
@@ -718,12 +733,16 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
         Status ss = st.spec->policy->requirements().oracle
                         ? st.spec->policy->SelectWithHindsight(in, *st.plan, qi, ref.video_mass, &sel)
                         : st.spec->policy->SelectAtLayer(in, *st.plan, qi, &sel);
-        if (!ss.ok()) return ss.WithContext("run '" + st.spec->label + "'");
+        const std::string who = "run '" + st.spec->label + "'";
+        if (!ss.ok()) {
+          status[ri] = ss.WithContext(who);
+          return;
+        }
         AssembledContext ctx;
-        KVSIM_RETURN_IF_ERROR(
-            Assemble(meta, in, *st.plan, sel, q, st.available[qi], "run '" + st.spec->label + "'", &ctx));
-        EvaluateContext(meta, layer, in, ctx, q, ref, threads, &st.acc[qi]);
-      }
+        status[ri] = Assemble(meta, in, *st.plan, sel, q, st.available[qi], who, &ctx);
+        if (status[ri].ok()) EvaluateContext(meta, layer, in, ctx, q, ref, &scratch[w], &st.acc[qi]);
+      });
+      for (const Status& st : status) KVSIM_RETURN_IF_ERROR(st);
     }
   }
   if (options.progress) std::fprintf(stderr, "\n");
@@ -731,7 +750,6 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
   // 3. Timelines and results.
   auto tokens_latency = MakeTokenStepLatencyModel();
   const LatencyModel& latency = options.latency ? *options.latency : *tokens_latency;
-  const double bpt = static_cast<double>(KvBytesPerToken(meta));
   std::vector<StreamRunResult> results;
   for (RunState& st : states) {
     std::vector<double> ctx_tokens(nq, 0);

@@ -354,7 +354,7 @@ int CmdSweep(int argc, char** argv) {
     return kExitOk;
   }
   auto res = RunSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, prefill_chunk});
-  if (!res.ok()) return Fail(res.status());
+  if (!res.ok()) return Fail(res.status().WithContext(config));
   Status st = WriteSweepOutputs(*res, out);
   if (!st.ok()) return Fail(st);
   std::fprintf(stderr, "kvsim: %d runs -> %s/{results.json,results.csv,summary.md}\n", res->runs_size(),

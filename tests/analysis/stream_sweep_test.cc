@@ -53,7 +53,7 @@ TEST_CASE("stream cli: inspect summarises the stream, run writes a streaming res
                               &out) == 0);
   const std::string json = ReadAll(res);
   CHECK(json.find("\"policy\": \"mukv\"") != std::string::npos);
-  CHECK(json.find("\"evidenceFrameRecall\"") != std::string::npos);
+  CHECK(json.find("\"evidence_frame_recall\"") != std::string::npos);
   CHECK(json.find("\"memory\"") != std::string::npos);
   // Same run at 2 threads: identical bytes.
   const std::string res2 = dir + "/mukv2.json";
@@ -81,7 +81,8 @@ TEST_CASE("stream cli: bad input gives one-line errors and no output", "[stream_
   };
   fails("run --trace " + TinyStream() + " --policy rekv --budget 0.2", "give --budget-tokens");
   fails("run --trace " + TinyStream() + " --policy snapkv --budget-tokens 8", "is not a streaming policy");
-  fails("run --trace " + TinyStream() + " --policy mukv --budget-tokens 8", "int(g * keep) must be >= 1");
+  fails("run --trace " + TinyStream() + " --policy mukv --set granularities=4,16,64 --budget-tokens 8",
+        "int(g * keep) must be >= 1");
   fails("run --trace " + TinyStream() + " --policy mukv --set granularities=4,16 --budget-tokens 8",
         "one value per granularity");
   // A streaming policy on a plain trace.

@@ -1,0 +1,40 @@
+#include "sim/parallel.h"
+
+#include <catch2/catch.hpp>
+#include <set>
+#include <vector>
+
+namespace kvsim {
+
+TEST_CASE("ParallelFor runs every item once", "[parallel]") {
+  for (int threads : {1, 2, 5}) {
+    std::vector<int> hits(37, 0);
+    ParallelFor(37, threads, [&](int i) { hits[i] += 1; });
+    for (int h : hits) CHECK(h == 1);
+  }
+}
+
+TEST_CASE("ParallelForWorkers: every item once, worker ids in range and owned by one thread", "[parallel]") {
+  for (int threads : {1, 3}) {
+    std::vector<int> hits(50, 0), worker(50, -1);
+    ParallelForWorkers(50, threads, [&](int i, int w) {
+      hits[i] += 1;
+      worker[i] = w;
+    });
+    std::set<int> used;
+    for (int i = 0; i < 50; ++i) {
+      CHECK(hits[i] == 1);
+      CHECK(worker[i] >= 0);
+      CHECK(worker[i] < threads);
+      used.insert(worker[i]);
+    }
+    if (threads == 1) CHECK(used == std::set<int>{0});
+  }
+  // Fewer items than threads: worker ids stay below the item count.
+  std::vector<int> w(2, -1);
+  ParallelForWorkers(2, 8, [&](int i, int wk) { w[i] = wk; });
+  CHECK(w[0] < 2);
+  CHECK(w[1] < 2);
+}
+
+}  // namespace kvsim
