@@ -570,10 +570,30 @@ Status WriteAttr(hid_t file, const char* name, const std::string& v) {
                    : WriteError(std::string("root attribute '") + name + "'");
 }
 
+// Creation property lists without object modification times, so the same trace written twice is the same
+// bytes (and so has the same hash in results). Created once, never closed.
+hid_t UntimedGroupCreation() {
+  static const hid_t gcpl = [] {
+    const hid_t p = H5Pcreate(H5P_GROUP_CREATE);
+    if (p >= 0) H5Pset_obj_track_times(p, 0);
+    return p;
+  }();
+  return gcpl;
+}
+hid_t UntimedDatasetCreation() {
+  static const hid_t dcpl = [] {
+    const hid_t p = H5Pcreate(H5P_DATASET_CREATE);
+    if (p >= 0) H5Pset_obj_track_times(p, 0);
+    return p;
+  }();
+  return dcpl;
+}
+
 // Creates and writes dataset `name` (relative to `loc`) in one H5Dwrite.
 Status WriteDataset(hid_t loc, const std::string& name, hid_t file_type, hid_t mem_type,
                     const std::vector<hsize_t>& dims, const void* data, hid_t dcpl = H5P_DEFAULT) {
   Hid space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
+  if (dcpl == H5P_DEFAULT) dcpl = UntimedDatasetCreation();
   Hid ds(space.ok() ? H5Dcreate2(loc, name.c_str(), file_type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT) : -1,
          H5Dclose);
   if (!ds.ok() || H5Dwrite(ds, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
@@ -596,8 +616,9 @@ Status WriteNamesAttr(hid_t file, const char* dataset, const char* names) {
 // Writes /streaming and the /streaming_blocks skeleton (attrs and token positions; the per-layer tensors are
 // written by WriteLayer).
 Status WriteStream(hid_t file, const StreamInfo& s) {
-  Hid g(H5Gcreate2(file, "/streaming", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
-  Hid qg(g.ok() ? H5Gcreate2(file, "/streaming/questions", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT) : -1,
+  Hid g(H5Gcreate2(file, "/streaming", H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT), H5Gclose);
+  Hid qg(g.ok() ? H5Gcreate2(file, "/streaming/questions", H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT)
+                : -1,
          H5Gclose);
   if (!qg.ok()) return WriteError("group '/streaming'");
   KVSIM_RETURN_IF_ERROR(WriteAttr(g, "fps", s.fps));
@@ -629,7 +650,7 @@ Status WriteStream(hid_t file, const StreamInfo& s) {
   KVSIM_RETURN_IF_ERROR(
       WriteDataset(qg, "evidence_frames", H5T_STD_I32LE, H5T_NATIVE_INT32, {ev.size()}, ev.data()));
   if (s.block_encodings.empty()) return Status::Ok();
-  Hid bg(H5Gcreate2(file, "/streaming_blocks", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+  Hid bg(H5Gcreate2(file, "/streaming_blocks", H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT), H5Gclose);
   if (!bg.ok()) return WriteError("group '/streaming_blocks'");
   KVSIM_RETURN_IF_ERROR(WriteAttr(bg, "init_len", static_cast<long long>(s.init_len)));
   std::vector<long long> gran;
@@ -645,7 +666,7 @@ Status WriteStream(hid_t file, const StreamInfo& s) {
   }
   for (const BlockEncodingInfo& b : s.block_encodings) {
     const std::string name = BlockGroupName(b.granularity);
-    Hid gg(H5Gcreate2(file, name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    Hid gg(H5Gcreate2(file, name.c_str(), H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT), H5Gclose);
     if (!gg.ok()) return WriteError("group '" + name + "'");
     KVSIM_RETURN_IF_ERROR(WriteAttr(gg, "granularity", static_cast<long long>(b.granularity)));
     KVSIM_RETURN_IF_ERROR(WriteAttr(gg, "num_blocks", static_cast<long long>(b.num_blocks)));
@@ -687,11 +708,11 @@ Status WriteMeta(hid_t file, const TraceMeta& m) {
       WriteAttr(file, "has_prefill_column_sums", static_cast<long long>(m.has_prefill_column_sums)));
 
   for (const char* group : {"/tokens", "/queries", "/layers"}) {
-    Hid g(H5Gcreate2(file, group, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    Hid g(H5Gcreate2(file, group, H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT), H5Gclose);
     if (!g.ok()) return WriteError(std::string("group '") + group + "'");
   }
   if (m.has_prefill_column_sums) {
-    Hid g(H5Gcreate2(file, "/aggregates", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    Hid g(H5Gcreate2(file, "/aggregates", H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT), H5Gclose);
     if (!g.ok()) return WriteError("group '/aggregates'");
   }
   KVSIM_RETURN_IF_ERROR(
@@ -908,7 +929,8 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
   }
   Hid half_type = HalfType();
   const std::string group = LayerName("/layers", layer.layer);
-  Hid g(half_type.ok() ? H5Gcreate2(file_, group.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT) : -1,
+  Hid g(half_type.ok() ? H5Gcreate2(file_, group.c_str(), H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT)
+                       : -1,
         H5Gclose);
   if (!g.ok()) return WriteError("group '" + group + "'").WithContext(path_);
 
@@ -916,8 +938,8 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
                              hsize_t rows, const std::vector<float>& data) {
     const hsize_t chunk[3] = {1, std::min<hsize_t>(rows, options_.chunk_tokens), d};
     Hid dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
-    bool ok =
-        dcpl.ok() && H5Pset_chunk(dcpl, 3, chunk) >= 0 && H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER) >= 0;
+    bool ok = dcpl.ok() && H5Pset_chunk(dcpl, 3, chunk) >= 0 &&
+              H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER) >= 0 && H5Pset_obj_track_times(dcpl, 0) >= 0;
     if (ok && options_.compression_level > 0)
       ok = H5Pset_shuffle(dcpl) >= 0 && H5Pset_deflate(dcpl, options_.compression_level) >= 0;
     if (!ok) return WriteError("dataset '" + group + "/" + name + "'");
@@ -938,7 +960,7 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
   if (st.ok()) st = write_tensor("queries", h, tq, layer.queries);
   if (st.ok() && meta_.has_prefill_column_sums) {
     const std::string agg = LayerName("/aggregates", layer.layer);
-    Hid ag(H5Gcreate2(file_, agg.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    Hid ag(H5Gcreate2(file_, agg.c_str(), H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT), H5Gclose);
     st = ag.ok()
              ? WriteDataset(ag, "prefill_column_sums", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT,
                             {h, static_cast<hsize_t>(meta_.prefill_length)}, layer.prefill_column_sums.data())
@@ -948,7 +970,7 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
     const BlockLayerData& b = layer.blocks[i];
     const hsize_t bgn = static_cast<hsize_t>(meta_.stream->block_encodings[i].num_blocks) * b.granularity;
     const std::string bgroup = LayerName(BlockGroupName(b.granularity).c_str(), layer.layer);
-    Hid lg(H5Gcreate2(file_, bgroup.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    Hid lg(H5Gcreate2(file_, bgroup.c_str(), H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT), H5Gclose);
     if (!lg.ok()) {
       st = WriteError("group '" + bgroup + "'");
       break;
