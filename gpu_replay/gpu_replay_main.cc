@@ -235,9 +235,12 @@ int RunGpu(const Options& o, const ModelShape& shape, Dtype dt, const std::vecto
       if (!tp.ok()) return fail(tp.status());
       const double bytes = 2.0 * p.layout.live_tokens() * shape.head_dim * 2;
       const double gbs = bytes / (t->median * 1e-6) / 1e9;
+      std::string lens_text;  // for bench/sdpa_bench.py --lengths (the PyTorch padded-SDPA baseline)
+      for (int32_t x : lens) lens_text += (lens_text.empty() ? "" : ",") + std::to_string(x);
       Json j;
       j.Num("tokens_per_head_mean", n)
           .Num("cv", cv)
+          .Str("lengths", lens_text)
           .Timing("ragged", *t)
           .Timing("padded", *tp)
           .Num("kv_bytes", bytes)
