@@ -24,9 +24,7 @@ std::string ToJson(const google::protobuf::Message& msg) {
   return out;
 }
 
-namespace {
-
-std::string Num(double v, int prec = 6) {
+std::string FormatNumber(double v, int prec) {
   std::ostringstream os;
   os << std::setprecision(prec) << v;
   return os.str();
@@ -38,6 +36,10 @@ std::string CsvField(const std::string& s) {
   for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
   return out + "\"";
 }
+
+namespace {
+
+std::string Num(double v, int prec = 6) { return FormatNumber(v, prec); }
 
 void MetricColumns(const Metrics& m, std::ostringstream& os) {
   const double v[] = {m.retained_mass_mean(),
@@ -208,6 +210,41 @@ Status WriteFileAtomic(const std::string& path, const std::string& content) {
     return Status::InvalidArgument(path + ": cannot move the finished file into place: " + ec.message());
   }
   return Status::Ok();
+}
+
+Status WriteOutputFolder(const std::string& out_dir,
+                         const std::vector<std::pair<std::string, std::string>>& files) {
+  namespace fs = std::filesystem;
+  const fs::path final_dir(out_dir);
+  std::error_code ec;
+  if (fs::exists(final_dir, ec)) {
+    if (!fs::is_directory(final_dir, ec))
+      return Status::InvalidArgument(out_dir + ": exists and is not a folder; choose another --out");
+    for (const auto& entry : fs::directory_iterator(final_dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      bool ours = false;
+      for (const auto& f : files) ours |= name == f.first;
+      if (!ours)
+        return Status::InvalidArgument(out_dir + ": folder holds '" + name +
+                                       "', which is not a kvsim sweep output; choose an empty or new --out");
+    }
+  }
+  const fs::path tmp = fs::path(out_dir + ".tmp." + std::to_string(::getpid()));
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  if (ec) return Status::InvalidArgument(out_dir + ": cannot create the output folder: " + ec.message());
+  Status st = Status::Ok();
+  for (const auto& [name, content] : files) {
+    st = WriteFileAtomic((tmp / name).string(), content);
+    if (!st.ok()) break;
+  }
+  if (st.ok()) {
+    fs::remove_all(final_dir, ec);
+    fs::rename(tmp, final_dir, ec);
+    if (ec) st = Status::InvalidArgument(out_dir + ": cannot move results into place: " + ec.message());
+  }
+  if (!st.ok()) fs::remove_all(tmp, ec);
+  return st;
 }
 
 }  // namespace kvsim

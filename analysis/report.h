@@ -3,6 +3,7 @@
 // written to a temporary name and renamed into place, so a failed run leaves no partial output.
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sim/results.pb.h"
@@ -17,5 +18,16 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
 
 // Writes `content` to `path` atomically (temp file + rename). Error names the path.
 Status WriteFileAtomic(const std::string& path, const std::string& content);
+
+// Writes `files` (name -> content) into the folder `out_dir`, which appears only when all are written. An
+// existing `out_dir` is replaced as a whole only if it holds nothing but files with these names (an earlier
+// run's outputs); anything else there is an error, never deleted.
+Status WriteOutputFolder(const std::string& out_dir,
+                         const std::vector<std::pair<std::string, std::string>>& files);
+
+// Shared by the report writers: a number with `prec` significant digits, and a CSV field (quoted when it
+// holds a comma, quote or newline).
+std::string FormatNumber(double v, int prec = 6);
+std::string CsvField(const std::string& s);
 
 }  // namespace kvsim

@@ -18,18 +18,7 @@ namespace kvsim {
 
 namespace {
 
-std::string Num(double v, int prec = 6) {
-  std::ostringstream os;
-  os << std::setprecision(prec) << v;
-  return os.str();
-}
-
-std::string CsvField(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
-  std::string out = "\"";
-  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return out + "\"";
-}
+std::string Num(double v, int prec = 6) { return FormatNumber(v, prec); }
 
 std::string LabelFor(const std::string& name, const std::vector<std::string>& sets) {
   std::string label = name;
@@ -317,42 +306,13 @@ std::string StreamSummaryMarkdown(const std::vector<StreamRunResult>& runs, cons
 }
 
 Status WriteStreamSweepOutputs(const StreamSweepResult& result, const std::string& out_dir) {
-  namespace fs = std::filesystem;
-  const fs::path final_dir(out_dir);
-  std::error_code ec;
-  static const char* kOutputs[] = {"results.json", "results.csv", "questions.csv", "memory.csv",
-                                   "summary.md"};
-  if (fs::exists(final_dir, ec)) {
-    if (!fs::is_directory(final_dir, ec))
-      return Status::InvalidArgument(out_dir + ": exists and is not a folder; choose another --out");
-    for (const auto& entry : fs::directory_iterator(final_dir, ec)) {
-      const std::string name = entry.path().filename().string();
-      bool ours = false;
-      for (const char* o : kOutputs) ours |= name == o;
-      if (!ours)
-        return Status::InvalidArgument(out_dir + ": folder holds '" + name +
-                                       "', which is not a kvsim sweep output; choose an empty or new --out");
-    }
-  }
-  const fs::path tmp = fs::path(out_dir + ".tmp." + std::to_string(::getpid()));
-  fs::remove_all(tmp, ec);
-  fs::create_directories(tmp, ec);
-  if (ec) return Status::InvalidArgument(out_dir + ": cannot create the output folder: " + ec.message());
   const std::vector<StreamRunResult> runs(result.runs().begin(), result.runs().end());
-  Status st = WriteFileAtomic((tmp / "results.json").string(), ToJson(result));
-  if (st.ok()) st = WriteFileAtomic((tmp / "results.csv").string(), StreamResultsCsv(runs));
-  if (st.ok()) st = WriteFileAtomic((tmp / "questions.csv").string(), StreamQuestionsCsv(runs));
-  if (st.ok()) st = WriteFileAtomic((tmp / "memory.csv").string(), StreamMemoryCsv(runs));
-  if (st.ok())
-    st = WriteFileAtomic((tmp / "summary.md").string(),
-                         StreamSummaryMarkdown(runs, "kvsim streaming sweep summary"));
-  if (st.ok()) {
-    fs::remove_all(final_dir, ec);
-    fs::rename(tmp, final_dir, ec);
-    if (ec) st = Status::InvalidArgument(out_dir + ": cannot move results into place: " + ec.message());
-  }
-  if (!st.ok()) fs::remove_all(tmp, ec);
-  return st;
+  return WriteOutputFolder(out_dir,
+                           {{"results.json", ToJson(result)},
+                            {"results.csv", StreamResultsCsv(runs)},
+                            {"questions.csv", StreamQuestionsCsv(runs)},
+                            {"memory.csv", StreamMemoryCsv(runs)},
+                            {"summary.md", StreamSummaryMarkdown(runs, "kvsim streaming sweep summary")}});
 }
 
 }  // namespace kvsim

@@ -132,36 +132,10 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
 }
 
 Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir) {
-  namespace fs = std::filesystem;
-  const fs::path final_dir(out_dir);
-  std::error_code ec;
-  // Only ever replace a folder that holds nothing but an earlier sweep's outputs.
-  if (fs::exists(final_dir, ec)) {
-    if (!fs::is_directory(final_dir, ec))
-      return Status::InvalidArgument(out_dir + ": exists and is not a folder; choose another --out");
-    for (const auto& entry : fs::directory_iterator(final_dir, ec)) {
-      const std::string name = entry.path().filename().string();
-      if (name != "results.json" && name != "results.csv" && name != "summary.md")
-        return Status::InvalidArgument(out_dir + ": folder holds '" + name +
-                                       "', which is not a kvsim sweep output; choose an empty or new --out");
-    }
-  }
-  const fs::path tmp = fs::path(out_dir + ".tmp." + std::to_string(::getpid()));
-  fs::remove_all(tmp, ec);
-  fs::create_directories(tmp, ec);
-  if (ec) return Status::InvalidArgument(out_dir + ": cannot create the output folder: " + ec.message());
   const std::vector<RunResult> runs(result.runs().begin(), result.runs().end());
-  Status st = WriteFileAtomic((tmp / "results.json").string(), ToJson(result));
-  if (st.ok()) st = WriteFileAtomic((tmp / "results.csv").string(), ResultsCsv(runs));
-  if (st.ok())
-    st = WriteFileAtomic((tmp / "summary.md").string(), SummaryMarkdown(runs, "kvsim sweep summary"));
-  if (st.ok()) {
-    fs::remove_all(final_dir, ec);
-    fs::rename(tmp, final_dir, ec);
-    if (ec) st = Status::InvalidArgument(out_dir + ": cannot move results into place: " + ec.message());
-  }
-  if (!st.ok()) fs::remove_all(tmp, ec);
-  return st;
+  return WriteOutputFolder(out_dir, {{"results.json", ToJson(result)},
+                                     {"results.csv", ResultsCsv(runs)},
+                                     {"summary.md", SummaryMarkdown(runs, "kvsim sweep summary")}});
 }
 
 }  // namespace kvsim
