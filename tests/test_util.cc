@@ -5,7 +5,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <random>
+#include <sstream>
 
 namespace kvsim::testing {
 
@@ -65,6 +67,13 @@ std::string ScratchDir(const std::string& name) {
   fs::remove_all(p);
   fs::create_directories(p);
   return p.string();
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
 }
 
 std::string KvsimBinary() { return KVSIM_BINARY; }

@@ -32,6 +32,9 @@ std::string ScratchDir(const std::string& name);
 std::string KvsimBinary();
 std::string SourceDir();
 
+// The whole content of a file ("" if it cannot be read).
+std::string ReadFile(const std::string& path);
+
 // Runs a shell command, returns its exit status; stdout+stderr captured into *output if given.
 int RunCommand(const std::string& cmd, std::string* output = nullptr);
 

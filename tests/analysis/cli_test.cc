@@ -19,12 +19,7 @@ namespace fs = std::filesystem;
 
 std::string Kvsim() { return testing::KvsimBinary(); }
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string ReadAll(const std::string& path) { return testing::ReadFile(path); }
 
 // A tiny synthetic trace shared by the tests of this file.
 const std::string& TinyTrace() {

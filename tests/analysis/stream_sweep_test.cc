@@ -16,12 +16,7 @@ namespace fs = std::filesystem;
 
 std::string Kvsim() { return testing::KvsimBinary(); }
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string ReadAll(const std::string& path) { return testing::ReadFile(path); }
 
 int Lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
 
