@@ -20,21 +20,6 @@ namespace {
 
 std::string Num(double v, int prec = 6) { return FormatNumber(v, prec); }
 
-std::string LabelFor(const std::string& name, const std::vector<std::string>& sets) {
-  std::string label = name;
-  for (const auto& s : sets) label += " " + s;
-  return label;
-}
-
-std::string ResolvePath(const std::string& t, const std::string& base_dir) {
-  return std::filesystem::path(t).is_relative() ? (std::filesystem::path(base_dir) / t).string() : t;
-}
-
-StatusOr<std::unique_ptr<LatencyModel>> MaybeLatency(const std::string& path) {
-  if (path.empty()) return MakeTokenStepLatencyModel();
-  return LoadLatencyModel(path);
-}
-
 double Mb(double bytes) { return bytes / (1024.0 * 1024.0); }
 
 }  // namespace
@@ -59,7 +44,7 @@ StatusOr<bool> IsStreamingTrace(const std::string& path) {
 StatusOr<bool> ExperimentIsStreaming(const config::Experiment& experiment, const std::string& base_dir) {
   int streaming = 0, plain = 0;
   for (const std::string& t : experiment.traces()) {
-    KVSIM_ASSIGN_OR_RETURN(bool s, IsStreamingTrace(ResolvePath(t, base_dir)));
+    KVSIM_ASSIGN_OR_RETURN(bool s, IsStreamingTrace(ResolveExperimentPath(t, base_dir)));
     (s ? streaming : plain) += 1;
   }
   if (streaming > 0 && plain > 0)
@@ -74,9 +59,9 @@ StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std:
                                        const RunOptions& options) {
   KVSIM_RETURN_IF_ERROR(CheckStreamingPolicyName(policy).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(auto p, StreamPolicyRegistry::Default().Create(policy, sets));
-  KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(options.latency_model));
+  KVSIM_ASSIGN_OR_RETURN(auto latency, LatencyModelOrTokenSteps(options.latency_model));
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
-  std::vector<StreamRunSpec> runs{StreamRunSpec{p, LabelFor(policy, sets), budget_tokens}};
+  std::vector<StreamRunSpec> runs{StreamRunSpec{p, RunLabel(policy, sets), budget_tokens}};
   KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
   StreamReplayOptions ro{options.threads, latency.get(), options.progress, hash, trace_path};
@@ -96,7 +81,7 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
     KVSIM_RETURN_IF_ERROR(CheckStreamingPolicyName(ps.name()));
     KVSIM_ASSIGN_OR_RETURN(auto policy, StreamPolicyRegistry::Default().Create(ps.name(), sets));
     const StreamPolicyInfo* info = StreamPolicyRegistry::Default().Find(ps.name());
-    const std::string label = ps.has_label() ? ps.label() : LabelFor(ps.name(), sets);
+    const std::string label = ps.has_label() ? ps.label() : RunLabel(ps.name(), sets);
     if (!info->uses_budget || experiment.budget_tokens().empty()) {
       runs.push_back(StreamRunSpec{policy, label, 0});
       continue;
@@ -106,12 +91,12 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
   std::string latency_path =
       options.latency_model.empty() ? experiment.latency_model() : options.latency_model;
   if (!latency_path.empty() && options.latency_model.empty())
-    latency_path = ResolvePath(latency_path, base_dir);
-  KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(latency_path));
+    latency_path = ResolveExperimentPath(latency_path, base_dir);
+  KVSIM_ASSIGN_OR_RETURN(auto latency, LatencyModelOrTokenSteps(latency_path));
   std::vector<std::string> paths;
   std::vector<std::unique_ptr<TraceSource>> traces;
   for (const std::string& t : experiment.traces()) {
-    const std::string path = ResolvePath(t, base_dir);
+    const std::string path = ResolveExperimentPath(t, base_dir);
     KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
     KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(path));
     paths.push_back(path);

@@ -18,19 +18,22 @@ StatusOr<std::unique_ptr<TraceSource>> OpenTrace(const std::string& path) {
   return std::unique_ptr<TraceSource>(std::move(*reader));
 }
 
-namespace {
-
-StatusOr<std::unique_ptr<LatencyModel>> MaybeLatency(const std::string& path) {
+StatusOr<std::unique_ptr<LatencyModel>> LatencyModelOrTokenSteps(const std::string& path) {
   if (path.empty()) return MakeTokenStepLatencyModel();
   return LoadLatencyModel(path);
 }
 
-// "snapkv window=16 pooling=MAX_POOL": the policy name and its overrides.
-std::string LabelFor(const std::string& name, const std::vector<std::string>& sets) {
+std::string RunLabel(const std::string& name, const std::vector<std::string>& sets) {
   std::string label = name;
   for (const auto& s : sets) label += " " + s;
   return label;
 }
+
+std::string ResolveExperimentPath(const std::string& path, const std::string& base_dir) {
+  return std::filesystem::path(path).is_relative() ? (std::filesystem::path(base_dir) / path).string() : path;
+}
+
+namespace {
 
 // A streaming policy named for a plain trace: say what it needs instead of "unknown policy".
 Status CheckNotStreamingPolicy(const std::string& name) {
@@ -49,9 +52,9 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
                            QuestionMode mode, const RunOptions& options) {
   KVSIM_RETURN_IF_ERROR(CheckNotStreamingPolicy(policy).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(auto p, PolicyRegistry::Default().Create(policy, sets));
-  KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(options.latency_model));
+  KVSIM_ASSIGN_OR_RETURN(auto latency, LatencyModelOrTokenSteps(options.latency_model));
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
-  std::vector<RunSpec> runs{RunSpec{p, LabelFor(policy, sets), budget_fraction, budget_tokens, mode}};
+  std::vector<RunSpec> runs{RunSpec{p, RunLabel(policy, sets), budget_fraction, budget_tokens, mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
   ReplayOptions ro{options.threads, latency.get(), options.progress, hash,
@@ -94,7 +97,7 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     KVSIM_RETURN_IF_ERROR(CheckNotStreamingPolicy(ps.name()));
     KVSIM_ASSIGN_OR_RETURN(auto policy, PolicyRegistry::Default().Create(ps.name(), sets));
     const PolicyInfo* info = PolicyRegistry::Default().Find(ps.name());
-    const std::string label = ps.has_label() ? ps.label() : LabelFor(ps.name(), sets);
+    const std::string label = ps.has_label() ? ps.label() : RunLabel(ps.name(), sets);
     if (!info->uses_budget) {
       runs.push_back(RunSpec{policy, label, 1.0, 0, mode});
       continue;
@@ -104,16 +107,14 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
   }
   std::string latency_path =
       options.latency_model.empty() ? experiment.latency_model() : options.latency_model;
-  if (!latency_path.empty() && std::filesystem::path(latency_path).is_relative() &&
-      options.latency_model.empty())
-    latency_path = (std::filesystem::path(base_dir) / latency_path).string();
-  KVSIM_ASSIGN_OR_RETURN(auto latency, MaybeLatency(latency_path));
+  if (!latency_path.empty() && options.latency_model.empty())
+    latency_path = ResolveExperimentPath(latency_path, base_dir);
+  KVSIM_ASSIGN_OR_RETURN(auto latency, LatencyModelOrTokenSteps(latency_path));
   // Open and check every trace before replaying anything.
   std::vector<std::string> paths;
   std::vector<std::unique_ptr<TraceSource>> traces;
   for (const std::string& t : experiment.traces()) {
-    std::string path =
-        std::filesystem::path(t).is_relative() ? (std::filesystem::path(base_dir) / t).string() : t;
+    const std::string path = ResolveExperimentPath(t, base_dir);
     KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
     KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(path));
     paths.push_back(path);

@@ -14,6 +14,14 @@ namespace kvsim {
 
 StatusOr<std::unique_ptr<TraceSource>> OpenTrace(const std::string& path);
 
+// Shared by the plain and the streaming sweeps:
+// "snapkv window=16 pooling=MAX_POOL": a policy name and its overrides, the default run label.
+std::string RunLabel(const std::string& name, const std::vector<std::string>& sets);
+// The latency model file at `path`, or token steps when `path` is empty.
+StatusOr<std::unique_ptr<LatencyModel>> LatencyModelOrTokenSteps(const std::string& path);
+// A path from an experiment file: relative paths resolve against the experiment's folder.
+std::string ResolveExperimentPath(const std::string& path, const std::string& base_dir);
+
 struct RunOptions {
   int threads = 0;
   bool progress = false;

@@ -7,25 +7,9 @@
 #include "policies/stream_pieces.h"
 #include "policies/stream_registry.h"
 #include "policies/typed_policy.h"
+#include "sim/rope.h"
 
 namespace kvsim {
-
-namespace {
-
-// Rotates x back from position `pos` to position 0 (rotate-half RoPE, frequencies inv_freq).
-void Unrope(float* x, int d, int64_t pos, const std::vector<double>& inv_freq) {
-  if (inv_freq.empty() || pos == 0) return;
-  const int half = d / 2;
-  for (int i = 0; i < half; ++i) {
-    const double a = -static_cast<double>(pos) * inv_freq[i];
-    const float c = static_cast<float>(std::cos(a)), s = static_cast<float>(std::sin(a));
-    const float u = x[i], v = x[i + half];
-    x[i] = u * c - v * s;
-    x[i + half] = v * c + u * s;
-  }
-}
-
-}  // namespace
 
 std::vector<float> ReKVFrameScores(const TraceMeta& meta, const LayerData& layer, int question,
                                    int num_frames, bool cosine) {
@@ -35,9 +19,7 @@ std::vector<float> ReKVFrameScores(const TraceMeta& meta, const LayerData& layer
   const int d = m.head_dim, h = m.num_heads, hkv = m.num_kv_heads, P = s.tokens_per_frame;
   const int64_t t = meta.total_tokens();
   const int tq = static_cast<int>(meta.query_positions.size());
-  std::vector<double> inv_freq;
-  if (m.rope_theta > 0)
-    for (int i = 0; i < d / 2; ++i) inv_freq.push_back(std::pow(m.rope_theta, -2.0 * i / d));
+  const std::vector<double> rope = RopeFrequencies(d, m.rope_theta);
   // Frame representatives per KV head: [hkv][F][d].
   std::vector<float> reps(static_cast<size_t>(hkv) * num_frames * d, 0.0f), tmp(d);
   for (int kh = 0; kh < hkv; ++kh)
@@ -46,7 +28,7 @@ std::vector<float> ReKVFrameScores(const TraceMeta& meta, const LayerData& layer
       for (int j = 0; j < P; ++j) {
         const int64_t pos = s.init_len + static_cast<int64_t>(f) * P + j;
         std::copy_n(layer.keys.data() + (kh * t + pos) * d, d, tmp.data());
-        Unrope(tmp.data(), d, meta.tokens.position_id[pos], inv_freq);
+        RotateBy(tmp.data(), d, -meta.tokens.position_id[pos], rope);  // back to pre-RoPE
         for (int x = 0; x < d; ++x) acc[x] += tmp[x];
       }
       float* r = reps.data() + (static_cast<size_t>(kh) * num_frames + f) * d;
@@ -59,7 +41,7 @@ std::vector<float> ReKVFrameScores(const TraceMeta& meta, const LayerData& layer
       const int32_t pos = q.token_begin + j;
       const int qi = meta.QueryIndex(pos);
       std::copy_n(layer.queries.data() + (static_cast<int64_t>(qh) * tq + qi) * d, d, tmp.data());
-      Unrope(tmp.data(), d, meta.tokens.position_id[pos], inv_freq);
+      RotateBy(tmp.data(), d, -meta.tokens.position_id[pos], rope);  // back to pre-RoPE
       for (int x = 0; x < d; ++x) acc[x] += tmp[x];
     }
     std::vector<float> qbar(d);

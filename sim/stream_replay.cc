@@ -13,6 +13,7 @@
 #include "sim/attention.h"
 #include "sim/event_queue.h"
 #include "sim/parallel.h"
+#include "sim/rope.h"
 #include "sim/version.h"
 
 namespace kvsim {
@@ -58,29 +59,16 @@ double Mean(const std::vector<float>& v) {
   return v.empty() ? 0 : s / v.size();
 }
 
-// Rotates x (head_dim) by `delta` positions in the rotate-half RoPE convention (traces/rope.h); rotations
-// compose, so a post-RoPE vector at position p becomes the vector at p + delta. theta <= 0: no RoPE.
-void Rerotate(float* x, int d, int64_t delta, double theta) {
-  if (theta <= 0 || delta == 0) return;
-  const int half = d / 2;
-  for (int i = 0; i < half; ++i) {
-    const double angle = static_cast<double>(delta) * std::pow(theta, -2.0 * i / d);
-    const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
-    const float a = x[i], b = x[i + half];
-    x[i] = a * c - b * s;
-    x[i + half] = b * c + a * s;
-  }
-}
-
 // Attention of R query rows over N keys; row r sees keys [0, visible[r]). probs [R][N] (zeros beyond),
-// out [R][d].
+// out [R][d]
+// (null: probabilities only, v unused).
 void AttendRows(const ModelInfo& m, const float* q, int rows, const float* k, const float* v, int n,
                 const int* visible, std::vector<float>* probs, std::vector<float>* out) {
   const int d = m.head_dim;
   probs->resize(static_cast<size_t>(rows) * n);  // fully overwritten below (beta = 0, tails zeroed)
-  out->resize(static_cast<size_t>(rows) * d);
+  if (out) out->resize(static_cast<size_t>(rows) * d);
   if (rows == 0 || n == 0) {
-    std::fill(out->begin(), out->end(), 0.0f);
+    if (out) std::fill(out->begin(), out->end(), 0.0f);
     return;
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, d, static_cast<float>(m.softmax_scale), q, d,
@@ -92,8 +80,9 @@ void AttendRows(const ModelInfo& m, const float* q, int rows, const float* k, co
     SoftmaxInPlace(row, vis);
     std::fill(row + vis, row + n, 0.0f);
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, n, 1.0f, probs->data(), n, v, d, 0.0f,
-              out->data(), d);
+  if (out)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, n, 1.0f, probs->data(), n, v, d, 0.0f,
+                out->data(), d);
 }
 
 // ---- Layer access: reads the trace, derives missing block encodings ----
@@ -119,8 +108,7 @@ Status DeriveBlockLayer(const TraceMeta& meta, const LayerData& layer, const Blo
   const int init = meta.stream->init_len;
   const int tq = static_cast<int>(meta.query_positions.size());
   out->attention_received.assign(static_cast<size_t>(h) * n, 0.0f);
-  std::vector<float> keys(static_cast<size_t>(init + g) * d), qs(static_cast<size_t>(g) * d), probs, o,
-      dummy_v(static_cast<size_t>(init + g) * d, 0.0f);
+  std::vector<float> keys(static_cast<size_t>(init + g) * d), qs(static_cast<size_t>(g) * d), probs;
   std::vector<int> vis(g);
   for (int qh = 0; qh < h; ++qh) {
     const int kh = qh / m.GroupSize();
@@ -139,7 +127,7 @@ Status DeriveBlockLayer(const TraceMeta& meta, const LayerData& layer, const Blo
         std::copy_n(layer.queries.data() + (static_cast<int64_t>(qh) * tq + qi) * d, d, qs.data() + j * d);
         vis[j] = init + j + 1;
       }
-      AttendRows(m, qs.data(), g, keys.data(), dummy_v.data(), init + g, vis.data(), &probs, &o);
+      AttendRows(m, qs.data(), g, keys.data(), nullptr, init + g, vis.data(), &probs, nullptr);
       float* dst = out->attention_received.data() + static_cast<size_t>(qh) * n + static_cast<size_t>(b) * g;
       for (int r = 0; r < g; ++r)
         for (int j = 0; j < g; ++j) dst[j] += probs[static_cast<size_t>(r) * (init + g) + init + j];
@@ -413,6 +401,7 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
   const StreamInfo& s = *meta.stream;
   const int d = m.head_dim, h = m.num_heads, hkv = m.num_kv_heads, g = m.GroupSize();
   const int64_t t = meta.total_tokens();
+  const std::vector<double> rope = RopeFrequencies(d, m.rope_theta);
   const int n = static_cast<int>(ctx.trace_pos.size());
   const int nq = q.num_question_tokens, na = q.num_answer_tokens;
   const int ncols_ref = ref.hist + nq + na;
@@ -448,7 +437,7 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
       }
       std::copy_n(ks, d, k.data() + static_cast<size_t>(i) * d);
       std::copy_n(vs, d, v.data() + static_cast<size_t>(i) * d);
-      Rerotate(k.data() + static_cast<size_t>(i) * d, d, ctx.new_pos[i] - ctx.stored_pos[i], m.rope_theta);
+      RotateBy(k.data() + static_cast<size_t>(i) * d, d, ctx.new_pos[i] - ctx.stored_pos[i], rope);
     }
     // The group's answer queries stacked: one product per KV head.
     std::vector<int> vis(static_cast<size_t>(g) * na);
@@ -457,7 +446,7 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
       QueryRows(meta, layer, kh * g + gi, q.token_begin + nq, na, &qs);
       for (int r = 0; r < na; ++r) {
         const int i = n - na + r;  // the answer token's own row
-        Rerotate(qs.data() + static_cast<size_t>(r) * d, d, ctx.new_pos[i] - ctx.stored_pos[i], m.rope_theta);
+        RotateBy(qs.data() + static_cast<size_t>(r) * d, d, ctx.new_pos[i] - ctx.stored_pos[i], rope);
         vis[static_cast<size_t>(gi) * na + r] = n - na + r + 1;
       }
       std::copy(qs.begin(), qs.end(), qall.begin() + static_cast<size_t>(gi) * na * d);

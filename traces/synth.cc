@@ -18,7 +18,7 @@
 #include "sim/text_proto.h"
 #include "sim/version.h"
 #include "traces/half.h"
-#include "traces/rope.h"
+#include "sim/rope.h"
 #include "traces/synth_rng.h"
 #include "traces/synth_streaming.h"
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "sim/trace.h"
-#include "traces/rope.h"
+#include "sim/rope.h"
 
 namespace kvsim::testing {
 

@@ -10,7 +10,7 @@
 #include "sim/version.h"
 #include "tests/test_util.h"
 #include "traces/half.h"
-#include "traces/rope.h"
+#include "sim/rope.h"
 
 namespace kvsim {
 namespace {

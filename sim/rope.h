@@ -31,6 +31,32 @@ inline void ApplyRope(float* x, int head_dim, int64_t position, double rope_thet
   }
 }
 
+// Every pair's frequency (head_dim / 2 values); empty when rope_theta <= 0 (no rotary embedding), which
+// makes RotateBy a no-op.
+inline std::vector<double> RopeFrequencies(int head_dim, double rope_theta) {
+  std::vector<double> f;
+  if (rope_theta > 0)
+    for (int i = 0; i < head_dim / 2; ++i) f.push_back(RopeFrequency(i, head_dim, rope_theta));
+  return f;
+}
+
+// Rotates a post-RoPE vector by `delta` positions (rotations compose: the vector at position p becomes the
+// vector at p + delta; delta = -p recovers the pre-RoPE vector). Same result as ApplyRope(x, head_dim, delta,
+// rope_theta) with the frequencies computed once.
+inline void RotateBy(float* x, int head_dim, int64_t delta, const std::vector<double>& freqs) {
+  if (freqs.empty() || delta == 0) return;
+  const int half = head_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const double angle = static_cast<double>(delta) * freqs[i];
+    const float c = static_cast<float>(std::cos(angle));
+    const float s = static_cast<float>(std::sin(angle));
+    const float a = x[i];
+    const float b = x[i + half];
+    x[i] = a * c - b * s;
+    x[i + half] = b * c + a * s;
+  }
+}
+
 // cos/sin of every (position, pair) of a token sequence, computed once and applied to many vectors.
 // Apply(t, x) gives exactly ApplyRope(x, head_dim, positions[t], rope_theta).
 class RopeTable {
