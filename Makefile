@@ -21,6 +21,7 @@ STREAM_CFG   := configs/synth/streaming_demo.textproto
 
 setup:
 	@bash scripts/setup.sh
+	@bash scripts/setup_python.sh
 
 $(BUILD)/Makefile: CMakeLists.txt | setup
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release

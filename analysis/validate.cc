@@ -66,16 +66,17 @@ StatusOr<ValidationReport> ValidateTrace(TraceSource& trace, int threads) {
       const float* rec = layer.prefill_column_sums.data() + static_cast<size_t>(h) * n;
       for (int j = 0; j < n; ++j) {
         const double dev = std::fabs(static_cast<double>(rec[j]) - sums[j]);
-        if (dev > abs_dev[h]) abs_dev[h] = dev, worst_key[h] = j;
-        rel_dev[h] = std::max(rel_dev[h], dev / std::max(1e-3, static_cast<double>(std::fabs(sums[j]))));
+        const double rel = dev / std::max(1.0, static_cast<double>(std::fabs(sums[j])));
+        abs_dev[h] = std::max(abs_dev[h], dev);
+        if (rel > rel_dev[h]) rel_dev[h] = rel, worst_key[h] = j;
       }
     });
     for (int h = 0; h < m.num_heads; ++h) {
-      if (abs_dev[h] > rep.max_abs_deviation) {
-        rep.max_abs_deviation = abs_dev[h];
+      if (rel_dev[h] > rep.max_rel_deviation) {
+        rep.max_rel_deviation = rel_dev[h];
         rep.worst_layer = l, rep.worst_head = h, rep.worst_key = worst_key[h];
       }
-      rep.max_rel_deviation = std::max(rep.max_rel_deviation, rel_dev[h]);
+      rep.max_abs_deviation = std::max(rep.max_abs_deviation, abs_dev[h]);
     }
   }
   return rep;
@@ -91,11 +92,13 @@ std::string ValidationReport::Text(const TraceMeta& meta, double tolerance) cons
           "last "
        << meta.query_positions.size() - meta.num_decode_steps << " prompt tokens\n";
   } else {
-    os << "aggregates: prefill_column_sums vs recomputed from Q/K: max abs deviation " << max_abs_deviation;
+    os << "aggregates: prefill_column_sums vs recomputed from Q/K: max deviation |recorded - recomputed| / "
+          "max(recomputed, 1) "
+       << max_rel_deviation;
     if (worst_layer >= 0)
       os << " (layer " << worst_layer << ", head " << worst_head << ", key " << worst_key << ")";
-    os << ", max rel deviation " << max_rel_deviation << " -> "
-       << (max_abs_deviation <= tolerance ? "ok" : "MISMATCH") << " (tolerance " << tolerance << ")\n";
+    os << ", max abs deviation " << max_abs_deviation << " -> "
+       << (max_rel_deviation <= tolerance ? "ok" : "MISMATCH") << " (tolerance " << tolerance << ")\n";
   }
   if (decode_rows_present) {
     os << "aggregates: decode attention rows (" << decode_rows_layers

@@ -13,8 +13,11 @@ struct ValidationReport {
   bool aggregates_present = false;
   bool aggregates_checked = false;  // needs the queries of every prompt token
   double max_abs_deviation = 0;     // max |recorded - recomputed| over layers, heads, keys
-  double max_rel_deviation = 0;     // same, relative to max(recomputed, 1e-3)
-  int worst_layer = -1, worst_head = -1, worst_key = -1;
+  // max |recorded - recomputed| / max(recomputed, 1): absolute for sums below 1 (probability scale),
+  // relative above (a sink key's sum over thousands of queries carries thousands of rounding errors). This
+  // is what --tolerance bounds.
+  double max_rel_deviation = 0;
+  int worst_layer = -1, worst_head = -1, worst_key = -1;  // where max_rel_deviation is
   // Decode attention rows recorded by the capture tool (extension), vs recomputed from the decode queries.
   bool decode_rows_present = false;
   int decode_rows_layers = 0;
@@ -22,7 +25,7 @@ struct ValidationReport {
   int decode_worst_layer = -1, decode_worst_head = -1, decode_worst_step = -1, decode_worst_key = -1;
   // Whether anything checked exceeds the tolerance.
   bool Mismatch(double tolerance) const {
-    return (aggregates_checked && max_abs_deviation > tolerance) ||
+    return (aggregates_checked && max_rel_deviation > tolerance) ||
            (decode_rows_present && decode_max_abs_deviation > tolerance);
   }
   std::string Text(const TraceMeta& meta, double tolerance) const;

@@ -1,4 +1,5 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
+# Run with the project environment: .venv/bin/python bench/sdpa_bench.py (scripts/setup_python.sh).
 """PyTorch baseline for kvsim's ragged decode-attention kernel (issue 6, docs/gpu-replay.md).
 
 Times one decode step of one layer's attention in PyTorch the way a common engine must run a ragged

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Installs every Debian package kvsim needs. Idempotent: a no-op (no apt-get at all) when all are present.
+# Python packages are not Debian's: scripts/setup_python.sh puts pinned versions into .venv/ (run calls both).
 set -euo pipefail
 PACKAGES=(
   build-essential cmake make pkg-config git
@@ -8,8 +9,7 @@ PACKAGES=(
   protobuf-compiler libprotobuf-dev
   catch2
   libopenblas-pthread-dev libopenblas0-pthread
-  python3-numpy python3-h5py
-  python3-torch  # capture tool tests (traces/capture); CPU-only PyTorch
+  python3 python3-venv  # the project's Python environment (.venv/, scripts/setup_python.sh) is built on these
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -1,3 +1,4 @@
+"""python3 -m kvsim_capture ... (see cli.py)."""
 import sys
 
 from .cli import main

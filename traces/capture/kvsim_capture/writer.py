@@ -1,6 +1,8 @@
 """Writes kvsim trace format v1 (docs/trace-format.md) with h5py, layer by layer, to a temporary file that
 is renamed into place only when complete: a file under its final name is always a complete trace."""
+import gc
 import os
+import sys
 
 import h5py
 import numpy as np
@@ -45,12 +47,20 @@ class TraceWriter:
         return False
 
     def abort(self):
-        if self._file is not None:
-            try:
-                self._file.close()
-            except Exception:  # noqa: BLE001 - best effort while unwinding
-                pass
-            self._file = None
+        # After a failed write (full disk) HDF5 objects fail again as they are freed; those errors are
+        # reported as "Exception ignored" tracebacks on stderr. The first error already went to the caller,
+        # so they are silenced while the file is closed and its objects collected.
+        hook, sys.unraisablehook = sys.unraisablehook, lambda _unraisable: None
+        try:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except Exception:  # noqa: BLE001 - best effort while unwinding
+                    pass
+                self._file = None
+            gc.collect()
+        finally:
+            sys.unraisablehook = hook
         if os.path.exists(self.tmp_path):
             os.remove(self.tmp_path)
 
