@@ -14,10 +14,11 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
+from . import models, passkey
 from .blocks import StreamBlockRecorder
 from .errors import CaptureError, MissingDependencyError, UnsupportedModelError
 from .metadata import build_token_metadata
-from .recorder import CaptureOptions, Recorder, capture_attention
+from .recorder import CaptureOptions, Recorder, bound_heap_growth, capture_attention
 
 ATTN_NAME = "kvsim_capture"
 MIN_TRANSFORMERS = (4, 48)
@@ -67,34 +68,72 @@ def inner_attention(model_module, name):
     return registry[name]
 
 
-def load(model_dir, dtype="auto", device=None):
-    """Loads processor and model from a local folder. Returns (model, processor)."""
-    tf = import_transformers()
-    if not os.path.isdir(model_dir):
-        raise CaptureError("--model %s: no such folder (download the model first; capture never downloads)"
-                           % model_dir)
+@contextlib.contextmanager
+def _no_gguf_progress_bar():
+    """transformers' GGUF de-quantization draws a tqdm bar that ignores its logging switches."""
     try:
-        processor = tf.AutoProcessor.from_pretrained(model_dir)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types here
-        raise CaptureError("%s: cannot load a processor (%s); the folder needs preprocessor_config.json and "
-                           "tokenizer files" % (model_dir, str(e).split("\n")[0])) from e
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils  # noqa: PLC0415
+    except ImportError:
+        yield
+        return
+    orig = getattr(gguf_utils, "tqdm", None)
+    gguf_utils.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = orig
+
+
+def load(model, dtype="auto", device=None, progress=True):
+    """Loads (model, processor) from `model`: a local transformers folder, a .gguf checkpoint (transformers
+    dequantizes it to float32; the tokenizer comes from the same file), a folder holding one .gguf, or a
+    bundled name (`smollm2`, models.py). For a text-only model the processor is its tokenizer.
+    progress=False: no progress bars on stderr (the command line's stderr is for results and errors)."""
+    tf = import_transformers()
+    bound_heap_growth()
+    folder, gguf_file = models.resolve(model)
+    if gguf_file is not None:
+        models.check_gguf(os.path.join(folder, gguf_file))
     torch_dtype = {"auto": "auto", "float16": torch.float16, "bfloat16": torch.bfloat16,
                    "float32": torch.float32}[dtype]
+    if gguf_file is not None and dtype == "auto":
+        torch_dtype = torch.float32  # GGUF weights are dequantized to float32
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    tf.logging.set_verbosity_error()
+    if not progress:
+        tf.utils.logging.disable_progress_bar()
+    if gguf_file is None:
+        try:
+            processor = tf.AutoProcessor.from_pretrained(folder)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types here
+            raise CaptureError("%s: cannot load a processor or tokenizer (%s); the folder needs tokenizer files "
+                               "(and preprocessor_config.json for images)" % (folder, str(e).split("\n")[0])) from e
+    else:
+        try:
+            processor = tf.AutoTokenizer.from_pretrained(folder, **extra)
+        except Exception as e:  # noqa: BLE001
+            raise CaptureError("%s: cannot read a tokenizer from the GGUF file (%s)"
+                               % (os.path.join(folder, gguf_file), str(e).split("\n")[0][:200])) from e
     errors = []
-    for cls_name in ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModelForCausalLM"):
+    classes = ("AutoModelForCausalLM",) if gguf_file else (
+        "AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModelForCausalLM")
+    for cls_name in classes:
         cls = getattr(tf, cls_name, None)
         if cls is None:
             continue
         try:
-            model = cls.from_pretrained(model_dir, torch_dtype=torch_dtype, attn_implementation="sdpa")
-            return model.to(device).eval(), processor
+            with contextlib.nullcontext() if progress else _no_gguf_progress_bar():
+                m = cls.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa", **extra)
+            m.kvsim_model_name = os.path.splitext(gguf_file or os.path.basename(os.path.normpath(folder)))[0]
+            return m.to(device).eval(), processor
         except torch.cuda.OutOfMemoryError as e:
             raise CaptureError("out of GPU memory loading the model; use --model-dtype bfloat16/float16 or a "
                                "larger GPU") from e
-        except (ValueError, KeyError, OSError) as e:
-            errors.append("%s: %s" % (cls_name, str(e).split("\n")[0]))
-    raise UnsupportedModelError("%s: no transformers auto class loads this model (%s)" % (model_dir, "; ".join(errors)))
+        except (ValueError, KeyError, OSError, RuntimeError, TypeError) as e:
+            errors.append("%s: %s" % (cls_name, str(e).split("\n")[0][:200]))
+    raise UnsupportedModelError("%s: no transformers auto class loads this model (%s)"
+                                % (os.path.join(folder, gguf_file or ""), "; ".join(errors)))
 
 
 def text_config(model):
@@ -219,37 +258,132 @@ class CaptureResult:
     generated_ids: list
 
 
+def tokenizer_of(processor):
+    return getattr(processor, "tokenizer", processor)
+
+
+def is_text_only(processor):
+    """A bare tokenizer (text models, GGUF checkpoints) rather than a multimodal processor."""
+    return getattr(processor, "tokenizer", None) is None
+
+
+def _token_at_char(offsets, char):
+    """Index of the first token whose text ends after character `char` (offset_mapping of a fast tokenizer)."""
+    for i, (_, end) in enumerate(offsets):
+        if end > char:
+            return i
+    return len(offsets)
+
+
+def text_prompt(processor, prompt, system_prompt=None, question=None):
+    """Chat-templated text-only prompt (a TextPrompt): the question role starts at `question`'s last occurrence
+    in the prompt (default: the whole user message), the system role ends where the user's message starts."""
+    tok = tokenizer_of(processor)
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages.append({"role": "user", "content": prompt})
+    if getattr(tok, "chat_template", None):
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001
+            raise CaptureError("the tokenizer's chat template failed (%s)" % str(e).split("\n")[0]) from e
+    else:
+        text = ((system_prompt + "\n\n") if system_prompt else "") + prompt
+    enc = tok(text, return_tensors="pt", add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc.pop("offset_mapping")[0].tolist()
+    user_char = text.rfind(prompt)
+    q_char = text.rfind(question) if question else user_char
+    if user_char < 0 or q_char < 0:
+        raise CaptureError("the chat template changed the prompt text; cannot find the question in it")
+    n = enc["input_ids"].shape[1]
+    return TextPrompt(enc, (_token_at_char(offsets, q_char), n), _token_at_char(offsets, user_char), text, offsets)
+
+
+@dataclasses.dataclass
+class TextPrompt:
+    inputs: object               # tokenizer output (input_ids, attention_mask), batch 1
+    question_span: tuple         # [start, end) tokens of the question role
+    system_end: int              # tokens before the user's message
+    text: str                    # the templated prompt
+    offsets: list                # per token (char start, char end) in `text`
+
+    def token_span(self, substring):
+        """[start, end) tokens covering the last occurrence of `substring` in the prompt."""
+        c = self.text.rfind(substring)
+        if c < 0:
+            raise CaptureError("internal: %r is not in the prompt" % substring[:40])
+        return _token_at_char(self.offsets, c), _token_at_char(self.offsets, c + len(substring) - 1) + 1
+
+
+def context_length(model):
+    tcfg = text_config(model)
+    return int(getattr(tcfg, "max_position_embeddings", 0) or 0)
+
+
+def generate(model, processor, inputs, max_new_tokens, min_new_tokens=0):
+    """Greedy decode exactly as capture runs it, without capture (to compare token for token).
+    min_new_tokens: end-of-sequence is suppressed until this many tokens (transformers' min_new_tokens)."""
+    tok = tokenizer_of(processor)
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                              do_sample=False, num_beams=1,
+                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+
 def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Optional[str] = None, fps=1.0,
             max_new_tokens=32, options: Optional[CaptureOptions] = None, system_prompt=None, inner="sdpa",
-            stream_granularities: Sequence[int] = (), max_frames=0, model_name=None) -> CaptureResult:
-    """Runs `model` once on (images | video) + prompt with greedy decoding and writes the trace to `out`."""
+            stream_granularities: Sequence[int] = (), max_frames=0, model_name=None, question=None,
+            config_text=None, extra_attrs=None, min_new_tokens=0, on_generated=None,
+            extra_writer=None) -> CaptureResult:
+    """Runs `model` once on (images | video) + prompt with greedy decoding and writes the trace to `out`.
+
+    question: the part of `prompt` where kvsim's `question` role starts (default: the whole prompt; text-only
+    models). config_text / extra_attrs: provenance stored in the trace (`config_text`, `/capture` attributes).
+    min_new_tokens: end-of-sequence is suppressed until this many tokens are generated (0: plain greedy)."""
     options = options or CaptureOptions()
+    options.validate()
+    if max_new_tokens < 1:
+        raise CaptureError("max_new_tokens must be >= 1, got %d" % max_new_tokens)
     tcfg = text_config(model)
-    content = [{"type": "image"} for _ in images]
     frames = None
-    if video:
-        frames = load_video(video, fps, max_frames)
-        content.append({"type": "video"})
-    content.append({"type": "text", "text": prompt})
-    messages = ([{"role": "system", "content": [{"type": "text", "text": system_prompt}]}] if system_prompt else [])
-    messages.append({"role": "user", "content": content})
-    try:
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001
-        raise CaptureError("the processor has no usable chat template (%s)" % str(e).split("\n")[0]) from e
-    kw = {}
-    if images:
-        kw["images"] = load_images(images)
-    if frames is not None:
-        kw["videos"] = [frames]
-    inputs = processor(text=[text], return_tensors="pt", **kw).to(model.device)
+    system_end = None
+    if is_text_only(processor):
+        if images or video:
+            raise UnsupportedModelError("%s is a text-only model (its processor is a tokenizer): no --image or "
+                                        "--video" % type(model).__name__)
+        tp = text_prompt(processor, prompt, system_prompt, question)
+        inputs, question_span, system_end = tp.inputs.to(model.device), tp.question_span, tp.system_end
+    else:
+        content = [{"type": "image"} for _ in images]
+        if video:
+            frames = load_video(video, fps, max_frames)
+            content.append({"type": "video"})
+        content.append({"type": "text", "text": prompt})
+        messages = ([{"role": "system", "content": [{"type": "text", "text": system_prompt}]}]
+                    if system_prompt else [])
+        messages.append({"role": "user", "content": content})
+        try:
+            text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001
+            raise CaptureError("the processor has no usable chat template (%s)" % str(e).split("\n")[0]) from e
+        kw = {}
+        if images:
+            kw["images"] = load_images(images)
+        if frames is not None:
+            kw["videos"] = [frames]
+        inputs = processor(text=[text], return_tensors="pt", **kw).to(model.device)
+        question_span = None
     prompt_ids = inputs["input_ids"][0].tolist()
     n = len(prompt_ids)
+    ctx = context_length(model)
+    if ctx and n + max_new_tokens - 1 > ctx:
+        raise CaptureError("the prompt has %d tokens and %d new tokens are asked, beyond the model's context of "
+                           "%d tokens (max_position_embeddings); shorten the prompt" % (n, max_new_tokens, ctx))
     modules = language_attention_modules(model)
     first_attn = next(m for m in model.modules() if id(m) in modules)
     inner_fn = inner_attention(first_attn, inner)
     image_token_id = getattr(model.config, "image_token_index", getattr(model.config, "image_token_id", None))
     video_token_id = getattr(model.config, "video_token_index", getattr(model.config, "video_token_id", None))
+    tok = tokenizer_of(processor)
 
     with Recorder(options, tcfg.num_hidden_layers, max_new_tokens, module_layers=modules) as rec:
         captured = {}
@@ -262,7 +396,7 @@ def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Op
             decoder is not None and stream_granularities) else None
         try:
             with capture_selected(model), rec.recording(inner_fn):
-                out_ids = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+                out_ids = generate(model, processor, inputs, max_new_tokens, min_new_tokens)
         finally:
             if hook is not None:
                 hook.remove()
@@ -272,17 +406,19 @@ def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Op
         if rec.n != n:
             raise CaptureError("the model's prefill had %d tokens but the processor produced %d" % (rec.n, n))
         gen = out_ids[0, n:].tolist()
+        if on_generated is not None:
+            on_generated(gen)
         t = rec.total_tokens
         decode_ids = gen[: t - n]
         pos = rec.position_ids[:, :t] if rec.position_ids is not None and (rec.position_ids[:, :t] >= 0).all() else None
         image_grids, video_grids = _grids(model, inputs, image_token_id, video_token_id,
                                           0 if frames is None else len(frames))
-        tok = processor.tokenizer
+        if question_span is None:
+            question_span = _question_span(tok, prompt_ids, question or prompt)
         meta = build_token_metadata(
             prompt_ids, decode_ids, image_token_id=image_token_id, video_token_id=video_token_id,
-            image_grids=image_grids, video_grids=video_grids,
-            question_span=_question_span(tok, prompt_ids, prompt), position_ids=pos,
-            text=[tok.decode([i]) for i in prompt_ids + decode_ids])
+            image_grids=image_grids, video_grids=video_grids, question_span=question_span,
+            system_end=system_end, position_ids=pos, text=[tok.decode([i]) for i in prompt_ids + decode_ids])
         blocks = None
         if stream_granularities:
             if video_token_id is None or "embeds" not in captured:
@@ -294,13 +430,33 @@ def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Op
             with capture_selected(model), torch.no_grad():
                 blocks.encode(lambda x, p: decoder(inputs_embeds=x, position_ids=p[None].to(x.device),
                                                    use_cache=False), captured["embeds"])
-        name = model_name or os.path.basename(os.path.normpath(getattr(model, "name_or_path", "") or "model"))
+        name = model_name or getattr(model, "kvsim_model_name", None) or os.path.basename(
+            os.path.normpath(getattr(model, "name_or_path", "") or "model"))
+        if config_text is None:
+            config_text = ("prompt: %r\nimages: %r\nvideo: %r fps %s\nmax_new_tokens: %d"
+                           % (prompt, list(images), video, fps, max_new_tokens))
+
+        def write_extra(w):
+            if extra_attrs:
+                cap = w.extra_group("capture")
+                for k, v in extra_attrs.items():
+                    cap.attrs[k] = v
+            if extra_writer is not None:
+                extra_writer(w)
+            if blocks:
+                blocks.write(w)
         rec.write_trace(out, meta, name, getattr(tcfg, "model_type", "unknown"),
-                        float(getattr(tcfg, "rope_theta", 0.0) or 0.0),
-                        config_text="prompt: %r\nimages: %r\nvideo: %r fps %s\nmax_new_tokens: %d"
-                        % (prompt, list(images), video, fps, max_new_tokens),
-                        extra=blocks.write if blocks else None)
+                        float(getattr(tcfg, "rope_theta", 0.0) or _rope_theta(tcfg)),
+                        config_text=config_text, extra=write_extra)
     return CaptureResult(out, n, t - n, tok.decode(gen, skip_special_tokens=True), gen)
+
+
+def _rope_theta(tcfg):
+    """rope_theta from transformers >= 5's rope_parameters when the attribute is gone."""
+    params = getattr(tcfg, "rope_parameters", None) or {}
+    if isinstance(params, dict):
+        return float(params.get("rope_theta", 0.0) or 0.0)
+    return 0.0
 
 
 def capture_dataset(model_dir, items: Iterable[dict], out_dir, model_dtype="auto", device=None, **kwargs):
@@ -315,3 +471,50 @@ def capture_dataset(model_dir, items: Iterable[dict], out_dir, model_dtype="auto
             if k in item:
                 kw[k] = item[k]
         yield capture(model, processor, os.path.join(out_dir, "%s.h5" % item["id"]), item["prompt"], **kw)
+
+
+def capture_passkey(model, processor, out, prompt_tokens=2048, depth=0.5, seed=0, max_new_tokens=33,
+                    options: Optional[CaptureOptions] = None, haystack_files=passkey.DEFAULT_HAYSTACK,
+                    license_dir=passkey.LICENSE_DIR, model_name=None):
+    """Captures a passkey-retrieval run (passkey.py) of a text model: about `prompt_tokens` prompt tokens with
+    the needle at `depth`, greedy decode of exactly `max_new_tokens` tokens (end-of-sequence suppressed until
+    then, so the trace has max_new_tokens - 1 decode steps however short the answer). Returns
+    (CaptureResult, PasskeyTask, answered); `answered` looks at the text up to the first end-of-sequence.
+    The trace records the task under /capture: task, passkey, passkey_depth, passkey_seed, needle_tokens
+    ([start, end) prompt positions of the needle), answered."""
+    if not is_text_only(processor):
+        raise UnsupportedModelError("the passkey task is for text models; %s has a multimodal processor"
+                                    % type(model).__name__)
+    ctx = context_length(model)
+    if ctx and prompt_tokens + max_new_tokens - 1 > ctx:
+        raise CaptureError("passkey prompt of %d tokens + %d new tokens is beyond the model's context of %d "
+                           "tokens; ask for fewer" % (prompt_tokens, max_new_tokens, ctx))
+    task = passkey.build_passkey_task(
+        lambda msg: text_prompt(processor, msg).inputs["input_ids"].shape[1], prompt_tokens, depth, seed,
+        haystack_files, license_dir)
+    tp = text_prompt(processor, task.user_message, question=task.question)
+    needle = tp.token_span(task.needle)
+    attrs = {"task": "passkey", "passkey": task.passkey, "passkey_depth": float(depth),
+             "passkey_seed": int(seed), "needle_tokens": np.asarray(needle, dtype=np.int64)}
+    tok = tokenizer_of(processor)
+    answers = {}
+
+    def answered_attr(w):  # written with the trace, so a trace says whether its model solved the task
+        w.extra_group("capture").attrs["answered"] = np.int64(answers["ok"])
+
+    res = capture(model, processor, out, task.user_message, max_new_tokens=max_new_tokens, options=options,
+                  question=task.question, model_name=model_name, extra_attrs=attrs, min_new_tokens=max_new_tokens,
+                  config_text="task: passkey\n%s\nneedle_tokens: [%d, %d)\nmax_new_tokens: %d (end-of-sequence "
+                  "suppressed)" % (task.config_text(), needle[0], needle[1], max_new_tokens),
+                  on_generated=lambda ids: answers.setdefault("ok", task.answered(answer_text(tok, ids))),
+                  extra_writer=answered_attr)
+    return res, task, bool(answers["ok"])
+
+
+def answer_text(tokenizer, ids):
+    """The generated text up to the first end-of-sequence token (what a chat client shows)."""
+    eos = tokenizer.eos_token_id
+    ids = list(ids)
+    if eos is not None and eos in ids:
+        ids = ids[:ids.index(eos)]
+    return tokenizer.decode(ids, skip_special_tokens=True)
