@@ -1,5 +1,6 @@
 # kvsim — two entry points (README quick start runs them through ./run, which installs packages first):
-#   make demo   install packages, build, synthesize the LLaVA-1.5-7B-shaped demo trace, sweep the baselines,
+#   make demo   install packages, build; capture the REAL SmolLM2-135M passkey trace (cached) and sweep every
+#               text-applicable policy into demo-out/real/; synthesize the LLaVA-1.5-7B-shaped demo trace, sweep the baselines,
 #               MEDA (paper + official code) and LOOK-M over budgets 5/10/20/50%, write
 #               demo-out/results/{summary.md,results.json,results.csv}; then synthesize the streaming video
 #               trace (300 frames, 10 questions) and sweep ReKV, MuKV and the streaming baselines into
@@ -16,8 +17,10 @@ DEMO_TRACE := $(DEMO_DIR)/llava15_7b_multi_image.h5
 DEMO_CFG   := configs/synth/llava15_7b_multi_image.textproto
 STREAM_TRACE := $(DEMO_DIR)/streaming_video.h5
 STREAM_CFG   := configs/synth/streaming_demo.textproto
+REAL_TRACE   := $(DEMO_DIR)/smollm2_passkey.h5
+REAL_EXP     := configs/experiments/real_smollm2_passkey.textproto
 
-.PHONY: setup build cli test asan-test demo bench format clean
+.PHONY: setup build cli test asan-test demo real-demo bench format clean
 
 setup:
 	@bash scripts/setup.sh
@@ -51,15 +54,27 @@ $(STREAM_TRACE): $(STREAM_CFG) | cli
 	@mkdir -p $(DEMO_DIR)
 	$(KVSIM) synth --config $(STREAM_CFG) --out $@
 
-demo: cli $(DEMO_TRACE) $(STREAM_TRACE)
+# The real-model section: capture (cached by its inputs' hash), validate, sweep every text-applicable policy.
+real-demo: cli
+	bash scripts/real_trace.sh $(REAL_TRACE)
+	$(KVSIM) validate $(REAL_TRACE)
+	$(KVSIM) sweep --config $(REAL_EXP) --trace $(REAL_TRACE) --out $(DEMO_DIR)/real
+
+demo: cli real-demo $(DEMO_TRACE) $(STREAM_TRACE)
 	$(KVSIM) sweep --config configs/experiments/demo.textproto --trace $(DEMO_TRACE) --out $(DEMO_DIR)/results
 	$(KVSIM) sweep --config configs/experiments/streaming_demo.textproto --trace $(STREAM_TRACE) \
 	  --out $(DEMO_DIR)/streaming
 	@echo
+	@echo "==== REAL model: SmolLM2-135M-Instruct, captured on a 2K-token passkey prompt ===================="
+	@cat $(DEMO_DIR)/real/summary.md
+	@echo
+	@echo "==== SYNTHETIC: LLaVA-1.5-7B-shaped multi-image trace from kvsim synth (not a real model) ========"
 	@cat $(DEMO_DIR)/results/summary.md
 	@echo
+	@echo "==== SYNTHETIC: streaming video trace from kvsim synth (not a real model) ======================="
 	@cat $(DEMO_DIR)/streaming/summary.md
 	@echo
+	@echo "Real model:  $(DEMO_DIR)/real/{summary.md,results.json,results.csv} (trace $(REAL_TRACE))"
 	@echo "Results: $(DEMO_DIR)/results/{summary.md,results.json,results.csv}"
 	@echo "Streaming: $(DEMO_DIR)/streaming/{summary.md,results.json,results.csv,questions.csv,memory.csv}"
 

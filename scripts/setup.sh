@@ -3,7 +3,7 @@
 # Python packages are not Debian's: scripts/setup_python.sh puts pinned versions into .venv/ (run calls both).
 set -euo pipefail
 PACKAGES=(
-  build-essential cmake make pkg-config git
+  build-essential cmake make pkg-config git time
   libboost-program-options-dev libboost-graph-dev
   libhdf5-dev
   protobuf-compiler libprotobuf-dev

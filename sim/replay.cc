@@ -819,6 +819,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     out.set_trace_hash(options.trace_hash);
     out.set_trace_model(meta.model.name);
     out.set_trace_seed(meta.seed);
+    out.set_trace_source(meta.source);
     out.set_kvsim_version(kVersion);
     out.set_git_commit(kGitCommit);
     out.set_time_unit(latency.unit());

@@ -3,6 +3,7 @@ Exit codes: 0 ok, 1 capture error (one line on stderr), 2 usage error."""
 import argparse
 import os
 import sys
+import time
 
 from .errors import CaptureError
 from .recorder import CaptureOptions
@@ -76,7 +77,9 @@ def main(argv=None):
             raise CaptureError("--passkey-depth must be in [0, 1], got %g" % args.passkey_depth)
         check_output_path(args.out)
         from . import hf  # noqa: PLC0415 - imports transformers lazily
+        t0 = time.monotonic()
         model, processor = hf.load(args.model, args.model_dtype, args.device, progress=False)
+        t1 = time.monotonic()
         if args.passkey_tokens is not None:
             res, task, answered = hf.capture_passkey(
                 model, processor, args.out, args.passkey_tokens, args.passkey_depth, args.passkey_seed,
@@ -92,8 +95,8 @@ def main(argv=None):
     except OSError as e:  # e.g. a full disk while writing (the partial file is already removed)
         print("kvsim_capture: error: %s" % one_line(e), file=sys.stderr)
         return 1
-    print("kvsim_capture: %d prompt tokens + %d decode steps -> %s" % (res.prompt_tokens, res.decode_steps, res.path),
-          file=sys.stderr)
+    print("kvsim_capture: %d prompt tokens + %d decode steps -> %s (model load %.1f s, capture + write %.1f s)"
+          % (res.prompt_tokens, res.decode_steps, res.path, t1 - t0, time.monotonic() - t1), file=sys.stderr)
     if args.passkey_tokens is not None:
         print("kvsim_capture: passkey %s at depth %g: %s" % (task.passkey, args.passkey_depth,
                                                             "answered" if answered else "NOT answered"),
