@@ -349,6 +349,7 @@ StatusOr<GpuPlan> BuildPlan(const PlanRequest& req, RunResult* result) {
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(req.trace_path));
   std::string label = req.policy;
   for (const auto& s : req.sets) label += " " + s;
+  if (!req.label.empty()) label = req.label;
   std::vector<RunSpec> runs{
       RunSpec{policy, label, req.budget_fraction, req.budget_tokens, req.question_mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(req.trace_path));

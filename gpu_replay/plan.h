@@ -84,6 +84,7 @@ struct PlanRequest {
   QuestionMode question_mode = QuestionMode::kQueryAware;
   int threads = 0;
   bool progress = false;
+  std::string label;  // display name; default: policy (+ overrides)
 };
 StatusOr<GpuPlan> BuildPlan(const PlanRequest& request, RunResult* result = nullptr);
 // Same over an open trace (tests): one run.

@@ -4,6 +4,7 @@
 #include <google/protobuf/stubs/logging.h>
 
 #include <boost/program_options.hpp>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -362,10 +363,77 @@ int CmdSweep(int argc, char** argv) {
   return kExitOk;
 }
 
+// A file-name-safe form of a run label: letters, digits, '-', '.', '+'; everything else becomes '_'.
+std::string Slug(const std::string& s) {
+  std::string out;
+  for (char c : s)
+    out += (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '+') ? c : '_';
+  return out;
+}
+
+// `kvsim gpu-plan --config`: a plan and its replay result for every (policy, budget) of an experiment (the
+// policies that ignore the budget, e.g. full, once), named NN_<label>_<budget>.pb / .result.json. Every run
+// is checked before any file is written; files are written atomically.
+int GpuPlansForExperiment(gpu_replay::PlanRequest base, const std::string& config,
+                          const std::string& out_dir) {
+  auto exp = LoadExperiment(config);
+  if (!exp.ok()) return Fail(exp.status());
+  if (exp->budgets().empty() && exp->budget_tokens().empty())
+    return Fail(Status::InvalidArgument(config + ": no budgets; set 'budgets' or 'budget_tokens'"));
+  base.question_mode = exp->question_mode() == config::QUERY_AGNOSTIC ? QuestionMode::kQueryAgnostic
+                                                                      : QuestionMode::kQueryAware;
+  std::vector<gpu_replay::PlanRequest> reqs;
+  for (const config::PolicySpec& ps : exp->policies()) {
+    gpu_replay::PlanRequest r = base;
+    r.policy = ps.name();
+    r.sets.assign(ps.set().begin(), ps.set().end());
+    r.label = ps.has_label() ? ps.label() : RunLabel(ps.name(), r.sets);
+    auto policy = PolicyRegistry::Default().Create(r.policy, r.sets);
+    if (!policy.ok()) return Fail(policy.status().WithContext(config));
+    const PolicyInfo* info = PolicyRegistry::Default().Find(r.policy);
+    if (!info->uses_budget) {
+      r.budget_fraction = 1.0;
+      reqs.push_back(r);
+      continue;
+    }
+    for (double b : exp->budgets()) {
+      r.budget_fraction = b, r.budget_tokens = 0;
+      reqs.push_back(r);
+    }
+    for (int b : exp->budget_tokens()) {
+      r.budget_fraction = 0, r.budget_tokens = b;
+      reqs.push_back(r);
+    }
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec)
+    return Fail(Status::InvalidArgument("--out-dir " + out_dir + ": cannot create (" + ec.message() + ")"));
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    RunResult result;
+    auto plan = gpu_replay::BuildPlan(reqs[i], &result);
+    if (!plan.ok()) return Fail(plan.status());
+    char budget[32];
+    if (reqs[i].budget_tokens > 0)
+      std::snprintf(budget, sizeof(budget), "%dtok", reqs[i].budget_tokens);
+    else
+      std::snprintf(budget, sizeof(budget), "%g", reqs[i].budget_fraction);
+    char idx[32];
+    std::snprintf(idx, sizeof(idx), "%02zu_", i);
+    const std::string stem = out_dir + "/" + idx + Slug(reqs[i].label) + "_" + budget;
+    Status st = gpu_replay::WritePlan(*plan, stem + ".pb");
+    if (st.ok()) st = WriteFileAtomic(stem + ".result.json", ToJson(result));
+    if (!st.ok()) return Fail(st);
+  }
+  std::fprintf(stderr, "kvsim: %zu plans -> %s/NN_<label>_<budget>.{pb,result.json}\n", reqs.size(),
+               out_dir.c_str());
+  return kExitOk;
+}
+
 // `kvsim gpu-plan`: one policy run's decisions as a GPU replay plan (gpu_replay/plan.proto).
 int CmdGpuPlan(int argc, char** argv) {
   gpu_replay::PlanRequest req;
-  std::string qmode, out;
+  std::string qmode, out, result_out, config, out_dir;
   po::options_description opts("kvsim gpu-plan options");
   opts.add_options()("trace", po::value(&req.trace_path)->required(), "trace file (.h5)")(
       "policy", po::value(&req.policy)->required(), "policy name (kvsim list-policies), merge wrappers too")(
@@ -375,12 +443,31 @@ int CmdGpuPlan(int argc, char** argv) {
       "set", po::value(&req.sets)->composing(), "policy parameter override key=value (repeatable)")(
       "question-mode", po::value(&qmode)->default_value("aware"), "aware | agnostic")(
       "threads", po::value(&req.threads)->default_value(0), "worker threads (0 = all cores)")(
-      "out", po::value(&out)->required(), "plan file (binary Protobuf; temp file, then rename)");
+      "out", po::value(&out)->required(), "plan file (binary Protobuf; temp file, then rename)")(
+      "result", po::value(&result_out), "also write the run's result JSON (as kvsim run --out) here")(
+      "config", po::value(&config),
+      "experiment text proto: one plan per (policy, budget) of it, instead of --policy/--budget")(
+      "out-dir", po::value(&out_dir), "with --config: folder for NN_<label>_<budget>.pb + .result.json");
   po::variables_map vm;
   int code;
   const char* usage =
       "usage: kvsim gpu-plan --trace T.h5 --policy P (--budget R | --budget-tokens N) [--set k=v]... --out "
-      "plan.pb";
+      "plan.pb [--result r.json]\n       kvsim gpu-plan --trace T.h5 --config experiment.textproto --out-dir "
+      "DIR";
+  // --out is required for one plan; the --config form replaces it with --out-dir.
+  bool by_config = false;
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--config" || std::string(argv[i]).rfind("--config=", 0) == 0)
+      by_config = true;
+  if (by_config) {
+    po::options_description copts("kvsim gpu-plan --config options");
+    copts.add_options()("trace", po::value(&req.trace_path)->required(), "trace file (.h5)")(
+        "config", po::value(&config)->required(), "experiment text proto")(
+        "out-dir", po::value(&out_dir)->required(), "output folder")(
+        "threads", po::value(&req.threads)->default_value(0), "worker threads (0 = all cores)");
+    if (!Parse(argc, argv, usage, copts, nullptr, vm, &code)) return code;
+    return GpuPlansForExperiment(req, config, out_dir);
+  }
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
@@ -396,12 +483,26 @@ int CmdGpuPlan(int argc, char** argv) {
   if (!mode.ok()) return Fail(mode.status());
   req.question_mode = *mode;
   req.progress = true;
-  auto plan = gpu_replay::BuildPlan(req);
+  RunResult result;
+  auto plan = gpu_replay::BuildPlan(req, &result);
   if (!plan.ok()) return Fail(plan.status());
   Status st = gpu_replay::WritePlan(*plan, out);
+  if (st.ok() && !result_out.empty()) st = WriteFileAtomic(result_out, ToJson(result));
   if (!st.ok()) return Fail(st);
   std::fprintf(stderr, "kvsim: %s: %s -> %s\n", plan->label().c_str(), gpu_replay::PlanSummary(*plan).c_str(),
                out.c_str());
+  return kExitOk;
+}
+
+// `kvsim hash T.h5`: the content hash that results and plans record as trace_hash.
+int CmdHash(int argc, char** argv) {
+  if (argc != 2 || std::string(argv[1]).rfind("-", 0) == 0) {
+    std::fprintf(stderr, "kvsim: usage error: usage: kvsim hash T.h5\n");
+    return kExitUsage;
+  }
+  auto hash = HashFile(argv[1]);
+  if (!hash.ok()) return Fail(hash.status());
+  std::printf("%s\n", hash->c_str());
   return kExitOk;
 }
 
@@ -418,6 +519,7 @@ const char kTopUsage[] =
     "  sweep          replay traces x policies x budgets, write results and a summary\n"
     "  verify hae     measure HAE's Theorem 2.1 / Corollary 2.1 and sparsity on a trace\n"
     "  gpu-plan       write one policy run's decisions as a GPU replay plan (docs/gpu-replay.md)\n"
+    "  hash           print a trace's content hash (the trace_hash of results and plans)\n"
     "  version        print version and git commit\n";
 
 }  // namespace
@@ -449,6 +551,7 @@ int main(int argc, char** argv) {
     if (cmd == "sweep") return CmdSweep(sub_argc, sub_argv);
     if (cmd == "verify") return CmdVerify(sub_argc, sub_argv);
     if (cmd == "gpu-plan") return CmdGpuPlan(sub_argc, sub_argv);
+    if (cmd == "hash") return CmdHash(sub_argc, sub_argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvsim: error: %s\n", e.what());
     return kExitInput;

@@ -57,7 +57,48 @@ def build_parser():
     return p
 
 
+def build_closed_loop_parser():
+    p = argparse.ArgumentParser(
+        prog="kvsim-capture closed-loop",
+        description="Re-run the real model with its KV cache restricted to kvsim policy decisions (plans from "
+        "kvsim gpu-plan --out P.pb --result P.result.json) and compare with the replay (docs/closed-loop.md).")
+    p.add_argument("--model", required=True, help="the model the trace was captured from (as for capture)")
+    p.add_argument("--trace", required=True, help="the captured trace (every layer and KV head)")
+    p.add_argument("--plan", action="append", default=[], help="plan file (repeat); its replay result is "
+                   "read from P.result.json beside it")
+    p.add_argument("--out", required=True, help="output folder: closed_loop.json/.csv, summary.md, closed_loop.png")
+    p.add_argument("--kvsim", default=os.environ.get("KVSIM_BIN", os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "build", "kvsim")), help="kvsim binary")
+    p.add_argument("--no-free-running", action="store_true", help="teacher-forced only")
+    p.add_argument("--model-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
+    return p
+
+
+def main_closed_loop(argv):
+    args = build_closed_loop_parser().parse_args(argv)
+    try:
+        from . import closed_loop, hf  # noqa: PLC0415
+        closed_loop.load_inputs(args.trace, args.plan, args.kvsim)  # every check before loading the model
+        model, tok = hf.load(args.model, args.model_dtype, "cpu", progress=False)
+        rep = closed_loop.run_closed_loop(model, tok, args.trace, args.plan, args.out, args.kvsim,
+                                          model_name=getattr(model, "kvsim_model_name", args.model),
+                                          free_running=not args.no_free_running,
+                                          progress=lambda m: print("kvsim_capture: " + m, file=sys.stderr))
+    except CaptureError as e:
+        print("kvsim_capture: error: %s" % one_line(e), file=sys.stderr)
+        return 1
+    except OSError as e:
+        print("kvsim_capture: error: %s" % one_line(e), file=sys.stderr)
+        return 1
+    print("kvsim_capture: %d plans -> %s/{closed_loop.json,closed_loop.csv,summary.md,closed_loop.png}"
+          % (len(rep["runs"]), args.out), file=sys.stderr)
+    return 0
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "closed-loop":
+        return main_closed_loop(argv[1:])
     args = build_parser().parse_args(argv)
     opts = CaptureOptions(layers=args.layers, kv_heads=args.kv_heads, storage_dtype=args.dtype,
                           query_window=args.query_window, all_queries=args.all_queries,
