@@ -1,6 +1,7 @@
 # kvsim — two entry points (README quick start runs them through ./run, which installs packages first):
 #   make demo   install packages, build; capture the REAL SmolLM2-135M passkey trace (cached) and sweep every
-#               text-applicable policy into demo-out/real/; synthesize the LLaVA-1.5-7B-shaped demo trace, sweep the baselines,
+#               text-applicable policy into demo-out/real/; re-run those decisions in the model (closed loop,
+#               demo-out/closed_loop/); synthesize the LLaVA-1.5-7B-shaped demo trace, sweep the baselines,
 #               MEDA (paper + official code) and LOOK-M over budgets 5/10/20/50%, write
 #               demo-out/results/{summary.md,results.json,results.csv}; then synthesize the streaming video
 #               trace (300 frames, 10 questions) and sweep ReKV, MuKV and the streaming baselines into
@@ -47,7 +48,7 @@ asan-test: setup
 
 # Python tests whose own code is not sanitized (they run in stage 1 of CI; capture_py, which also drives the
 # kvsim binary on captured traces, runs in both stages).
-PY_ONLY_TESTS := ^(capture_smollm2_py|capture_multimodal_py|sdpa_bench_py)$$
+PY_ONLY_TESTS := ^(capture_smollm2_py|capture_multimodal_py|closed_loop_py|sdpa_bench_py)$$
 
 # The trace is regenerated only when its config changes.
 $(DEMO_TRACE): $(DEMO_CFG) | cli
@@ -63,6 +64,10 @@ real-demo: cli
 	bash scripts/real_trace.sh $(REAL_TRACE)
 	$(KVSIM) validate $(REAL_TRACE)
 	$(KVSIM) sweep --config $(REAL_EXP) --trace $(REAL_TRACE) --out $(DEMO_DIR)/real
+	rm -rf $(DEMO_DIR)/closed_loop/plans
+	$(KVSIM) gpu-plan --trace $(REAL_TRACE) --config $(REAL_EXP) --out-dir $(DEMO_DIR)/closed_loop/plans
+	scripts/kvsim-capture closed-loop --model smollm2 --trace $(REAL_TRACE) --plans-dir $(DEMO_DIR)/closed_loop/plans \
+	  --kvsim $(KVSIM) --out $(DEMO_DIR)/closed_loop
 
 demo: cli real-demo $(DEMO_TRACE) $(STREAM_TRACE)
 	$(KVSIM) sweep --config configs/experiments/demo.textproto --trace $(DEMO_TRACE) --out $(DEMO_DIR)/results
@@ -72,6 +77,9 @@ demo: cli real-demo $(DEMO_TRACE) $(STREAM_TRACE)
 	@echo "==== REAL model: SmolLM2-135M-Instruct, captured on a 2K-token passkey prompt ===================="
 	@cat $(DEMO_DIR)/real/summary.md
 	@echo
+	@echo "==== REAL model, closed loop: the same decisions re-run in SmolLM2 (measured) ===================="
+	@cat $(DEMO_DIR)/closed_loop/summary.md
+	@echo
 	@echo "==== SYNTHETIC: LLaVA-1.5-7B-shaped multi-image trace from kvsim synth (not a real model) ========"
 	@cat $(DEMO_DIR)/results/summary.md
 	@echo
@@ -79,6 +87,7 @@ demo: cli real-demo $(DEMO_TRACE) $(STREAM_TRACE)
 	@cat $(DEMO_DIR)/streaming/summary.md
 	@echo
 	@echo "Real model:  $(DEMO_DIR)/real/{summary.md,results.json,results.csv} (trace $(REAL_TRACE))"
+	@echo "Closed loop: $(DEMO_DIR)/closed_loop/{summary.md,closed_loop.json,closed_loop.csv,closed_loop.png}"
 	@echo "Results: $(DEMO_DIR)/results/{summary.md,results.json,results.csv}"
 	@echo "Streaming: $(DEMO_DIR)/streaming/{summary.md,results.json,results.csv,questions.csv,memory.csv}"
 

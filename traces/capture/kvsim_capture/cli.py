@@ -66,6 +66,8 @@ def build_closed_loop_parser():
     p.add_argument("--trace", required=True, help="the captured trace (every layer and KV head)")
     p.add_argument("--plan", action="append", default=[], help="plan file (repeat); its replay result is "
                    "read from P.result.json beside it")
+    p.add_argument("--plans-dir", help="every *.pb in this folder (kvsim gpu-plan --config ... --out-dir), in name "
+                   "order")
     p.add_argument("--out", required=True, help="output folder: closed_loop.json/.csv, summary.md, closed_loop.png")
     p.add_argument("--kvsim", default=os.environ.get("KVSIM_BIN", os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "build", "kvsim")), help="kvsim binary")
@@ -77,6 +79,11 @@ def build_closed_loop_parser():
 def main_closed_loop(argv):
     args = build_closed_loop_parser().parse_args(argv)
     try:
+        if args.plans_dir:
+            if not os.path.isdir(args.plans_dir):
+                raise CaptureError("--plans-dir %s: no such folder" % args.plans_dir)
+            args.plan += [os.path.join(args.plans_dir, f) for f in sorted(os.listdir(args.plans_dir))
+                          if f.endswith(".pb")]
         from . import closed_loop, hf  # noqa: PLC0415
         closed_loop.load_inputs(args.trace, args.plan, args.kvsim)  # every check before loading the model
         model, tok = hf.load(args.model, args.model_dtype, "cpu", progress=False)

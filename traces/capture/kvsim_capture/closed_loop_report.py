@@ -162,19 +162,28 @@ def plot(report, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
     runs = report["runs"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
+    labels = sorted({r["label"] for r in runs})
+    cmap = plt.get_cmap("tab20")
+    color = {lab: cmap(i % 20) for i, lab in enumerate(labels)}
+    budgets = sorted({r["budget_tokens"] for r in runs})
+    size = {bt: 12 + 40 * i / max(1, len(budgets) - 1) for i, bt in enumerate(budgets)}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+    seen = set()
     for r in runs:
         x, y = r["replay"]["output_rel_error"], r["closed_loop"]["teacher_forced"]["kl_mean"]
         if x is not None:
-            a.scatter(x, y, s=18)
+            a.scatter(x, y, s=size[r["budget_tokens"]], color=color[r["label"]],
+                      label=None if r["label"] in seen else r["label"])
+            seen.add(r["label"])
+    a.legend(fontsize=7, ncol=2, title="policy (marker size = budget)", title_fontsize=7)
     a.set_xlabel("replay: attention output rel. error (open loop)")
     a.set_ylabel("closed loop: mean KL(full || compressed), nats")
     a.set_title("Replay metric vs real model (measured)")
-    budgets = sorted({r["budget_tokens"] for r in runs})
     pick = budgets[len(budgets) // 2] if budgets else None
     for r in runs:
         if r["budget_tokens"] == pick and r["policy"] != "full":
-            b.plot(r["closed_loop"]["teacher_forced"]["layer_output_rel_error"], label=r["label"], lw=1.2)
+            b.plot(r["closed_loop"]["teacher_forced"]["layer_output_rel_error"], label=r["label"], lw=1.2,
+                   color=color[r["label"]])
     b.set_xlabel("layer")
     b.set_ylabel("attention output rel. error (closed loop)")
     b.set_title("Error growth with depth at %s tokens/head" % pick)
