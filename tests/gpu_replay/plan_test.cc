@@ -271,4 +271,58 @@ TEST_CASE("gpu plan: kvsim gpu-plan writes a plan, errors exit 1 in one line", "
   CHECK(!fs::exists(dir + "/x.pb"));
 }
 
+TEST_CASE("gpu plan: --result, --config/--out-dir and kvsim hash agree on the trace",
+          "[gpu_replay][plan][cli]") {
+  const std::string dir = testing::ScratchDir("gpu_plan_config");
+  const std::string trace = dir + "/tiny.h5";
+  std::string log;
+  REQUIRE(testing::RunCommand(testing::KvsimBinary() + " synth --config " + testing::SourceDir() +
+                                  "/configs/synth/tiny.textproto --out " + trace + " --threads 1",
+                              &log) == 0);
+  REQUIRE(testing::RunCommand(testing::KvsimBinary() + " hash " + trace, &log) == 0);
+  const std::string hash = log.substr(0, log.find('\n'));
+  CHECK(hash.size() == 16);
+  CHECK(testing::RunCommand(testing::KvsimBinary() + " hash", &log) == 2);
+  CHECK(testing::RunCommand(testing::KvsimBinary() + " hash " + dir + "/missing.h5", &log) == 1);
+
+  // One plan with its replay result.
+  REQUIRE(testing::RunCommand(testing::KvsimBinary() + " gpu-plan --trace " + trace +
+                                  " --policy h2o --budget 0.25 --threads 1 --out " + dir +
+                                  "/h2o.pb --result " + dir + "/h2o.result.json",
+                              &log) == 0);
+  auto plan = ReadPlan(dir + "/h2o.pb");
+  REQUIRE(plan.ok());
+  CHECK(plan->trace_hash() == hash);
+  const std::string json = testing::ReadFile(dir + "/h2o.result.json");
+  CHECK(json.find("\"trace_hash\": \"" + hash + "\"") != std::string::npos);
+  CHECK(json.find("\"policy\": \"h2o\"") != std::string::npos);
+
+  // A plan per experiment run: full once, snapkv (labelled) at two budgets.
+  const std::string exp = dir + "/exp.textproto";
+  std::ofstream(exp) << "traces: \"tiny.h5\"\npolicies { name: \"full\" }\n"
+                        "policies { name: \"snapkv\" set: \"window=8\" label: \"snap w8\" }\n"
+                        "budgets: 0.1\nbudgets: 0.5\n";
+  const std::string plans = dir + "/plans";
+  REQUIRE(testing::RunCommand(testing::KvsimBinary() + " gpu-plan --trace " + trace + " --config " + exp +
+                                  " --out-dir " + plans + " --threads 1",
+                              &log) == 0);
+  INFO(log);
+  for (const char* f : {"00_full_1", "01_snap_w8_0.1", "02_snap_w8_0.5"}) {
+    CHECK(fs::exists(plans + "/" + f + ".pb"));
+    CHECK(fs::exists(plans + "/" + f + ".result.json"));
+  }
+  auto labelled = ReadPlan(plans + "/02_snap_w8_0.5.pb");
+  REQUIRE(labelled.ok());
+  CHECK(labelled->label() == "snap w8");
+  CHECK(labelled->budget_fraction() == 0.5);
+  CHECK(labelled->trace_hash() == hash);
+  // A bad experiment: one line, exit 1, nothing written.
+  std::ofstream(exp) << "traces: \"tiny.h5\"\npolicies { name: \"nope\" }\nbudgets: 0.1\n";
+  CHECK(testing::RunCommand(testing::KvsimBinary() + " gpu-plan --trace " + trace + " --config " + exp +
+                                " --out-dir " + dir + "/plans2",
+                            &log) == 1);
+  CHECK(std::count(log.begin(), log.end(), '\n') == 1);
+  CHECK(!fs::exists(dir + "/plans2"));
+}
+
 }  // namespace kvsim::gpu_replay
