@@ -50,6 +50,14 @@ class MetadataTest(unittest.TestCase):
         self.assertEqual(len(set(m.segment_id[1:13])), 1)
         self.assertTrue((m.patch_row[1:13] == -1).all())
 
+    def test_video_newline_after_the_frames_joins_the_last_frame(self):
+        # LLaVA-OneVision: 3 frames x (2 x 2) pooled tokens, then one newline token (same id) after the video.
+        ids = [1] + [VID] * 13 + [2]
+        m = build_token_metadata(ids, video_token_id=VID, video_grids=[(3, 2, 2)])
+        self.assertEqual(list(np.unique(m.segment_id[1:14], return_counts=True)[1]), [4, 4, 5])
+        self.assertEqual((m.patch_row[13], m.patch_col[13]), (-1, -1))
+        self.assertEqual(m.patch_row[12], 1)
+
     def test_multi_axis_position_ids(self):
         pos = np.stack([np.arange(5), np.arange(5) + 1, np.arange(5) + 2])
         m = build_token_metadata([1, 2, 3, 4], [9], position_ids=pos)

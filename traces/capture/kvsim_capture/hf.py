@@ -232,20 +232,31 @@ def _question_span(tokenizer, prompt_ids, question):
     return None
 
 
-def _grids(model, inputs, image_token_id, video_token_id, n_frames):
+def _grids(model, inputs, image_token_id, video_token_id, n_frames, n_images=0):
     """Per image (rows, cols) / per video (frames, rows, cols) LLM-token grids from the processor outputs."""
     vcfg = getattr(model.config, "vision_config", None)
     merge = int(getattr(vcfg, "spatial_merge_size", 1) or 1)
     image_grids = video_grids = None
     if "image_grid_thw" in inputs:      # Qwen2-VL / Qwen2.5-VL
         image_grids = [(int(t), int(h) // merge, int(w) // merge) for t, h, w in inputs["image_grid_thw"].tolist()]
+    elif image_token_id is not None and n_images:
+        # Fixed-size images (LLaVA-1.5: 24 x 24 each): adjacent images form one run of image tokens, so split
+        # the run by the image count when each image's share is a square grid.
+        count = int((inputs["input_ids"][0] == image_token_id).sum())
+        side = int(round((count // n_images) ** 0.5)) if count % n_images == 0 else 0
+        if side and side * side * n_images == count:
+            image_grids = [(side, side)] * n_images
     if "video_grid_thw" in inputs:
         video_grids = [(int(t), int(h) // merge, int(w) // merge) for t, h, w in inputs["video_grid_thw"].tolist()]
     elif video_token_id is not None and n_frames:
         count = int((inputs["input_ids"][0] == video_token_id).sum())
-        side = int(round((count // n_frames) ** 0.5))
-        if side * side * n_frames == count:  # e.g. LLaVA-OneVision: 196 = 14 x 14 tokens per frame
-            video_grids = [(n_frames, side, side)]
+        # LLaVA-OneVision: side x side pooled tokens per frame (196 = 14 x 14 at full size), then one newline
+        # token after the last frame (metadata puts it in the last frame's segment, without a patch position).
+        for frame_tokens in (count, count - 1):
+            side = int(round((frame_tokens // n_frames) ** 0.5))
+            if side and side * side * n_frames == frame_tokens:
+                video_grids = [(n_frames, side, side)]
+                break
     return image_grids, video_grids
 
 
@@ -333,12 +344,13 @@ def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Op
             max_new_tokens=32, options: Optional[CaptureOptions] = None, system_prompt=None, inner="sdpa",
             stream_granularities: Sequence[int] = (), max_frames=0, model_name=None, question=None,
             config_text=None, extra_attrs=None, min_new_tokens=0, on_generated=None,
-            extra_writer=None) -> CaptureResult:
+            extra_writer=None, video_frames=None) -> CaptureResult:
     """Runs `model` once on (images | video) + prompt with greedy decoding and writes the trace to `out`.
 
     question: the part of `prompt` where kvsim's `question` role starts (default: the whole prompt; text-only
     models). config_text / extra_attrs: provenance stored in the trace (`config_text`, `/capture` attributes).
-    min_new_tokens: end-of-sequence is suppressed until this many tokens are generated (0: plain greedy)."""
+    min_new_tokens: end-of-sequence is suppressed until this many tokens are generated (0: plain greedy).
+    video_frames: a video as decoded frames (uint8 [frames, H, W, 3]) instead of a file (`video`)."""
     options = options or CaptureOptions()
     options.validate()
     if max_new_tokens < 1:
@@ -347,14 +359,20 @@ def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Op
     frames = None
     system_end = None
     if is_text_only(processor):
-        if images or video:
+        if images or video or video_frames is not None:
             raise UnsupportedModelError("%s is a text-only model (its processor is a tokenizer): no --image or "
                                         "--video" % type(model).__name__)
         tp = text_prompt(processor, prompt, system_prompt, question)
         inputs, question_span, system_end = tp.inputs.to(model.device), tp.question_span, tp.system_end
     else:
         content = [{"type": "image"} for _ in images]
-        if video:
+        if video_frames is not None:
+            frames = np.asarray(video_frames, dtype=np.uint8)
+            if frames.ndim != 4 or frames.shape[-1] != 3:
+                raise CaptureError("video_frames must be uint8 [frames, height, width, 3], got shape %s"
+                                   % (frames.shape,))
+            content.append({"type": "video"})
+        elif video:
             frames = load_video(video, fps, max_frames)
             content.append({"type": "video"})
         content.append({"type": "text", "text": prompt})
@@ -412,7 +430,7 @@ def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Op
         decode_ids = gen[: t - n]
         pos = rec.position_ids[:, :t] if rec.position_ids is not None and (rec.position_ids[:, :t] >= 0).all() else None
         image_grids, video_grids = _grids(model, inputs, image_token_id, video_token_id,
-                                          0 if frames is None else len(frames))
+                                          0 if frames is None else len(frames), len(images))
         if question_span is None:
             question_span = _question_span(tok, prompt_ids, question or prompt)
         meta = build_token_metadata(

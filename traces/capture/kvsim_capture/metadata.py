@@ -37,8 +37,8 @@ def _runs(mask):
 
 def _place_grids(positions, grids, frames, patch_row, patch_col, unit_of):
     """Assigns the visual tokens at `positions` (in order) to grids: `grids` is a list of (rows, cols) per
-    image, or (frames, rows, cols) per video (each frame its own unit). Returns False when the token count
-    does not match (e.g. LLaVA-NeXT any-res layouts with newline tokens): patch positions are then left -1
+    image, or (frames, rows, cols) per video (each frame its own unit; one extra trailing video token, as
+    LLaVA-OneVision's newline, joins the last frame). Returns False when the token count does not match (e.g. LLaVA-NeXT any-res layouts with newline tokens): patch positions are then left -1
     and each contiguous run becomes one unit."""
     sizes = []
     for g in grids:
@@ -48,7 +48,11 @@ def _place_grids(positions, grids, frames, patch_row, patch_col, unit_of):
             sizes += [(r, c)] * f   # one unit per frame
         else:
             sizes.append((f * r, c))
-    if sum(r * c for r, c in sizes) != len(positions):
+    placed = sum(r * c for r, c in sizes)
+    if placed == len(positions) - 1 and frames and sizes:
+        # LLaVA-OneVision's newline token after a video's frames: the last frame's unit, no patch position.
+        unit_of[positions[-1]] = len(sizes) - 1
+    elif placed != len(positions):
         return False
     k = 0
     for u, (r, c) in enumerate(sizes):
