@@ -46,14 +46,29 @@ double TopSum(std::vector<float>* buf, int k) {
 // Sums over the decode rows of one (layer, query head).
 struct HeadAccum {
   double entropy = 0, normalized_entropy = 0, top_mass = 0, sink_mass = 0, recent_mass = 0, text_share = 0;
-  int64_t rows = 0, normalized_rows = 0;
+  double k90 = 0, k90_fraction = 0, value_output_ratio = 0;
+  int64_t rows = 0, normalized_rows = 0, ratio_rows = 0;
   double text_conc = 0, visual_conc = 0;
   int64_t text_conc_rows = 0, visual_conc_rows = 0;
   int64_t sparse[3] = {0, 0, 0}, entries[3] = {0, 0, 0};  // by KeyClass
 };
 
+// Fewest entries of `row` (any order; reordered) whose sum reaches `share` of the total.
+int KeysForMass(std::vector<float>* row, double share) {
+  std::sort(row->begin(), row->end(), std::greater<float>());
+  double total = 0;
+  for (float p : *row) total += p;
+  double run = 0;
+  for (size_t i = 0; i < row->size(); ++i) {
+    run += (*row)[i];
+    if (run >= share * total) return static_cast<int>(i) + 1;
+  }
+  return static_cast<int>(row->size());
+}
+
+// value_norms: ‖v_j‖ of the head's KV group for every token.
 void AccumulateHead(const DecodeReference& ref, const std::vector<KeyClass>& cls,
-                    const TraceStatsOptions& opt, HeadAccum* acc) {
+                    const std::vector<double>& value_norms, const TraceStatsOptions& opt, HeadAccum* acc) {
   std::vector<float> all, by_class[2];
   for (int t = 0; t < ref.num_steps; ++t) {
     const float* row = ref.row(t);
@@ -80,6 +95,16 @@ void AccumulateHead(const DecodeReference& ref, const std::vector<KeyClass>& cls
       ++acc->normalized_rows;
     }
     acc->top_mass += TopSum(&all, TopCount(opt.top_fraction, visible));
+    const int k90 = KeysForMass(&all, 0.9);
+    acc->k90 += k90;
+    acc->k90_fraction += static_cast<double>(k90) / visible;
+    double vnorm = 0, onorm = 0;
+    for (int j = first; j <= last; ++j) vnorm += value_norms[j];
+    for (int k = 0; k < ref.head_dim; ++k) onorm += static_cast<double>(ref.out(t)[k]) * ref.out(t)[k];
+    if (onorm > 0) {
+      acc->value_output_ratio += (vnorm / visible) / std::sqrt(onorm);
+      ++acc->ratio_rows;
+    }
     for (int j = first; j <= std::min(last, opt.sink_tokens - 1); ++j) acc->sink_mass += row[j];
     for (int j = std::max(first, last - opt.recent_tokens + 1); j <= last; ++j) acc->recent_mass += row[j];
     const double total = mass[0] + mass[1] + mass[2];
@@ -195,6 +220,15 @@ StatusOr<TraceStats> ComputeTraceStats(TraceSource& src, int threads, const Trac
     KVSIM_RETURN_IF_ERROR(src.ReadLayer(l, &ld));
     KVSIM_RETURN_IF_ERROR(ValidateLayer(meta, ld, src.Describe()));
     std::vector<HeadAccum> acc(heads);
+    std::vector<std::vector<double>> value_norms(kv_heads, std::vector<double>(t_all));
+    ParallelFor(kv_heads, threads, [&](int g) {
+      for (int j = 0; j < t_all; ++j) {
+        const float* v = ld.values.data() + (static_cast<size_t>(g) * t_all + j) * d;
+        double s = 0;
+        for (int k = 0; k < d; ++k) s += static_cast<double>(v[k]) * v[k];
+        value_norms[g][j] = std::sqrt(s);
+      }
+    });
     ParallelFor(heads, threads, [&](int h) {
       const int g = h / group;
       std::vector<float> q(static_cast<size_t>(steps) * d);
@@ -204,7 +238,7 @@ StatusOr<TraceStats> ComputeTraceStats(TraceSource& src, int threads, const Trac
       const size_t kv = static_cast<size_t>(g) * t_all * d;
       DecodeReference ref;
       ComputeDecodeReference(m, n, steps, q.data(), ld.keys.data() + kv, ld.values.data() + kv, &ref);
-      AccumulateHead(ref, cls, options, &acc[h]);
+      AccumulateHead(ref, cls, value_norms[g], options, &acc[h]);
     });
     std::vector<double> cos_adjacent(kv_heads, 0.0), cos_random(kv_heads, 0.0);
     ParallelFor(kv_heads, threads, [&](int g) {
@@ -231,6 +265,10 @@ StatusOr<TraceStats> ComputeTraceStats(TraceSource& src, int threads, const Trac
       sum.top_mass += a.top_mass;
       sum.sink_mass += a.sink_mass;
       sum.recent_mass += a.recent_mass;
+      sum.k90 += a.k90;
+      sum.k90_fraction += a.k90_fraction;
+      sum.value_output_ratio += a.value_output_ratio;
+      sum.ratio_rows += a.ratio_rows;
       sum.rows += a.rows;
       sum.normalized_rows += a.normalized_rows;
       sum.text_conc += a.text_conc;
@@ -248,6 +286,9 @@ StatusOr<TraceStats> ComputeTraceStats(TraceSource& src, int threads, const Trac
     ls.top_mass = Ratio(sum.top_mass, rows);
     ls.sink_mass = Ratio(sum.sink_mass, rows);
     ls.recent_mass = Ratio(sum.recent_mass, rows);
+    ls.k90 = Ratio(sum.k90, rows);
+    ls.k90_fraction = Ratio(sum.k90_fraction, rows);
+    ls.value_output_ratio = Ratio(sum.value_output_ratio, static_cast<double>(sum.ratio_rows));
     ls.sparsity = Ratio(static_cast<double>(sum.sparse[0] + sum.sparse[1] + sum.sparse[2]),
                         static_cast<double>(sum.entries[0] + sum.entries[1] + sum.entries[2]));
     ls.text_sparsity =
@@ -389,6 +430,25 @@ std::string FormatTraceStats(const TraceMeta& meta, const TraceStats& stats) {
                   mean_share, s.text_preferring, s.visual_preferring);
     out << line;
   }
+  out << "\nmass concentration and value scale per layer (mean over decode steps and heads; k90 = fewest "
+         "keys "
+         "holding 90% of the mass; v/o = mean value norm over visible keys / attention-output norm):\n"
+         "layer    sink     k90  k90/N     v/o\n";
+  double mean[4] = {0, 0, 0, 0};
+  for (const LayerStats& ls : stats.layers) {
+    char line[128];
+    std::snprintf(line, sizeof line, "%5d %7.3f %7.1f %6.3f %7.2f\n", ls.layer, ls.sink_mass, ls.k90,
+                  ls.k90_fraction, ls.value_output_ratio);
+    out << line;
+    mean[0] += ls.sink_mass, mean[1] += ls.k90, mean[2] += ls.k90_fraction, mean[3] += ls.value_output_ratio;
+  }
+  if (!stats.layers.empty()) {
+    const double L = static_cast<double>(stats.layers.size());
+    char line[128];
+    std::snprintf(line, sizeof line, " mean %7.3f %7.1f %6.3f %7.2f\n", mean[0] / L, mean[1] / L, mean[2] / L,
+                  mean[3] / L);
+    out << line;
+  }
   const ShareSummary s = SummarizeShares(all_shares);
   char quantiles[128];
   std::snprintf(quantiles, sizeof quantiles, "%.3f %.3f %.3f %.3f %.3f", Quantile(s.sorted, 0),
@@ -435,8 +495,10 @@ std::string TraceStatsToJson(const TraceMeta& meta, const TraceStats& stats) {
     j << (i ? "," : "") << "{\"layer\":" << ls.layer << ",\"entropy\":" << JsonNumber(ls.entropy)
       << ",\"normalized_entropy\":" << JsonNumber(ls.normalized_entropy)
       << ",\"top_mass\":" << JsonNumber(ls.top_mass) << ",\"sink_mass\":" << JsonNumber(ls.sink_mass)
-      << ",\"recent_mass\":" << JsonNumber(ls.recent_mass) << ",\"sparsity\":" << JsonNumber(ls.sparsity)
-      << ",\"text_sparsity\":" << JsonNumber(ls.text_sparsity)
+      << ",\"recent_mass\":" << JsonNumber(ls.recent_mass) << ",\"k90\":" << JsonNumber(ls.k90)
+      << ",\"k90_fraction\":" << JsonNumber(ls.k90_fraction)
+      << ",\"value_output_ratio\":" << JsonNumber(ls.value_output_ratio)
+      << ",\"sparsity\":" << JsonNumber(ls.sparsity) << ",\"text_sparsity\":" << JsonNumber(ls.text_sparsity)
       << ",\"visual_sparsity\":" << JsonNumber(ls.visual_sparsity)
       << ",\"text_concentration\":" << JsonNumber(ls.text_concentration)
       << ",\"visual_concentration\":" << JsonNumber(ls.visual_concentration) << ",\"head_text_share\":[";

@@ -32,6 +32,11 @@ struct LayerStats {
   double top_mass = 0;            // mass on the top `top_fraction` of visible keys
   double sink_mass = 0;           // mass on the first `sink_tokens` tokens
   double recent_mass = 0;         // mass on the last `recent_tokens` visible keys
+  double k90 = 0;                 // fewest keys holding 90% of a decode row's mass
+  double k90_fraction = 0;        // k90 / number of visible keys
+  // mean_j∈visible ‖v_j‖ / ‖Σ_j p_j v_j‖: how much larger values are than the attention output (averaging
+  // cancels them). Large ratios make any merge or eviction error large relative to the output.
+  double value_output_ratio = 0;
   // Fraction of visible (row, key) entries with p <= epsilon, over all rows of the layer: all keys, text
   // keys, visual keys.
   double sparsity = 0;

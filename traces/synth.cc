@@ -15,10 +15,10 @@
 
 #include "sim/attention.h"
 #include "sim/parallel.h"
+#include "sim/rope.h"
 #include "sim/text_proto.h"
 #include "sim/version.h"
 #include "traces/half.h"
-#include "sim/rope.h"
 #include "traces/synth_rng.h"
 #include "traces/synth_streaming.h"
 
@@ -111,6 +111,7 @@ constexpr Range kProfileRanges[] = {
     {"value_spatial_smoothness", 0, 1, false, false},
     {"key_noise", 0, 100, false, false},
     {"sink_value_scale", 0, 100, false, false},
+    {"value_shared_fraction", 0, 1, false, false},
 };
 
 std::optional<ConfigIssue> CheckConfig(const SynthConfig& c) {
@@ -353,6 +354,7 @@ enum class Purpose : uint64_t {
   kValueField,
   kQueryHead,
   kQueryNoise,
+  kValueShared,  // appended: the other streams keep their numbers
 };
 
 using synth_rng::Rng;
@@ -695,7 +697,8 @@ class Generator {
     if (round_half_) RoundToHalf(keys, static_cast<size_t>(t_) * d_);
   }
 
-  // Values of one (layer, KV head), [T][d]: visual = smooth field + noise, text = noise, sinks scaled down.
+  // Values of one (layer, KV head), [T][d]: a shared direction + (visual = smooth field + noise, text =
+  // noise), sinks scaled down.
   void GenerateValues(int layer, int g, float* values) const {
     std::vector<float> field;
     SmoothFields(layout_.spans, d_, p_.spatial_correlation_length(), p_.frame_correlation(), config_.seed(),
@@ -703,6 +706,11 @@ class Generator {
     const float smooth = static_cast<float>(std::sqrt(p_.value_spatial_smoothness()));
     const float rough = static_cast<float>(std::sqrt(1 - p_.value_spatial_smoothness()));
     const float sink_scale = static_cast<float>(p_.sink_value_scale());
+    const float shared = static_cast<float>(std::sqrt(p_.value_shared_fraction()));
+    const float own = static_cast<float>(std::sqrt(1 - p_.value_shared_fraction()));
+    std::vector<float> mu(d_);
+    Rng shared_rng(config_.seed(), Purpose::kValueShared, layer, g);
+    for (float& m : mu) m = static_cast<float>(shared_rng.Normal());
     Rng rng(config_.seed(), Purpose::kValueNoise, layer, g);
     for (int j = 0; j < t_; ++j) {
       float* x = values + static_cast<size_t>(j) * d_;
@@ -710,7 +718,7 @@ class Generator {
       const float s = IsSink(j) ? sink_scale : 1.0f;
       for (int k = 0; k < d_; ++k) {
         const float z = rng.Normal();
-        x[k] = s * (fj ? smooth * fj[k] + rough * z : z);
+        x[k] = s * (shared * mu[k] + own * (fj ? smooth * fj[k] + rough * z : z));
       }
     }
     if (round_half_) RoundToHalf(values, static_cast<size_t>(t_) * d_);

@@ -245,6 +245,26 @@ TEST_CASE("trace stats: hand-computed values on a handmade trace", "[stats]") {
   CHECK(stats_or->adjacent_patch_key_cosine == Approx(cosine).epsilon(1e-5));
   CHECK(stats_or->random_patch_key_cosine == Approx(cosine).epsilon(1e-5));
 
+  // k90 and v/o: the query (2, 0) squares p: (16, 4, 1, 1) / 22, so 2 keys hold 20/22 >= 90% of the mass.
+  // Values (1,0), (-1,0), (0,1), (0,-1) (norm 1 each) give o = (12/22, 0): v/o = 22/12.
+  {
+    MemoryTrace sharp(meta, {ld});
+    sharp.layers()[0].queries = {2.0f, 0.0f};
+    sharp.layers()[0].values = {1, 0, -1, 0, 0, 1, 0, -1};
+    auto st = ComputeTraceStats(sharp, 1, opt);
+    REQUIRE(st.ok());
+    CHECK(st->layers[0].k90 == Approx(2.0));
+    CHECK(st->layers[0].k90_fraction == Approx(0.5));
+    CHECK(st->layers[0].value_output_ratio == Approx(22.0 / 12.0).epsilon(1e-5));
+    // The first query: (1/2, 1/4, 1/8, 1/8) needs all 4 keys for 90%; o = (1/4, 0): v/o = 4.
+    sharp.layers()[0].queries = {1.0f, 0.0f};
+    auto first = ComputeTraceStats(sharp, 1, opt);
+    REQUIRE(first.ok());
+    CHECK(first->layers[0].k90 == Approx(4.0));
+    CHECK(first->layers[0].k90_fraction == Approx(1.0));
+    CHECK(first->layers[0].value_output_ratio == Approx(4.0).epsilon(1e-5));
+  }
+
   // A zero query attends uniformly: entropy log 4, normalized 1, sparsity 0.
   trace.layers()[0].queries = {0.0f, 0.0f};
   auto uniform = ComputeTraceStats(trace, 1, opt);
