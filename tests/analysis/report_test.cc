@@ -66,6 +66,27 @@ TEST_CASE("report: summary lists every run and the best causal policy per budget
   CHECK(md.find("not ranked") != std::string::npos);
 }
 
+TEST_CASE("report: the summary says whether a trace is a real model run or synthetic", "[report]") {
+  std::vector<RunResult> runs(2);
+  for (int i = 0; i < 2; ++i) {
+    runs[i].set_policy("snapkv");
+    runs[i].set_label("snapkv");
+    runs[i].set_budget_tokens(10);
+    runs[i].set_budget_fraction(0.1);
+  }
+  runs[0].set_trace_path("real.h5");
+  runs[0].set_trace_source("captured");
+  runs[1].set_trace_path("synth.h5");
+  runs[1].set_trace_source("synthetic");
+  const std::string md = SummaryMarkdown(runs, "title");
+  const size_t real = md.find("## Trace `real.h5`"), synth = md.find("## Trace `synth.h5`");
+  REQUIRE(real != std::string::npos);
+  REQUIRE(synth != std::string::npos);
+  CHECK(md.find("**Real model run**", real) < synth);
+  CHECK(md.find("**Synthetic trace**", synth) != std::string::npos);
+  CHECK(md.find("**Synthetic trace**") > synth);  // not in the real trace's section
+}
+
 TEST_CASE("report: WriteFileAtomic writes whole files and fails cleanly", "[report]") {
   const std::string dir = testing::ScratchDir("report_atomic");
   REQUIRE(WriteFileAtomic(dir + "/a.txt", "hello").ok());
