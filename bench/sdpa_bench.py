@@ -11,8 +11,9 @@ the issue asks for (kvsim kernel time / SDPA time at 1K tokens per head).
 Timing: --warmup untimed calls, then --repeats samples, each after an L2 flush (a memset of 256 MiB), with
 CUDA events on a GPU (time.perf_counter on CPU); prints JSON with median / p10 / p90 in ms.
 
-On torch < 2.0 (Debian 12 ships 1.13) SDPA does not exist: the script falls back to the same math written
-out (masked softmax(q k^T / sqrt(d)) v) and says so in "impl"; such numbers are not an SDPA baseline.
+On torch < 2.0 (e.g. Debian 12's python3-torch 1.13; the project environment pins 2.15) SDPA does not exist:
+the script falls back to the same math written out (masked softmax(q k^T / sqrt(d)) v) and says so in "impl";
+such numbers are not an SDPA baseline.
 """
 import argparse
 import json
@@ -54,7 +55,7 @@ def main(argv):
     try:
         import torch
     except ImportError:
-        print("sdpa_bench: no torch: install python3-torch (Debian) or PyTorch", file=sys.stderr)
+        print("sdpa_bench: no torch: run it with .venv/bin/python (scripts/setup_python.sh)", file=sys.stderr)
         return 3
     if args.heads <= 0 or args.kv_heads <= 0 or args.heads % args.kv_heads:
         print("sdpa_bench: --heads must be a positive multiple of --kv-heads", file=sys.stderr)

@@ -6,7 +6,7 @@ import unittest
 try:
     import torch  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the machine
-    raise unittest.SkipTest("python3-torch is not installed (scripts/setup.sh installs it); capture tests skipped") from e
+    raise unittest.SkipTest("torch is not installed: run the tests with .venv/bin/python (scripts/setup_python.sh makes it)") from e
 
 import numpy as np  # noqa: E402
 
