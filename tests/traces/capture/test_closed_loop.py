@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 import torch
 
-from kvsim_capture import CaptureError, CaptureOptions, closed_loop as cl, hf
+from kvsim_capture import CaptureOptions, closed_loop as cl, hf
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 KVSIM = os.environ.get("KVSIM_BIN", os.path.join(REPO, "build", "kvsim"))
