@@ -506,7 +506,22 @@ std::string TraceStatsToJson(const TraceMeta& meta, const TraceStats& stats) {
       j << (h ? "," : "") << JsonNumber(ls.head_text_share[h]);
     j << "]}";
   }
-  j << "],\"adjacent_patch_key_cosine\":" << JsonNumber(stats.adjacent_patch_key_cosine)
+  // The overall value of each per-layer statistic: its mean over layers (the " mean" row of the text report).
+  double mean[8] = {};
+  for (const LayerStats& ls : stats.layers) {
+    const double v[8] = {ls.entropy,      ls.normalized_entropy, ls.top_mass,
+                         ls.sink_mass,    ls.recent_mass,        ls.k90,
+                         ls.k90_fraction, ls.value_output_ratio};
+    for (int i = 0; i < 8; ++i) mean[i] += v[i];
+  }
+  const double num_layers = static_cast<double>(stats.layers.size());
+  for (double& v : mean) v = Ratio(v, num_layers);
+  j << "],\"mean_over_layers\":{\"entropy\":" << JsonNumber(mean[0])
+    << ",\"normalized_entropy\":" << JsonNumber(mean[1]) << ",\"top_mass\":" << JsonNumber(mean[2])
+    << ",\"sink_mass\":" << JsonNumber(mean[3]) << ",\"recent_mass\":" << JsonNumber(mean[4])
+    << ",\"k90\":" << JsonNumber(mean[5]) << ",\"k90_fraction\":" << JsonNumber(mean[6])
+    << ",\"value_output_ratio\":" << JsonNumber(mean[7]) << "}";
+  j << ",\"adjacent_patch_key_cosine\":" << JsonNumber(stats.adjacent_patch_key_cosine)
     << ",\"random_patch_key_cosine\":" << JsonNumber(stats.random_patch_key_cosine)
     << ",\"num_adjacent_pairs\":" << stats.num_adjacent_pairs
     << ",\"num_random_pairs\":" << stats.num_random_pairs << "}";
