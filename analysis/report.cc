@@ -86,7 +86,9 @@ std::string ResultsCsv(const std::vector<RunResult>& runs) {
         "kv_bytes_peak,kv_bytes_mean,kv_footprint,full_kv_bytes_peak,full_kv_bytes_mean,kv_memory_ratio,"
         "kept_tokens_mean,kept_text,kept_image,kept_video,retained_mass_text,retained_mass_image,"
         "retained_mass_video,full_mass_text,full_mass_image,full_mass_video,samples,prompt_kept_tokens_mean,"
-        "prompt_kept_over_budget,merged_tokens_mean,merged_slots_mean,merge_members_max\n";
+        "prompt_kept_over_budget,merged_tokens_mean,merged_slots_mean,merge_members_max,latency_device,"
+        "ms_per_output_token,ttft_ms,speedup_vs_full,attention_ms_per_token,policy_work_ms,floor_fraction,"
+        "ragged_attention_ratio\n";
   for (const RunResult& r : runs) {
     auto prefix = [&](const std::string& layer, double layer_budget) {
       os << CsvField(r.trace_path()) << ',' << r.trace_hash() << ',' << CsvField(r.trace_model()) << ','
@@ -96,11 +98,20 @@ std::string ResultsCsv(const std::vector<RunResult>& runs) {
     };
     prefix("all", r.allocated_budget_tokens_mean());  // = budget_tokens unless the allocation is inexact
     MetricColumns(r.metrics(), os);
+    if (r.has_latency()) {  // modelled (docs/latency.md); empty without --device and in per-layer rows
+      const LatencyMetrics& l = r.latency();
+      os << ',' << CsvField(l.device());
+      for (double x : {l.ms_per_output_token(), l.ttft_ms(), l.speedup_vs_full(), l.attention_ms_per_token(),
+                       l.policy_work_ms(), l.floor_fraction(), l.ragged_attention_ratio()})
+        os << ',' << Num(x, 9);
+    } else {
+      os << ",,,,,,,,";
+    }
     os << '\n';
     for (const LayerResult& l : r.layers()) {
       prefix(std::to_string(l.layer()), l.budget_tokens_mean());
       MetricColumns(l.metrics(), os);
-      os << '\n';
+      os << ",,,,,,,,\n";
     }
   }
   return os.str();
@@ -173,6 +184,25 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
       }
       auto& b = best[r->budget_tokens()];
       if (!b || r->metrics().output_rel_error_mean() < b->metrics().output_rel_error_mean()) b = r;
+    }
+    if (first->has_latency()) {
+      const LatencyMetrics& l0 = first->latency();
+      os << "\n**Decode latency — MODELLED, not measured**: " << l0.source()
+         << ". Time to first token includes the policy's compression work at prefill.\n\n"
+         << "| policy | budget | ms/token | speed-up vs full | TTFT ms | attention ms/token | policy work ms | "
+            "of physical floor | ragged attention x | head max/mean |\n"
+         << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      for (const RunResult* r : rows) {
+        const LatencyMetrics& l = r->latency();
+        os << "| " << r->label() << " | "
+           << (r->policy() == "full" ? std::string("-") : std::to_string(r->budget_tokens()) + " tok") << " | "
+           << std::fixed << std::setprecision(3) << l.ms_per_output_token() << " | " << l.speedup_vs_full()
+           << " | " << std::setprecision(2) << l.ttft_ms() << " | " << std::setprecision(3)
+           << l.attention_ms_per_token() << " | " << l.policy_work_ms() << " | " << std::setprecision(2)
+           << l.floor_fraction() << " | " << l.ragged_attention_ratio() << " | " << l.head_length_max_over_mean()
+           << " |\n"
+           << std::defaultfloat;
+      }
     }
     if (!best.empty()) {
       os << "\nLowest output error per budget (causal policies):";

@@ -59,8 +59,10 @@ StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std:
                                        const RunOptions& options) {
   KVSIM_RETURN_IF_ERROR(CheckStreamingPolicyName(policy).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(auto p, StreamPolicyRegistry::Default().Create(policy, sets));
-  KVSIM_ASSIGN_OR_RETURN(auto latency, LatencyModelOrTokenSteps(options.latency_model));
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
+  KVSIM_ASSIGN_OR_RETURN(auto latency,
+                         MakeLatencyModel(LatencySpec{options.latency_model, options.device, options.model},
+                                          trace->meta()));
   std::vector<StreamRunSpec> runs{StreamRunSpec{p, RunLabel(policy, sets), budget_tokens}};
   KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
@@ -88,25 +90,25 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
     }
     for (int b : experiment.budget_tokens()) runs.push_back(StreamRunSpec{policy, label, b});
   }
-  std::string latency_path =
-      options.latency_model.empty() ? experiment.latency_model() : options.latency_model;
-  if (!latency_path.empty() && options.latency_model.empty())
-    latency_path = ResolveExperimentPath(latency_path, base_dir);
-  KVSIM_ASSIGN_OR_RETURN(auto latency, LatencyModelOrTokenSteps(latency_path));
+  const LatencySpec clock = ExperimentLatency(experiment, base_dir, options);
   std::vector<std::string> paths;
   std::vector<std::unique_ptr<TraceSource>> traces;
+  std::vector<std::unique_ptr<LatencyModel>> latencies;
   for (const std::string& t : experiment.traces()) {
     const std::string path = ResolveExperimentPath(t, base_dir);
     KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
     KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(path));
+    auto latency = MakeLatencyModel(clock, trace->meta());
+    if (!latency.ok()) return latency.status().WithContext(path);
     paths.push_back(path);
     traces.push_back(std::move(trace));
+    latencies.push_back(std::move(*latency));
   }
   StreamSweepResult out;
   out.set_experiment(ToTextWithDefaults(experiment));
   for (size_t i = 0; i < traces.size(); ++i) {
     KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(paths[i]));
-    StreamReplayOptions ro{options.threads, latency.get(), options.progress, hash, paths[i]};
+    StreamReplayOptions ro{options.threads, latencies[i].get(), options.progress, hash, paths[i]};
     KVSIM_ASSIGN_OR_RETURN(auto results, ReplayStream(*traces[i], runs, ro));
     for (auto& r : results) *out.add_runs() = std::move(r);
   }

@@ -18,9 +18,39 @@ StatusOr<std::unique_ptr<TraceSource>> OpenTrace(const std::string& path) {
   return std::unique_ptr<TraceSource>(std::move(*reader));
 }
 
-StatusOr<std::unique_ptr<LatencyModel>> LatencyModelOrTokenSteps(const std::string& path) {
-  if (path.empty()) return MakeTokenStepLatencyModel();
-  return LoadLatencyModel(path);
+StatusOr<std::unique_ptr<LatencyModel>> MakeLatencyModel(const LatencySpec& spec, const TraceMeta& meta) {
+  if (!spec.device.empty() && !spec.file.empty())
+    return Status::InvalidArgument(
+        "--device and --latency-model both set the simulated clock; give one (--device: modelled from the "
+        "device profile; --latency-model: a fitted file)");
+  if (!spec.model.empty() && spec.device.empty())
+    return Status::InvalidArgument("--model chooses the model shape of a device model; add --device");
+  if (!spec.device.empty()) {
+    KVSIM_ASSIGN_OR_RETURN(DeviceProfile device, FindDevice(spec.device));
+    KVSIM_ASSIGN_OR_RETURN(ModelShape shape, ModelShapeForTrace(meta.model, spec.model));
+    return MakeDeviceLatencyModel(device, shape);
+  }
+  if (spec.file.empty()) return MakeTokenStepLatencyModel();
+  return LoadLatencyModel(spec.file);
+}
+
+LatencySpec ExperimentLatency(const config::Experiment& experiment, const std::string& base_dir,
+                              const RunOptions& options) {
+  auto resolve = [&](const std::string& option, const std::string& field, bool path) {
+    if (!option.empty()) return option;
+    // A device or model name stays a name; a file in the experiment resolves against its folder.
+    if (field.empty() || (!path && field.find('/') == std::string::npos && !field.ends_with(".textproto")))
+      return field;
+    return ResolveExperimentPath(field, base_dir);
+  };
+  LatencySpec spec;
+  spec.file = resolve(options.latency_model, experiment.latency_model(), true);
+  spec.device = resolve(options.device, experiment.device(), false);
+  spec.model = resolve(options.model, experiment.model_shape(), false);
+  // An option on the command line replaces the experiment's clock as a whole.
+  if (!options.device.empty() && options.latency_model.empty()) spec.file.clear();
+  if (!options.latency_model.empty() && options.device.empty()) spec.device.clear(), spec.model.clear();
+  return spec;
 }
 
 std::string RunLabel(const std::string& name, const std::vector<std::string>& sets) {
@@ -52,8 +82,10 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
                            QuestionMode mode, const RunOptions& options) {
   KVSIM_RETURN_IF_ERROR(CheckNotStreamingPolicy(policy).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(auto p, PolicyRegistry::Default().Create(policy, sets));
-  KVSIM_ASSIGN_OR_RETURN(auto latency, LatencyModelOrTokenSteps(options.latency_model));
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
+  KVSIM_ASSIGN_OR_RETURN(auto latency,
+                         MakeLatencyModel(LatencySpec{options.latency_model, options.device, options.model},
+                                          trace->meta()));
   std::vector<RunSpec> runs{RunSpec{p, RunLabel(policy, sets), budget_fraction, budget_tokens, mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
@@ -105,27 +137,27 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     for (double b : experiment.budgets()) runs.push_back(RunSpec{policy, label, b, 0, mode});
     for (int b : experiment.budget_tokens()) runs.push_back(RunSpec{policy, label, 0, b, mode});
   }
-  std::string latency_path =
-      options.latency_model.empty() ? experiment.latency_model() : options.latency_model;
-  if (!latency_path.empty() && options.latency_model.empty())
-    latency_path = ResolveExperimentPath(latency_path, base_dir);
-  KVSIM_ASSIGN_OR_RETURN(auto latency, LatencyModelOrTokenSteps(latency_path));
-  // Open and check every trace before replaying anything.
+  const LatencySpec clock = ExperimentLatency(experiment, base_dir, options);
+  // Open and check every trace (and its clock) before replaying anything.
   std::vector<std::string> paths;
   std::vector<std::unique_ptr<TraceSource>> traces;
+  std::vector<std::unique_ptr<LatencyModel>> latencies;
   for (const std::string& t : experiment.traces()) {
     const std::string path = ResolveExperimentPath(t, base_dir);
     KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
     KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(path));
+    auto latency = MakeLatencyModel(clock, trace->meta());
+    if (!latency.ok()) return latency.status().WithContext(path);
     paths.push_back(path);
     traces.push_back(std::move(trace));
+    latencies.push_back(std::move(*latency));
   }
   SweepResult out;
   out.set_experiment(ToTextWithDefaults(experiment));
   for (size_t i = 0; i < traces.size(); ++i) {
     KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(paths[i]));
     const int chunk = options.prefill_chunk >= 0 ? options.prefill_chunk : experiment.prefill_chunk_tokens();
-    ReplayOptions ro{options.threads, latency.get(), options.progress, hash, chunk};
+    ReplayOptions ro{options.threads, latencies[i].get(), options.progress, hash, chunk};
     KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*traces[i], runs, ro));
     for (auto& r : results) *out.add_runs() = std::move(r);
   }

@@ -17,8 +17,15 @@ StatusOr<std::unique_ptr<TraceSource>> OpenTrace(const std::string& path);
 // Shared by the plain and the streaming sweeps:
 // "snapkv window=16 pooling=MAX_POOL": a policy name and its overrides, the default run label.
 std::string RunLabel(const std::string& name, const std::vector<std::string>& sets);
-// The latency model file at `path`, or token steps when `path` is empty.
-StatusOr<std::unique_ptr<LatencyModel>> LatencyModelOrTokenSteps(const std::string& path);
+// Where the simulator's clock comes from: a device performance model (device set; modelled), a fitted
+// latency model file, or token steps (neither).
+struct LatencySpec {
+  std::string file;    // latency model file (sim/latency_model.proto)
+  std::string device;  // device profile name or file (sim/perf_model.h)
+  std::string model;   // model shape preset or file for the device model; empty = the trace's model name
+};
+// The clock for a trace; errors name the option and the fix.
+StatusOr<std::unique_ptr<LatencyModel>> MakeLatencyModel(const LatencySpec& spec, const TraceMeta& meta);
 // A path from an experiment file: relative paths resolve against the experiment's folder.
 std::string ResolveExperimentPath(const std::string& path, const std::string& base_dir);
 
@@ -27,6 +34,8 @@ struct RunOptions {
   bool progress = false;
   std::string latency_model;  // file; empty = token steps
   int prefill_chunk = -1;     // tokens per prefill chunk; 0 = whole prompt; -1 = the experiment's setting
+  std::string device;         // device profile (modelled latency); overrides the experiment's
+  std::string model;          // model shape for the device model; overrides the experiment's
 };
 
 // One policy on one trace at one budget (fraction > 0, or tokens > 0).
@@ -38,6 +47,10 @@ StatusOr<config::Experiment> LoadExperiment(const std::string& path);
 
 // Runs every trace x policy x budget of the experiment. Policies and traces are all checked before any
 // replay starts. Relative trace paths resolve against `base_dir`.
+// The experiment's clock, options first: paths in the experiment resolve against `base_dir`.
+LatencySpec ExperimentLatency(const config::Experiment& experiment, const std::string& base_dir,
+                              const RunOptions& options);
+
 StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir,
                                const RunOptions& options);
 

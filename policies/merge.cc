@@ -216,6 +216,11 @@ class MergeWrappedPolicy final : public Policy {
   bool may_exceed_budget() const override { return base_->may_exceed_budget(); }
   int compression_step() const override { return base_->compression_step(); }
   int decode_headroom() const override { return base_->decode_headroom(); }
+  PolicyGpuWork gpu_work() const override {
+    PolicyGpuWork w = base_->gpu_work();
+    w.merge = true;
+    return w;
+  }
   std::vector<int> LayerBudgets(const TraceMeta& meta, int budget, int compress_len) const override {
     return base_->LayerBudgets(meta, budget, compress_len);
   }

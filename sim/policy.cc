@@ -6,4 +6,13 @@ std::vector<int> Policy::LayerBudgets(const TraceMeta& meta, int budget, int com
   return std::vector<int>(meta.model.num_layers, std::min(budget, compress_len));
 }
 
+PolicyGpuWork Policy::gpu_work() const {
+  const PolicyRequirements r = requirements();
+  PolicyGpuWork w;
+  w.window = r.window;
+  w.all_query_scores = r.prompt_column_sums || r.all_prompt_queries;
+  w.decode_scores = r.decode_attention && evicts_during_decode();
+  return w;
+}
+
 }  // namespace kvsim

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "sim/cache_state.h"
+#include "sim/gpu_work.h"
 #include "sim/status.h"
 #include "sim/trace.h"
 
@@ -130,6 +131,9 @@ class Policy {
   // Decode-evicting policies that let the cache grow past its cap before evicting in a batch (HAE's DDES
   // bin of RC_size tokens): the engine allows cap + decode_headroom() slots during decode.
   virtual int decode_headroom() const { return 0; }
+  // What the policy computes on the GPU besides attention, for the latency model (docs/latency.md). Default:
+  // derived from requirements() (window scoring, scores from all prompt queries, per-step weights).
+  virtual PolicyGpuWork gpu_work() const;
   // Prompt budget of every layer (tokens per KV head) for a uniform per-layer budget `budget` over
   // `compress_len` compressible tokens. Must sum to num_layers * budget unless capped by compress_len.
   // Default: uniform.

@@ -588,6 +588,95 @@ void FillMemory(const TraceMeta& meta, const EventTokens& ev, int num_layers, co
   m->set_kept_tokens_mean(s > 0 ? kept_sum / s : 0);
 }
 
+// The (layer, KV head) cache lengths at event e of a.tokens (0: after the prefill hook; e >= 1: decode step
+// e - 1).
+std::vector<int> EventLengths(const TraceMeta& meta, const RunAccum& a, int e) {
+  const int hkv = meta.model.num_kv_heads, s = meta.num_decode_steps;
+  std::vector<int> len(static_cast<size_t>(meta.model.num_layers) * hkv);
+  for (size_t i = 0; i < len.size(); ++i) len[i] = a.tokens[i * (s + 1) + e];
+  return len;
+}
+
+// Duration of every event of `ev` (prefill chunks, then decode steps) from the latency model: prefill chunks
+// attend over the earlier ones; the policy's own GPU work is charged at its compression event (the end of
+// prefill, or decode step 0) and, for per-step work, at every decode step. With a device model, fills the
+// modelled latency metrics (docs/latency.md) and compares with the full cache.
+std::vector<double> EventDurations(const TraceMeta& meta, const RunAccum& a, const EventTokens& ev,
+                                   const LatencyModel& latency, const PolicyGpuWork& work, int compress_end,
+                                   int compression_step, LatencyMetrics* lm) {
+  const int nl = meta.model.num_layers, hkv = meta.model.num_kv_heads, s = meta.num_decode_steps;
+  const int n = meta.prefill_length;
+  const size_t chunks = ev.chunk_len.size();
+  std::vector<double> dur(ev.tokens.size());
+  double work_us = 0;
+  int cached = 0;
+  for (size_t c = 0; c < chunks; ++c) {
+    dur[c] = latency.PrefillDuration(ev.chunk_len[c], cached);
+    cached += ev.chunk_len[c];
+  }
+  const double full_prefill_us = std::accumulate(dur.begin(), dur.begin() + chunks, 0.0);
+  const std::vector<int> after_prefill = EventLengths(meta, a, 0);
+  if (compression_step < 0) {
+    const double w = latency.PolicyWorkDuration(work, compress_end, CacheLengths{after_prefill, nl, hkv}, false);
+    dur[chunks - 1] += w;
+    work_us += w;
+  }
+  const double prefill_us = std::accumulate(dur.begin(), dur.begin() + chunks, 0.0);
+  const PerfModel* perf = latency.perf_model();
+  const ModelShape* shape = latency.model_shape();
+  double attention_us = 0, floor_sum = 0, ragged_sum = 0, spread_sum = 0, spread_n = 0, full_decode_us = 0;
+  for (int e = 1; e <= s; ++e) {
+    const std::vector<int> len = EventLengths(meta, a, e);
+    const CacheLengths cache{len, nl, hkv};
+    double d = latency.DecodeStepDuration(cache);
+    double w = latency.PolicyWorkDuration(work, compress_end, cache, true);
+    if (compression_step == e - 1) w += latency.PolicyWorkDuration(work, compress_end, cache, false);
+    dur[chunks - 1 + e] = d + w;
+    work_us += w;
+    if (!perf) continue;
+    const DecodeStepCost step = perf->DecodeStep(*shape, 1, len);
+    attention_us += step.attention_us;
+    floor_sum += step.bytes / perf->PeakBytesPerUs() / (d + w);
+    // The same step with every head of a layer at the layer's mean length.
+    std::vector<int> even(len.size());
+    for (int l = 0; l < nl; ++l) {
+      double sum = 0;
+      int most = 0;
+      for (int u = 0; u < hkv; ++u) {
+        sum += len[static_cast<size_t>(l) * hkv + u];
+        most = std::max(most, len[static_cast<size_t>(l) * hkv + u]);
+      }
+      const double mean = sum / hkv;
+      for (int u = 0; u < hkv; ++u) even[static_cast<size_t>(l) * hkv + u] = static_cast<int>(std::lround(mean));
+      if (mean > 0) {
+        spread_sum += most / mean;
+        ++spread_n;
+      }
+    }
+    const double even_attention = perf->DecodeStep(*shape, 1, even).attention_us;
+    ragged_sum += even_attention > 0 ? step.attention_us / even_attention : 1;
+    const std::vector<int> full(len.size(), n + e);
+    full_decode_us += latency.DecodeStepDuration(CacheLengths{full, nl, hkv});
+  }
+  if (!perf) return dur;
+  const double decode_us = std::accumulate(dur.begin() + chunks, dur.end(), 0.0);
+  lm->set_device(perf->device().name());
+  lm->set_model_shape(shape->name());
+  lm->set_source(latency.Describe());
+  lm->set_ttft_ms(prefill_us / 1e3);
+  lm->set_full_ttft_ms(full_prefill_us / 1e3);
+  lm->set_decode_ms_total(decode_us / 1e3);
+  lm->set_ms_per_output_token(s > 0 ? decode_us / s / 1e3 : 0);
+  lm->set_full_ms_per_output_token(s > 0 ? full_decode_us / s / 1e3 : 0);
+  lm->set_speedup_vs_full(decode_us > 0 ? full_decode_us / decode_us : 0);
+  lm->set_attention_ms_per_token(s > 0 ? attention_us / s / 1e3 : 0);
+  lm->set_policy_work_ms(work_us / 1e3);
+  lm->set_floor_fraction(s > 0 ? floor_sum / s : 0);
+  lm->set_ragged_attention_ratio(s > 0 ? ragged_sum / s : 1);
+  lm->set_head_length_max_over_mean(spread_n > 0 ? spread_sum / spread_n : 1);
+  return dur;
+}
+
 class Progress {
  public:
   Progress(bool enabled, int total) : enabled_(enabled && ::isatty(2)), total_(total) {}
@@ -826,13 +915,13 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     // Simulated clock: per-event durations from the latency model and the cache sizes of all layers.
     const EventTokens ev = Timeline(meta, a, 0, num_layers, options.prefill_chunk);
     const size_t chunks = ev.chunk_len.size();
-    std::vector<double> dur(ev.tokens.size());
+    const std::vector<double> dur =
+        EventDurations(meta, a, ev, latency, runs[r].policy->gpu_work(), p.compress_end,
+                       runs[r].policy->compression_step(), out.mutable_latency());
     const double bytes_per_token = 2.0 * meta.model.head_dim * meta.model.ModelDtypeBytes();
     double now = 0;
     for (size_t e = 0; e < ev.tokens.size(); ++e) {
       const bool prefill = e < chunks;
-      dur[e] = prefill ? latency.PrefillDuration(ev.chunk_len[e])
-                       : latency.DecodeStepDuration(ev.tokens[e] / (static_cast<double>(num_layers) * hkv));
       now += dur[e];
       TimelinePoint* tp = out.add_timeline();
       tp->set_event(prefill ? "prefill" : "decode");

@@ -560,7 +560,7 @@ StreamTimeline SimulateStreamTimeline(const TraceMeta& meta, const StreamPlan& p
       const EncodeJob& job = plan.jobs[task];
       gpu = std::max(resident, job.gpu_bytes_during);
       record("encode");
-      const int64_t d = dur_us(latency.PrefillDuration(job.tokens));
+      const int64_t d = dur_us(latency.PrefillDuration(job.tokens, 0));
       tl.encode_busy_s += d / kUsPerSecond;
       queue.ScheduleAfter(d, [&, task] {
         const EncodeJob& j = plan.jobs[task];
@@ -583,10 +583,11 @@ StreamTimeline SimulateStreamTimeline(const TraceMeta& meta, const StreamPlan& p
     tl.gpu_at_answer[qi] = gpu;
     record("question");
     const double attended = s.init_len + (context_tokens.empty() ? 0 : context_tokens[qi]);
-    const int64_t prefill = dur_us(latency.PrefillDuration(q.num_question_tokens));
+    const int64_t prefill = dur_us(latency.PrefillDuration(q.num_question_tokens, static_cast<int>(attended)));
     int64_t steps = 0, first = 0;
     for (int a = 0; a < q.num_answer_tokens; ++a) {
-      steps += dur_us(latency.DecodeStepDuration(attended + q.num_question_tokens + a + 1));
+      steps += dur_us(latency.UniformDecodeStepDuration(attended + q.num_question_tokens + a + 1,
+                                                                meta.model.num_layers, meta.model.num_kv_heads));
       if (a == 0) first = prefill + steps;
     }
     tl.first_token_s[qi] = now_s() + first / kUsPerSecond;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "analysis/latency_report.h"
 #include "analysis/report.h"
 #include "analysis/stream_sweep.h"
 #include "analysis/sweep.h"
@@ -20,6 +21,7 @@
 #include "gpu_replay/plan.h"
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
+#include "sim/perf_model.h"
 #include "sim/version.h"
 #include "traces/hdf5_trace.h"
 #include "traces/synth.h"
@@ -170,8 +172,7 @@ StatusOr<QuestionMode> ParseQuestionMode(const std::string& s) {
 // `kvsim run` on a streaming trace: --budget-tokens is the retrieved visual-token budget (optional: the
 // policy's default), fractions are refused.
 int RunStreaming(const std::string& trace, const std::string& policy, const std::vector<std::string>& sets,
-                 bool has_fraction, int budget_tokens, int threads, const std::string& latency,
-                 const std::string& out) {
+                 bool has_fraction, int budget_tokens, const RunOptions& options, const std::string& out) {
   if (Status st = CheckStreamingPolicyName(policy); !st.ok()) return Fail(st.WithContext(trace));
   if (has_fraction)
     return Fail(Status::InvalidArgument(
@@ -180,7 +181,7 @@ int RunStreaming(const std::string& trace, const std::string& policy, const std:
         "or no budget (the policy's default), not --budget"));
   if (budget_tokens < 0)
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1 (omit it for the policy default)"));
-  auto res = RunStreamOne(trace, policy, sets, budget_tokens, RunOptions{threads, true, latency, 0});
+  auto res = RunStreamOne(trace, policy, sets, budget_tokens, options);
   if (!res.ok()) return Fail(res.status());
   Status st = WriteFileAtomic(out, ToJson(*res));
   if (!st.ok()) return Fail(st);
@@ -195,7 +196,7 @@ int RunStreaming(const std::string& trace, const std::string& policy, const std:
 }
 
 int CmdRun(int argc, char** argv) {
-  std::string trace, policy, out, qmode, latency;
+  std::string trace, policy, out, qmode, latency, device, model;
   double budget = 0;
   int budget_tokens = 0, threads = 0, prefill_chunk = 0;
   std::vector<std::string> sets;
@@ -208,6 +209,11 @@ int CmdRun(int argc, char** argv) {
       "question-mode", po::value(&qmode)->default_value("aware"),
       "aware: compress the whole prompt; agnostic: leave the question out of compression")(
       "latency-model", po::value(&latency), "latency model file (default: token steps)")(
+      "device", po::value(&device),
+      "modelled decode latency on this GPU as the clock: a100-sxm, a100-pcie, h100-sxm, h200 or a profile "
+      "file (docs/latency.md)")(
+      "model", po::value(&model),
+      "model shape for --device: a preset (kvsim latency --list) or a file; default: the trace's model")(
       "prefill-chunk", po::value(&prefill_chunk)->default_value(0),
       "prefill chunk size in tokens (0 = whole prompt)")("threads", po::value(&threads)->default_value(0),
                                                          "worker threads (0 = all cores)")(
@@ -221,7 +227,8 @@ int CmdRun(int argc, char** argv) {
   // Streaming traces go to the streaming engine; a trace that cannot be opened is reported below, after the
   // usage checks.
   if (auto streaming = IsStreamingTrace(trace); streaming.ok() && *streaming)
-    return RunStreaming(trace, policy, sets, vm.count("budget") > 0, budget_tokens, threads, latency, out);
+    return RunStreaming(trace, policy, sets, vm.count("budget") > 0, budget_tokens,
+                        RunOptions{threads, true, latency, 0, device, model}, out);
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
     return kExitUsage;
@@ -237,7 +244,7 @@ int CmdRun(int argc, char** argv) {
   if (prefill_chunk < 0)
     return Fail(Status::InvalidArgument("--prefill-chunk must be >= 0 (0 = whole prompt)"));
   auto res = RunOne(trace, policy, sets, budget, budget_tokens, *mode,
-                    RunOptions{threads, true, latency, prefill_chunk});
+                    RunOptions{threads, true, latency, prefill_chunk, device, model});
   if (!res.ok()) return Fail(res.status());
   Status st = WriteFileAtomic(out, ToJson(*res));
   if (!st.ok()) return Fail(st);
@@ -247,6 +254,14 @@ int CmdRun(int argc, char** argv) {
                "full -> %s\n",
                res->label().c_str(), res->budget_tokens(), m.retained_mass_mean(), m.output_rel_error_mean(),
                m.kv_memory_ratio(), out.c_str());
+  if (res->has_latency()) {
+    const LatencyMetrics& l = res->latency();
+    std::fprintf(stderr,
+                 "kvsim: MODELLED on %s (%s): %.3f ms/token (full cache %.3f, speed-up %.3fx), time to first "
+                 "token %.2f ms\n",
+                 l.device().c_str(), l.model_shape().c_str(), l.ms_per_output_token(),
+                 l.full_ms_per_output_token(), l.speedup_vs_full(), l.ttft_ms());
+  }
   return kExitOk;
 }
 
@@ -315,7 +330,7 @@ int CmdVerify(int argc, char** argv) {
 }
 
 int CmdSweep(int argc, char** argv) {
-  std::string config, out, latency;
+  std::string config, out, latency, device, model;
   std::vector<std::string> traces;
   int threads = 0, prefill_chunk = -1;
   po::options_description opts("kvsim sweep options");
@@ -323,6 +338,10 @@ int CmdSweep(int argc, char** argv) {
                      "Experiment text proto (configs/experiments/)")(
       "trace", po::value(&traces)->composing(), "trace file(s) replacing the config's traces (repeatable)")(
       "latency-model", po::value(&latency), "latency model file (overrides the config's)")(
+      "device", po::value(&device),
+      "modelled decode latency on this GPU as the clock (overrides the config's): a100-sxm, a100-pcie, "
+      "h100-sxm, h200 or a profile file (docs/latency.md)")(
+      "model", po::value(&model), "model shape for --device (overrides the config's model_shape)")(
       "prefill-chunk", po::value(&prefill_chunk), "prefill chunk size in tokens (overrides the config's)")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)")(
       "out", po::value(&out)->required(), "output folder (results.json, results.csv, summary.md)");
@@ -344,7 +363,8 @@ int CmdSweep(int argc, char** argv) {
   auto streaming = ExperimentIsStreaming(*exp, base.empty() ? "." : base);
   if (!streaming.ok()) return Fail(streaming.status());
   if (*streaming) {
-    auto sres = RunStreamSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, 0});
+    auto sres = RunStreamSweep(*exp, base.empty() ? "." : base,
+                               RunOptions{threads, true, latency, 0, device, model});
     if (!sres.ok()) return Fail(sres.status().WithContext(config));
     Status st = WriteStreamSweepOutputs(*sres, out);
     if (!st.ok()) return Fail(st);
@@ -354,7 +374,8 @@ int CmdSweep(int argc, char** argv) {
                  sres->runs_size(), out.c_str());
     return kExitOk;
   }
-  auto res = RunSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, prefill_chunk});
+  auto res = RunSweep(*exp, base.empty() ? "." : base,
+                      RunOptions{threads, true, latency, prefill_chunk, device, model});
   if (!res.ok()) return Fail(res.status().WithContext(config));
   Status st = WriteSweepOutputs(*res, out);
   if (!st.ok()) return Fail(st);
@@ -506,6 +527,49 @@ int CmdHash(int argc, char** argv) {
   return kExitOk;
 }
 
+// `kvsim latency`: the device performance model's numbers for one shape (docs/latency.md).
+int CmdLatency(int argc, char** argv) {
+  LatencyQuery q;
+  bool json = false, list = false;
+  po::options_description opts("kvsim latency options");
+  opts.add_options()("device", po::value(&q.device),
+                     "a100-sxm, a100-pcie, h100-sxm, h200, or a device profile file")(
+      "model", po::value(&q.model), "model preset (llama-2-7b, llava-1.5-7b, qwen2-7b, ...) or shape file")(
+      "heads", po::value(&q.heads), "query heads (instead of --model)")(
+      "kv-heads", po::value(&q.kv_heads), "KV heads (instead of --model)")(
+      "head-dim", po::value(&q.head_dim), "head dimension (instead of --model)")(
+      "kv-length", po::value(&q.kv_length), "KV cache length per head, tokens")(
+      "batch", po::value(&q.batch)->default_value(1), "requests decoded together")(
+      "prompt-tokens", po::value(&q.prompt_tokens)->default_value(0),
+      "also model the prefill of a prompt of this many tokens (time to first token; needs --model)")(
+      "hbm-gbps", po::value(&q.hbm_gbps)->default_value(0),
+      "override the profile's peak HBM bandwidth, GB/s (e.g. a power-limited card)")(
+      "json", po::bool_switch(&json), "print the JSON object instead of text")(
+      "list", po::bool_switch(&list), "list the built-in devices and model presets");
+  po::variables_map vm;
+  int code;
+  const char* usage =
+      "usage: kvsim latency --device NAME (--model PRESET | --heads H --kv-heads K --head-dim D) "
+      "--kv-length L [--batch N] [--prompt-tokens P] [--json]";
+  if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
+  if (list) {
+    std::cout << "devices (configs/devices/):";
+    for (const std::string& d : DeviceNames()) std::cout << " " << d;
+    std::cout << "\nmodel presets (configs/models/):";
+    for (const std::string& m : ModelPresetNames()) std::cout << " " << m;
+    std::cout << "\n";
+    return kExitOk;
+  }
+  if (q.device.empty() || !vm.count("kv-length")) {
+    std::fprintf(stderr, "kvsim: usage error: --device and --kv-length are required\n%s\n", usage);
+    return kExitUsage;
+  }
+  auto r = ComputeLatencyReport(q);
+  if (!r.ok()) return Fail(r.status());
+  std::cout << (json ? ToJson(*r) : LatencyReportText(*r));
+  return kExitOk;
+}
+
 const char kTopUsage[] =
     "kvsim "
     "— replay recorded LLM attention traces against KV-cache compression policies\n\n"
@@ -520,6 +584,7 @@ const char kTopUsage[] =
     "  verify hae     measure HAE's Theorem 2.1 / Corollary 2.1 and sparsity on a trace\n"
     "  gpu-plan       write one policy run's decisions as a GPU replay plan (docs/gpu-replay.md)\n"
     "  hash           print a trace's content hash (the trace_hash of results and plans)\n"
+    "  latency        modelled decode / prefill latency of a shape on a GPU (docs/latency.md)\n"
     "  version        print version and git commit\n";
 
 }  // namespace
@@ -552,6 +617,7 @@ int main(int argc, char** argv) {
     if (cmd == "verify") return CmdVerify(sub_argc, sub_argv);
     if (cmd == "gpu-plan") return CmdGpuPlan(sub_argc, sub_argv);
     if (cmd == "hash") return CmdHash(sub_argc, sub_argv);
+    if (cmd == "latency") return CmdLatency(sub_argc, sub_argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvsim: error: %s\n", e.what());
     return kExitInput;

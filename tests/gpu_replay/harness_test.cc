@@ -42,7 +42,7 @@ TEST_CASE("harness: latency fit recovers a line and stays loadable", "[gpu_repla
   auto loaded = LoadLatencyModel(path);
   REQUIRE(loaded.ok());
   CHECK((*loaded)->unit() == "us");
-  CHECK((*loaded)->DecodeStepDuration(1000) == Approx(6500 + 900).margin(2));
+  CHECK((*loaded)->UniformDecodeStepDuration(1000, 1, 1) == Approx(6500 + 900).margin(2));
 
   // Constrained to non-negative coefficients (LoadLatencyModel's rule).
   std::vector<LatencyPoint> falling{{0, 10}, {100, 9}, {200, 8}};

@@ -21,10 +21,10 @@ std::string WriteFile(const std::string& dir, const std::string& name, const std
 
 TEST_CASE("Token-step latency model: every event lasts 1", "[latency_model]") {
   auto m = MakeTokenStepLatencyModel();
-  CHECK(m->PrefillDuration(1) == 1);
-  CHECK(m->PrefillDuration(4096) == 1);
-  CHECK(m->DecodeStepDuration(0) == 1);
-  CHECK(m->DecodeStepDuration(37.5) == 1);
+  CHECK(m->PrefillDuration(1, 0) == 1);
+  CHECK(m->PrefillDuration(4096, 0) == 1);
+  CHECK(m->UniformDecodeStepDuration(0, 1, 1) == 1);
+  CHECK(m->UniformDecodeStepDuration(37.5, 1, 1) == 1);
   CHECK(m->unit() == "token_steps");
 }
 
@@ -36,9 +36,9 @@ TEST_CASE("Linear latency model: base + slope", "[latency_model]") {
   p.set_decode_us_per_kv_token(0.1);
   p.set_fitted_on("h100, tiny");
   auto m = MakeLinearLatencyModel(p);
-  CHECK(m->PrefillDuration(100) == Approx(10 + 0.5 * 100));   // 60
-  CHECK(m->DecodeStepDuration(50) == Approx(20 + 0.1 * 50));  // 25
-  CHECK(m->DecodeStepDuration(37.5) == Approx(23.75));        // fractional mean cache length
+  CHECK(m->PrefillDuration(100, 0) == Approx(10 + 0.5 * 100));   // 60
+  CHECK(m->UniformDecodeStepDuration(50, 1, 1) == Approx(20 + 0.1 * 50));  // 25
+  CHECK(m->UniformDecodeStepDuration(37.5, 1, 1) == Approx(23.75));        // fractional mean cache length
   CHECK(m->unit() == "us");
   CHECK(Contains(m->Describe(), "fitted on h100, tiny"));
 }
@@ -51,14 +51,14 @@ TEST_CASE("LoadLatencyModel reads a text file", "[latency_model]") {
                                      "decode_base_us: 5\ndecode_us_per_kv_token: 0.25\n");
   auto m = LoadLatencyModel(path);
   REQUIRE(m.ok());
-  CHECK((*m)->PrefillDuration(10) == Approx(120));  // 100 + 2 * 10
-  CHECK((*m)->DecodeStepDuration(8) == Approx(7));  // 5 + 0.25 * 8
+  CHECK((*m)->PrefillDuration(10, 0) == Approx(120));  // 100 + 2 * 10
+  CHECK((*m)->UniformDecodeStepDuration(8, 1, 1) == Approx(7));  // 5 + 0.25 * 8
   CHECK((*m)->unit() == "us");
   // Only a per-token slope is fine too.
   m = LoadLatencyModel(WriteFile(dir, "slope.txtpb", "decode_us_per_kv_token: 1\n"));
   REQUIRE(m.ok());
-  CHECK((*m)->DecodeStepDuration(3) == Approx(3));
-  CHECK((*m)->PrefillDuration(3) == 0);
+  CHECK((*m)->UniformDecodeStepDuration(3, 1, 1) == Approx(3));
+  CHECK((*m)->PrefillDuration(3, 0) == 0);
 }
 
 TEST_CASE("LoadLatencyModel rejects bad files, naming the file", "[latency_model]") {
