@@ -20,6 +20,8 @@ STREAM_TRACE := $(DEMO_DIR)/streaming_video.h5
 STREAM_CFG   := configs/synth/streaming_demo.textproto
 REAL_TRACE   := $(DEMO_DIR)/smollm2_passkey.h5
 REAL_EXP     := configs/experiments/real_smollm2_passkey.textproto
+# The demo sweeps' simulated clock: MODELLED decode latency on this GPU (docs/latency.md).
+DEMO_DEVICE  ?= a100-sxm
 
 .PHONY: setup build cli test asan-test demo real-demo bench format clean
 
@@ -63,14 +65,15 @@ $(STREAM_TRACE): $(STREAM_CFG) | cli
 real-demo: cli
 	bash scripts/real_trace.sh $(REAL_TRACE)
 	$(KVSIM) validate $(REAL_TRACE)
-	$(KVSIM) sweep --config $(REAL_EXP) --trace $(REAL_TRACE) --out $(DEMO_DIR)/real
+	$(KVSIM) sweep --config $(REAL_EXP) --trace $(REAL_TRACE) --device $(DEMO_DEVICE) --out $(DEMO_DIR)/real
 	rm -rf $(DEMO_DIR)/closed_loop/plans
 	$(KVSIM) gpu-plan --trace $(REAL_TRACE) --config $(REAL_EXP) --out-dir $(DEMO_DIR)/closed_loop/plans
 	scripts/kvsim-capture closed-loop --model smollm2 --trace $(REAL_TRACE) --plans-dir $(DEMO_DIR)/closed_loop/plans \
 	  --kvsim $(KVSIM) --out $(DEMO_DIR)/closed_loop
 
 demo: cli real-demo $(DEMO_TRACE) $(STREAM_TRACE)
-	$(KVSIM) sweep --config configs/experiments/demo.textproto --trace $(DEMO_TRACE) --out $(DEMO_DIR)/results
+	$(KVSIM) sweep --config configs/experiments/demo.textproto --trace $(DEMO_TRACE) --device $(DEMO_DEVICE) \
+	  --out $(DEMO_DIR)/results
 	$(KVSIM) sweep --config configs/experiments/streaming_demo.textproto --trace $(STREAM_TRACE) \
 	  --out $(DEMO_DIR)/streaming
 	@echo
@@ -92,7 +95,8 @@ demo: cli real-demo $(DEMO_TRACE) $(STREAM_TRACE)
 	@echo "Streaming: $(DEMO_DIR)/streaming/{summary.md,results.json,results.csv,questions.csv,memory.csv}"
 
 bench: cli $(DEMO_TRACE) $(STREAM_TRACE)
-	cmake --build $(BUILD) -j $(JOBS) --target kvsim_bench
+	cmake --build $(BUILD) -j $(JOBS) --target kvsim_bench kvsim_latency_bench
+	$(BUILD)/kvsim_latency_bench
 	$(BUILD)/kvsim_bench --trace $(DEMO_TRACE)
 	$(BUILD)/kvsim_bench --trace $(STREAM_TRACE)
 	.venv/bin/python bench/capture_bench.py

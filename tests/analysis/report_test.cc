@@ -27,7 +27,23 @@ TEST_CASE("report: CSV has one overall row and one row per layer, quoting fields
   CHECK(csv.find("\"snapkv window=8, \"\"x\"\"\"") != std::string::npos);
   CHECK(csv.find(",all,") != std::string::npos);
   CHECK(csv.find(",prompt_kept_tokens_mean,prompt_kept_over_budget,merged_tokens_mean,merged_slots_mean,"
-                 "merge_members_max\n") != std::string::npos);
+                 "merge_members_max,latency_device,ms_per_output_token,ttft_ms,speedup_vs_full,"
+                 "attention_ms_per_token,policy_work_ms,floor_fraction,ragged_attention_ratio\n") !=
+        std::string::npos);
+  // Every row has as many fields as the header (the latency columns are empty without --device).
+  std::istringstream rows_in(csv);
+  std::string header;
+  std::getline(rows_in, header);
+  const auto commas = [](const std::string& s) {
+    int n = 0;
+    bool quoted = false;
+    for (char c : s) {
+      if (c == '"') quoted = !quoted;
+      if (c == ',' && !quoted) ++n;
+    }
+    return n;
+  };
+  while (std::getline(rows_in, line)) CHECK(commas(line) == commas(header));
 }
 
 TEST_CASE("report: the overall CSV row's layer budget is the allocated mean", "[report]") {
