@@ -182,5 +182,34 @@ TEST_CASE("kvsim run/sweep --device: modelled latency in results and summary", "
   CHECK(csv.find("ms_per_output_token") != std::string::npos);
 }
 
+TEST_CASE("kvsim run --device on a streaming trace: encode jobs and answers on the modelled clock", "[latency][cli]") {
+  const std::string dir = testing::ScratchDir("latency_stream");
+  const std::string trace = dir + "/st.h5";
+  std::string log;
+  REQUIRE(testing::RunCommand(Kvsim() + " synth --config " + testing::SourceDir() +
+                                  "/configs/synth/streaming_tiny.textproto --out " + trace,
+                              &log) == 0);
+  const std::string shape = dir + "/shape.textproto";
+  {
+    std::FILE* f = std::fopen(shape.c_str(), "w");
+    std::fputs("name: \"tiny-stream\" num_layers: 4 num_heads: 4 num_kv_heads: 2 head_dim: 16 hidden_size: 64 "
+               "intermediate_size: 128 vocab_size: 1000\n",
+               f);
+    std::fclose(f);
+  }
+  REQUIRE(testing::RunCommand(Kvsim() + " run --trace " + trace + " --policy rekv --device h100-sxm --model " +
+                                  shape + " --out " + dir + "/r.json 2>&1",
+                              &log) == 0);
+  const std::string json = testing::ReadFile(dir + "/r.json");
+  CHECK(json.find("\"time_unit\": \"us\"") != std::string::npos);
+  CHECK(json.find("\"encode_busy_s\": 0,") == std::string::npos);  // encoding takes modelled time
+  // Without a preset for 'tiny-stream' and without --model: one line naming --model, no output.
+  CHECK(testing::RunCommand(Kvsim() + " run --trace " + trace + " --policy rekv --device h100-sxm --out " + dir +
+                                "/r2.json 2>&1",
+                            &log) == 1);
+  CHECK(log.find("pass --model") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(dir + "/r2.json"));
+}
+
 }  // namespace
 }  // namespace kvsim
