@@ -5,6 +5,10 @@
 //   kvsim_latency_bench            the table (markdown), exit 1 if an anchor from 2K tokens up is off by > 10%
 //   kvsim_latency_bench --fit      re-fit the fitted constants (the method of docs/latency.md) and print them
 //                                  as text-proto lines for configs/devices/*.textproto
+//   kvsim_latency_bench --gpu-replay-kernels
+//                                  modelled time of gpu_replay's decode attention as first written (minimum
+//                                  chunk 256 tokens) and as improved (64), 8 work items per SM, on the
+//                                  split_kv efficiency curve (docs/gpu-replay.md)
 
 #include <boost/program_options.hpp>
 #include <algorithm>
@@ -159,12 +163,43 @@ void FitRow(const UtilRow& row) {
               std::exp(best[1]), best[2]);
 }
 
+// gpu_replay's split-KV decode attention (gpu_replay/attention.cu) on the model: its partition (8 items per
+// SM, minimum chunk as written / as improved) with the device's fitted split_kv efficiency curve (an
+// assumption: the same design as FlashInfer's split-KV, not measured).
+void GpuReplayKernels() {
+  std::printf("## gpu_replay decode attention, MODELLED (kvsim_latency_bench --gpu-replay-kernels)\n\n");
+  std::printf("| device | shape | KV length | as written (min chunk 256): us, units | as improved (min chunk 64): "
+              "us, units | speed-up |\n|---|---|---:|---:|---:|---:|\n");
+  struct Shape {
+    const char* name;
+    int kv_heads, group;
+  };
+  for (const char* dev : {"a100-sxm", "h100-sxm"}) {
+    const DeviceProfile d = *FindDevice(dev);
+    const PerfModel perf(d);
+    StreamingKernel k = perf.AttentionKernel();
+    k.set_target_units_per_sm(8);
+    for (const Shape& s : {Shape{"Llama-2-7B (32 KV heads)", 32, 1}, Shape{"Qwen2-7B (4 KV heads, GQA 7)", 4, 7}})
+      for (int len : {1024, 4096, 16384}) {
+        const std::vector<int> heads(s.kv_heads, len);
+        k.set_min_chunk_tokens(256);
+        const KernelCost a = perf.DecodeAttention(heads, s.group, 128, 2, k, false);
+        k.set_min_chunk_tokens(64);
+        const KernelCost b = perf.DecodeAttention(heads, s.group, 128, 2, k, false);
+        std::printf("| %s | %s | %d | %.1f, %d | %.1f, %d | %.2fx |\n", d.name().c_str(), s.name, len, a.us, a.units,
+                    b.us, b.units, a.us / b.us);
+      }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool fit = false;
+  bool fit = false, kernels = false;
   po::options_description opts("kvsim_latency_bench options");
-  opts.add_options()("fit", po::bool_switch(&fit), "re-fit the constants and print them")("help,h", "help");
+  opts.add_options()("fit", po::bool_switch(&fit), "re-fit the constants and print them")(
+      "gpu-replay-kernels", po::bool_switch(&kernels), "modelled time of gpu_replay's attention kernel")(
+      "help,h", "help");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, opts), vm);
@@ -174,7 +209,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (vm.count("help")) {
-    std::printf("%s", "usage: kvsim_latency_bench [--fit]\n");
+    std::printf("%s", "usage: kvsim_latency_bench [--fit | --gpu-replay-kernels]\n");
+    return 0;
+  }
+  if (kernels) {
+    GpuReplayKernels();
     return 0;
   }
   if (fit) {
