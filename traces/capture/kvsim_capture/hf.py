@@ -8,6 +8,8 @@ transformers or a GPU (docs/capture.md, "Status").
 """
 import contextlib
 import dataclasses
+import inspect
+import math
 import os
 from typing import Iterable, Optional, Sequence
 
@@ -232,20 +234,54 @@ def _question_span(tokenizer, prompt_ids, question):
     return None
 
 
-def _grids(model, inputs, image_token_id, video_token_id, n_frames, n_images=0):
-    """Per image (rows, cols) / per video (frames, rows, cols) LLM-token grids from the processor outputs."""
+def _video_metadata_kwargs(processor, frames, fps):
+    """Tells a processor with a video processor that the frames are already sampled, at `fps` frames per second
+    (its video_metadata): Qwen2.5-VL spaces its temporal M-RoPE positions by the frames' time
+    (second_per_grid_ts), which without this assumes 24 frames per second."""
+    if getattr(processor, "video_processor", None) is None or not fps or fps <= 0:
+        return {}
+    return {"video_metadata": [{"fps": float(fps), "total_num_frames": len(frames),
+                                "frames_indices": list(range(len(frames)))}], "do_sample_frames": False}
+
+
+def _image_token_counts(processor, pil_images, inputs, image_token_id):
+    """Per image, the number of image tokens the processor expands it to, for processors whose outputs do not
+    say it (no image_grid_thw): LLaVA-1.5 (fixed), LLaVA-OneVision / LLaVA-NeXT (any-res: depends on the
+    image's size). Adjacent images make one run of image tokens, so the run cannot be split otherwise. Each
+    image goes through the processor alone; None when that fails or does not add up to the prompt's count."""
+    marker = getattr(processor, "image_token", None)
+    if image_token_id is None or len(pil_images) < 2 or "image_grid_thw" in inputs or not isinstance(marker, str):
+        return None
+    counts = []
+    try:
+        for img in pil_images:
+            ids = processor(text=[marker], images=[img], return_tensors="pt")["input_ids"][0]
+            counts.append(int((ids == image_token_id).sum()))
+    except Exception:  # noqa: BLE001 - a processor that cannot take one image alone: fall back to runs
+        return None
+    total = int((inputs["input_ids"][0] == image_token_id).sum())
+    return counts if sum(counts) == total and all(counts) else None
+
+
+def _grids(model, inputs, image_token_id, video_token_id, n_frames, n_images=0, image_counts=None):
+    """Per image (rows, cols) or token count / per video (frames, rows, cols) LLM-token grids from the processor
+    outputs. image_counts: per image token counts (_image_token_counts) when the outputs have no grids."""
     vcfg = getattr(model.config, "vision_config", None)
     merge = int(getattr(vcfg, "spatial_merge_size", 1) or 1)
     image_grids = video_grids = None
     if "image_grid_thw" in inputs:      # Qwen2-VL / Qwen2.5-VL
         image_grids = [(int(t), int(h) // merge, int(w) // merge) for t, h, w in inputs["image_grid_thw"].tolist()]
     elif image_token_id is not None and n_images:
-        # Fixed-size images (LLaVA-1.5: 24 x 24 each): adjacent images form one run of image tokens, so split
-        # the run by the image count when each image's share is a square grid.
         count = int((inputs["input_ids"][0] == image_token_id).sum())
-        side = int(round((count // n_images) ** 0.5)) if count % n_images == 0 else 0
-        if side and side * side * n_images == count:
-            image_grids = [(side, side)] * n_images
+        counts = list(image_counts) if image_counts else None
+        if counts is None and (n_images == 1 or ("image_sizes" not in inputs and count % n_images == 0)):
+            counts = [count // n_images] * n_images  # fixed-size images (LLaVA-1.5: 24 x 24 each)
+        if counts is not None and len(counts) == n_images and sum(counts) == count:
+            # A square share is a grid unless the processor lays images out any-res (image_sizes: LLaVA-NeXT,
+            # LLaVA-OneVision: base grid, then the unpadded crops with a newline token per row): a count then.
+            anyres = "image_sizes" in inputs
+            image_grids = [(math.isqrt(c), math.isqrt(c)) if not anyres and math.isqrt(c) ** 2 == c else c
+                           for c in counts]
     if "video_grid_thw" in inputs:
         video_grids = [(int(t), int(h) // merge, int(w) // merge) for t, h, w in inputs["video_grid_thw"].tolist()]
     elif video_token_id is not None and n_frames:
@@ -258,6 +294,36 @@ def _grids(model, inputs, image_token_id, video_token_id, n_frames, n_images=0):
                 video_grids = [(n_frames, side, side)]
                 break
     return image_grids, video_grids
+
+
+def _rope_positions(model, inputs, token_ids, pos):
+    """The multi-axis RoPE positions [3, t] of a model with get_rope_index (Qwen2-VL, Qwen2.5-VL: M-RoPE) for
+    the prompt and decode tokens `token_ids`, from the model's own get_rope_index and the processor's grids.
+    transformers >= 5 passes only the 1-D text positions to attention (`pos`, what the recorder saw), not the
+    ones the rotary embedding used. Returns `pos` unchanged for other models or when it is multi-axis already."""
+    fn = getattr(getattr(model, "model", None), "get_rope_index", None)
+    if fn is None or (pos is not None and pos.shape[0] > 1) or not (
+            "image_grid_thw" in inputs or "video_grid_thw" in inputs):
+        return pos
+    params = inspect.signature(fn).parameters
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=inputs["input_ids"].device)
+    n = inputs["input_ids"].shape[1]
+    kw = {k: inputs[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+          if k in params and inputs.get(k) is not None}
+    if "attention_mask" in params:
+        kw["attention_mask"] = torch.ones_like(ids)
+    if "mm_token_type_ids" in params:
+        mm = inputs.get("mm_token_type_ids")
+        if mm is None:
+            return pos
+        kw["mm_token_type_ids"] = torch.cat([mm, mm.new_zeros(1, ids.shape[1] - n)], dim=1)  # decode: text
+    try:
+        with torch.no_grad():
+            p = fn(ids, **kw)[0]
+    except Exception as e:  # noqa: BLE001
+        raise CaptureError("%s.get_rope_index failed (%s); cannot record its M-RoPE positions"
+                           % (type(model.model).__name__, str(e).split("\n")[0][:200])) from e
+    return p[:, 0].detach().to("cpu", torch.int64).numpy()
 
 
 @dataclasses.dataclass
@@ -350,13 +416,14 @@ def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Op
     question: the part of `prompt` where kvsim's `question` role starts (default: the whole prompt; text-only
     models). config_text / extra_attrs: provenance stored in the trace (`config_text`, `/capture` attributes).
     min_new_tokens: end-of-sequence is suppressed until this many tokens are generated (0: plain greedy).
-    video_frames: a video as decoded frames (uint8 [frames, H, W, 3]) instead of a file (`video`)."""
+    video_frames: a video as decoded frames (uint8 [frames, H, W, 3], `fps` frames per second) instead of a
+    file (`video`, sampled at `fps`)."""
     options = options or CaptureOptions()
     options.validate()
     if max_new_tokens < 1:
         raise CaptureError("max_new_tokens must be >= 1, got %d" % max_new_tokens)
     tcfg = text_config(model)
-    frames = None
+    frames = image_counts = None
     system_end = None
     if is_text_only(processor):
         if images or video or video_frames is not None:
@@ -388,7 +455,10 @@ def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Op
             kw["images"] = load_images(images)
         if frames is not None:
             kw["videos"] = [frames]
+            kw.update(_video_metadata_kwargs(processor, frames, fps))
         inputs = processor(text=[text], return_tensors="pt", **kw).to(model.device)
+        image_counts = _image_token_counts(processor, kw.get("images", []), inputs, getattr(
+            model.config, "image_token_index", getattr(model.config, "image_token_id", None)))
         question_span = None
     prompt_ids = inputs["input_ids"][0].tolist()
     n = len(prompt_ids)
@@ -429,8 +499,9 @@ def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Op
         t = rec.total_tokens
         decode_ids = gen[: t - n]
         pos = rec.position_ids[:, :t] if rec.position_ids is not None and (rec.position_ids[:, :t] >= 0).all() else None
+        pos = _rope_positions(model, inputs, prompt_ids + decode_ids, pos)
         image_grids, video_grids = _grids(model, inputs, image_token_id, video_token_id,
-                                          0 if frames is None else len(frames), len(images))
+                                          0 if frames is None else len(frames), len(images), image_counts)
         if question_span is None:
             question_span = _question_span(tok, prompt_ids, question or prompt)
         meta = build_token_metadata(

@@ -38,27 +38,33 @@ def _runs(mask):
 def _place_grids(positions, grids, frames, patch_row, patch_col, unit_of):
     """Assigns the visual tokens at `positions` (in order) to grids: `grids` is a list of (rows, cols) per
     image, or (frames, rows, cols) per video (each frame its own unit; one extra trailing video token, as
-    LLaVA-OneVision's newline, joins the last frame). Returns False when the token count does not match (e.g. LLaVA-NeXT any-res layouts with newline tokens): patch positions are then left -1
-    and each contiguous run becomes one unit."""
-    sizes = []
+    LLaVA-OneVision's newline, joins the last frame). An image entry may be a plain token count instead of a
+    grid (any-res layouts such as LLaVA-OneVision's, with newline tokens): one unit, patch positions -1.
+    Returns False when the token count does not match: patch positions are then left -1 and each contiguous
+    run becomes one unit."""
+    sizes = []  # per unit (tokens, cols); cols 0: no patch positions
     for g in grids:
+        if np.ndim(g) == 0:
+            sizes.append((int(g), 0))
+            continue
         g = tuple(int(x) for x in g)
         f, r, c = (1,) + g if len(g) == 2 else g
         if frames:
-            sizes += [(r, c)] * f   # one unit per frame
+            sizes += [(r * c, c)] * f   # one unit per frame
         else:
-            sizes.append((f * r, c))
-    placed = sum(r * c for r, c in sizes)
+            sizes.append((f * r * c, c))
+    placed = sum(k for k, _ in sizes)
     if placed == len(positions) - 1 and frames and sizes:
         # LLaVA-OneVision's newline token after a video's frames: the last frame's unit, no patch position.
         unit_of[positions[-1]] = len(sizes) - 1
     elif placed != len(positions):
         return False
     k = 0
-    for u, (r, c) in enumerate(sizes):
-        for i in range(r * c):
+    for u, (count, c) in enumerate(sizes):
+        for i in range(count):
             p = positions[k]
-            patch_row[p], patch_col[p] = i // c, i % c
+            if c:
+                patch_row[p], patch_col[p] = i // c, i % c
             unit_of[p] = u
             k += 1
     return True
@@ -70,9 +76,9 @@ def build_token_metadata(prompt_ids, decode_ids=(), *, image_token_id=None, vide
     """prompt_ids: the n prompt token ids as the model saw them (image/video placeholders expanded);
     decode_ids: the token fed at each decode step (generated tokens except the last).
     image_grids: per image, its LLM-token grid (rows, cols) (e.g. Qwen2-VL: image_grid_thw // merge; LLaVA-1.5:
-    (24, 24)); video_grids: per video, (frames, rows, cols). Without grids, each contiguous run of image
-    tokens is one image (square runs get row-major patch positions) and each run of video tokens one
-    segment without patch positions.
+    (24, 24)) or its token count without a grid (LLaVA-OneVision: one unit, no patch positions); video_grids:
+    per video, (frames, rows, cols). Without grids, each contiguous run of image tokens is one image (square
+    runs get row-major patch positions) and each run of video tokens one segment without patch positions.
     question_span: [start, end) of the user's question text; everything after it in the prompt (the
     assistant header) is tagged question too. Default: the text tokens after the last visual token.
     system_end: tokens [0, system_end) are system (template preamble, system prompt). Default: the first
