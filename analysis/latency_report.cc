@@ -50,8 +50,7 @@ StatusOr<LatencyReport> ComputeLatencyReport(const LatencyQuery& q) {
   if (q.kv_length <= 0)
     return Status::InvalidArgument("--kv-length must be >= 1 (KV tokens per head); got " +
                                    std::to_string(q.kv_length));
-  if (q.batch <= 0)
-    return Status::InvalidArgument("--batch must be >= 1; got " + std::to_string(q.batch));
+  if (q.batch <= 0) return Status::InvalidArgument("--batch must be >= 1; got " + std::to_string(q.batch));
   if (q.prompt_tokens < 0) return Status::InvalidArgument("--prompt-tokens must be >= 1");
   if (q.prompt_tokens > 0 && !has_model)
     return Status::InvalidArgument("--prompt-tokens needs --model (prefill runs the whole model)");
@@ -69,8 +68,8 @@ StatusOr<LatencyReport> ComputeLatencyReport(const LatencyQuery& q) {
   r.set_batch(q.batch);
   r.set_hbm_bandwidth_gbps(device.hbm_bandwidth_gbps());
   const int kv_bytes = 2;  // fp16 KV
-  const double per_layer = static_cast<double>(q.batch) * m.num_kv_heads() * q.kv_length *
-                           KvBytesPerToken(m.head_dim(), kv_bytes);
+  const double per_layer =
+      static_cast<double>(q.batch) * m.num_kv_heads() * q.kv_length * KvBytesPerToken(m.head_dim(), kv_bytes);
   r.set_kv_bytes_per_layer(per_layer);
   const double kv_total = per_layer * m.num_layers();
   double weights = 0;
@@ -135,21 +134,22 @@ std::string LatencyReportText(const LatencyReport& r) {
   os << "  kernel               us    work units  bandwidth (of peak)\n";
   for (const KernelEstimate& k : r.kernels())
     os << "  " << k.kernel() << std::string(k.kernel().size() < 18 ? 18 - k.kernel().size() : 1, ' ')
-       << Fmt("%8.2f", k.us()) << Fmt("%12.0f", k.work_units()) << Fmt("%12.1f%%", 100 * k.bandwidth_fraction())
-       << "\n";
+       << Fmt("%8.2f", k.us()) << Fmt("%12.0f", k.work_units())
+       << Fmt("%12.1f%%", 100 * k.bandwidth_fraction()) << "\n";
   if (r.has_decode_step_ms()) {
     os << "\nwhole model, one output token (CUDA-graph decode step, " << r.decode_kernels() << " kernels):\n";
-    os << Fmt("  decode_step_ms %.3f", r.decode_step_ms()) << Fmt(" = attention %.3f", r.decode_attention_ms())
-       << Fmt(" + weights %.3f", r.decode_weights_ms()) << Fmt(" + other %.3f", r.decode_other_ms()) << "\n";
-    os << Fmt("  bytes moved %.3f GB", r.decode_bytes() / 1e9)
-       << Fmt(", floor %.3f ms", r.decode_floor_ms())
+    os << Fmt("  decode_step_ms %.3f", r.decode_step_ms())
+       << Fmt(" = attention %.3f", r.decode_attention_ms()) << Fmt(" + weights %.3f", r.decode_weights_ms())
+       << Fmt(" + other %.3f", r.decode_other_ms()) << "\n";
+    os << Fmt("  bytes moved %.3f GB", r.decode_bytes() / 1e9) << Fmt(", floor %.3f ms", r.decode_floor_ms())
        << Fmt(" (%.1f%% of the floor's speed)", 100 * r.decode_floor_ms() / r.decode_step_ms()) << "\n";
-    os << Fmt("  weights %.2f GB", r.weight_bytes() / 1e9) << Fmt(", KV cache %.2f GB", r.kv_cache_bytes() / 1e9)
-       << "\n";
+    os << Fmt("  weights %.2f GB", r.weight_bytes() / 1e9)
+       << Fmt(", KV cache %.2f GB", r.kv_cache_bytes() / 1e9) << "\n";
   }
   if (r.has_prefill_ms())
-    os << "\nprefill of " << r.prompt_tokens() << " tokens (time to first token): "
-       << Fmt("%.2f ms", r.prefill_ms()) << Fmt(" (GEMMs %.2f", r.prefill_gemm_ms())
+    os << "\nprefill of " << r.prompt_tokens()
+       << " tokens (time to first token): " << Fmt("%.2f ms", r.prefill_ms())
+       << Fmt(" (GEMMs %.2f", r.prefill_gemm_ms())
        << Fmt(", attention %.2f; assumed efficiencies, not validated)", r.prefill_attention_ms()) << "\n";
   return os.str();
 }

@@ -15,8 +15,8 @@ struct LatencyQuery {
   int heads = 0, kv_heads = 0, head_dim = 0;
   int kv_length = 0;
   int batch = 1;
-  int prompt_tokens = 0;   // 0: no prefill estimate
-  double hbm_gbps = 0;     // > 0: overrides the profile's peak bandwidth (e.g. a power-limited card)
+  int prompt_tokens = 0;  // 0: no prefill estimate
+  double hbm_gbps = 0;    // > 0: overrides the profile's peak bandwidth (e.g. a power-limited card)
 };
 
 // Checks the query (one-line errors naming the option) and the memory it needs against the device's.

@@ -189,18 +189,19 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
       const LatencyMetrics& l0 = first->latency();
       os << "\n**Decode latency — MODELLED, not measured**: " << l0.source()
          << ". Time to first token includes the policy's compression work at prefill.\n\n"
-         << "| policy | budget | ms/token | speed-up vs full | TTFT ms | attention ms/token | policy work ms | "
+         << "| policy | budget | ms/token | speed-up vs full | TTFT ms | attention ms/token | policy work ms "
+            "| "
             "of physical floor | ragged attention x | head max/mean |\n"
          << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
       for (const RunResult* r : rows) {
         const LatencyMetrics& l = r->latency();
         os << "| " << r->label() << " | "
-           << (r->policy() == "full" ? std::string("-") : std::to_string(r->budget_tokens()) + " tok") << " | "
-           << std::fixed << std::setprecision(3) << l.ms_per_output_token() << " | " << l.speedup_vs_full()
-           << " | " << std::setprecision(2) << l.ttft_ms() << " | " << std::setprecision(3)
-           << l.attention_ms_per_token() << " | " << l.policy_work_ms() << " | " << std::setprecision(2)
-           << l.floor_fraction() << " | " << l.ragged_attention_ratio() << " | " << l.head_length_max_over_mean()
-           << " |\n"
+           << (r->policy() == "full" ? std::string("-") : std::to_string(r->budget_tokens()) + " tok")
+           << " | " << std::fixed << std::setprecision(3) << l.ms_per_output_token() << " | "
+           << l.speedup_vs_full() << " | " << std::setprecision(2) << l.ttft_ms() << " | "
+           << std::setprecision(3) << l.attention_ms_per_token() << " | " << l.policy_work_ms() << " | "
+           << std::setprecision(2) << l.floor_fraction() << " | " << l.ragged_attention_ratio() << " | "
+           << l.head_length_max_over_mean() << " |\n"
            << std::defaultfloat;
       }
     }

@@ -60,9 +60,9 @@ StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std:
   KVSIM_RETURN_IF_ERROR(CheckStreamingPolicyName(policy).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(auto p, StreamPolicyRegistry::Default().Create(policy, sets));
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
-  KVSIM_ASSIGN_OR_RETURN(auto latency,
-                         MakeLatencyModel(LatencySpec{options.latency_model, options.device, options.model},
-                                          trace->meta()));
+  KVSIM_ASSIGN_OR_RETURN(
+      auto latency,
+      MakeLatencyModel(LatencySpec{options.latency_model, options.device, options.model}, trace->meta()));
   std::vector<StreamRunSpec> runs{StreamRunSpec{p, RunLabel(policy, sets), budget_tokens}};
   KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));

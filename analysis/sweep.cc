@@ -83,9 +83,9 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
   KVSIM_RETURN_IF_ERROR(CheckNotStreamingPolicy(policy).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(auto p, PolicyRegistry::Default().Create(policy, sets));
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
-  KVSIM_ASSIGN_OR_RETURN(auto latency,
-                         MakeLatencyModel(LatencySpec{options.latency_model, options.device, options.model},
-                                          trace->meta()));
+  KVSIM_ASSIGN_OR_RETURN(
+      auto latency,
+      MakeLatencyModel(LatencySpec{options.latency_model, options.device, options.model}, trace->meta()));
   std::vector<RunSpec> runs{RunSpec{p, RunLabel(policy, sets), budget_fraction, budget_tokens, mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));

@@ -2,16 +2,17 @@
 // measurements it is built on, side by side: for every anchor, the published value, the model's value and
 // the error. Nothing here runs on a GPU; the anchors are published numbers (sources below).
 //
-//   kvsim_latency_bench            the table (markdown), exit 1 if an anchor from 2K tokens up is off by > 10%
-//   kvsim_latency_bench --fit      re-fit the fitted constants (the method of docs/latency.md) and print them
+//   kvsim_latency_bench            the table (markdown), exit 1 if an anchor from 2K tokens up is off by >
+//   10% kvsim_latency_bench --fit      re-fit the fitted constants (the method of docs/latency.md) and print
+//   them
 //                                  as text-proto lines for configs/devices/*.textproto
 //   kvsim_latency_bench --gpu-replay-kernels
 //                                  modelled time of gpu_replay's decode attention as first written (minimum
 //                                  chunk 256 tokens) and as improved (64), 8 work items per SM, on the
 //                                  split_kv efficiency curve (docs/gpu-replay.md)
 
-#include <boost/program_options.hpp>
 #include <algorithm>
+#include <boost/program_options.hpp>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -39,7 +40,10 @@ const UtilRow kRows[] = {
     {"h100-sxm", "split_kv", "FlashInfer split-KV, H100 SXM", {.25, .35, .47, .61, .74, .83, .89}},
     {"h100-sxm", "flash_decoding_fa2", "FlashAttention 2.4.2, H100 SXM", {-1, -1, .45, .59, .71, .79, .84}},
     {"a100-pcie", "split_kv", "FlashInfer split-KV, A100 PCIe 80GB", {-1, -1, .53, .67, .77, .84, .87}},
-    {"a100-pcie", "flash_decoding_fa2", "FlashAttention 2.4.2, A100 PCIe 80GB", {-1, -1, -1, .58, .67, .72, .76}},
+    {"a100-pcie",
+     "flash_decoding_fa2",
+     "FlashAttention 2.4.2, A100 PCIe 80GB",
+     {-1, -1, -1, .58, .67, .72, .76}},
 };
 // The blog's no-split plateaus (long contexts, 32 thread blocks).
 struct Plateau {
@@ -74,7 +78,8 @@ StreamingKernel* MutableKernel(DeviceProfile* d, const std::string& name) {
 }
 
 // Nelder-Mead on f over x (a few parameters; deterministic).
-std::vector<double> Minimize(const std::function<double(const std::vector<double>&)>& f, std::vector<double> x0) {
+std::vector<double> Minimize(const std::function<double(const std::vector<double>&)>& f,
+                             std::vector<double> x0) {
   const size_t n = x0.size();
   std::vector<std::vector<double>> p{x0};
   for (size_t i = 0; i < n; ++i) {
@@ -105,8 +110,10 @@ std::vector<double> Minimize(const std::function<double(const std::vector<double
     if (fr < v[0]) {
       auto xe = along(-2);
       const double fe = f(xe);
-      if (fe < fr) p[n] = xe, v[n] = fe;
-      else p[n] = xr, v[n] = fr;
+      if (fe < fr)
+        p[n] = xe, v[n] = fe;
+      else
+        p[n] = xr, v[n] = fr;
     } else if (fr < v[n - 1]) {
       p[n] = xr, v[n] = fr;
     } else {
@@ -168,8 +175,9 @@ void FitRow(const UtilRow& row) {
 // assumption: the same design as FlashInfer's split-KV, not measured).
 void GpuReplayKernels() {
   std::printf("## gpu_replay decode attention, MODELLED (kvsim_latency_bench --gpu-replay-kernels)\n\n");
-  std::printf("| device | shape | KV length | as written (min chunk 256): us, units | as improved (min chunk 64): "
-              "us, units | speed-up |\n|---|---|---:|---:|---:|---:|\n");
+  std::printf(
+      "| device | shape | KV length | as written (min chunk 256): us, units | as improved (min chunk 64): "
+      "us, units | speed-up |\n|---|---|---:|---:|---:|---:|\n");
   struct Shape {
     const char* name;
     int kv_heads, group;
@@ -179,15 +187,16 @@ void GpuReplayKernels() {
     const PerfModel perf(d);
     StreamingKernel k = perf.AttentionKernel();
     k.set_target_units_per_sm(8);
-    for (const Shape& s : {Shape{"Llama-2-7B (32 KV heads)", 32, 1}, Shape{"Qwen2-7B (4 KV heads, GQA 7)", 4, 7}})
+    for (const Shape& s :
+         {Shape{"Llama-2-7B (32 KV heads)", 32, 1}, Shape{"Qwen2-7B (4 KV heads, GQA 7)", 4, 7}})
       for (int len : {1024, 4096, 16384}) {
         const std::vector<int> heads(s.kv_heads, len);
         k.set_min_chunk_tokens(256);
         const KernelCost a = perf.DecodeAttention(heads, s.group, 128, 2, k, false);
         k.set_min_chunk_tokens(64);
         const KernelCost b = perf.DecodeAttention(heads, s.group, 128, 2, k, false);
-        std::printf("| %s | %s | %d | %.1f, %d | %.1f, %d | %.2fx |\n", d.name().c_str(), s.name, len, a.us, a.units,
-                    b.us, b.units, a.us / b.us);
+        std::printf("| %s | %s | %d | %.1f, %d | %.1f, %d | %.2fx |\n", d.name().c_str(), s.name, len, a.us,
+                    a.units, b.us, b.units, a.us / b.us);
       }
   }
 }
@@ -229,8 +238,9 @@ int main(int argc, char** argv) {
 
   int worst_failures = 0;
   double worst = 0;
-  std::printf("## Decode attention, one Llama-7B layer, batch 1 (published: FlashInfer blog fig. 5; model: "
-              "MODELLED by kvsim)\n\n");
+  std::printf(
+      "## Decode attention, one Llama-7B layer, batch 1 (published: FlashInfer blog fig. 5; model: "
+      "MODELLED by kvsim)\n\n");
   std::printf("| anchor | tokens | published us | model us | error |\n|---|---:|---:|---:|---:|\n");
   for (const UtilRow& row : kRows) {
     auto d = FindDevice(row.device);
@@ -260,8 +270,9 @@ int main(int argc, char** argv) {
     const double err = (util - p.util) / p.util;
     worst = std::max(worst, std::abs(err));
     if (std::abs(err) > 0.10) ++worst_failures;
-    std::printf("| FlashInfer without split-KV, %s (plateau, utilisation) | 64K | %.0f%% | %.1f%% | %+.1f%% |\n",
-                p.device, 100 * p.util, 100 * util, 100 * err);
+    std::printf(
+        "| FlashInfer without split-KV, %s (plateau, utilisation) | 64K | %.0f%% | %.1f%% | %+.1f%% |\n",
+        p.device, 100 * p.util, 100 * util, 100 * err);
   }
   LatencyQuery q;
   q.device = "a100-sxm";
@@ -277,7 +288,8 @@ int main(int argc, char** argv) {
   std::printf("| anchor | published ms/token | model ms/token | error |\n|---|---:|---:|---:|\n");
   std::printf("| Llama-2-7B bf16, batch 1, A100-80GB at 330 W (1700 GB/s) | %.2f | %.2f | %+.1f%% |\n",
               kGptFastMs, r->decode_step_ms(), 100 * err);
-  std::printf("\nlargest |error| over the targets (2K tokens and up, plateaus, gpt-fast): %.1f%%; %d over 10%%\n",
-              100 * worst, worst_failures);
+  std::printf(
+      "\nlargest |error| over the targets (2K tokens and up, plateaus, gpt-fast): %.1f%%; %d over 10%%\n",
+      100 * worst, worst_failures);
   return worst_failures == 0 ? 0 : 1;
 }

@@ -111,8 +111,9 @@ StatusOr<ModelShape> ModelShapeForTrace(const ModelInfo& t, const std::string& m
   for (const auto& [field, v] : dims)
     if (v.first != v.second)
       return Status::InvalidArgument("model shape '" + m.name() + "' has " + field + " " +
-                                     std::to_string(v.first) + " but the trace's model '" + t.name + "' has " +
-                                     std::to_string(v.second) + "; pass --model with a shape that matches");
+                                     std::to_string(v.first) + " but the trace's model '" + t.name +
+                                     "' has " + std::to_string(v.second) +
+                                     "; pass --model with a shape that matches");
   return m;
 }
 

@@ -33,7 +33,8 @@ std::vector<Proto> ParseEmbedded(const std::vector<EmbeddedConfig>& files) {
 }
 
 const std::vector<DeviceProfile>& BuiltinDevices() {
-  static const auto* devices = new std::vector<DeviceProfile>(ParseEmbedded<DeviceProfile>(EmbeddedDevices()));
+  static const auto* devices =
+      new std::vector<DeviceProfile>(ParseEmbedded<DeviceProfile>(EmbeddedDevices()));
   return *devices;
 }
 
@@ -111,10 +112,14 @@ Status CheckDevice(const DeviceProfile& d, const std::string& where) {
   };
   if (d.name().empty()) return bad("name", "is missing");
   const std::pair<const char*, double> positive[] = {
-      {"hbm_bandwidth_gbps", d.hbm_bandwidth_gbps()}, {"sm_count", static_cast<double>(d.sm_count())},
-      {"tensor_tflops", d.tensor_tflops()},           {"memory_bytes", d.memory_bytes()},
-      {"unit_bandwidth_share", d.unit_bandwidth_share()}, {"graph_kernel_us", d.graph_kernel_us()},
-      {"gemm_efficiency", d.gemm_efficiency()},       {"prefill_attention_efficiency", d.prefill_attention_efficiency()}};
+      {"hbm_bandwidth_gbps", d.hbm_bandwidth_gbps()},
+      {"sm_count", static_cast<double>(d.sm_count())},
+      {"tensor_tflops", d.tensor_tflops()},
+      {"memory_bytes", d.memory_bytes()},
+      {"unit_bandwidth_share", d.unit_bandwidth_share()},
+      {"graph_kernel_us", d.graph_kernel_us()},
+      {"gemm_efficiency", d.gemm_efficiency()},
+      {"prefill_attention_efficiency", d.prefill_attention_efficiency()}};
   for (const auto& [field, v] : positive)
     if (!Positive(v)) return bad(field, "must be set to a finite number > 0");
   if (d.gemm_efficiency() > 1 || d.prefill_attention_efficiency() > 1)
@@ -146,10 +151,10 @@ Status CheckModelShape(const ModelShape& m, const std::string& where) {
   };
   if (m.name().empty()) return bad("name", "is missing");
   const std::pair<const char*, int> positive[] = {
-      {"num_layers", m.num_layers()},   {"num_heads", m.num_heads()},
-      {"num_kv_heads", m.num_kv_heads()}, {"head_dim", m.head_dim()},
-      {"hidden_size", m.hidden_size()}, {"intermediate_size", m.intermediate_size()},
-      {"vocab_size", m.vocab_size()},   {"dtype_bytes", m.dtype_bytes()},
+      {"num_layers", m.num_layers()},        {"num_heads", m.num_heads()},
+      {"num_kv_heads", m.num_kv_heads()},    {"head_dim", m.head_dim()},
+      {"hidden_size", m.hidden_size()},      {"intermediate_size", m.intermediate_size()},
+      {"vocab_size", m.vocab_size()},        {"dtype_bytes", m.dtype_bytes()},
       {"kv_dtype_bytes", m.kv_dtype_bytes()}};
   for (const auto& [field, v] : positive)
     if (v <= 0) return bad(field, "must be set to an integer > 0");
@@ -273,14 +278,16 @@ DecodeStepCost PerfModel::DecodeStep(const ModelShape& m, int batch, std::span<c
   };
   std::vector<int> heads(static_cast<size_t>(batch) * hkv);
   for (int l = 0; l < m.num_layers(); ++l) {
-    add(Elementwise(2 * n * hidden * dt, true), &s.other_us);                  // RMSNorm (+ residual)
+    add(Elementwise(2 * n * hidden * dt, true), &s.other_us);                    // RMSNorm (+ residual)
     add(Gemv(hidden, q + 2 * kv, batch, m.dtype_bytes(), true), &s.weights_us);  // QKV
-    add(Elementwise(2 * n * (q + 2 * kv) * dt, true), &s.other_us);            // RoPE + KV append
+    add(Elementwise(2 * n * (q + 2 * kv) * dt, true), &s.other_us);              // RoPE + KV append
     for (int b = 0; b < batch; ++b)
-      for (int u = 0; u < hkv; ++u) heads[static_cast<size_t>(b) * hkv + u] = lengths[static_cast<size_t>(l) * hkv + u];
-    add(DecodeAttention(heads, group, m.head_dim(), m.kv_dtype_bytes(), AttentionKernel(), true), &s.attention_us);
+      for (int u = 0; u < hkv; ++u)
+        heads[static_cast<size_t>(b) * hkv + u] = lengths[static_cast<size_t>(l) * hkv + u];
+    add(DecodeAttention(heads, group, m.head_dim(), m.kv_dtype_bytes(), AttentionKernel(), true),
+        &s.attention_us);
     add(Gemv(q, hidden, batch, m.dtype_bytes(), true), &s.weights_us);  // O
-    add(Elementwise(2 * n * hidden * dt, true), &s.other_us);          // RMSNorm (+ residual)
+    add(Elementwise(2 * n * hidden * dt, true), &s.other_us);           // RMSNorm (+ residual)
     add(Gemv(hidden, 2.0 * m.intermediate_size(), batch, m.dtype_bytes(), true), &s.weights_us);  // gate, up
     add(Elementwise(3 * n * m.intermediate_size() * dt, true), &s.other_us);                      // SiLU * up
     add(Gemv(m.intermediate_size(), hidden, batch, m.dtype_bytes(), true), &s.weights_us);        // down

@@ -40,11 +40,11 @@ Status CheckModelShape(const ModelShape& m, const std::string& where);
 
 // The cost of one piece of work.
 struct KernelCost {
-  double us = 0;        // modelled time
-  double bytes = 0;     // HBM bytes moved
+  double us = 0;     // modelled time
+  double bytes = 0;  // HBM bytes moved
   double flops = 0;
-  int kernels = 0;      // kernel calls
-  int units = 0;        // work units (thread blocks) of a streaming kernel
+  int kernels = 0;  // kernel calls
+  int units = 0;    // work units (thread blocks) of a streaming kernel
 };
 
 struct DecodeStepCost {

@@ -120,9 +120,10 @@ class Policy {
   // true: keeps the cache at <= the budget during decode; false: compresses the prompt, then appends.
   virtual bool evicts_during_decode() const = 0;
   // true for variants whose budget is a floor or a target rather than a cap (official-code behaviours that
-  // keep every text token, or compress only at the first decode step; HAE's absolute DAP thresholds). The engine then checks only that the
-  // cache grows by at most one slot per step after the prefill event; results report how many prompt
-  // tokens were actually kept (Metrics.prompt_kept_tokens_mean, prompt_kept_over_budget).
+  // keep every text token, or compress only at the first decode step; HAE's absolute DAP thresholds). The
+  // engine then checks only that the cache grows by at most one slot per step after the prefill event;
+  // results report how many prompt tokens were actually kept (Metrics.prompt_kept_tokens_mean,
+  // prompt_kept_over_budget).
   virtual bool may_exceed_budget() const { return false; }
   // When the prompt is compressed: -1 = the prefill hook (OnPrefill); 0 = in AfterStep of decode step 0
   // (official MEDA/LOOK-M code compresses when the first token is generated; OnPrefill then keeps all).

@@ -617,7 +617,8 @@ std::vector<double> EventDurations(const TraceMeta& meta, const RunAccum& a, con
   const double full_prefill_us = std::accumulate(dur.begin(), dur.begin() + chunks, 0.0);
   const std::vector<int> after_prefill = EventLengths(meta, a, 0);
   if (compression_step < 0) {
-    const double w = latency.PolicyWorkDuration(work, compress_end, CacheLengths{after_prefill, nl, hkv}, false);
+    const double w =
+        latency.PolicyWorkDuration(work, compress_end, CacheLengths{after_prefill, nl, hkv}, false);
     dur[chunks - 1] += w;
     work_us += w;
   }
@@ -647,7 +648,8 @@ std::vector<double> EventDurations(const TraceMeta& meta, const RunAccum& a, con
         most = std::max(most, len[static_cast<size_t>(l) * hkv + u]);
       }
       const double mean = sum / hkv;
-      for (int u = 0; u < hkv; ++u) even[static_cast<size_t>(l) * hkv + u] = static_cast<int>(std::lround(mean));
+      for (int u = 0; u < hkv; ++u)
+        even[static_cast<size_t>(l) * hkv + u] = static_cast<int>(std::lround(mean));
       if (mean > 0) {
         spread_sum += most / mean;
         ++spread_n;

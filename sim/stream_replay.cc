@@ -583,11 +583,12 @@ StreamTimeline SimulateStreamTimeline(const TraceMeta& meta, const StreamPlan& p
     tl.gpu_at_answer[qi] = gpu;
     record("question");
     const double attended = s.init_len + (context_tokens.empty() ? 0 : context_tokens[qi]);
-    const int64_t prefill = dur_us(latency.PrefillDuration(q.num_question_tokens, static_cast<int>(attended)));
+    const int64_t prefill =
+        dur_us(latency.PrefillDuration(q.num_question_tokens, static_cast<int>(attended)));
     int64_t steps = 0, first = 0;
     for (int a = 0; a < q.num_answer_tokens; ++a) {
       steps += dur_us(latency.UniformDecodeStepDuration(attended + q.num_question_tokens + a + 1,
-                                                                meta.model.num_layers, meta.model.num_kv_heads));
+                                                        meta.model.num_layers, meta.model.num_kv_heads));
       if (a == 0) first = prefill + steps;
     }
     tl.first_token_s[qi] = now_s() + first / kUsPerSecond;

@@ -363,8 +363,8 @@ int CmdSweep(int argc, char** argv) {
   auto streaming = ExperimentIsStreaming(*exp, base.empty() ? "." : base);
   if (!streaming.ok()) return Fail(streaming.status());
   if (*streaming) {
-    auto sres = RunStreamSweep(*exp, base.empty() ? "." : base,
-                               RunOptions{threads, true, latency, 0, device, model});
+    auto sres =
+        RunStreamSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, 0, device, model});
     if (!sres.ok()) return Fail(sres.status().WithContext(config));
     Status st = WriteStreamSweepOutputs(*sres, out);
     if (!st.ok()) return Fail(st);
@@ -535,8 +535,8 @@ int CmdLatency(int argc, char** argv) {
   opts.add_options()("device", po::value(&q.device),
                      "a100-sxm, a100-pcie, h100-sxm, h200, or a device profile file")(
       "model", po::value(&q.model), "model preset (llama-2-7b, llava-1.5-7b, qwen2-7b, ...) or shape file")(
-      "heads", po::value(&q.heads), "query heads (instead of --model)")(
-      "kv-heads", po::value(&q.kv_heads), "KV heads (instead of --model)")(
+      "heads", po::value(&q.heads), "query heads (instead of --model)")("kv-heads", po::value(&q.kv_heads),
+                                                                        "KV heads (instead of --model)")(
       "head-dim", po::value(&q.head_dim), "head dimension (instead of --model)")(
       "kv-length", po::value(&q.kv_length), "KV cache length per head, tokens")(
       "batch", po::value(&q.batch)->default_value(1), "requests decoded together")(

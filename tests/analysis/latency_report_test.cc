@@ -29,7 +29,8 @@ TEST_CASE("latency report: the documented JSON fields, by hand", "[latency]") {
   // attention_us = the device's decode kernel for batch 1, 8 KV heads at 4096 tokens.
   const PerfModel perf(*FindDevice("h100-sxm"));
   const std::vector<int> heads(8, 4096);
-  CHECK(r->attention_us() == Approx(perf.DecodeAttention(heads, 4, 128, 2, perf.AttentionKernel(), false).us));
+  CHECK(r->attention_us() ==
+        Approx(perf.DecodeAttention(heads, 4, 128, 2, perf.AttentionKernel(), false).us));
   CHECK(r->kv_bytes_per_layer() == 8.0 * 4096 * 2 * 128 * 2);
   CHECK_FALSE(r->has_decode_step_ms());
   CHECK(r->source().find("modelled") == 0);
@@ -102,7 +103,8 @@ TEST_CASE("kvsim latency: CLI text, JSON, list, exit codes", "[latency][cli]") {
   REQUIRE(testing::RunCommand(Kvsim() + " latency --device a100-sxm --model llama-2-7b --kv-length 2048 "
                                         "--prompt-tokens 512 --json",
                               &out) == 0);
-  for (const char* key : {"\"attention_us\"", "\"decode_step_ms\"", "\"prefill_ms\"", "\"source\": \"modelled"})
+  for (const char* key :
+       {"\"attention_us\"", "\"decode_step_ms\"", "\"prefill_ms\"", "\"source\": \"modelled"})
     CHECK(out.find(key) != std::string::npos);
   LatencyReport parsed;
   REQUIRE(google::protobuf::util::JsonStringToMessage(out, &parsed).ok());
@@ -116,11 +118,12 @@ TEST_CASE("kvsim latency: CLI text, JSON, list, exit codes", "[latency][cli]") {
   CHECK(out.find("a100-pcie") != std::string::npos);
   CHECK(out.find("qwen2-7b") != std::string::npos);
   // Bad values: exit 1, one line on stderr, nothing on stdout.
-  CHECK(testing::RunCommand(Kvsim() + " latency --device nope --model llama-2-7b --kv-length 10 2>&1", &out) == 1);
+  CHECK(testing::RunCommand(Kvsim() + " latency --device nope --model llama-2-7b --kv-length 10 2>&1",
+                            &out) == 1);
   CHECK(out.find("kvsim: error: unknown device 'nope'") == 0);
   CHECK(std::count(out.begin(), out.end(), '\n') == 1);
-  CHECK(testing::RunCommand(Kvsim() + " latency --device a100-sxm --model llama-2-7b --kv-length -3 2>&1", &out) ==
-        1);
+  CHECK(testing::RunCommand(Kvsim() + " latency --device a100-sxm --model llama-2-7b --kv-length -3 2>&1",
+                            &out) == 1);
   // Missing required options: usage error (2).
   CHECK(testing::RunCommand(Kvsim() + " latency --model llama-2-7b --kv-length 10 2>/dev/null") == 2);
 }
@@ -133,8 +136,10 @@ TEST_CASE("kvsim run/sweep --device: modelled latency in results and summary", "
                                   "/configs/synth/tiny.textproto --out " + trace + " --threads 1",
                               &log) == 0);
   // tiny-mha has no preset: the error names --model.
-  CHECK(testing::RunCommand(Kvsim() + " run --trace " + trace + " --policy snapkv --budget 0.2 --device a100-sxm "
-                                      "--out " + dir + "/r.json 2>&1",
+  CHECK(testing::RunCommand(Kvsim() + " run --trace " + trace +
+                                " --policy snapkv --budget 0.2 --device a100-sxm "
+                                "--out " +
+                                dir + "/r.json 2>&1",
                             &log) == 1);
   CHECK(log.find("has no latency-model preset; pass --model") != std::string::npos);
   CHECK_FALSE(std::filesystem::exists(dir + "/r.json"));
@@ -142,13 +147,16 @@ TEST_CASE("kvsim run/sweep --device: modelled latency in results and summary", "
   const std::string shape = dir + "/tiny_shape.textproto";
   {
     std::FILE* f = std::fopen(shape.c_str(), "w");
-    std::fputs("name: \"tiny-mha\" num_layers: 3 num_heads: 4 num_kv_heads: 4 head_dim: 32 hidden_size: 128 "
-               "intermediate_size: 256 vocab_size: 1000\n",
-               f);
+    std::fputs(
+        "name: \"tiny-mha\" num_layers: 3 num_heads: 4 num_kv_heads: 4 head_dim: 32 hidden_size: 128 "
+        "intermediate_size: 256 vocab_size: 1000\n",
+        f);
     std::fclose(f);
   }
-  REQUIRE(testing::RunCommand(Kvsim() + " run --trace " + trace + " --policy snapkv --budget 0.2 --device a100-sxm "
-                                        "--model " + shape + " --out " + dir + "/r.json 2>&1",
+  REQUIRE(testing::RunCommand(Kvsim() + " run --trace " + trace +
+                                  " --policy snapkv --budget 0.2 --device a100-sxm "
+                                  "--model " +
+                                  shape + " --out " + dir + "/r.json 2>&1",
                               &log) == 0);
   CHECK(log.find("MODELLED on A100-SXM4-80GB") != std::string::npos);
   RunResult r;
@@ -157,24 +165,28 @@ TEST_CASE("kvsim run/sweep --device: modelled latency in results and summary", "
   CHECK(r.latency().ms_per_output_token() > 0);
   CHECK(r.latency().speedup_vs_full() >= 1);
   // --device and --latency-model together, --model without --device: refused.
-  CHECK(testing::RunCommand(Kvsim() + " run --trace " + trace + " --policy snapkv --budget 0.2 --device a100-sxm "
-                                      "--latency-model x.textproto --out " + dir + "/r2.json 2>&1",
+  CHECK(testing::RunCommand(Kvsim() + " run --trace " + trace +
+                                " --policy snapkv --budget 0.2 --device a100-sxm "
+                                "--latency-model x.textproto --out " +
+                                dir + "/r2.json 2>&1",
                             &log) == 1);
   CHECK(log.find("--device and --latency-model") != std::string::npos);
-  CHECK(testing::RunCommand(Kvsim() + " run --trace " + trace + " --policy snapkv --budget 0.2 --model " + shape +
-                                      " --out " + dir + "/r2.json 2>&1",
+  CHECK(testing::RunCommand(Kvsim() + " run --trace " + trace + " --policy snapkv --budget 0.2 --model " +
+                                shape + " --out " + dir + "/r2.json 2>&1",
                             &log) == 1);
   CHECK(log.find("add --device") != std::string::npos);
   // A sweep: summary columns labelled as modelled.
   const std::string exp = dir + "/exp.textproto";
   {
     std::FILE* f = std::fopen(exp.c_str(), "w");
-    std::fprintf(f, "traces: \"%s\"\npolicies { name: \"full\" }\npolicies { name: \"snapkv\" }\nbudgets: 0.2\n"
-                    "device: \"h100-sxm\"\nmodel_shape: \"%s\"\n",
+    std::fprintf(f,
+                 "traces: \"%s\"\npolicies { name: \"full\" }\npolicies { name: \"snapkv\" }\nbudgets: 0.2\n"
+                 "device: \"h100-sxm\"\nmodel_shape: \"%s\"\n",
                  trace.c_str(), shape.c_str());
     std::fclose(f);
   }
-  REQUIRE(testing::RunCommand(Kvsim() + " sweep --config " + exp + " --out " + dir + "/sweep 2>&1", &log) == 0);
+  REQUIRE(testing::RunCommand(Kvsim() + " sweep --config " + exp + " --out " + dir + "/sweep 2>&1", &log) ==
+          0);
   const std::string summary = testing::ReadFile(dir + "/sweep/summary.md");
   CHECK(summary.find("MODELLED") != std::string::npos);
   CHECK(summary.find("ms/token") != std::string::npos);
@@ -182,7 +194,8 @@ TEST_CASE("kvsim run/sweep --device: modelled latency in results and summary", "
   CHECK(csv.find("ms_per_output_token") != std::string::npos);
 }
 
-TEST_CASE("kvsim run --device on a streaming trace: encode jobs and answers on the modelled clock", "[latency][cli]") {
+TEST_CASE("kvsim run --device on a streaming trace: encode jobs and answers on the modelled clock",
+          "[latency][cli]") {
   const std::string dir = testing::ScratchDir("latency_stream");
   const std::string trace = dir + "/st.h5";
   std::string log;
@@ -192,20 +205,22 @@ TEST_CASE("kvsim run --device on a streaming trace: encode jobs and answers on t
   const std::string shape = dir + "/shape.textproto";
   {
     std::FILE* f = std::fopen(shape.c_str(), "w");
-    std::fputs("name: \"tiny-stream\" num_layers: 4 num_heads: 4 num_kv_heads: 2 head_dim: 16 hidden_size: 64 "
-               "intermediate_size: 128 vocab_size: 1000\n",
-               f);
+    std::fputs(
+        "name: \"tiny-stream\" num_layers: 4 num_heads: 4 num_kv_heads: 2 head_dim: 16 hidden_size: 64 "
+        "intermediate_size: 128 vocab_size: 1000\n",
+        f);
     std::fclose(f);
   }
-  REQUIRE(testing::RunCommand(Kvsim() + " run --trace " + trace + " --policy rekv --device h100-sxm --model " +
-                                  shape + " --out " + dir + "/r.json 2>&1",
+  REQUIRE(testing::RunCommand(Kvsim() + " run --trace " + trace +
+                                  " --policy rekv --device h100-sxm --model " + shape + " --out " + dir +
+                                  "/r.json 2>&1",
                               &log) == 0);
   const std::string json = testing::ReadFile(dir + "/r.json");
   CHECK(json.find("\"time_unit\": \"us\"") != std::string::npos);
   CHECK(json.find("\"encode_busy_s\": 0,") == std::string::npos);  // encoding takes modelled time
   // Without a preset for 'tiny-stream' and without --model: one line naming --model, no output.
-  CHECK(testing::RunCommand(Kvsim() + " run --trace " + trace + " --policy rekv --device h100-sxm --out " + dir +
-                                "/r2.json 2>&1",
+  CHECK(testing::RunCommand(Kvsim() + " run --trace " + trace + " --policy rekv --device h100-sxm --out " +
+                                dir + "/r2.json 2>&1",
                             &log) == 1);
   CHECK(log.find("pass --model") != std::string::npos);
   CHECK_FALSE(std::filesystem::exists(dir + "/r2.json"));

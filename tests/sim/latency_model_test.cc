@@ -36,7 +36,7 @@ TEST_CASE("Linear latency model: base + slope", "[latency_model]") {
   p.set_decode_us_per_kv_token(0.1);
   p.set_fitted_on("h100, tiny");
   auto m = MakeLinearLatencyModel(p);
-  CHECK(m->PrefillDuration(100, 0) == Approx(10 + 0.5 * 100));   // 60
+  CHECK(m->PrefillDuration(100, 0) == Approx(10 + 0.5 * 100));             // 60
   CHECK(m->UniformDecodeStepDuration(50, 1, 1) == Approx(20 + 0.1 * 50));  // 25
   CHECK(m->UniformDecodeStepDuration(37.5, 1, 1) == Approx(23.75));        // fractional mean cache length
   CHECK(m->unit() == "us");
@@ -51,7 +51,7 @@ TEST_CASE("LoadLatencyModel reads a text file", "[latency_model]") {
                                      "decode_base_us: 5\ndecode_us_per_kv_token: 0.25\n");
   auto m = LoadLatencyModel(path);
   REQUIRE(m.ok());
-  CHECK((*m)->PrefillDuration(10, 0) == Approx(120));  // 100 + 2 * 10
+  CHECK((*m)->PrefillDuration(10, 0) == Approx(120));            // 100 + 2 * 10
   CHECK((*m)->UniformDecodeStepDuration(8, 1, 1) == Approx(7));  // 5 + 0.25 * 8
   CHECK((*m)->unit() == "us");
   // Only a per-token slope is fine too.

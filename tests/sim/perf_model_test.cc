@@ -101,7 +101,7 @@ TEST_CASE("perf model: decode attention splits heads into chunks, GQA reads a KV
   const std::vector<int> lens{1000, 10};
   const KernelCost c = perf.DecodeAttention(lens, 1, 4, 2, k, false);
   CHECK(c.units == 9);
-  CHECK(c.kernels == 2);  // split -> merge kernel
+  CHECK(c.kernels == 2);                           // split -> merge kernel
   const double per_token = KvBytesPerToken(4, 2);  // 16 bytes
   CHECK(per_token == 16);
   // Hand value: units of 127 tokens x 7 + 111 + 10 tokens, then the merge (9 units x (4 + 2) x 4 x 2 bytes).
@@ -139,7 +139,8 @@ TEST_CASE("perf model: whole-model decode step and prefill", "[perf_model]") {
   CHECK(short_ctx.kernels == 32 * 9 + 3);
   // Weights streamed once per step: 32 x (4096 x 12288 + 4096 x 4096 + 3 x 4096 x 11008) + 4096 x 32000,
   // 2 bytes each, ~13.2 GB.
-  const double weights = 2.0 * (32.0 * (4096.0 * 12288 + 4096.0 * 4096 + 3.0 * 4096 * 11008) + 4096.0 * 32000);
+  const double weights =
+      2.0 * (32.0 * (4096.0 * 12288 + 4096.0 * 4096 + 3.0 * 4096 * 11008) + 4096.0 * 32000);
   CHECK(short_ctx.bytes > weights);
   CHECK(short_ctx.bytes < weights * 1.001);
   CHECK(short_ctx.total_us == Approx(short_ctx.attention_us + short_ctx.weights_us + short_ctx.other_us));
@@ -225,7 +226,8 @@ TEST_CASE("perf model: bad profiles and shapes give one-line errors naming the f
   CHECK(loaded.status().message().find(path + ": field 'hbm_bandwidth_gbps'") == 0);
 }
 
-TEST_CASE("replay with a device model: the clock, latency metrics, full-cache reference", "[perf_model][replay]") {
+TEST_CASE("replay with a device model: the clock, latency metrics, full-cache reference",
+          "[perf_model][replay]") {
   testing::TinyTraceSpec spec;
   spec.num_layers = 2;
   spec.num_heads = 4;
