@@ -76,6 +76,13 @@ RaggedLayout DecoderLayerLayout(const DecoderProblem& p, int layer) {
   return MakeRaggedLayout(lens, 1, p.shape.head_dim);
 }
 
+std::vector<float> RopeInvFreq(const ModelShape& s) {
+  std::vector<float> f(s.head_dim / 2);
+  for (int i = 0; i < s.head_dim / 2; ++i)
+    f[i] = static_cast<float>(std::pow(s.rope_theta, -2.0 * i / s.head_dim));
+  return f;
+}
+
 int64_t DecoderWeightBytes(const ModelShape& s) { return s.weight_params() * 2; }
 
 int64_t DecoderKvBytes(const DecoderProblem& p) {
@@ -194,8 +201,7 @@ void RefDecoder::Step(std::vector<float>* logits) {
   const int d = s.head_dim, half = d / 2;
   std::vector<float> x = input_, xn, qkv(s.qkv_rows()), attn, tmp(std::max(s.hidden, 2 * s.intermediate)),
                      act(s.intermediate);
-  std::vector<float> inv_freq(half);
-  for (int i = 0; i < half; ++i) inv_freq[i] = static_cast<float>(std::pow(s.rope_theta, -2.0 * i / d));
+  const std::vector<float> inv_freq = RopeInvFreq(s);
   for (Layer& L : layers_) {
     RmsNorm(x, L.attn_norm, &xn);
     Gemv(L.wqkv, xn, s.qkv_rows(), s.hidden, qkv.data());

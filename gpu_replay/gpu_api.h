@@ -43,6 +43,9 @@ struct TimingOptions {
 };
 // Device-to-device copy bandwidth (read + write bytes / time) of a vectorised copy kernel over `bytes`.
 StatusOr<TimingSummary> TimeCopy(size_t bytes, const TimingOptions& o, double* gb_per_s);
+// Read-only bandwidth (bytes read / time) of a vectorised read kernel over `bytes`: the lower bound's
+// denominator (a decode step reads weights and KV; it writes almost nothing).
+StatusOr<TimingSummary> TimeRead(size_t bytes, const TimingOptions& o, double* gb_per_s);
 // One decode-attention call over a layer's ragged caches (split-KV), per-call time in us.
 StatusOr<TimingSummary> TimeDecodeAttention(const AttentionProblem& p, const SplitKvPartition& part,
                                             const TimingOptions& o);

@@ -1,7 +1,8 @@
-// Device queries, error handling, the L2 flush, and the copy-bandwidth kernel (gpu_api.h TimeCopy).
+// Device queries, error handling, the L2 flush, and the bandwidth kernels (gpu_api.h TimeCopy, TimeRead).
 
 #include <cstdio>
 
+#include "gpu_replay/copy_kernels.cuh"
 #include "gpu_replay/gpu_common.cuh"
 
 namespace kvsim::gpu_replay {
@@ -66,6 +67,7 @@ Status Timer::Init() {
   KVSIM_CUDA(cudaEventCreate(&stop_));
   int l2 = 0;
   KVSIM_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
+  KVSIM_RETURN_IF_ERROR(sink_.Alloc(1));
   return flush_.Alloc(std::max<size_t>(1, 4 * static_cast<size_t>(l2) / sizeof(int4)));  // 4x L2
 }
 
@@ -76,18 +78,11 @@ Timer::~Timer() {
 }
 
 Status Timer::FlushL2() {
-  KVSIM_CUDA(
-      cudaMemsetAsync(flush_.ptr, static_cast<int>(flush_.n & 0xff), flush_.n * sizeof(int4), stream_));
-  return Status::Ok();
+  int sms = 0;
+  KVSIM_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  return Launch(ReadKernel<>, dim3(sms * 4), dim3(512), stream_, static_cast<const int4*>(flush_.ptr),
+                flush_.n, sink_.ptr);
 }
-
-namespace {
-__global__ void CopyKernel(const int4* __restrict__ src, int4* __restrict__ dst, size_t n) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    dst[i] = src[i];
-}
-}  // namespace
 
 StatusOr<TimingSummary> TimeCopy(size_t bytes, const TimingOptions& o, double* gb_per_s) {
   Timer timer;
@@ -100,12 +95,31 @@ StatusOr<TimingSummary> TimeCopy(size_t bytes, const TimingOptions& o, double* g
   KVSIM_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   auto t = timer.Time(
       [&](cudaStream_t s) -> Status {
-        CopyKernel<<<sms * 8, 512, 0, s>>>(a.ptr, b.ptr, n);
-        KVSIM_CUDA(cudaGetLastError());
-        return Status::Ok();
+        return Launch(CopyKernel<int4>, dim3(sms * 8), dim3(512), s, static_cast<const int4*>(a.ptr), b.ptr,
+                      n);
       },
       o);
   if (t.ok() && gb_per_s) *gb_per_s = 2.0 * n * sizeof(int4) / (t->median * 1e-6) / 1e9;
+  return t;
+}
+
+StatusOr<TimingSummary> TimeRead(size_t bytes, const TimingOptions& o, double* gb_per_s) {
+  Timer timer;
+  KVSIM_RETURN_IF_ERROR(timer.Init());
+  const size_t n = bytes / sizeof(int4);
+  DeviceBuffer<int4> a;
+  DeviceBuffer<int> sink;
+  KVSIM_RETURN_IF_ERROR(a.Alloc(n));
+  KVSIM_RETURN_IF_ERROR(sink.Alloc(1));
+  int sms = 0;
+  KVSIM_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  auto t = timer.Time(
+      [&](cudaStream_t s) {
+        return Launch(ReadKernel<>, dim3(sms * 8), dim3(512), s, static_cast<const int4*>(a.ptr), n,
+                      sink.ptr);
+      },
+      o);
+  if (t.ok() && gb_per_s) *gb_per_s = 1.0 * n * sizeof(int4) / (t->median * 1e-6) / 1e9;
   return t;
 }
 

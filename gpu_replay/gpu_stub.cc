@@ -25,6 +25,7 @@ Status GpuTopKCompact(const TopKProblem&, TopKResult*) { return NoDevice(); }
 Status GpuMergeNearest(const MergeProblem&, MergeResult*) { return NoDevice(); }
 Status GpuDecoderStep(const DecoderProblem&, std::vector<float>*) { return NoDevice(); }
 StatusOr<TimingSummary> TimeCopy(size_t, const TimingOptions&, double*) { return NoDevice(); }
+StatusOr<TimingSummary> TimeRead(size_t, const TimingOptions&, double*) { return NoDevice(); }
 StatusOr<TimingSummary> TimeDecodeAttention(const AttentionProblem&, const SplitKvPartition&,
                                             const TimingOptions&) {
   return NoDevice();

@@ -143,8 +143,8 @@ NvmlReading ReadNvml(int device_index) {
   return r;
 }
 
-double LowerBoundUs(double bytes, double copy_gb_per_s) {
-  return copy_gb_per_s > 0 ? bytes / (copy_gb_per_s * 1e9) * 1e6 : 0;
+double LowerBoundUs(double bytes, double gb_per_s) {
+  return gb_per_s > 0 ? bytes / (gb_per_s * 1e9) * 1e6 : 0;
 }
 
 }  // namespace kvsim::gpu_replay

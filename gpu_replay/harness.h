@@ -44,7 +44,8 @@ struct NvmlReading {
 };
 NvmlReading ReadNvml(int device_index);
 
-// Lower bound of one decode step: every weight and kept KV byte read once at the measured copy bandwidth.
-double LowerBoundUs(double bytes, double copy_gb_per_s);
+// Lower bound of one decode step: every weight and kept KV byte read once at the measured bandwidth
+// (kvsim_replay_gpu passes the read-only kernel's, TimeRead).
+double LowerBoundUs(double bytes, double gb_per_s);
 
 }  // namespace kvsim::gpu_replay

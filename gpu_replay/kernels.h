@@ -155,6 +155,9 @@ class RefDecoder {
   std::vector<Layer> layers_;
   std::vector<float> final_norm_, lm_head_, input_;
 };
+// RoPE inverse frequencies theta^(-2i/d), i < head_dim / 2, computed in double on the host and rounded to
+// fp32 once: the reference and both kernel builds use this table (no device powf).
+std::vector<float> RopeInvFreq(const ModelShape& s);
 // Weight and KV bytes one decoder step must read (the physical lower bound's numerator).
 int64_t DecoderWeightBytes(const ModelShape& s);
 int64_t DecoderKvBytes(const DecoderProblem& p);

@@ -51,6 +51,9 @@ struct SplitKvPartition {
 // near-equal size (they differ by at most one token). Empty heads get no item. Pure and deterministic.
 SplitKvPartition PartitionSplitKv(std::span<const int32_t> lengths, int target_items, int min_chunk = 256,
                                   int granule = 32);
+// The minimum chunk the GPU paths use (decode attention, the decoder step, the harness): with ~8 items per
+// SM, a 1K-token head is cut into up to 16 items, so 1K-token and GQA caches (few KV heads) fill the GPU.
+inline constexpr int kSplitKvMinChunk = 64;
 
 // Ragged lengths for a synthetic run: num_heads values with mean ~ `mean` (clamped to [1, max_len]), spread
 // with coefficient of variation `cv` (0 = uniform), deterministic in `seed`, and an exact total of

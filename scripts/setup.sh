@@ -5,6 +5,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake make pkg-config git time
   libboost-program-options-dev libboost-graph-dev
+  libboost-context-dev  # fibers of gpu_replay's host execution layer (CUDA kernels run on the CPU)
   libhdf5-dev
   protobuf-compiler libprotobuf-dev
   catch2
