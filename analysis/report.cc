@@ -252,9 +252,12 @@ Status WriteFileAtomic(const std::string& path, const std::string& content) {
   return Status::Ok();
 }
 
-Status WriteOutputFolder(const std::string& out_dir,
+Status WriteOutputFolder(const std::string& out_dir_arg,
                          const std::vector<std::pair<std::string, std::string>>& files) {
   namespace fs = std::filesystem;
+  // "results/" and "results" name the same folder (the temporary sibling is "results.tmp.PID").
+  std::string out_dir = out_dir_arg;
+  while (out_dir.size() > 1 && out_dir.back() == '/') out_dir.pop_back();
   const fs::path final_dir(out_dir);
   std::error_code ec;
   if (fs::exists(final_dir, ec)) {

@@ -76,6 +76,11 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
+std::string WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+  return path;
+}
+
 std::string KvsimBinary() { return KVSIM_BINARY; }
 std::string SourceDir() { return KVSIM_SOURCE_DIR; }
 

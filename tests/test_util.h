@@ -34,6 +34,8 @@ std::string SourceDir();
 
 // The whole content of a file ("" if it cannot be read).
 std::string ReadFile(const std::string& path);
+// Writes `text` to `path` (replacing it); returns `path`.
+std::string WriteFile(const std::string& path, const std::string& text);
 
 // Runs a shell command, returns its exit status; stdout+stderr captured into *output if given.
 int RunCommand(const std::string& cmd, std::string* output = nullptr);

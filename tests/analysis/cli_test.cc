@@ -143,6 +143,12 @@ TEST_CASE("cli: sweep is deterministic across invocations and thread counts", "[
   const std::string summary = ReadAll(dir + "/a/summary.md");
   for (const char* p : {"full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "oracle"})
     CHECK(summary.find(p) != std::string::npos);
+  // A trailing slash names the same folder.
+  REQUIRE(testing::RunCommand(Kvsim() + " sweep --config " + exp + " --trace " + TinyTrace() +
+                                  " --threads 2 --out " + dir + "/c/",
+                              &out) == 0);
+  CHECK(ReadAll(dir + "/c/results.json") == ReadAll(dir + "/b/results.json"));
+  CHECK_FALSE(fs::exists(dir + "/c.tmp"));
   // Re-running into the same folder replaces it.
   REQUIRE(testing::RunCommand(
               Kvsim() + " sweep --config " + exp + " --trace " + TinyTrace() + " --out " + dir + "/a",

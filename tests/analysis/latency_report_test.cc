@@ -145,14 +145,10 @@ TEST_CASE("kvsim run/sweep --device: modelled latency in results and summary", "
   CHECK_FALSE(std::filesystem::exists(dir + "/r.json"));
   // A shape file of the same shape.
   const std::string shape = dir + "/tiny_shape.textproto";
-  {
-    std::FILE* f = std::fopen(shape.c_str(), "w");
-    std::fputs(
-        "name: \"tiny-mha\" num_layers: 3 num_heads: 4 num_kv_heads: 4 head_dim: 32 hidden_size: 128 "
-        "intermediate_size: 256 vocab_size: 1000\n",
-        f);
-    std::fclose(f);
-  }
+  testing::WriteFile(
+      shape,
+      "name: \"tiny-mha\" num_layers: 3 num_heads: 4 num_kv_heads: 4 head_dim: 32 hidden_size: 128 "
+      "intermediate_size: 256 vocab_size: 1000\n");
   REQUIRE(testing::RunCommand(Kvsim() + " run --trace " + trace +
                                   " --policy snapkv --budget 0.2 --device a100-sxm "
                                   "--model " +
@@ -177,14 +173,10 @@ TEST_CASE("kvsim run/sweep --device: modelled latency in results and summary", "
   CHECK(log.find("add --device") != std::string::npos);
   // A sweep: summary columns labelled as modelled.
   const std::string exp = dir + "/exp.textproto";
-  {
-    std::FILE* f = std::fopen(exp.c_str(), "w");
-    std::fprintf(f,
-                 "traces: \"%s\"\npolicies { name: \"full\" }\npolicies { name: \"snapkv\" }\nbudgets: 0.2\n"
-                 "device: \"h100-sxm\"\nmodel_shape: \"%s\"\n",
-                 trace.c_str(), shape.c_str());
-    std::fclose(f);
-  }
+  testing::WriteFile(exp, "traces: \"" + trace +
+                              "\"\npolicies { name: \"full\" }\npolicies { name: \"snapkv\" }\nbudgets: 0.2\n"
+                              "device: \"h100-sxm\"\nmodel_shape: \"" +
+                              shape + "\"\n");
   REQUIRE(testing::RunCommand(Kvsim() + " sweep --config " + exp + " --out " + dir + "/sweep 2>&1", &log) ==
           0);
   const std::string summary = testing::ReadFile(dir + "/sweep/summary.md");
@@ -203,14 +195,10 @@ TEST_CASE("kvsim run --device on a streaming trace: encode jobs and answers on t
                                   "/configs/synth/streaming_tiny.textproto --out " + trace,
                               &log) == 0);
   const std::string shape = dir + "/shape.textproto";
-  {
-    std::FILE* f = std::fopen(shape.c_str(), "w");
-    std::fputs(
-        "name: \"tiny-stream\" num_layers: 4 num_heads: 4 num_kv_heads: 2 head_dim: 16 hidden_size: 64 "
-        "intermediate_size: 128 vocab_size: 1000\n",
-        f);
-    std::fclose(f);
-  }
+  testing::WriteFile(
+      shape,
+      "name: \"tiny-stream\" num_layers: 4 num_heads: 4 num_kv_heads: 2 head_dim: 16 hidden_size: 64 "
+      "intermediate_size: 128 vocab_size: 1000\n");
   REQUIRE(testing::RunCommand(Kvsim() + " run --trace " + trace +
                                   " --policy rekv --device h100-sxm --model " + shape + " --out " + dir +
                                   "/r.json 2>&1",

@@ -12,9 +12,7 @@ namespace {
 bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 std::string WriteFile(const std::string& dir, const std::string& name, const std::string& text) {
-  const std::string path = dir + "/" + name;
-  std::ofstream(path) << text;
-  return path;
+  return testing::WriteFile(dir + "/" + name, text);
 }
 
 }  // namespace

@@ -216,11 +216,7 @@ TEST_CASE("perf model: bad profiles and shapes give one-line errors naming the f
   // A profile file with a missing field.
   const std::string dir = testing::ScratchDir("perf_model_files");
   const std::string path = dir + "/dev.textproto";
-  {
-    std::FILE* f = std::fopen(path.c_str(), "w");
-    std::fputs("name: \"x\"\nsm_count: 10\n", f);
-    std::fclose(f);
-  }
+  testing::WriteFile(path, "name: \"x\"\nsm_count: 10\n");
   auto loaded = FindDevice(path);
   REQUIRE_FALSE(loaded.ok());
   CHECK(loaded.status().message().find(path + ": field 'hbm_bandwidth_gbps'") == 0);
