@@ -11,6 +11,8 @@
 //     tracks every access to it);
 //   * kernels are launched with Launch(kernel, grid, block, stream, args...), not <<<>>>;
 //   * 16-bit storage types are F16 / BF16, converted with ToF / FromF<T>.
+// Tensor cores are used through nvcuda::wmma (16x16x16, fp16 / bf16 inputs, fp32 accumulators), which the
+// host layer emulates as warp collectives (gpu_replay/host_exec.h).
 
 #include <cstdint>
 #include <string>
@@ -22,9 +24,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 #define KVSIM_KERNELS_NS cuda
-// Shared memory; all of it 16-byte aligned (vector loads).
-#define KVSIM_SHARED(type, name, dims) __shared__ __align__(16) type name dims
+// Shared memory; all of it 32-byte aligned (vector loads; WMMA tiles need 32 bytes).
+#define KVSIM_SHARED(type, name, dims) __shared__ __align__(32) type name dims
 #else
 #include "gpu_replay/host_exec.h"
 #define KVSIM_KERNELS_NS host

@@ -142,9 +142,10 @@ struct SharedVar {
   const void* key = nullptr;
   const char* name = nullptr;
   size_t bytes = 0, elem = 1;
-  std::unique_ptr<std::max_align_t[]> data;
+  // 64-byte aligned (CUDA aligns the kernels' shared arrays to 32 bytes for WMMA tiles, KVSIM_SHARED).
+  std::unique_ptr<std::byte, decltype(&std::free)> data{nullptr, &std::free};
   std::vector<Shadow> shadow;
-  std::byte* begin() const { return reinterpret_cast<std::byte*>(data.get()); }
+  std::byte* begin() const { return data.get(); }
 };
 
 namespace {
@@ -560,6 +561,13 @@ uint64_t WarpCollective(WarpOp op, const char* what, unsigned mask, uint64_t pay
   c->payload[parity][f.lane] = payload;
   c->arrived |= bit;
   if (c->arrived == mask) {
+    if (op == WarpOp::kUniform)  // every lane must have passed the same value
+      for (int l = 0; l < 32; ++l)
+        if ((mask >> l & 1u) && c->payload[parity][l] != payload)
+          Fail(std::string(what) + " (" + Site(file, line) + "): lanes " + std::to_string(l) + " and " +
+               std::to_string(f.lane) + " of warp " + std::to_string(f.warp) +
+               " pass different arguments or fragments (they must be warp-uniform; a fragment's element "
+               "layout is unspecified, so element-wise code must treat every element alike)");
     c->arrived = 0;
     ++c->gen;
     if (op == WarpOp::kSyncWarp && mask == existing) ++b.warp_sync[f.warp];
@@ -596,9 +604,10 @@ SharedVar* GetShared(const void* key, size_t bytes, size_t elem_bytes, const cha
   v->name = name;
   v->bytes = bytes;
   v->elem = elem_bytes;
-  const size_t words = (bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t);
-  v->data.reset(new std::max_align_t[std::max<size_t>(1, words)]);
-  std::memset(v->data.get(), 0xa5, std::max<size_t>(1, words) * sizeof(std::max_align_t));  // garbage
+  const size_t alloc = std::max<size_t>(64, (bytes + 63) / 64 * 64);
+  v->data.reset(static_cast<std::byte*>(std::aligned_alloc(64, alloc)));
+  KVSIM_CHECK_MSG(v->data != nullptr, "host execution layer: cannot allocate shared memory");
+  std::memset(v->data.get(), 0xa5, alloc);  // garbage
   v->shadow.assign(rt.opts.check_shared ? bytes : 0, Shadow{});
   rt.block.shared.push_back(std::move(v));
   return rt.block.shared.back().get();
@@ -664,6 +673,41 @@ void SharedAccess(SharedVar* v, const void* p, size_t bytes, AccessKind kind) {
     }
   }
   CountAccess(rt, f);
+}
+
+void WmmaRendezvous(const char* what, uint64_t uniform, const std::source_location& loc) {
+  WarpCollective(WarpOp::kUniform, what, 0xffffffffu, uniform, -1, loc.file_name(),
+                 static_cast<int>(loc.line()));
+}
+
+void WmmaCheckTile(const char* what, const void* p, unsigned ldm, size_t elem_bytes) {
+  Runtime& rt = Rt();
+  Fiber& f = Cur(what);
+  if (reinterpret_cast<uintptr_t>(p) % 32 != 0 || (ldm * elem_bytes) % 16 != 0) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%p", p);
+    Fail(std::string(what) + " by thread " + std::to_string(f.tid) + ": pointer " + buf + " with ldm " +
+         std::to_string(ldm) + " (the pointer must be 32-byte aligned, ldm a multiple of 16 bytes)");
+  }
+  // A tile starting in a shared array must end in it (16 lines of 16 elements, ldm apart).
+  const std::byte* q = static_cast<const std::byte*>(p);
+  const size_t span = (15 * static_cast<size_t>(ldm) + 16) * elem_bytes;
+  for (const auto& v : rt.block.shared)
+    if (q >= v->begin() && q < v->begin() + v->bytes && q + span > v->begin() + v->bytes)
+      Fail(std::string(what) + " by thread " + std::to_string(f.tid) + ": the 16x16 tile at byte " +
+           std::to_string(q - v->begin()) + " of shared `" + v->name + "` with ldm " + std::to_string(ldm) +
+           " ends at byte " + std::to_string(q - v->begin() + span) + ", past its " +
+           std::to_string(v->bytes) + " bytes (out of bounds)");
+}
+
+void WmmaAccess(const void* p, size_t bytes, AccessKind kind) {
+  Runtime& rt = Rt();
+  const std::byte* q = static_cast<const std::byte*>(p);
+  for (const auto& v : rt.block.shared)
+    if (q >= v->begin() && q + bytes <= v->begin() + v->bytes) {
+      SharedAccess(v.get(), p, bytes, kind);
+      return;
+    }
 }
 
 void VectorLoad(void* dst, const void* p, size_t bytes) {

@@ -20,7 +20,10 @@
 //   * shared memory (declared with KVSIM_SHARED): per byte, the accesses since the last __syncthreads;
 //     two threads touching a byte, at least one writing, with no barrier between (atomics among themselves
 //     excepted; a full-warp __syncwarp orders the lanes of one warp) is a race; reading a byte never
-//     written in this block is an uninitialised read; indices are bounds-checked.
+//     written in this block is an uninitialised read; indices are bounds-checked;
+//   * tensor cores (nvcuda::wmma, at the end of this file): load/store_matrix_sync and mma_sync are
+//     collectives of the full warp with warp-uniform arguments and fragments; tiles must be 32-byte aligned
+//     and inside their shared array; their shared-memory reads and writes go through the checks above.
 // Global memory is plain host memory: AddressSanitizer (make asan-test) checks its bounds.
 
 #if defined(__CUDACC__)
@@ -33,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <source_location>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -119,7 +123,8 @@ Status LaunchKernel(void (*kernel)(P...), dim3 grid, dim3 block, A&&... args) {
 
 // ---- Synchronisation and warp collectives (fiber side) ----
 void SyncThreads(const char* file, int line);
-enum class WarpOp : uint8_t { kShuffle, kVote, kSyncWarp };
+// kUniform: every lane of the mask must pass the same payload (a warp-uniform argument), else an error.
+enum class WarpOp : uint8_t { kShuffle, kVote, kSyncWarp, kUniform };
 // All lanes of `mask` exchange `payload`; returns lane `src`'s payload (kShuffle) or the ballot (kVote).
 uint64_t WarpCollective(WarpOp op, const char* what, unsigned mask, uint64_t payload, int src,
                         const char* file, int line);
@@ -267,6 +272,27 @@ auto DeclareShared(const void* key, const char* name) {
 // aligned to `bytes`, as the GPU would fault (misaligned address).
 void VectorLoad(void* dst, const void* p, size_t bytes);
 
+// ---- Tensor-core matrix operations (nvcuda::wmma, below) ----
+// The rendezvous of a WMMA call: a collective of the full warp (every lane must call it, at the same site)
+// whose lanes must all pass the same `uniform` value (a hash of the pointer, ldm, layout and the fragments'
+// contents). It does not order shared-memory accesses (no __syncwarp).
+void WmmaRendezvous(const char* what, uint64_t uniform, const std::source_location& loc);
+// A tile's base pointer and leading dimension: fails unless p is 32-byte aligned and ldm * elem_bytes is a
+// multiple of 16 bytes (CUDA's requirements for load/store_matrix_sync), and unless a tile starting in a
+// shared array ends in it.
+void WmmaCheckTile(const char* what, const void* p, unsigned ldm, size_t elem_bytes);
+// `bytes` at p read or written by the running lane: in the block's shared memory the access goes through
+// the race / initialisation checks; global memory is not recorded (AddressSanitizer checks its bounds).
+void WmmaAccess(const void* p, size_t bytes, AccessKind kind);
+inline uint64_t HashBytes(uint64_t h, const void* p, size_t n) {
+  const unsigned char* b = static_cast<const unsigned char*>(p);
+  for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ull;  // FNV-1a
+  return h;
+}
+inline float WmmaToF(float x) { return x; }
+inline float WmmaToF(Half x) { return HalfToFloat(x.bits); }
+inline float WmmaToF(Bf16 x) { return Bf16ToFloat(x.bits); }
+
 // ---- Math intrinsics ----
 inline float Expf(float x) { return std::exp(x); }
 inline float Logf(float x) { return std::log(x); }
@@ -355,3 +381,122 @@ template <typename T>
 inline T atomicCAS(T* p, std::type_identity_t<T> compare, std::type_identity_t<T> v) {
   return ::kvsim::gpu_replay::hx::AtomicRmw(p, [=](T old) { return old == compare ? v : old; });
 }
+
+// ---- nvcuda::wmma on the host: warp-level 16x16x16 matrix multiply-accumulate ----
+// The API of CUDA's <mma.h> for the 16x16x16 shape, fp16 / bf16 inputs and fp32 accumulators. Every call of
+// load_matrix_sync, store_matrix_sync and mma_sync is a warp collective (hx::WmmaRendezvous: all 32 lanes,
+// same call site, same arguments; missing or exited lanes, partial warps and divergent calls are errors).
+// Element layout (own, not the GPU's, which CUDA leaves unspecified): every lane holds the whole tile,
+// x[r * 16 + c] (num_elements = 256), computed redundantly; element-wise code must treat all elements alike
+// (a lane-dependent change makes the lanes' fragments differ, an error at the next mma/store). A store
+// writes, per lane, its own 8 elements x[8 * lane .. 8 * lane + 7]: reading them in another lane needs a
+// __syncwarp, as on the GPU. mma_sync multiplies in fp32 (products of fp16 / bf16 values are exact) and
+// adds in k order, one rounding per add.
+namespace nvcuda::wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+class fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "host WMMA: only the 16x16x16 shape");
+  static constexpr bool k16 =
+      std::is_same_v<T, ::kvsim::gpu_replay::hx::Half> || std::is_same_v<T, ::kvsim::gpu_replay::hx::Bf16>;
+  static constexpr bool kMajor = std::is_same_v<Layout, row_major> || std::is_same_v<Layout, col_major>;
+  static_assert(std::is_same_v<Use, accumulator> ? std::is_same_v<T, float> && std::is_void_v<Layout>
+                                                 : k16 && kMajor,
+                "host WMMA: fp16 / bf16 matrix_a / matrix_b with row_major / col_major, fp32 accumulator");
+
+ public:
+  using element_type = T;
+  static constexpr int num_elements = 256;
+  T x[num_elements];
+};
+
+namespace detail {
+template <typename F>
+uint64_t Contents(uint64_t h, const F& f) {
+  return ::kvsim::gpu_replay::hx::HashBytes(h, f.x, sizeof f.x);
+}
+// Element (i, j) of a 16x16 tile at p: row-major p[i * ldm + j], column-major p[j * ldm + i]; every lane
+// reads all of it (16 contiguous runs of 16 elements).
+template <typename T>
+void LoadTile(const char* what, T (&x)[256], const T* p, unsigned ldm, bool row_major_mem,
+              const std::source_location& loc) {
+  namespace hx = ::kvsim::gpu_replay::hx;
+  uint64_t u = hx::HashBytes(0xcbf29ce484222325ull, &p, sizeof p);
+  u = hx::HashBytes(u, &ldm, sizeof ldm);
+  u = hx::HashBytes(u, &row_major_mem, sizeof row_major_mem);
+  hx::WmmaRendezvous(what, u, loc);
+  hx::WmmaCheckTile(what, p, ldm, sizeof(T));
+  for (int line = 0; line < 16; ++line) {
+    const T* q = p + static_cast<size_t>(line) * ldm;
+    hx::WmmaAccess(q, 16 * sizeof(T), hx::AccessKind::kRead);
+    for (int i = 0; i < 16; ++i) x[row_major_mem ? line * 16 + i : i * 16 + line] = q[i];
+  }
+}
+}  // namespace detail
+
+template <typename Use, typename T, typename L>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, L>& f, const T* p, unsigned ldm,
+                      std::source_location loc = std::source_location::current()) {
+  static_assert(!std::is_same_v<Use, accumulator>, "an accumulator load takes a layout_t");
+  detail::LoadTile("wmma::load_matrix_sync", f.x, p, ldm, std::is_same_v<L, row_major>, loc);
+}
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm,
+                             layout_t layout, std::source_location loc = std::source_location::current()) {
+  detail::LoadTile("wmma::load_matrix_sync", f.x, p, ldm, layout == mem_row_major, loc);
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm,
+                              layout_t layout, std::source_location loc = std::source_location::current()) {
+  namespace hx = ::kvsim::gpu_replay::hx;
+  const char* what = "wmma::store_matrix_sync";
+  uint64_t u = hx::HashBytes(0xcbf29ce484222325ull, &p, sizeof p);
+  u = hx::HashBytes(u, &ldm, sizeof ldm);
+  u = hx::HashBytes(u, &layout, sizeof layout);
+  hx::WmmaRendezvous(what, detail::Contents(u, f), loc);
+  hx::WmmaCheckTile(what, p, ldm, sizeof(float));
+  const int lane = hx::Lane();
+  for (int e = 8 * lane; e < 8 * lane + 8; ++e) {  // this lane's 8 elements
+    const int i = e / 16, j = e % 16;
+    float* q =
+        p + (layout == mem_row_major ? static_cast<size_t>(i) * ldm + j : static_cast<size_t>(j) * ldm + i);
+    hx::WmmaAccess(q, sizeof(float), hx::AccessKind::kWrite);
+    *q = f.x[e];
+  }
+}
+
+// v converted to the fragment's element type (float for accumulators; the 16-bit type itself otherwise).
+template <typename Use, typename T, typename L, typename V>
+void fill_fragment(fragment<Use, 16, 16, 16, T, L>& f, const V& v) {
+  for (T& e : f.x) {
+    if constexpr (std::is_same_v<T, float>) {
+      e = static_cast<float>(v);
+    } else {
+      e = v;
+    }
+  }
+}
+
+// d = a b + c (d may be c).
+template <typename T, typename LA, typename LB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
+              const fragment<matrix_b, 16, 16, 16, T, LB>& b,
+              const fragment<accumulator, 16, 16, 16, float>& c,
+              std::source_location loc = std::source_location::current()) {
+  namespace hx = ::kvsim::gpu_replay::hx;
+  hx::WmmaRendezvous("wmma::mma_sync", detail::Contents(detail::Contents(detail::Contents(0, a), b), c), loc);
+  float out[256];
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) {
+      float acc = c.x[i * 16 + j];
+      for (int k = 0; k < 16; ++k) acc += hx::WmmaToF(a.x[i * 16 + k]) * hx::WmmaToF(b.x[k * 16 + j]);
+      out[i * 16 + j] = acc;
+    }
+  std::memcpy(d.x, out, sizeof out);
+}
+}  // namespace nvcuda::wmma

@@ -244,9 +244,9 @@ Status HostMergeNearest(const MergeProblem& p, MergeResult* out) {
     const int num_e = p.evicted_first.back();
     const int64_t slots = p.layout.total_slots;
     const int d = p.layout.head_dim;
-    std::vector<int32_t> e_head = Zeros<int32_t>(num_e);
+    int max_e = 0;
     for (int h = 0; h < p.layout.num_kv_heads; ++h)
-      for (int e = p.evicted_first[h]; e < p.evicted_first[h + 1]; ++e) e_head[e] = h;
+      max_e = std::max(max_e, p.evicted_first[h + 1] - p.evicted_first[h]);
     std::vector<T> k = To<T>(p.k), v = To<T>(p.v), ek = To<T>(p.ek), ev = To<T>(p.ev);
     if (k.empty()) k.push_back(T{}), v.push_back(T{});
     if (ek.empty()) ek.push_back(T{}), ev.push_back(T{});
@@ -259,9 +259,11 @@ Status HostMergeNearest(const MergeProblem& p, MergeResult* out) {
                       slots,
                       k.data(),
                       v.data(),
+                      p.layout.num_kv_heads,
+                      max_e,
                       ek.data(),
                       ev.data(),
-                      e_head.data(),
+                      p.evicted_first.data(),
                       p.layout.offset.data(),
                       p.layout.length.data(),
                       knorm.data(),

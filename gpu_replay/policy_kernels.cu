@@ -56,21 +56,21 @@ struct TopKDevice {
 struct MergeDevice {
   DeviceBuffer<uint16_t> k, v, ek, ev;
   DeviceBuffer<float> knorm, sim, ksum, vsum;
-  DeviceBuffer<int32_t> e_head, len, nearest, count;
+  DeviceBuffer<int32_t> e_first, len, nearest, count;
   DeviceBuffer<int64_t> offset;
-  int num_e = 0;
+  int num_e = 0, max_e = 0;
   int64_t slots = 0;
   Status Upload(const MergeProblem& p) {
     num_e = p.evicted_first.back();
     slots = p.layout.total_slots;
-    std::vector<int32_t> eh(num_e);
+    max_e = 0;
     for (int h = 0; h < p.layout.num_kv_heads; ++h)
-      for (int e = p.evicted_first[h]; e < p.evicted_first[h + 1]; ++e) eh[e] = h;
+      max_e = std::max(max_e, p.evicted_first[h + 1] - p.evicted_first[h]);
     KVSIM_RETURN_IF_ERROR(k.Upload(p.k));
     KVSIM_RETURN_IF_ERROR(v.Upload(p.v));
     KVSIM_RETURN_IF_ERROR(ek.Upload(p.ek));
     KVSIM_RETURN_IF_ERROR(ev.Upload(p.ev));
-    KVSIM_RETURN_IF_ERROR(e_head.Upload(eh));
+    KVSIM_RETURN_IF_ERROR(e_first.Upload(p.evicted_first));
     KVSIM_RETURN_IF_ERROR(len.Upload(p.layout.length));
     KVSIM_RETURN_IF_ERROR(offset.Upload(p.layout.offset));
     KVSIM_RETURN_IF_ERROR(knorm.Alloc(std::max<int64_t>(1, slots)));
@@ -81,9 +81,25 @@ struct MergeDevice {
     return vsum.Alloc(ksum.n);
   }
   MergeArgs Args(const MergeProblem& p) {
-    return MergeArgs{p.dtype,   p.layout.head_dim, num_e,      slots,   k.ptr,     v.ptr,       ek.ptr,
-                     ev.ptr,    e_head.ptr,        offset.ptr, len.ptr, knorm.ptr, nearest.ptr, sim.ptr,
-                     count.ptr, ksum.ptr,          vsum.ptr};
+    return MergeArgs{p.dtype,
+                     p.layout.head_dim,
+                     num_e,
+                     slots,
+                     k.ptr,
+                     v.ptr,
+                     p.layout.num_kv_heads,
+                     max_e,
+                     ek.ptr,
+                     ev.ptr,
+                     e_first.ptr,
+                     offset.ptr,
+                     len.ptr,
+                     knorm.ptr,
+                     nearest.ptr,
+                     sim.ptr,
+                     count.ptr,
+                     ksum.ptr,
+                     vsum.ptr};
   }
   Status Reset(cudaStream_t s) {  // the merge accumulates: zero the sums before a timed repeat
     KVSIM_CUDA(cudaMemsetAsync(count.ptr, 0, count.n * sizeof(int32_t), s));

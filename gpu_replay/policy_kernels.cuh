@@ -7,8 +7,9 @@
 //   top-k          one block per head: 4-pass 8-bit radix select of the k-th largest score, ties to the
 //                  lowest slot by a block scan (BlockExclusiveSum, device_common.cuh), then a warp-per-row
 //                  gather of K/V into the new ragged layout;
-//   merge          warp per evicted token: cosine against every kept slot of its head (first max wins),
-//                  fp32 atomics into per-slot sums, then (k_a + Σ k_e) / (1 + m).
+//   merge          cosine of every evicted key against every kept slot of its head as a tensor-core GEMM
+//                  (WMMA, 16 evicted x 16 kept tiles, fp32 accumulation) + per-row argmax (first max
+//                  wins), fp32 atomics into per-slot sums, then (k_a + Σ k_e) / (1 + m).
 
 #include <string>
 
@@ -57,9 +58,10 @@ struct MergeArgs {
   int64_t slots = 0;
   void* k = nullptr;  // [slots][d], merged in place
   void* v = nullptr;
-  const void* ek = nullptr;  // [num_e][d]
+  int num_heads = 0, max_e = 0;  // max_e: the most evicted keys of one head
+  const void* ek = nullptr;      // [num_e][d], head h's are [e_first[h], e_first[h + 1])
   const void* ev = nullptr;
-  const int32_t* e_head = nullptr;  // [num_e]
+  const int32_t* e_first = nullptr;  // [num_heads + 1]
   const int64_t* offset = nullptr;
   const int32_t* len = nullptr;
   float* knorm = nullptr;      // [slots]
@@ -282,47 +284,105 @@ __global__ void KeyNormKernel(const T* __restrict__ k, int64_t slots, float* __r
   if (lane == 0) norm[s] = sqrtf(ss);
 }
 
+inline constexpr int kMergeWarps = 4;      // warps per block, each a tile of 16 evicted keys of one head
+inline constexpr int kMergeKeyChunk = 32;  // kept keys per shared-memory chunk (two 16-column tiles)
+
+// Nearest kept slot of every evicted key by cosine, as a tensor-core GEMM + argmax. Block (x, h): evicted
+// keys [64 x, 64 x + 64) of head h, 16 per warp; the warp holds its 16 x D keys as WMMA matrix_a fragments
+// and the block streams the head's kept keys through shared memory, 32 at a time (rows past the head's
+// length and past its evicted keys are zeros: nothing is read out of bounds). The fp32 dot products
+// (16-bit inputs, fp32 accumulation) go through shared memory to lanes 0-15, one row each, which divide by
+// the norms (KeyNormKernel's for kept keys, the evicted key's own, fp32 in element order) and keep the
+// first maximum in slot order (strict >, as RefMergeNearest). Then each row's key and value are added to
+// its slot's fp32 sums with atomics.
 template <typename T, int D>
-__global__ void NearestKernel(const T* __restrict__ k, const float* __restrict__ knorm,
-                              const T* __restrict__ ek, const T* __restrict__ ev,
-                              const int32_t* __restrict__ e_head, const int64_t* __restrict__ offset,
-                              const int32_t* __restrict__ len, int num_e, int32_t* __restrict__ nearest,
-                              float* __restrict__ sim, int32_t* __restrict__ count, float* __restrict__ ksum,
-                              float* __restrict__ vsum) {
-  constexpr int E = D / 32;
-  const int e = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (e >= num_e) return;
-  const int h = e_head[e], n = len[h];
-  if (n == 0) {
-    if (lane == 0) nearest[e] = -1, sim[e] = 0;
+__global__ void __launch_bounds__(kMergeWarps * 32)
+    NearestKernel(const T* __restrict__ k, const float* __restrict__ knorm, const T* __restrict__ ek,
+                  const T* __restrict__ ev, const int32_t* __restrict__ e_first,
+                  const int64_t* __restrict__ offset, const int32_t* __restrict__ len,
+                  int32_t* __restrict__ nearest, float* __restrict__ sim, int32_t* __restrict__ count,
+                  float* __restrict__ ksum, float* __restrict__ vsum) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "NearestKernel needs sm_80 or newer (bf16 WMMA)"
+#endif
+  namespace wmma = nvcuda::wmma;
+  constexpr int NW = kMergeWarps, RT = 16, KC = kMergeKeyChunk, LD = D + 8, KT = D / 16, LDC = KC + 4;
+  static_assert(D % 16 == 0 && KC % 16 == 0, "WMMA tiles");
+  const int h = blockIdx.y, t = threadIdx.x, warp = t / 32, lane = t % 32;
+  const int e0 = e_first[h], ne = e_first[h + 1] - e0, n = len[h], row0 = blockIdx.x * NW * RT;
+  if (row0 >= ne) return;  // the head has fewer evicted keys (block-uniform)
+  if (n == 0) {            // no kept slot: nothing to merge into
+    for (int r = row0 + t; r < ne && r < row0 + NW * RT; r += blockDim.x)
+      nearest[e0 + r] = -1, sim[e0 + r] = 0;
     return;
   }
-  float x[E], en = 0;
-  for (int i = 0; i < E; ++i) {
-    x[i] = ToF(ek[static_cast<int64_t>(e) * D + lane * E + i]);
-    en += x[i] * x[i];
+  KVSIM_SHARED(T, as, [NW][RT][LD]);  // +8: rows start in different banks (ldm a multiple of 8)
+  KVSIM_SHARED(T, ks, [KC][LD]);
+  KVSIM_SHARED(float, cs, [NW][RT][LDC]);
+  const int wrow = row0 + warp * RT;                                       // the warp's first row in the head
+  const int rows = ne - wrow < 0 ? 0 : (ne - wrow < RT ? ne - wrow : RT);  // warp-uniform
+  const int64_t ebase = static_cast<int64_t>(e0 + wrow) * D;
+  for (int idx = lane; idx < RT * D; idx += 32) {
+    const int r = idx / D, c = idx % D;
+    as[warp][r][c] = r < rows ? ek[ebase + static_cast<int64_t>(r) * D + c] : FromF<T>(0.0f);
   }
-  en = sqrtf(WarpSum(en));
+  __syncwarp();
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[KT];
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) wmma::load_matrix_sync(a[kt], &as[warp][0][kt * 16], LD);
+  float en = 0;  // lane r < rows: the norm of row r
+  if (lane < rows)
+    for (int c = 0; c < D; ++c) {
+      const float x = ToF(ek[ebase + static_cast<int64_t>(lane) * D + c]);
+      en += x * x;
+    }
+  en = sqrtf(en);
+  const T* kb = k + offset[h] * D;
+  const float* kn = knorm + offset[h];
   float best = -INFINITY;
   int best_s = 0;
-  const T* kb = k + offset[h] * D + lane * E;
-  for (int s = 0; s < n; ++s) {
-    float dot = 0;
-    for (int i = 0; i < E; ++i) dot += x[i] * ToF(kb[static_cast<int64_t>(s) * D + i]);
-    dot = WarpSum(dot);
-    const float kn = knorm[offset[h] + s];
-    const float c = (en > 0 && kn > 0) ? dot / (en * kn) : 0.0f;
-    if (c > best) best = c, best_s = s;
+  for (int s0 = 0; s0 < n; s0 += KC) {
+    __syncthreads();  // the previous chunk's ks and cs are consumed
+    for (int idx = t; idx < KC * D; idx += blockDim.x) {
+      const int r = idx / D, c = idx % D;
+      ks[r][c] = s0 + r < n ? kb[static_cast<int64_t>(s0 + r) * D + c] : FromF<T>(0.0f);
+    }
+    __syncthreads();
+    if (rows == 0) continue;  // warp-uniform
+#pragma unroll
+    for (int nt = 0; nt < KC / 16; ++nt) {
+      if (s0 + nt * 16 >= n) break;  // warp-uniform: no kept key in this column tile
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>
+            b;  // b(c, j) = ks[16 nt + j][16 kt + c]
+        wmma::load_matrix_sync(b, &ks[nt * 16][kt * 16], LD);
+        wmma::mma_sync(acc, a[kt], b, acc);
+      }
+      wmma::store_matrix_sync(&cs[warp][0][nt * 16], acc, LDC, wmma::mem_row_major);
+    }
+    __syncwarp();
+    if (lane < rows)
+      for (int j = 0; j < KC && s0 + j < n; ++j) {
+        const float kj = kn[s0 + j];
+        const float c = (en > 0 && kj > 0) ? cs[warp][lane][j] / (en * kj) : 0.0f;
+        if (c > best) best = c, best_s = s0 + j;
+      }
   }
-  const int64_t slot = offset[h] + best_s;
-  if (lane == 0) {
-    nearest[e] = best_s;
-    sim[e] = best;
-    atomicAdd(&count[slot], 1);
+  if (lane < rows) {
+    nearest[e0 + wrow + lane] = best_s;
+    sim[e0 + wrow + lane] = best;
+    atomicAdd(&count[offset[h] + best_s], 1);
   }
-  for (int i = 0; i < E; ++i) {
-    atomicAdd(&ksum[slot * D + lane * E + i], x[i]);
-    atomicAdd(&vsum[slot * D + lane * E + i], ToF(ev[static_cast<int64_t>(e) * D + lane * E + i]));
+  for (int r = 0; r < rows; ++r) {  // every lane: a row's key and value into its slot's sums
+    const int64_t slot = offset[h] + __shfl_sync(0xffffffffu, best_s, r),
+                  e = ebase + static_cast<int64_t>(r) * D;
+    for (int c = lane; c < D; c += 32) {
+      atomicAdd(&ksum[slot * D + c], ToF(ek[e + c]));
+      atomicAdd(&vsum[slot * D + c], ToF(ev[e + c]));
+    }
   }
 }
 
@@ -386,11 +446,12 @@ struct MergeRun {
     if (a.slots > 0)
       KVSIM_RETURN_IF_ERROR(Launch(KeyNormKernel<T, D>, dim3((a.slots + 7) / 8), dim3(256), s,
                                    static_cast<const T*>(k), a.slots, a.knorm));
-    if (a.num_e > 0)
-      KVSIM_RETURN_IF_ERROR(Launch(NearestKernel<T, D>, dim3((a.num_e + 7) / 8), dim3(256), s,
-                                   static_cast<const T*>(k), static_cast<const float*>(a.knorm),
-                                   static_cast<const T*>(a.ek), static_cast<const T*>(a.ev), a.e_head,
-                                   a.offset, a.len, a.num_e, a.nearest, a.sim, a.count, a.ksum, a.vsum));
+    if (a.num_e > 0 && a.max_e > 0)
+      KVSIM_RETURN_IF_ERROR(Launch(
+          NearestKernel<T, D>, dim3((a.max_e + kMergeWarps * 16 - 1) / (kMergeWarps * 16), a.num_heads),
+          dim3(kMergeWarps * 32), s, static_cast<const T*>(k), static_cast<const float*>(a.knorm),
+          static_cast<const T*>(a.ek), static_cast<const T*>(a.ev), a.e_first, a.offset, a.len, a.nearest,
+          a.sim, a.count, a.ksum, a.vsum));
     const int64_t total = a.slots * D;
     if (total == 0) return Status::Ok();
     return Launch(MergeFinalizeKernel<T, D>, dim3((total + 255) / 256), dim3(256), s, k, v,

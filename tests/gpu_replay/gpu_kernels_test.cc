@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "gpu_replay/gpu_api.h"
+#include "tests/gpu_replay/merge_problems.h"
 
 namespace kvsim::gpu_replay {
 namespace {
@@ -91,6 +92,16 @@ TEST_CASE("gpu: window scores, top-k, merge match the CPU reference", "[gpu_repl
         CHECK(MaxRelError(Floats(dt, mg.k), Floats(dt, mr.k)) <= Tol(dt));
         CHECK(MaxRelError(Floats(dt, mg.v), Floats(dt, mr.v)) <= Tol(dt));
       }
+      // Unambiguous nearest slots: the tensor-core GEMM must pick exactly the reference's.
+      std::vector<int32_t> want;
+      const MergeProblem sp = SeparatedMergeProblem(dt, kept, evicted, d, 6, &want);
+      RefMergeNearest(sp, &mr);
+      REQUIRE(GpuMergeNearest(sp, &mg).ok());
+      CHECK(mr.nearest == want);
+      CHECK(mg.nearest == want);
+      CHECK(mg.count == mr.count);
+      CHECK(MaxRelError(Floats(dt, mg.k), Floats(dt, mr.k)) <= Tol(dt));
+      CHECK(MaxRelError(Floats(dt, mg.v), Floats(dt, mr.v)) <= Tol(dt));
     }
 }
 

@@ -3,8 +3,10 @@
 // racy, divergent or deadlocked: each must make the launch fail with a message saying what went wrong.
 
 #include <catch2/catch.hpp>
+#include <cstdint>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gpu_replay/device_common.cuh"
@@ -216,6 +218,117 @@ __global__ void MisalignedLoadKernel(const int* p, int* out) {
   out[threadIdx.x] = v.x;
 }
 
+// ---- Tensor-core (WMMA) kernels ----
+namespace wmma = nvcuda::wmma;
+
+// C[M][N] = A[M][K] B[K][N] + C0 (A row-major; B row- or column-major; C0 column-major, loaded as an
+// accumulator): one warp per 16 x 16 tile of C, the tiles of A and B staged in shared memory (zero padded
+// beyond ldm), C stored to global memory.
+template <typename T, typename LB>
+__global__ void WmmaGemmKernel(const T* a, const T* b, const float* c0, float* c, int m, int n, int kdim) {
+  constexpr int LD = 24;  // 16 + 8: ldm a multiple of 8 elements
+  KVSIM_SHARED(T, as, [16][LD]);
+  KVSIM_SHARED(T, bs, [16][LD]);
+  const int ti = blockIdx.y, tj = blockIdx.x, lane = threadIdx.x;
+  const bool b_row = std::is_same_v<LB, wmma::row_major>;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::load_matrix_sync(acc, c0 + tj * 16 * m + ti * 16, m, wmma::mem_col_major);
+  for (int k0 = 0; k0 < kdim; k0 += 16) {
+    __syncwarp();  // the previous tiles are consumed
+    for (int idx = lane; idx < 256; idx += 32) {
+      const int r = idx / 16, q = idx % 16;
+      as[r][q] = a[(ti * 16 + r) * kdim + k0 + q];
+      // b_row: bs[k][j] = B[k0 + k][16 tj + j]; else bs[j][k] = B[k0 + k][16 tj + j] (B given as [n][k]).
+      bs[r][q] = b_row ? b[(k0 + r) * n + tj * 16 + q] : b[(tj * 16 + r) * kdim + k0 + q];
+    }
+    __syncwarp();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LB> fb;
+    wmma::load_matrix_sync(fa, &as[0][0], LD);
+    wmma::load_matrix_sync(fb, &bs[0][0], LD);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
+  wmma::store_matrix_sync(c + ti * 16 * n + tj * 16, acc, n, wmma::mem_row_major);
+}
+
+// Element-wise access to a fragment (the same operation on every element) and a store to shared memory
+// read back by other lanes after a __syncwarp.
+__global__ void WmmaElementwiseKernel(float* out) {
+  KVSIM_SHARED(float, cs, [16][16]);
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 1.5f);
+  for (int i = 0; i < acc.num_elements; ++i) acc.x[i] *= 2.0f;
+  wmma::store_matrix_sync(&cs[0][0], acc, 16, wmma::mem_row_major);
+  __syncwarp();
+  out[threadIdx.x] = cs[(threadIdx.x + 5) % 16][threadIdx.x % 16];
+}
+
+// Only lanes 0-15 call mma_sync: lanes 16-31 exit while the others wait.
+__global__ void WmmaHalfWarpKernel(float* out) {
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, F16, wmma::row_major> a;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, F16, wmma::col_major> b;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(a, FromF<F16>(1.0f));
+  wmma::fill_fragment(b, FromF<F16>(1.0f));
+  wmma::fill_fragment(acc, 0.0f);
+  if (threadIdx.x < 16) wmma::mma_sync(acc, a, b, acc);
+  out[threadIdx.x] = acc.x[0];
+}
+
+// A block of 16 threads: the warp is partial.
+__global__ void WmmaPartialWarpKernel(float* out) {
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 0.0f);
+  KVSIM_SHARED(float, cs, [16][16]);
+  wmma::store_matrix_sync(&cs[0][0], acc, 16, wmma::mem_row_major);
+  out[threadIdx.x] = 0;
+}
+
+// Lanes pass different pointers to load_matrix_sync.
+__global__ void WmmaNonUniformKernel(const F16* p, float* out) {
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, F16, wmma::row_major> a;
+  wmma::load_matrix_sync(a, p + (threadIdx.x % 2) * 16, 32);
+  out[threadIdx.x] = ToF(a.x[0]);
+}
+
+// A lane-dependent change of fragment elements: the lanes' fragments differ at the next mma_sync.
+__global__ void WmmaLaneDependentKernel(float* out) {
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, F16, wmma::row_major> a;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, F16, wmma::col_major> b;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(a, FromF<F16>(1.0f));
+  wmma::fill_fragment(b, FromF<F16>(1.0f));
+  wmma::fill_fragment(acc, 0.0f);
+  if (threadIdx.x == 3) acc.x[0] = 7.0f;
+  wmma::mma_sync(acc, a, b, acc);
+  out[threadIdx.x] = acc.x[0];
+}
+
+// A store_matrix_sync to shared memory read by other lanes without a __syncwarp.
+__global__ void WmmaStoreRaceKernel(float* out) {
+  KVSIM_SHARED(float, cs, [16][16]);
+  for (int i = threadIdx.x; i < 256; i += 32) cs[i / 16][i % 16] = 0;
+  __syncthreads();
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 1.0f);
+  wmma::store_matrix_sync(&cs[0][0], acc, 16, wmma::mem_row_major);
+  out[threadIdx.x] = cs[15 - threadIdx.x / 2][threadIdx.x % 16];
+}
+
+// A tile past the end of a shared array, and a misaligned tile.
+__global__ void WmmaOutOfBoundsKernel(float* out) {
+  KVSIM_SHARED(float, cs, [8][16]);
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 1.0f);
+  wmma::store_matrix_sync(&cs[0][0], acc, 16, wmma::mem_row_major);
+  out[threadIdx.x] = 0;
+}
+__global__ void WmmaMisalignedKernel(const F16* p, float* out) {
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, F16, wmma::row_major> a;
+  wmma::load_matrix_sync(a, p + 1, 32);
+  out[threadIdx.x] = ToF(a.x[0]);
+}
+
 }  // namespace
 
 TEST_CASE("host exec: thread and block indices of 1-D and 3-D launches", "[gpu_replay][host_exec]") {
@@ -343,6 +456,76 @@ TEST_CASE("host exec: invalid launches and misaligned vector loads are rejected"
   const int* base = &in[0].x;
   ExpectError(Launch(MisalignedLoadKernel, dim3(1), dim3(2), nullptr, base, out.data()),
               "misaligned 16-byte");
+}
+
+namespace {
+// A host vector whose data() is 32-byte aligned (WMMA tiles in global memory).
+template <typename T>
+struct Aligned32 {
+  std::vector<T> buf;
+  size_t off = 0;
+  explicit Aligned32(size_t n) : buf(n + 32) {
+    while (reinterpret_cast<uintptr_t>(buf.data() + off) % 32 != 0) ++off;
+  }
+  T* data() { return buf.data() + off; }
+  T& operator[](size_t i) { return buf[off + i]; }
+};
+
+// C = A B + C0 on the host layer's WMMA vs a scalar loop (fp32, k in order: the emulation's order, so equal).
+template <typename T, typename LB>
+void CheckWmmaGemm(int m, int n, int k) {
+  INFO("M " << m << " N " << n << " K " << k << (std::is_same_v<T, F16> ? " fp16" : " bf16")
+            << (std::is_same_v<LB, wmma::row_major> ? " B row-major" : " B col-major"));
+  const bool b_row = std::is_same_v<LB, wmma::row_major>;
+  std::vector<T> a(static_cast<size_t>(m) * k), b(static_cast<size_t>(k) * n);
+  Aligned32<float> c0(static_cast<size_t>(m) * n), c(static_cast<size_t>(m) * n);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = FromF<T>(HashUniform(1, i));
+  for (size_t i = 0; i < b.size(); ++i) b[i] = FromF<T>(HashUniform(2, i));
+  for (int i = 0; i < m * n; ++i) c0[i] = HashUniform(3, i);
+  REQUIRE(Launch(WmmaGemmKernel<T, LB>, dim3(n / 16, m / 16), dim3(32), nullptr,
+                 static_cast<const T*>(a.data()), static_cast<const T*>(b.data()),
+                 static_cast<const float*>(c0.data()), c.data(), m, n, k)
+              .ok());
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      float want = c0[static_cast<size_t>(j) * m + i];  // column-major C0
+      for (int q = 0; q < k; ++q)
+        want += ToF(a[static_cast<size_t>(i) * k + q]) *
+                ToF(b_row ? b[static_cast<size_t>(q) * n + j] : b[static_cast<size_t>(j) * k + q]);
+      REQUIRE(c[static_cast<size_t>(i) * n + j] == want);
+    }
+}
+}  // namespace
+
+TEST_CASE("host exec: WMMA 16x16x16 and 32x48x32 GEMMs match a scalar loop", "[gpu_replay][host_exec]") {
+  hx::CurrentStats() = {};
+  CheckWmmaGemm<F16, wmma::row_major>(16, 16, 16);
+  CheckWmmaGemm<BF16, wmma::col_major>(16, 16, 16);
+  CheckWmmaGemm<F16, wmma::col_major>(32, 48, 32);
+  CheckWmmaGemm<BF16, wmma::row_major>(32, 48, 32);
+  CHECK(hx::CurrentStats().warp_collectives > 0);
+  CHECK(hx::CurrentStats().shared_accesses > 0);
+  std::vector<float> out(32);
+  REQUIRE(Launch(WmmaElementwiseKernel, dim3(1), dim3(32), nullptr, out.data()).ok());
+  for (float x : out) CHECK(x == 3.0f);
+}
+
+TEST_CASE("host exec: WMMA misuse is detected", "[gpu_replay][host_exec]") {
+  std::vector<float> out(32);
+  Aligned32<F16> src(32 * 16);
+  for (int i = 0; i < 32 * 16; ++i) src[i] = FromF<F16>(1.0f);
+  const F16* p = src.data();
+  ExpectError(Launch(WmmaHalfWarpKernel, dim3(1), dim3(32), nullptr, out.data()),
+              "exited while lanes 0x0000ffff wait in wmma::mma_sync");
+  ExpectError(Launch(WmmaPartialWarpKernel, dim3(1), dim3(16), nullptr, out.data()), "do not exist");
+  ExpectError(Launch(WmmaNonUniformKernel, dim3(1), dim3(32), nullptr, p, out.data()),
+              "pass different arguments or fragments");
+  ExpectError(Launch(WmmaLaneDependentKernel, dim3(1), dim3(32), nullptr, out.data()),
+              "pass different arguments or fragments");
+  ExpectError(Launch(WmmaStoreRaceKernel, dim3(1), dim3(32), nullptr, out.data()),
+              "shared-memory race on `cs`");
+  ExpectError(Launch(WmmaOutOfBoundsKernel, dim3(1), dim3(32), nullptr, out.data()), "out of bounds");
+  ExpectError(Launch(WmmaMisalignedKernel, dim3(1), dim3(32), nullptr, p, out.data()), "32-byte aligned");
 }
 
 }  // namespace kvsim::gpu_replay::host
