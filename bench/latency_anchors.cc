@@ -199,6 +199,40 @@ void GpuReplayKernels() {
                     a.units, b.us, b.units, a.us / b.us);
       }
   }
+  // Window scoring (window 32) and the nearest-slot merge (80% of the prompt into 20%), one layer.
+  std::printf(
+      "\n## gpu_replay window scoring and merge, one layer, MODELLED\n\n"
+      "| device | shape | prompt | window scores as written / improved, us | merge as written (CUDA cores) / "
+      "improved (tensor cores), us |\n|---|---|---:|---:|---:|\n");
+  struct Prompt {
+    const char* name;
+    int heads, kv_heads, prompt;
+  };
+  for (const char* dev : {"a100-sxm", "h100-sxm"}) {
+    const DeviceProfile d = *FindDevice(dev);
+    const PerfModel perf(d);
+    const StreamingKernel& g = perf.GemvKernel();
+    auto stream = [&](double bytes, double flops, double tflops) {
+      return g.launch_us() + std::max(bytes / (perf.PeakBytesPerUs() * perf.Efficiency(g, bytes)),
+                                      flops / (tflops * 1e6 * d.gemm_efficiency()));
+    };
+    for (const Prompt& p : {Prompt{"LLaVA-1.5-7B", 32, 32, 3280}, Prompt{"Qwen2-7B (GQA 7)", 28, 4, 2366}}) {
+      const double n = p.prompt, dh = 128, w = 32, group = p.heads / p.kv_heads;
+      const double k_bytes = p.kv_heads * n * dh * 2, flops = 2.0 * p.heads * w * n * dh;
+      // As written: every window row of the group re-reads the head's keys; improved: two passes over K
+      // (log-sum-exp, then scores) in three kernels.
+      const double written = stream(group * w * k_bytes, flops, d.cuda_core_tflops());
+      const double improved = stream(2 * k_bytes, flops, d.cuda_core_tflops()) + 2 * g.launch_us();
+      // Merge: every evicted key against every kept key of its head (kept keys of a head fit in L2: read
+      // once); as written on the CUDA cores, improved on the tensor cores.
+      const double kept = std::round(0.2 * n), evicted = n - kept;
+      const double mflops = 2.0 * p.kv_heads * evicted * kept * dh;
+      const double merge_written = stream(k_bytes, mflops, d.cuda_core_tflops());
+      const double merge_improved = stream(k_bytes, mflops, d.tensor_tflops());
+      std::printf("| %s | %s | %d | %.1f / %.1f | %.1f / %.1f |\n", d.name().c_str(), p.name, p.prompt, written,
+                  improved, merge_written, merge_improved);
+    }
+  }
 }
 
 }  // namespace
@@ -207,7 +241,7 @@ int main(int argc, char** argv) {
   bool fit = false, kernels = false;
   po::options_description opts("kvsim_latency_bench options");
   opts.add_options()("fit", po::bool_switch(&fit), "re-fit the constants and print them")(
-      "gpu-replay-kernels", po::bool_switch(&kernels), "modelled time of gpu_replay's attention kernel")(
+      "gpu-replay-kernels", po::bool_switch(&kernels), "modelled time of gpu_replay's attention, window scoring and merge kernels")(
       "help,h", "help");
   po::variables_map vm;
   try {
