@@ -5,6 +5,9 @@
 
 #include <boost/program_options.hpp>
 #include <cctype>
+#include <charconv>
+#include <cmath>
+#include <initializer_list>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -62,23 +65,52 @@ bool Parse(int argc, char** argv, const std::string& usage, po::options_descript
     *exit_code = kExitUsage;
     return false;
   }
+  // Every command's --threads: 0 = all cores, never negative.
+  if (vm.count("threads") && vm["threads"].as<int>() < 0) {
+    *exit_code = Fail(Status::InvalidArgument("--threads " + std::to_string(vm["threads"].as<int>()) +
+                                              ": must be >= 0 (0 = all cores)"));
+    return false;
+  }
   return true;
 }
 
+// An output path that names one of the inputs would overwrite it: refused before any work.
+Status CheckNotAnInput(const std::string& out, std::initializer_list<std::string> inputs) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path o = fs::weakly_canonical(fs::path(out), ec);
+  for (const std::string& in : inputs) {
+    if (in.empty()) continue;
+    std::error_code ec2;
+    const fs::path i = fs::weakly_canonical(fs::path(in), ec2);
+    if (!ec && !ec2 && o == i)
+      return Status::InvalidArgument("--out " + out + " is the input " + in +
+                                     "; writing there would overwrite it: choose another --out");
+  }
+  return Status::Ok();
+}
+
 int CmdSynth(int argc, char** argv) {
-  std::string config, out;
-  uint64_t seed = 0;
+  std::string config, out, seed_text;
   int threads = 0;
   po::options_description opts("kvsim synth options");
   opts.add_options()("config", po::value(&config)->required(),
                      "SynthConfig text proto (configs/synth/*.textproto)")(
       "out", po::value(&out)->required(), "output trace (.h5); written to a temp file, then renamed")(
-      "seed", po::value(&seed), "override the config's seed")(
+      "seed", po::value(&seed_text), "override the config's seed (an integer in [0, 2^64))")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)");
   po::variables_map vm;
   int code;
   if (!Parse(argc, argv, "usage: kvsim synth --config F --out T.h5 [--seed N]", opts, nullptr, vm, &code))
     return code;
+  if (Status st = CheckNotAnInput(out, {config}); !st.ok()) return Fail(st);
+  uint64_t seed = 0;
+  if (vm.count("seed")) {
+    const char* end = seed_text.data() + seed_text.size();
+    const auto [ptr, ec] = std::from_chars(seed_text.data(), end, seed);
+    if (seed_text.empty() || ec != std::errc() || ptr != end)
+      return Fail(Status::InvalidArgument("--seed '" + seed_text + "': must be an integer in [0, 2^64)"));
+  }
   auto cfg = LoadSynthConfig(config);
   if (!cfg.ok()) return Fail(cfg.status());
   if (vm.count("seed")) cfg->set_seed(seed);
@@ -131,6 +163,9 @@ int CmdValidate(int argc, char** argv) {
   po::variables_map vm;
   int code;
   if (!Parse(argc, argv, "usage: kvsim validate T.h5 [--tolerance X]", opts, &pos, vm, &code)) return code;
+  if (!(tolerance >= 0) || !std::isfinite(tolerance))
+    return Fail(Status::InvalidArgument("--tolerance " + std::to_string(tolerance) +
+                                        ": must be a finite number >= 0 (e.g. --tolerance 0.05)"));
   auto src = OpenTrace(trace);
   if (!src.ok()) return Fail(src.status());
   auto rep = ValidateTrace(**src, threads);
@@ -224,6 +259,9 @@ int CmdRun(int argc, char** argv) {
       "usage: kvsim run --trace T.h5 --policy P (--budget R | --budget-tokens N) [--set k=v]... --out "
       "result.json";
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
+  if (Status st = CheckNotAnInput(out, {trace}); !st.ok()) return Fail(st);
+  if (vm.count("budget-tokens") && budget_tokens < 1)
+    return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
   // Streaming traces go to the streaming engine; a trace that cannot be opened is reported below, after the
   // usage checks.
   if (auto streaming = IsStreamingTrace(trace); streaming.ok() && *streaming)
@@ -298,6 +336,7 @@ int CmdVerify(int argc, char** argv) {
                  usage);
     return kExitUsage;
   }
+  if (Status st = CheckNotAnInput(out, {trace}); !st.ok()) return Fail(st);
   if (preset == "llava") {
     o.r = 0.0012, o.alpha = 0.001, o.rc_size = 64;
   } else if (preset == "phi-a") {
@@ -490,6 +529,8 @@ int CmdGpuPlan(int argc, char** argv) {
     return GpuPlansForExperiment(req, config, out_dir);
   }
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
+  if (Status st = CheckNotAnInput(out, {req.trace_path}); !st.ok()) return Fail(st);
+  if (Status st = CheckNotAnInput(result_out, {req.trace_path}); !st.ok()) return Fail(st);
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
     return kExitUsage;

@@ -2,6 +2,7 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
@@ -225,4 +226,53 @@ TEST_CASE("cli: validate reports recorded aggregates that disagree with Q/K (exi
   CHECK(out.find("MISMATCH") != std::string::npos);
 }
 
+}  // namespace kvsim
+
+namespace kvsim {
+namespace {
+
+// Values that used to be accepted silently (issue 18): each is refused with exit 1, one line naming the
+// option, and nothing written; an --out naming an input never overwrites it.
+TEST_CASE("cli: bad values are refused, inputs are never overwritten", "[cli]") {
+  const std::string dir = testing::ScratchDir("cli_bad_values");
+  std::string out;
+  auto refused = [&](const std::string& args, const std::string& needle) {
+    INFO(args);
+    CHECK(testing::RunCommand(Kvsim() + " " + args + " 2>&1", &out) == 1);
+    CHECK(out.find(needle) != std::string::npos);
+    CHECK(std::count(out.begin(), out.end(), '\n') == 1);
+  };
+  const std::string tiny_cfg = testing::SourceDir() + "/configs/synth/tiny.textproto";
+  refused("synth --config " + tiny_cfg + " --out " + dir + "/t.h5 --threads -1", "--threads -1: must be >= 0");
+  refused("synth --config " + tiny_cfg + " --out " + dir + "/t.h5 --seed -1", "--seed '-1': must be an integer");
+  refused("synth --config " + tiny_cfg + " --out " + dir + "/t.h5 --seed 12x", "--seed '12x'");
+  CHECK_FALSE(fs::exists(dir + "/t.h5"));
+  refused("validate " + TinyTrace() + " --tolerance nan", "--tolerance nan: must be a finite number >= 0");
+  refused("validate " + TinyTrace() + " --tolerance -1", "--tolerance");
+  refused("run --trace " + TinyTrace() + " --policy snapkv --budget 0.2 --threads -2 --out " + dir + "/r.json",
+          "--threads -2");
+  // --out naming the input: refused before anything is read or written; the input is unchanged.
+  const std::string copy = dir + "/copy.h5";
+  fs::copy_file(TinyTrace(), copy);
+  const std::string before = ReadAll(copy);
+  refused("run --trace " + copy + " --policy snapkv --budget 0.2 --out " + copy, "would overwrite it");
+  refused("run --trace " + copy + " --policy snapkv --budget 0.2 --out " + dir + "/./copy.h5", "would overwrite it");
+  refused("gpu-plan --trace " + copy + " --policy snapkv --budget 0.2 --out " + copy, "would overwrite it");
+  refused("verify hae --trace " + copy + " --out " + copy, "would overwrite it");
+  CHECK(ReadAll(copy) == before);
+  const std::string cfg = dir + "/cfg.textproto";
+  fs::copy_file(tiny_cfg, cfg);
+  refused("synth --config " + cfg + " --out " + cfg, "would overwrite it");
+  CHECK(ReadAll(cfg) == ReadAll(tiny_cfg));
+  // A streaming --budget-tokens 0 no longer runs the default budget.
+  const std::string stream = dir + "/stream.h5";
+  REQUIRE(testing::RunCommand(Kvsim() + " synth --config " + testing::SourceDir() +
+                                  "/configs/synth/streaming_tiny.textproto --out " + stream,
+                              &out) == 0);
+  refused("run --trace " + stream + " --policy rekv --budget-tokens 0 --out " + dir + "/s.json",
+          "--budget-tokens must be >= 1");
+  CHECK_FALSE(fs::exists(dir + "/s.json"));
+}
+
+}  // namespace
 }  // namespace kvsim
