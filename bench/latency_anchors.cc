@@ -229,8 +229,8 @@ void GpuReplayKernels() {
       const double mflops = 2.0 * p.kv_heads * evicted * kept * dh;
       const double merge_written = stream(k_bytes, mflops, d.cuda_core_tflops());
       const double merge_improved = stream(k_bytes, mflops, d.tensor_tflops());
-      std::printf("| %s | %s | %d | %.1f / %.1f | %.1f / %.1f |\n", d.name().c_str(), p.name, p.prompt, written,
-                  improved, merge_written, merge_improved);
+      std::printf("| %s | %s | %d | %.1f / %.1f | %.1f / %.1f |\n", d.name().c_str(), p.name, p.prompt,
+                  written, improved, merge_written, merge_improved);
     }
   }
 }
@@ -241,8 +241,8 @@ int main(int argc, char** argv) {
   bool fit = false, kernels = false;
   po::options_description opts("kvsim_latency_bench options");
   opts.add_options()("fit", po::bool_switch(&fit), "re-fit the constants and print them")(
-      "gpu-replay-kernels", po::bool_switch(&kernels), "modelled time of gpu_replay's attention, window scoring and merge kernels")(
-      "help,h", "help");
+      "gpu-replay-kernels", po::bool_switch(&kernels),
+      "modelled time of gpu_replay's attention, window scoring and merge kernels")("help,h", "help");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, opts), vm);

@@ -7,9 +7,9 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
-#include <initializer_list>
 #include <cstdio>
 #include <filesystem>
+#include <initializer_list>
 #include <iostream>
 #include <string>
 #include <vector>

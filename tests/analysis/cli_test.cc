@@ -243,20 +243,24 @@ TEST_CASE("cli: bad values are refused, inputs are never overwritten", "[cli]") 
     CHECK(std::count(out.begin(), out.end(), '\n') == 1);
   };
   const std::string tiny_cfg = testing::SourceDir() + "/configs/synth/tiny.textproto";
-  refused("synth --config " + tiny_cfg + " --out " + dir + "/t.h5 --threads -1", "--threads -1: must be >= 0");
-  refused("synth --config " + tiny_cfg + " --out " + dir + "/t.h5 --seed -1", "--seed '-1': must be an integer");
+  refused("synth --config " + tiny_cfg + " --out " + dir + "/t.h5 --threads -1",
+          "--threads -1: must be >= 0");
+  refused("synth --config " + tiny_cfg + " --out " + dir + "/t.h5 --seed -1",
+          "--seed '-1': must be an integer");
   refused("synth --config " + tiny_cfg + " --out " + dir + "/t.h5 --seed 12x", "--seed '12x'");
   CHECK_FALSE(fs::exists(dir + "/t.h5"));
   refused("validate " + TinyTrace() + " --tolerance nan", "--tolerance nan: must be a finite number >= 0");
   refused("validate " + TinyTrace() + " --tolerance -1", "--tolerance");
-  refused("run --trace " + TinyTrace() + " --policy snapkv --budget 0.2 --threads -2 --out " + dir + "/r.json",
-          "--threads -2");
+  refused(
+      "run --trace " + TinyTrace() + " --policy snapkv --budget 0.2 --threads -2 --out " + dir + "/r.json",
+      "--threads -2");
   // --out naming the input: refused before anything is read or written; the input is unchanged.
   const std::string copy = dir + "/copy.h5";
   fs::copy_file(TinyTrace(), copy);
   const std::string before = ReadAll(copy);
   refused("run --trace " + copy + " --policy snapkv --budget 0.2 --out " + copy, "would overwrite it");
-  refused("run --trace " + copy + " --policy snapkv --budget 0.2 --out " + dir + "/./copy.h5", "would overwrite it");
+  refused("run --trace " + copy + " --policy snapkv --budget 0.2 --out " + dir + "/./copy.h5",
+          "would overwrite it");
   refused("gpu-plan --trace " + copy + " --policy snapkv --budget 0.2 --out " + copy, "would overwrite it");
   refused("verify hae --trace " + copy + " --out " + copy, "would overwrite it");
   CHECK(ReadAll(copy) == before);
