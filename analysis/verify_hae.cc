@@ -154,7 +154,19 @@ StatusOr<HaeVerifyReport> VerifyHae(TraceSource& trace, const VerifyHaeOptions& 
                                       std::to_string(meta.query_positions.size() - S) +
                                       " prompt queries; capture (or synthesize) with all prompt queries");
   if (o.rc_size < 1) return Status::InvalidArgument("--rc-size must be >= 1");
-  if (!(o.epsilon > 0)) return Status::InvalidArgument("--epsilon must be > 0");
+  auto finite = [](double v) { return std::isfinite(v); };
+  if (!(o.epsilon > 0) || !finite(o.epsilon))
+    return Status::InvalidArgument("--epsilon must be a finite number > 0");
+  if (!(o.r >= 0) || !finite(o.r)) return Status::InvalidArgument("--r must be a finite number >= 0");
+  if (!(o.alpha >= 0) || !finite(o.alpha))
+    return Status::InvalidArgument("--alpha must be a finite number >= 0");
+  if (!(o.min_r_squared >= 0 && o.min_r_squared <= 1))
+    return Status::InvalidArgument("--min-r2 must be in [0, 1]");
+  if (!(o.sparsity_epsilon >= 0) || !finite(o.sparsity_epsilon))
+    return Status::InvalidArgument("--sparsity-epsilon must be a finite number >= 0");
+  if (o.dap_layer < 0 || o.dap_layer >= L)
+    return Status::InvalidArgument("--dap-layer " + std::to_string(o.dap_layer) +
+                                   ": the trace has layers 0.." + std::to_string(L - 1));
   HaeVerifyReport rep;
   rep.set_trace_path(trace.Describe());
   rep.set_trace_hash(o.trace_hash);
@@ -162,7 +174,7 @@ StatusOr<HaeVerifyReport> VerifyHae(TraceSource& trace, const VerifyHaeOptions& 
   rep.set_git_commit(kGitCommit);
   rep.set_r(o.r);
   rep.set_alpha(o.alpha);
-  const int dap_layer = std::clamp(o.dap_layer, 0, L - 1);
+  const int dap_layer = o.dap_layer;
   rep.set_dap_layer(dap_layer);
   rep.set_sparsity_epsilon(o.sparsity_epsilon);
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "tests/test_util.h"
 
@@ -105,6 +106,42 @@ TEST_CASE("verify hae: exact exponential decay => the bound holds", "[verify_hae
   CHECK(th.total_below_epsilon());
   CHECK(rep->corollary().flushes() == 3);  // 6 steps, bins of 2
   REQUIRE(rep->sparsity_size() == 1);
+}
+
+TEST_CASE("verify hae: out-of-range layers and non-finite parameters are refused, not clamped",
+          "[verify_hae]") {
+  MemoryTrace tr = DecayTrace(1.0f, 0.8);
+  auto refused = [&](VerifyHaeOptions o, const std::string& needle) {
+    auto rep = VerifyHae(tr, o);
+    REQUIRE_FALSE(rep.ok());
+    CHECK(rep.status().message().find(needle) == 0);
+  };
+  VerifyHaeOptions ok;
+  ok.r = 0.25;
+  ok.alpha = 0.001;
+  ok.rc_size = 2;
+  REQUIRE(VerifyHae(tr, ok).ok());
+  VerifyHaeOptions o = ok;
+  o.dap_layer = 99;
+  refused(o, "--dap-layer 99: the trace has layers 0..");
+  o = ok;
+  o.dap_layer = -1;
+  refused(o, "--dap-layer -1");
+  o = ok;
+  o.epsilon = std::nan("");
+  refused(o, "--epsilon");
+  o = ok;
+  o.r = -0.1;
+  refused(o, "--r ");
+  o = ok;
+  o.alpha = std::numeric_limits<double>::infinity();
+  refused(o, "--alpha");
+  o = ok;
+  o.min_r_squared = 2;
+  refused(o, "--min-r2");
+  o = ok;
+  o.sparsity_epsilon = std::nan("");
+  refused(o, "--sparsity-epsilon");
 }
 
 TEST_CASE("verify hae: decode queries that turn to the evicted tokens => a reported violation",
