@@ -4,6 +4,7 @@
 #include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -35,12 +36,20 @@ Status ParseTextProto(const std::string& text, const std::string& what, google::
   return Status::Ok();
 }
 
-Status ParseTextProtoFile(const std::string& path, google::protobuf::Message* msg) {
+StatusOr<std::string> ReadTextProtoFile(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    return Status::InvalidArgument(path + ": is a folder, not a text-proto file (name the .textproto file)");
   std::ifstream in(path);
   if (!in) return Status::NotFound(path + ": cannot open file (check the path)");
   std::ostringstream ss;
   ss << in.rdbuf();
-  return ParseTextProto(ss.str(), path, msg);
+  return ss.str();
+}
+
+Status ParseTextProtoFile(const std::string& path, google::protobuf::Message* msg) {
+  KVSIM_ASSIGN_OR_RETURN(std::string text, ReadTextProtoFile(path));
+  return ParseTextProto(text, path, msg);
 }
 
 Status SetFieldFromString(const std::string& assignment, google::protobuf::Message* msg) {

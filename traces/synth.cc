@@ -825,11 +825,8 @@ StatusOr<synth::SynthConfig> ParseSynthConfig(const std::string& text, const std
 }
 
 StatusOr<synth::SynthConfig> LoadSynthConfig(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return Status::NotFound(path + ": cannot open synth config (check the path)");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ParseSynthConfig(ss.str(), path);
+  KVSIM_ASSIGN_OR_RETURN(std::string text, ReadTextProtoFile(path));
+  return ParseSynthConfig(text, path);
 }
 
 StatusOr<TraceMeta> BuildSynthMeta(const synth::SynthConfig& config) {

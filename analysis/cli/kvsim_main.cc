@@ -60,6 +60,10 @@ bool Parse(int argc, char** argv, const std::string& usage, po::options_descript
       return false;
     }
     po::notify(vm);
+  } catch (const po::validation_error& e) {
+    // A value that is not of the option's type ("--budget abc"): bad input (exit 1), like other bad values.
+    *exit_code = Fail(Status::InvalidArgument(e.what()));
+    return false;
   } catch (const po::error& e) {
     std::fprintf(stderr, "kvsim: usage error: %s\n%s\n(see --help)\n", e.what(), usage.c_str());
     *exit_code = kExitUsage;
@@ -526,11 +530,19 @@ int CmdGpuPlan(int argc, char** argv) {
         "out-dir", po::value(&out_dir)->required(), "output folder")(
         "threads", po::value(&req.threads)->default_value(0), "worker threads (0 = all cores)");
     if (!Parse(argc, argv, usage, copts, nullptr, vm, &code)) return code;
+    if (auto streaming = IsStreamingTrace(req.trace_path); streaming.ok() && *streaming)
+      return Fail(Status::InvalidArgument(req.trace_path +
+                                          " is a streaming trace; gpu-plan records plain (prefill + decode) "
+                                          "runs only (docs/gpu-replay.md)"));
     return GpuPlansForExperiment(req, config, out_dir);
   }
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
   if (Status st = CheckNotAnInput(out, {req.trace_path}); !st.ok()) return Fail(st);
   if (Status st = CheckNotAnInput(result_out, {req.trace_path}); !st.ok()) return Fail(st);
+  if (auto streaming = IsStreamingTrace(req.trace_path); streaming.ok() && *streaming)
+    return Fail(Status::InvalidArgument(req.trace_path +
+                                        " is a streaming trace; gpu-plan records plain (prefill + decode) "
+                                        "runs only (docs/gpu-replay.md)"));
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
     return kExitUsage;

@@ -276,6 +276,13 @@ TEST_CASE("cli: bad values are refused, inputs are never overwritten", "[cli]") 
   refused("run --trace " + stream + " --policy rekv --budget-tokens 0 --out " + dir + "/s.json",
           "--budget-tokens must be >= 1");
   CHECK_FALSE(fs::exists(dir + "/s.json"));
+  // gpu-plan on a streaming trace, a folder as --config, a value of the wrong type.
+  refused("gpu-plan --trace " + stream + " --policy snapkv --budget 0.2 --out " + dir + "/p.pb",
+          "is a streaming trace; gpu-plan records plain");
+  CHECK_FALSE(fs::exists(dir + "/p.pb"));
+  refused("synth --config " + dir + " --out " + dir + "/x.h5", "is a folder, not a text-proto file");
+  refused("run --trace " + TinyTrace() + " --policy snapkv --budget abc --out " + dir + "/r.json",
+          "the argument ('abc') for option '--budget' is invalid");
 }
 
 }  // namespace
