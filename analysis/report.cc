@@ -246,8 +246,9 @@ Status WriteFileAtomic(const std::string& path, const std::string& content) {
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
+    const std::string why = ec.message();  // before the cleanup reuses ec
     std::filesystem::remove(tmp, ec);
-    return Status::InvalidArgument(path + ": cannot move the finished file into place: " + ec.message());
+    return Status::InvalidArgument(path + ": cannot move the finished file into place: " + why);
   }
   return Status::Ok();
 }

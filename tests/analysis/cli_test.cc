@@ -276,6 +276,10 @@ TEST_CASE("cli: bad values are refused, inputs are never overwritten", "[cli]") 
   refused("run --trace " + stream + " --policy rekv --budget-tokens 0 --out " + dir + "/s.json",
           "--budget-tokens must be >= 1");
   CHECK_FALSE(fs::exists(dir + "/s.json"));
+  // A result that cannot be moved into place says why (the cleanup no longer overwrites errno: "Success").
+  fs::create_directories(dir + "/taken");
+  refused("run --trace " + TinyTrace() + " --policy snapkv --budget 0.2 --out " + dir + "/taken",
+          "cannot move the finished file into place: Is a directory");
   // gpu-plan on a streaming trace, a folder as --config, a value of the wrong type.
   refused("gpu-plan --trace " + stream + " --policy snapkv --budget 0.2 --out " + dir + "/p.pb",
           "is a streaming trace; gpu-plan records plain");
