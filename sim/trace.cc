@@ -518,6 +518,21 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
   KVSIM_RETURN_IF_ERROR(finite("values", layer.values));
   KVSIM_RETURN_IF_ERROR(finite("queries", layer.queries));
   KVSIM_RETURN_IF_ERROR(finite("prefill_column_sums", layer.prefill_column_sums));
+  // A column of attention probabilities: key j is seen by at most n - j prompt queries (causal) or n, each
+  // giving it at most 1. Anything outside is not an attention aggregate (policies such as h2o would rank
+  // keys by it).
+  const int n = meta.prefill_length;
+  for (size_t i = 0; i < layer.prefill_column_sums.size(); ++i) {
+    const int j = static_cast<int>(i % n);
+    const double most = m.causal ? n - j : n, v = layer.prefill_column_sums[i];
+    if (v < -1e-3 || v > most * (1 + 1e-3) + 1e-3)
+      return Status::InvalidArgument(
+          where + " dataset 'prefill_column_sums' holds " + std::to_string(v) + " at head " +
+          std::to_string(i / n) + ", key " + std::to_string(j) + ": outside [0, " +
+          std::to_string(static_cast<int>(most)) +
+          "] (a sum of attention probabilities over the prompt queries that see the "
+          "key); re-capture the trace or write it without aggregates");
+  }
   return Status::Ok();
 }
 

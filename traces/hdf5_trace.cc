@@ -769,8 +769,37 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::Open(const std::stri
   r->path_ = path;
   r->file_ = file;
   Status st = ReadMeta(file, &r->meta_);
+  if (st.ok()) st = r->CheckLayerShapes();
   if (!st.ok()) return st.WithContext(path);
   return r;
+}
+
+// Every layer's datasets have the shapes the root attributes imply, and no layer is stored beyond
+// num_layers: checked from the file's metadata before anything is allocated from those attributes.
+Status Hdf5TraceReader::CheckLayerShapes() const {
+  const ModelInfo& mi = meta_.model;
+  const hsize_t kvh = mi.num_kv_heads, h = mi.num_heads, d = mi.head_dim, t = meta_.total_tokens(),
+                tq = meta_.query_positions.size(), n = meta_.prefill_length;
+  const std::string dd = ", head_dim=" + std::to_string(d) + "]";
+  const std::string kv_desc = "[num_kv_heads=" + std::to_string(kvh) + ", T=" + std::to_string(t) + dd;
+  const std::string q_desc = "[num_heads=" + std::to_string(h) + ", Tq=" + std::to_string(tq) + dd;
+  for (int l = 0; l < mi.num_layers; ++l) {
+    const std::string group = LayerName("/layers", l);
+    Hid ds;
+    KVSIM_RETURN_IF_ERROR(OpenDataset(file_, group + "/keys", {kvh, t, d}, kv_desc, &ds));
+    KVSIM_RETURN_IF_ERROR(OpenDataset(file_, group + "/values", {kvh, t, d}, kv_desc, &ds));
+    KVSIM_RETURN_IF_ERROR(OpenDataset(file_, group + "/queries", {h, tq, d}, q_desc, &ds));
+    if (meta_.has_prefill_column_sums)
+      KVSIM_RETURN_IF_ERROR(OpenDataset(
+          file_, LayerName("/aggregates", l) + "/prefill_column_sums", {h, n},
+          "[num_heads=" + std::to_string(h) + ", prefill_length=" + std::to_string(n) + "]", &ds));
+  }
+  const std::string extra = LayerName("/layers", mi.num_layers);
+  if (LinkExists(file_, extra))
+    return Status::InvalidArgument("stores '" + extra + "' but root attribute 'num_layers' is " +
+                                   std::to_string(mi.num_layers) +
+                                   ": the attribute is smaller than the stored layers (a damaged file?)");
+  return Status::Ok();
 }
 
 Hdf5TraceReader::~Hdf5TraceReader() {

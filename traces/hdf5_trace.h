@@ -30,6 +30,7 @@ class Hdf5TraceReader final : public TraceSource {
 
  private:
   Hdf5TraceReader() = default;
+  Status CheckLayerShapes() const;
   std::string path_;
   long long file_ = -1;  // hid_t
   TraceMeta meta_;

@@ -146,9 +146,19 @@ TEST_CASE("hdf5 trace: GQA shapes, window-only queries, aggregates, text", "[hdf
     tr.mutable_meta().has_prefill_column_sums = true;
     for (LayerData& l : tr.layers()) {
       l.prefill_column_sums.resize(2 * 24);
-      for (size_t j = 0; j < l.prefill_column_sums.size(); ++j) l.prefill_column_sums[j] = 0.1f * j + l.layer;
+      for (size_t j = 0; j < l.prefill_column_sums.size(); ++j)
+        l.prefill_column_sums[j] = 0.5f * (j % 2) + 0.01f * l.layer;  // within [0, n - key]
     }
     RoundTrip(tr, dir + "/sums.h5");
+    // Impossible aggregates (negative, or more than the queries that see the key) are refused.
+    for (float bad : {-0.5f, 1e30f}) {
+      MemoryTrace t2 = tr;
+      t2.layers()[0].prefill_column_sums[23] = bad;  // head 0, key 23: seen by 1 query (n = 24)
+      Status st2 = WriteTrace(t2, dir + "/sums_impossible.h5");
+      CHECK(Contains(st2, "dataset 'prefill_column_sums' holds"));
+      CHECK(Contains(st2, "head 0, key 23: outside [0, 1]"));
+      CHECK_FALSE(fs::exists(dir + "/sums_impossible.h5"));
+    }
     // Layers must match the meta: all or none.
     tr.layers()[1].prefill_column_sums.clear();
     Status st = WriteTrace(tr, dir + "/sums_bad.h5");
@@ -226,13 +236,25 @@ TEST_CASE("hdf5 trace: errors name the file and the field", "[hdf5]") {
       RawFile f(path);
       REQUIRE(H5Ldelete(f.id, "/layers/layer_001/values", H5P_DEFAULT) >= 0);
     }
+    // Every layer's datasets are checked when the trace is opened, before anything is allocated.
     auto r = Hdf5TraceReader::Open(path);
-    REQUIRE(r.ok());
-    LayerData ld;
-    CHECK((*r)->ReadLayer(0, &ld).ok());
-    Status st = (*r)->ReadLayer(1, &ld);
-    CHECK(Contains(st, path + ": missing dataset '/layers/layer_001/values'"));
-    CHECK((*r)->ReadLayer(2, &ld).code() == StatusCode::kNotFound);
+    REQUIRE_FALSE(r.ok());
+    CHECK(Contains(r.status(), path + ": missing dataset '/layers/layer_001/values'"));
+  }
+  SECTION("num_layers smaller than the stored layers") {
+    {
+      RawFile f(path);
+      REQUIRE(H5Adelete(f.id, "num_layers") >= 0);
+      const long long one = 1;
+      hid_t space = H5Screate(H5S_SCALAR);
+      hid_t attr = H5Acreate2(f.id, "num_layers", H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+      REQUIRE(H5Awrite(attr, H5T_NATIVE_LLONG, &one) >= 0);
+      H5Aclose(attr);
+      H5Sclose(space);
+    }
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE_FALSE(r.ok());
+    CHECK(Contains(r.status(), "stores '/layers/layer_001' but root attribute 'num_layers' is 1"));
   }
   SECTION("wrong shape") {
     {
@@ -247,10 +269,8 @@ TEST_CASE("hdf5 trace: errors name the file and the field", "[hdf5]") {
       H5Sclose(space);
     }
     auto r = Hdf5TraceReader::Open(path);
-    REQUIRE(r.ok());
-    LayerData ld;
-    Status st = (*r)->ReadLayer(0, &ld);
-    CHECK(Contains(st,
+    REQUIRE_FALSE(r.ok());
+    CHECK(Contains(r.status(),
                    "dataset '/layers/layer_000/keys' has shape [2, 29, 8], expected [num_kv_heads=2, T=30"));
   }
   SECTION("NaN in a dataset") {
