@@ -97,10 +97,9 @@ StatusOr<ModelShape> ModelShapeForTrace(const ModelInfo& t, const std::string& m
   } else if (const ModelShape* p = ModelPresetFor(t.name)) {
     m = *p;
   } else {
-    std::string known;
-    for (const std::string& n : ModelPresetNames()) known += (known.empty() ? "" : ", ") + n;
     return Status::InvalidArgument("the trace's model '" + t.name +
-                                   "' has no latency-model preset; pass --model with one of " + known +
+                                   "' has no latency-model preset; pass --model with one of " +
+                                   JoinNames(ModelPresetNames()) +
                                    " or a model shape file (configs/models/*.textproto) of the same shape");
   }
   const std::pair<const char*, std::pair<int, int>> dims[] = {

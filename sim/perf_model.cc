@@ -70,9 +70,7 @@ StatusOr<DeviceProfile> FindDevice(const std::string& name) {
     return d;
   }
   if (const DeviceProfile* p = FindByName(BuiltinDevices(), name)) return *p;
-  std::string known;
-  for (const std::string& n : DeviceNames()) known += (known.empty() ? "" : ", ") + n;
-  return Status::InvalidArgument("unknown device '" + name + "'; use one of " + known +
+  return Status::InvalidArgument("unknown device '" + name + "'; use one of " + JoinNames(DeviceNames()) +
                                  " or a device profile file (configs/devices/*.textproto)");
 }
 
@@ -84,10 +82,15 @@ StatusOr<ModelShape> FindModelShape(const std::string& name) {
     return m;
   }
   if (const ModelShape* p = FindByName(BuiltinModels(), name)) return *p;
-  std::string known;
-  for (const std::string& n : ModelPresetNames()) known += (known.empty() ? "" : ", ") + n;
-  return Status::InvalidArgument("unknown model preset '" + name + "'; use one of " + known +
+  return Status::InvalidArgument("unknown model preset '" + name + "'; use one of " +
+                                 JoinNames(ModelPresetNames()) +
                                  " or a model shape file (configs/models/*.textproto)");
+}
+
+std::string JoinNames(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
 }
 
 std::vector<std::string> DeviceNames() {

@@ -30,8 +30,9 @@ namespace kvsim {
 // embedded in the binary. `name` is a canonical name or alias (case-insensitive), or a text-proto file.
 StatusOr<DeviceProfile> FindDevice(const std::string& name);
 StatusOr<ModelShape> FindModelShape(const std::string& name);
-std::vector<std::string> DeviceNames();       // the first alias of every built-in profile
-std::vector<std::string> ModelPresetNames();  // every built-in preset
+std::vector<std::string> DeviceNames();                        // the first alias of every built-in profile
+std::vector<std::string> ModelPresetNames();                   // every built-in preset
+std::string JoinNames(const std::vector<std::string>& names);  // "a, b, c" for error messages
 // The preset whose name or alias equals a trace's model name (case-insensitive), or null.
 const ModelShape* ModelPresetFor(const std::string& trace_model_name);
 // One-line errors naming `where` and the missing or invalid field.

@@ -629,13 +629,14 @@ std::vector<double> EventDurations(const TraceMeta& meta, const RunAccum& a, con
   for (int e = 1; e <= s; ++e) {
     const std::vector<int> len = EventLengths(meta, a, e);
     const CacheLengths cache{len, nl, hkv};
-    double d = latency.DecodeStepDuration(cache);
+    // With a device model, the step's breakdown is computed once: its total is the step's duration.
+    const DecodeStepCost step = perf ? perf->DecodeStep(*shape, 1, len) : DecodeStepCost{};
+    const double d = perf ? step.total_us : latency.DecodeStepDuration(cache);
     double w = latency.PolicyWorkDuration(work, compress_end, cache, true);
     if (compression_step == e - 1) w += latency.PolicyWorkDuration(work, compress_end, cache, false);
     dur[chunks - 1 + e] = d + w;
     work_us += w;
     if (!perf) continue;
-    const DecodeStepCost step = perf->DecodeStep(*shape, 1, len);
     attention_us += step.attention_us;
     floor_sum += step.bytes / perf->PeakBytesPerUs() / (d + w);
     // The same step with every head of a layer at the layer's mean length.

@@ -495,6 +495,16 @@ int GpuPlansForExperiment(gpu_replay::PlanRequest base, const std::string& confi
 }
 
 // `kvsim gpu-plan`: one policy run's decisions as a GPU replay plan (gpu_replay/plan.proto).
+// gpu-plan records plain runs; a streaming trace is refused before any work.
+Status CheckPlainTrace(const std::string& trace) {
+  if (auto streaming = IsStreamingTrace(trace); streaming.ok() && *streaming)
+    return Status::InvalidArgument(
+        trace +
+        " is a streaming trace; gpu-plan records plain (prefill + decode) runs only "
+        "(docs/gpu-replay.md)");
+  return Status::Ok();
+}
+
 int CmdGpuPlan(int argc, char** argv) {
   gpu_replay::PlanRequest req;
   std::string qmode, out, result_out, config, out_dir;
@@ -530,19 +540,13 @@ int CmdGpuPlan(int argc, char** argv) {
         "out-dir", po::value(&out_dir)->required(), "output folder")(
         "threads", po::value(&req.threads)->default_value(0), "worker threads (0 = all cores)");
     if (!Parse(argc, argv, usage, copts, nullptr, vm, &code)) return code;
-    if (auto streaming = IsStreamingTrace(req.trace_path); streaming.ok() && *streaming)
-      return Fail(Status::InvalidArgument(req.trace_path +
-                                          " is a streaming trace; gpu-plan records plain (prefill + decode) "
-                                          "runs only (docs/gpu-replay.md)"));
+    if (Status st = CheckPlainTrace(req.trace_path); !st.ok()) return Fail(st);
     return GpuPlansForExperiment(req, config, out_dir);
   }
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
   if (Status st = CheckNotAnInput(out, {req.trace_path}); !st.ok()) return Fail(st);
   if (Status st = CheckNotAnInput(result_out, {req.trace_path}); !st.ok()) return Fail(st);
-  if (auto streaming = IsStreamingTrace(req.trace_path); streaming.ok() && *streaming)
-    return Fail(Status::InvalidArgument(req.trace_path +
-                                        " is a streaming trace; gpu-plan records plain (prefill + decode) "
-                                        "runs only (docs/gpu-replay.md)"));
+  if (Status st = CheckPlainTrace(req.trace_path); !st.ok()) return Fail(st);
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
     return kExitUsage;
