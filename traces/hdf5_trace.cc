@@ -765,12 +765,31 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::Open(const std::stri
   if (file < 0)
     return Status::DataLoss(path + ": cannot open as HDF5" + Hdf5Detail() +
                             "; check permissions, or the file is truncated or corrupt");
+  return FromOpenFile(path, file);
+}
+
+StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std::string& name, const void* data,
+                                                                       size_t size) {
+  SilenceHdf5Errors();
+  Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  hid_t file = -1;
+  if (size > 0 && fapl.ok() && H5Pset_fclose_degree(fapl, H5F_CLOSE_STRONG) >= 0 &&
+      H5Pset_fapl_core(fapl, 1 << 20, /*backing_store=*/0) >= 0 &&
+      H5Pset_file_image(fapl, const_cast<void*>(data), size) >= 0)
+    file = H5Fopen(name.c_str(), H5F_ACC_RDONLY, fapl);
+  if (file < 0)
+    return Status::DataLoss(name + ": cannot open as HDF5" + Hdf5Detail() + "; the image is truncated or corrupt");
+  return FromOpenFile(name, file);
+}
+
+StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::FromOpenFile(const std::string& name,
+                                                                          long long file) {
   std::unique_ptr<Hdf5TraceReader> r(new Hdf5TraceReader());
-  r->path_ = path;
+  r->path_ = name;
   r->file_ = file;
   Status st = ReadMeta(file, &r->meta_);
   if (st.ok()) st = r->CheckLayerShapes();
-  if (!st.ok()) return st.WithContext(path);
+  if (!st.ok()) return st.WithContext(name);
   return r;
 }
 

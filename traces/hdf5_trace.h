@@ -20,6 +20,9 @@ class Hdf5TraceReader final : public TraceSource {
  public:
   // Opens and validates the root attributes and the token table. Errors name the file and the field.
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> Open(const std::string& path);
+  // The same from an in-memory copy of a trace file (`name` is used in messages); the bytes are copied.
+  static StatusOr<std::unique_ptr<Hdf5TraceReader>> OpenImage(const std::string& name, const void* data,
+                                                              size_t size);
   ~Hdf5TraceReader() override;
   const TraceMeta& meta() const override { return meta_; }
   Status ReadLayer(int layer, LayerData* out) override;
@@ -31,6 +34,7 @@ class Hdf5TraceReader final : public TraceSource {
  private:
   Hdf5TraceReader() = default;
   Status CheckLayerShapes() const;
+  static StatusOr<std::unique_ptr<Hdf5TraceReader>> FromOpenFile(const std::string& name, long long file);
   std::string path_;
   long long file_ = -1;  // hid_t
   TraceMeta meta_;
