@@ -1041,7 +1041,7 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenUnguarded(const 
   if (file < 0)
     return Status::DataLoss(path + ": cannot open as HDF5" + Hdf5Detail() +
                             "; check permissions, or the file is truncated or corrupt");
-  return FromOpenFile(path, file);
+  return FromOpenFile(path, file, /*checksummed_only=*/false);
 }
 
 StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std::string& name,
@@ -1064,17 +1064,35 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std:
     return Status::DataLoss(name + ": truncated: the file's end is at byte " + std::to_string(file_size) +
                             " but the image holds " + std::to_string(size));
   }
-  return FromOpenFile(name, file);
+  return FromOpenFile(name, file, /*checksummed_only=*/true);
 }
 
-StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::FromOpenFile(const std::string& name,
-                                                                         long long file) {
+StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::FromOpenFile(const std::string& name, long long file,
+                                                                         bool checksummed_only) {
   std::unique_ptr<Hdf5TraceReader> r(new Hdf5TraceReader());
   r->path_ = name;
   r->file_ = file;
-  Status st = ReadMeta(file, &r->meta_);
+  Status st;
+  if (checksummed_only) {
+    // Without the guard, only a file whose every structure is checksummed is read: the superblock version
+    // is known before anything else is parsed, and the scan reads types, never string values.
+    H5F_info2_t info;
+    if (H5Fget_info2(file, &info) < 0) {
+      st = ReadError("the file's superblock");
+    } else if (info.super.version < 2) {
+      st = Status::InvalidArgument("HDF5 superblock v" + std::to_string(info.super.version) +
+                                   " has no checksums; an in-memory image must be a checksummed trace (open "
+                                   "older traces from a file, through the guarded Open)");
+    } else {
+      st = ScanIntegrity(file, &r->integrity_);
+      if (st.ok() && !r->integrity_.checksummed())
+        st = Status::InvalidArgument("not a fully checksummed trace (" + r->integrity_.Text() +
+                                     "); an in-memory image must be one");
+    }
+  }
+  if (st.ok()) st = ReadMeta(file, &r->meta_);
   if (st.ok()) st = r->CheckLayerShapes();
-  if (st.ok()) st = ScanIntegrity(file, &r->integrity_);
+  if (st.ok() && !checksummed_only) st = ScanIntegrity(file, &r->integrity_);
   if (!st.ok()) return st.WithContext(name);
   return r;
 }
