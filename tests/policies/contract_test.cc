@@ -62,7 +62,9 @@ void CheckInvariants(const TraceMeta& meta, const std::vector<RunSpec>& runs,
                    << r.question_mode());
     const bool floor_budget = runs[i].policy->may_exceed_budget();
     CHECK(m.bound_violations() == 0);
-    CHECK(m.retained_mass_mean() <= m.covered_mass_mean() + 1e-6);
+    CHECK(m.retained_mass_mean() + m.merged_anchor_mass_mean() <= m.covered_mass_mean() + 1e-6);
+    CHECK(m.merged_anchor_mass_mean() >= 0);
+    if (m.merged_tokens_mean() == 0) CHECK(m.merged_anchor_mass_mean() == 0);
     CHECK(m.covered_mass_mean() <= 1.0 + 1e-5);
     CHECK(m.retained_mass_mean() >= 0);
     CHECK(m.regret_vs_oracle_mean() >= -1e-5);
