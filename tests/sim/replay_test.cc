@@ -372,9 +372,9 @@ TEST_CASE(
 TEST_CASE("replay: budgets from fractions round and clamp to [1, compressible length]", "[replay]") {
   MemoryTrace tr = MakeHandTrace();
   auto p = Registered("streaming_llm");
-  std::vector<RunSpec> runs{RunSpec{p, "half", 0.5, 0}, RunSpec{p, "tiny", 0.01, 0},
-                            RunSpec{p, "big", 0, 100},
-                            RunSpec{p, "agn", 0.5, 0, QuestionMode::kQueryAgnostic}};
+  std::vector<RunSpec> runs{
+      RunSpec{p, "half", 0.5, 0}, RunSpec{p, "tiny", 0.01, 0}, RunSpec{p, "big", 0, 100},
+      RunSpec{p, "agn", 0.5, 0, QuestionMode::kQueryAgnostic}, RunSpec{p, "tie", 0.625, 0}};
   auto res = Replay(tr, runs, Options());
   REQUIRE(res.ok());
   CHECK((*res)[0].budget_tokens() == 2);  // round(0.5 x 4)
@@ -383,6 +383,9 @@ TEST_CASE("replay: budgets from fractions round and clamp to [1, compressible le
   CHECK((*res)[2].budget_tokens() == 4);  // 100 tokens -> the prompt
   CHECK((*res)[3].budget_tokens() == 2);  // round(0.5 x 3) = round(1.5) = 2
   CHECK((*res)[3].compressed_prompt_tokens() == 3);
+  // Ties round half away from zero (docs: B = clamp(round(R · ce), 1, ce)): 0.625 x 4 = 2.5 -> 3, not the
+  // even 2.
+  CHECK((*res)[4].budget_tokens() == 3);
 }
 
 TEST_CASE("CheckRuns: no decode steps, bad budgets, nothing to compress", "[replay]") {
