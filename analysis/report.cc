@@ -229,7 +229,10 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
         "anchors* = the mass of merged slots' anchors, whose key and value the merge replaced (not retained, "
         "not lost); *covered* = retained + merged anchors + merged-in members; *out err* = ‖ô − o‖/‖o‖ of "
         "the attention output; *regret* = the best mass any set of the cache's size could keep minus "
-        "retained mass. Definitions: docs/metrics.md.\n";
+        "retained mass. The *oracle* row holds B + (n − ce) slots at every decode step, like every "
+        "decode-evicting policy, while a prefill-compressing policy (snapkv, pyramidkv, meda, look_m, ...) "
+        "holds B + (n − ce) + t + 1 at step t (compare *kept/head*); `oracle` with `decode_growth=true` "
+        "holds the latter. Definitions: docs/metrics.md.\n";
   return os.str();
 }
 

@@ -105,13 +105,14 @@ class SnapKVHead final : public HeadPolicy {
 // ---- oracle ----
 class OracleHead final : public HeadPolicy {
  public:
-  explicit OracleHead(policy::GroupAggregation agg) : agg_(agg) {}
+  OracleHead(policy::GroupAggregation agg, bool growth) : agg_(agg), growth_(growth) {}
   void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
     // Nothing is known before the first decode query; re-selected at every step anyway.
     cache->AssignRange(std::max(0, ctx.compress_end - budget), ctx.compress_end);
   }
   void BeforeStep(const HeadContext& ctx, const StepAttention& att, int cap, HeadCache* cache) override {
     const int pos = ctx.prefill_length() + att.step;
+    if (growth_) cap += att.step + 1;  // as many slots as a prefill-compressing cache holds at this step
     std::vector<int32_t> keep;
     if (ctx.group_size == 1) {  // MHA: the engine's sorted copy gives the threshold without a selection
       const std::span<const float> row(att.full_probs[0], pos + 1);
@@ -130,6 +131,7 @@ class OracleHead final : public HeadPolicy {
 
  private:
   policy::GroupAggregation agg_;
+  bool growth_;
   bool append_new_ = true;
 };
 
@@ -197,7 +199,7 @@ std::unique_ptr<HeadPolicy> PyramidKVPolicy::NewHeadPolicy(const HeadContext&) c
 }
 
 std::unique_ptr<HeadPolicy> OraclePolicy::NewHeadPolicy(const HeadContext&) const {
-  return std::make_unique<OracleHead>(params_.group_aggregation());
+  return std::make_unique<OracleHead>(params_.group_aggregation(), params_.decode_growth());
 }
 
 void RegisterBaselinePolicies(PolicyRegistry* r) {

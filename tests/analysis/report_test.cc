@@ -82,6 +82,8 @@ TEST_CASE("report: summary lists every run and the best causal policy per budget
   // Retained mass (plain slots), merged anchors' mass and covered mass side by side.
   CHECK(md.find("| retained mass | merged anchors | covered |") != std::string::npos);
   CHECK(md.find("| 0.250 | 0.125 | 0.500 |") != std::string::npos);
+  // The oracle's cache size is stated next to the prefill-compressing policies'.
+  CHECK(md.find("B + (n − ce) + t + 1") != std::string::npos);
   // h2o has the lowest error but kept 2.5x its budget: snapkv is the best within budget.
   CHECK(md.find("**snapkv**") != std::string::npos);
   CHECK(md.find("**h2o**") == std::string::npos);

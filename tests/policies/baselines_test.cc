@@ -414,6 +414,31 @@ TEST_CASE("oracle: each step keeps the top-cap tokens of that step's attention",
   CHECK(Tokens(cache) == std::vector<int32_t>{0, 1, 2});
 }
 
+TEST_CASE("oracle: decode_growth keeps cap + t + 1 slots, a prefill-compressing cache's size",
+          "[baselines]") {
+  const TraceMeta meta = Meta(5, 3, 1, 2);
+  const HeadContext ctx = Ctx(meta, 2, 5, nullptr);
+  policy::OracleParams params;
+  params.set_decode_growth(true);
+  OraclePolicy p{params};
+  CHECK_FALSE(p.evicts_during_decode());  // the engine checks it like snapkv: cap + t + 1 at step t
+  auto hp = p.NewHeadPolicy(ctx);
+  HeadCache cache = Prefill(*hp, ctx, 2);
+  CHECK(Tokens(cache) == std::vector<int32_t>{3, 4});
+  // Step 0 (token 5), cap 2 + 1: group mean [.2, .3, 0, .1, .15, .25] -> top-3 = 1, 5, 0.
+  const std::vector<float> g0{.1f, .5f, 0, .1f, .1f, .2f}, g1{.3f, .1f, 0, .1f, .2f, .3f};
+  const float* rows0[2] = {g0.data(), g1.data()};
+  Step(*hp, ctx, 0, 2, &cache, rows0);
+  CHECK(Tokens(cache) == std::vector<int32_t>{0, 1, 5});
+  // Step 1 (token 6), cap 2 + 2: [.4, .1, .05, .3, .06, .07, .02] -> top-4 = 0, 3, 1, 5; the new token is
+  // out.
+  const std::vector<float> h{.4f, .1f, .05f, .3f, .06f, .07f, .02f};
+  const float* rows1[2] = {h.data(), h.data()};
+  Step(*hp, ctx, 1, 2, &cache, rows1);
+  CHECK_FALSE(hp->AppendNewToken());
+  CHECK(Tokens(cache) == std::vector<int32_t>{0, 1, 3, 5});
+}
+
 TEST_CASE("oracle: MHA selection uses the engine's sorted row as the threshold", "[baselines]") {
   const TraceMeta meta = Meta(4, 3, 1, 1);  // n = 4, MHA
   const HeadContext ctx = Ctx(meta, 1, 4, nullptr);

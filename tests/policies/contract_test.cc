@@ -32,6 +32,8 @@ std::vector<std::pair<std::string, std::vector<std::string>>> AllConfigs() {
   configs.push_back({"madakv+pivot", {"theta=0.5", "pooling=AVG", "kernel_size=3"}});
   configs.push_back({"meda", {"variant=OFFICIAL_CODE"}});
   configs.push_back({"meda", {"entropy=FULL_SELF", "merge=PIVOT"}});
+  configs.push_back({"oracle", {"decode_growth=true"}});
+  configs.push_back({"meda", {"clamp_layer_ratio=true", "head_averaging=ENTROPY_OF_MEAN_ATTENTION"}});
   configs.push_back(
       {"look_m", {"text_prior=KEEP_ALL_TEXT", "merge=AVERAGE", "merge_filter=ABOVE_MEAN_SIMILARITY"}});
   configs.push_back({"look_m", {"text_prior=NO_TEXT_PRIOR", "merge=WEIGHTED"}});
