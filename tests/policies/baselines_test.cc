@@ -254,6 +254,45 @@ TEST_CASE("h2o decode: evicts the lowest accumulated score outside the protected
   }
 }
 
+TEST_CASE("h2o decode: kvsim at budget B attends with the paper's cache of budget B - 1 plus the new token",
+          "[baselines]") {
+  // The paper keeps B' slots between steps, attends with B' + 1 (the new token added), then evicts one. kvsim
+  // counts the new token in its cap, so each step attends with B slots: B' = B - 1. Reference below: the
+  // paper's loop at B' = 5 (heavy 3, recent 2 including the new token); kvsim at B = 6 (heavy 3, recent 3).
+  H2OFixture f;
+  auto attention = [](int32_t tok, int step) {  // any fixed per-(token, step) attention without ties
+    return 0.01f * static_cast<float>((tok * 7 + step * 3) % 13 + 1) + 1e-4f * static_cast<float>(tok);
+  };
+  H2OPolicy p{H2O(0.5)};
+  auto hp = p.NewHeadPolicy(f.ctx);
+  HeadCache cache = Prefill(*hp, f.ctx, 6);
+  // Paper prefill at B' = 5: the top-3 column sums over [0, 8) -> 4 (4), 0 (3), 7 (2.5), plus 8, 9. kvsim
+  // kept {0, 3, 4, 7, 8, 9} and evicts 3 (2) before step 0: the same 5 old slots.
+  std::vector<float> acc(kH2OCol.begin(), kH2OCol.end());
+  acc.resize(14, 0.0f);
+  std::vector<int32_t> paper{0, 4, 7, 8, 9};
+  for (int t = 0; t < 4; ++t) {
+    const int32_t tok = 10 + t;
+    Step(*hp, f.ctx, t, 6, &cache);
+    std::vector<int32_t> attended = paper;
+    attended.push_back(tok);
+    INFO("step " << t);
+    CHECK(Tokens(cache) == attended);
+    CHECK(cache.size() == 6);
+    std::vector<float> probs;
+    for (int g = 0; g < 2; ++g)
+      for (int32_t a : Tokens(cache)) probs.push_back(attention(a, t));
+    hp->AfterStep(f.ctx, StepAttention{t, cache.size(), probs.data(), nullptr}, &cache);
+    // Paper: accumulate, then evict the lowest score outside the 2 most recent slots.
+    for (int32_t a : attended) acc[a] += attention(a, t);
+    int victim = 0;
+    for (int s = 1; s < static_cast<int>(attended.size()) - 2; ++s)
+      if (acc[attended[s]] < acc[attended[victim]]) victim = s;
+    attended.erase(attended.begin() + victim);
+    paper = attended;
+  }
+}
+
 TEST_CASE("h2o decode: heavy_fraction 1 still gives the new token its slot", "[baselines]") {
   H2OFixture f;
   H2OPolicy p{H2O(1.0)};
