@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "policies/pieces.h"
 #include "sim/select.h"
@@ -141,6 +142,13 @@ std::vector<int32_t> SnapKVSelection::Select(const HeadContext& ctx, int budget)
   const int n = ctx.compress_end;
   const int observe = std::min(window, n);
   const int tail = std::min(observe, budget);  // the kept observation window
+  // B <= w': the budget holds (part of) the window only, no prefix token is voted in, so no scores are
+  // computed: window tokens are never ranked by the window's own attention (docs/policies/snapkv.md).
+  if (budget <= tail) {
+    std::vector<int32_t> keep(tail);
+    std::iota(keep.begin(), keep.end(), n - tail);
+    return keep;
+  }
   std::vector<float> score = GroupWindowColumnSums(ctx, observe, aggregation);
   score.resize(n - tail);
   score = Pool1D(score, kernel_size, pooling);

@@ -369,11 +369,23 @@ TEST_CASE("snapkv: pooled observation-window scores, top-k + the window", "[base
   }
 }
 
-TEST_CASE("snapkv: budget below the window keeps only the last B tokens", "[baselines]") {
+TEST_CASE("snapkv: budget below the window keeps only the last B tokens, scoring nothing", "[baselines]") {
+  // B = 2 < w = 3: the official code refuses (assert B > w); kvsim keeps the window's last B tokens. No
+  // prefix token can be voted in (B - w < 0) and no window token is ranked by the window's own attention:
+  // no scores are computed.
+  for (int budget : {1, 2, 3}) {
+    SnapFixture f;
+    SnapKVPolicy p{Snap(3, 3, policy::AVG)};
+    auto hp = p.NewHeadPolicy(f.ctx);
+    CHECK(Tokens(Prefill(*hp, f.ctx, budget)) == Range(10 - budget, 10));
+    CHECK(f.scores.windows_asked.empty());
+  }
+  // B = w + 1: one prefix token is voted in, scored over [0, 7) only: AVG [1, 1, 2, 2, 2, 0, 0] -> token 2
+  // (ties to the lower position).
   SnapFixture f;
   SnapKVPolicy p{Snap(3, 3, policy::AVG)};
   auto hp = p.NewHeadPolicy(f.ctx);
-  CHECK(Tokens(Prefill(*hp, f.ctx, 2)) == std::vector<int32_t>{8, 9});
+  CHECK(Tokens(Prefill(*hp, f.ctx, 4)) == std::vector<int32_t>{2, 7, 8, 9});
   CHECK(f.scores.windows_asked == std::vector<int>{3, 3});
 }
 
@@ -383,7 +395,7 @@ TEST_CASE("snapkv: a window longer than the prompt observes the whole prompt", "
   auto hp = p.NewHeadPolicy(f.ctx);
   HeadCache cache = Prefill(*hp, f.ctx, 4);
   CHECK(Tokens(cache) == std::vector<int32_t>{6, 7, 8, 9});
-  CHECK(f.scores.windows_asked == std::vector<int>{10, 10});
+  CHECK(f.scores.windows_asked.empty());  // B < w' = 10: nothing to vote for
   // Decode appends (no eviction hooks).
   Step(*hp, f.ctx, 0, 4, &cache);
   CHECK(Tokens(cache) == std::vector<int32_t>{6, 7, 8, 9, 10});
