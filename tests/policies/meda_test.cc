@@ -116,6 +116,72 @@ TEST_CASE("meda: cross-modal entropy (Eqs. 4-6) restricts each softmax to the ot
   CHECK(MedaLayerEntropy(view, policy::MedaParams::FULL_SELF) == Approx(0.67596073));
 }
 
+TEST_CASE("meda: head_averaging = entropy of the head-averaged attention (the paper's wording)", "[meda]") {
+  // 2 query heads on 1 KV head, d 8 (component 0), scale 1. Tokens 0-1 text, 2-3 image; keys (0, 1 | 0, 1);
+  // queries head 0 (ln 3, ln 3 | 0, 0), head 1 (-ln 3, -ln 3 | 0, 0).
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 1;
+  spec.num_heads = 2;
+  spec.num_kv_heads = 1;
+  spec.prefill_length = 4;
+  spec.decode_steps = 1;
+  spec.image_begin = 2;
+  spec.image_end = 4;
+  spec.question_tokens = 0;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  tr.mutable_meta().model.softmax_scale = 1.0;
+  LayerData& l = tr.layers()[0];
+  std::fill(l.queries.begin(), l.queries.end(), 0.0f);
+  std::fill(l.keys.begin(), l.keys.end(), 0.0f);
+  const int t = 5, d = 8;  // 4 prompt + 1 decode token, every query stored
+  const float ln3 = static_cast<float>(std::log(3.0));
+  for (int j : {1, 3}) l.keys[static_cast<size_t>(j) * d] = 1.0f;
+  for (int i : {0, 1}) {
+    l.queries[(0 * t + i) * d] = ln3;
+    l.queries[(1 * t + i) * d] = -ln3;
+  }
+  LayerData layer;
+  REQUIRE(tr.ReadLayer(0, &layer).ok());
+  const LayerView view{&tr.meta(), &layer, 0, 4, 1};
+  using P = policy::MedaParams;
+  const double h13 = 0.25 * std::log(4.0) + 0.75 * std::log(4.0 / 3);  // H(1/4, 3/4) = 0.5623351
+  const double ln2 = std::log(2.0), ln3d = std::log(3.0), ln4 = std::log(4.0);
+  // CROSS_MODAL. Text rows over image keys (0, 1): head 0 (1/4, 3/4), head 1 (3/4, 1/4); image rows (q = 0)
+  // over text keys: uniform. Per-head entropies: H(1/4, 3/4) + ln 2; the head mean of the rows is
+  // (1/2, 1/2): ln 2 + ln 2.
+  CHECK(MedaLayerEntropy(view, P::CROSS_MODAL, P::MEAN_OF_HEAD_ENTROPIES) == Approx(h13 + ln2));
+  CHECK(MedaLayerEntropy(view, P::CROSS_MODAL, P::ENTROPY_OF_MEAN_ATTENTION) == Approx(2 * ln2));
+  // FULL_SELF, causal rows 0..3: 0; keys (0, 1): H(1/4, 3/4) per head, ln 2 averaged; uniform 3; uniform 4.
+  CHECK(MedaLayerEntropy(view, P::FULL_SELF, P::MEAN_OF_HEAD_ENTROPIES) ==
+        Approx((0 + h13 + ln3d + ln4) / 4));  // 0.76181045
+  CHECK(MedaLayerEntropy(view, P::FULL_SELF, P::ENTROPY_OF_MEAN_ATTENTION) ==
+        Approx((0 + ln2 + ln3d + ln4) / 4));  // 0.79451348
+  // The parameter reaches the first pass; the default keeps the mean of per-head entropies.
+  CHECK(Make("meda")->ParamsText().find("head_averaging: MEAN_OF_HEAD_ENTROPIES") != std::string::npos);
+  CHECK(Make("meda", {"variant=OFFICIAL_CODE"})->ParamsText().find("MEAN_OF_HEAD_ENTROPIES") !=
+        std::string::npos);
+}
+
+TEST_CASE("meda: the head-averaged entropy is bit-identical at any thread count", "[meda]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 300;  // 3 row blocks of 128
+  spec.image_end = 280;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  LayerData layer;
+  REQUIRE(tr.ReadLayer(1, &layer).ok());
+  for (auto mode : {policy::MedaParams::CROSS_MODAL, policy::MedaParams::FULL_SELF}) {
+    const double one = MedaLayerEntropy(LayerView{&tr.meta(), &layer, 1, 300, 1}, mode,
+                                        policy::MedaParams::ENTROPY_OF_MEAN_ATTENTION);
+    const double two = MedaLayerEntropy(LayerView{&tr.meta(), &layer, 1, 300, 3}, mode,
+                                        policy::MedaParams::ENTROPY_OF_MEAN_ATTENTION);
+    CHECK(one == two);
+    // Entropy is concave: the entropy of the mean row is at least the mean of the heads' entropies.
+    CHECK(one >= MedaLayerEntropy(LayerView{&tr.meta(), &layer, 1, 300, 1}, mode) - 1e-6);
+  }
+}
+
 TEST_CASE("meda: softmax allocation (Eq. 7) has an exact total and respects the prompt length", "[meda]") {
   const double ln2 = std::log(2.0), ln3 = std::log(3.0);
   // softmax(0, ln 2, ln 3) = (1, 2, 3) / 6; L * B = 30 -> (5, 10, 15).
