@@ -208,6 +208,43 @@ TEST_CASE("meda: the official code clamps layer ratios to [0.01, 1] and does not
   CHECK(MedaLayerBudgets(e, 50, 100, true, 0.05) == std::vector<int>{5, 5, 100});
 }
 
+TEST_CASE("meda: the lower clamp of clamp_layer_ratio can allocate more than L * B", "[meda]") {
+  // E = (2, 1.5, 1, .5): β = (.455, .276, .167, .102); ce = 1000, B = 5: ρ = .005, α = β * 4 * .005 =
+  // (.0091, .0055, .0033, .0020) -> all clamped up to .01 -> ⌊.01 * 1000⌋ = 10 per layer: 40 > L * B = 20.
+  const std::vector<double> e{2.0, 1.5, 1.0, 0.5};
+  CHECK(MedaLayerBudgets(e, 5, 1000, true, 0.01) == std::vector<int>{10, 10, 10, 10});
+  CHECK(MedaLayerBudgets(e, 5, 1000, false, 0.01) == std::vector<int>{9, 6, 3, 2});  // paper: exact 20
+  // B = 200: α = (.364, .221, .134, .081) -> floors 364, 220, 133, 81 = 798 < 800 (meda.md's table).
+  CHECK(MedaLayerBudgets(e, 200, 1000, true, 0.01) == std::vector<int>{364, 220, 133, 81});
+}
+
+TEST_CASE("meda: with clamp_layer_ratio the run keeps more than B per layer, every layer within its budget",
+          "[meda]") {
+  // 4 layers, ce = 400 (376 image tokens), B = 2: every layer asks for about .005 of the prompt and is
+  // clamped up to .01 -> ⌊4⌋ = 4 tokens. The per-layer budgets are caps (prompt_kept_over_budget 1 per
+  // layer, may_exceed_budget() false), but the run keeps 4 per layer for B = 2: run-level ratio 2.
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 4;
+  spec.prefill_length = 400;
+  spec.image_end = 380;
+  spec.decode_steps = 2;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  const auto clamp = Make("meda", {"clamp_layer_ratio=true"});
+  CHECK_FALSE(clamp->may_exceed_budget());
+  std::vector<RunSpec> runs{RunSpec{clamp, "clamp", 0, 2}};
+  auto res = Replay(tr, runs, ReplayOptions{.threads = 1});
+  REQUIRE(res.ok());
+  const RunResult& r = (*res)[0];
+  CHECK(r.budget_tokens() == 2);
+  CHECK(r.allocated_budget_tokens_mean() == 4);
+  CHECK(r.metrics().prompt_kept_tokens_mean() == 4);
+  CHECK(r.metrics().prompt_kept_over_budget() == 2);
+  for (const auto& l : r.layers()) {
+    CHECK(l.budget_tokens_mean() == 4);
+    CHECK(l.metrics().prompt_kept_over_budget() == 1);
+  }
+}
+
 TEST_CASE("meda: text prior (Eq. 9) and the 3:1 recent:important split (Eq. 10), the rest merged", "[meda]") {
   HandHead h;
   // Budget 4: M = 3 recent (9, 10, 11), N = 1 important: text scores += max (0.5), so text token 6
@@ -297,7 +334,8 @@ TEST_CASE("meda: the official-code variant overshoots the budget, and results sa
   // Recent window >= text + 100 keeps the whole prompt: 24 tokens for a budget of 3.
   CHECK(code.metrics().prompt_kept_tokens_mean() == 24);
   CHECK(code.metrics().prompt_kept_over_budget() == 8);
-  CHECK(code.allocated_budget_tokens_mean() <= 3);  // floor(clamped ratio * n): never more, often less
+  // floor(clamped ratio * n) with n = 24: the lower clamp (0.01 * 24 < 1) cannot add a token here.
+  CHECK(code.allocated_budget_tokens_mean() <= 3);
   REQUIRE(code.layers(0).policy_stats_size() == 2);
   CHECK(code.layers(0).policy_stats(0).name() == "budget_share");
   CHECK(code.layers(0).policy_stats(1).name() == "self_attention_entropy");
