@@ -196,6 +196,18 @@ Status ReadAttr(hid_t file, const char* name, bool* out) {
   return Status::Ok();
 }
 
+bool IsUtf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    const int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    if (len == 0 || i + len > s.size()) return false;
+    for (int k = 1; k < len; ++k)
+      if ((static_cast<unsigned char>(s[i + k]) >> 6) != 2) return false;
+    i += len;
+  }
+  return true;
+}
+
 // Reads `n` strings from an attribute or dataset `obj` (fixed- or variable-length, any padding).
 Status ReadStrings(hid_t obj, bool is_attr, size_t n, const std::string& what,
                    std::vector<std::string>* out) {
@@ -221,6 +233,8 @@ Status ReadStrings(hid_t obj, bool is_attr, size_t n, const std::string& what,
     if (read(buf.data()) < 0) return ReadError(what);
     for (size_t i = 0; i < n; ++i) (*out)[i].assign(&buf[i * size], strnlen(&buf[i * size], size));
   }
+  for (const std::string& v : *out)
+    if (!IsUtf8(v)) return Status::DataLoss(what + " is not valid UTF-8 text; the file is damaged");
   return Status::Ok();
 }
 
@@ -499,7 +513,7 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   std::string format, storage, query_mode;
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "format", &format));
   if (format != kTraceFormatName)
-    return Status::InvalidArgument("root attribute 'format' is '" + format + "', expected '" +
+    return Status::InvalidArgument("root attribute 'format' is '" + ForMessage(format) + "', expected '" +
                                    kTraceFormatName + "'; this HDF5 file is not a kvsim trace");
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "format_version", &m->format_version));
   if (m->format_version != kTraceFormatVersion)
@@ -521,7 +535,7 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "model_dtype", &mi.model_dtype));
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "storage_dtype", &storage));
   if (storage != "float16" && storage != "float32")
-    return Status::InvalidArgument("root attribute 'storage_dtype' is '" + storage +
+    return Status::InvalidArgument("root attribute 'storage_dtype' is '" + ForMessage(storage) +
                                    "', expected 'float16' or 'float32'");
   m->storage_dtype = storage == "float16" ? StorageDtype::kFloat16 : StorageDtype::kFloat32;
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "prefill_length", &m->prefill_length));
@@ -588,7 +602,7 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   KVSIM_RETURN_IF_ERROR(m->Validate());
   const char* want_mode = tq == static_cast<hsize_t>(t) ? "all" : "window_and_decode";
   if (query_mode != want_mode)
-    return Status::InvalidArgument("root attribute 'query_mode' is '" + query_mode + "' but " + qname +
+    return Status::InvalidArgument("root attribute 'query_mode' is '" + ForMessage(query_mode) + "' but " + qname +
                                    " holds " + std::to_string(tq) + " of " + std::to_string(t) +
                                    " positions; expected '" + want_mode + "'");
   return Status::Ok();
