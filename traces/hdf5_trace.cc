@@ -976,6 +976,12 @@ Status Hdf5TraceReader::GuardedProbe(const std::string& path) {
   }
   if (pid == 0) {  // child: read everything Open() reads, report the status, never return
     ::close(fds[0]);
+    // The pipe is the child's only output: nothing it (or a sanitizer reporting the library's crash) prints
+    // reaches the user's terminal or the command's one-line error.
+    if (const int null = ::open("/dev/null", O_WRONLY); null >= 0) {
+      ::dup2(null, STDOUT_FILENO);
+      ::dup2(null, STDERR_FILENO);
+    }
     LimitChildMemory();
     Status st;
     try {
