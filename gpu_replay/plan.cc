@@ -320,8 +320,12 @@ StatusOr<GpuPlan> ReadPlan(const std::string& path) {
   if (!in) return Status::NotFound(path + ": cannot open the plan file");
   std::stringstream ss;
   ss << in.rdbuf();
+  return ParsePlan(ss.str(), path);
+}
+
+StatusOr<GpuPlan> ParsePlan(const std::string& bytes, const std::string& path) {
   GpuPlan plan;
-  if (!plan.ParseFromString(ss.str()))
+  if (!plan.ParseFromString(bytes))
     return Status::DataLoss(path +
                             ": not a GpuPlan (binary Protobuf, gpu_replay/plan.proto); write one with "
                             "kvsim gpu-plan");
