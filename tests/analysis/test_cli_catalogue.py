@@ -366,6 +366,10 @@ PENDING = [
                     "rekv", "--out", c.o()], "frame_time_s",
          note="§3: a damaged streaming trace run with the policy's default budget gets the usage error 'give "
               "exactly one of --budget or --budget-tokens' (exit 2) instead of the trace's error"),
+    Case("damaged_global_heap_string_attribute",
+         lambda c: ["validate", shutil.copy(SRC / "tests/fuzz/regressions/pending/trace_reader/"
+                                            "vlen_string_global_heap.h5", c.inp / "heap.h5")], "heap.h5",
+         note="§1: found by fuzz_trace_reader; SIGSEGV in H5Aread -> H5HG_read on a damaged global heap"),
     Case("bad_alloc_is_one_line",
          lambda c: ["synth", "--config", str(SYNTH / "streaming_demo.textproto"), "--out", c.o("t.h5"),
                     "--threads", "1"],
