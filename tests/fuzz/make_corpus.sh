@@ -7,7 +7,7 @@
 #                              target's kind byte ('0' synth, '1' experiment, '2' device, '3' model shape,
 #                              '4' latency model, '5' policy + --set lines)
 #   OUT_DIR/plan_reader/       plans from `kvsim gpu-plan` on the plain seed trace (evictions, merges, decode)
-#   OUT_DIR/*.dict             libFuzzer dictionaries (trace: committed tests/fuzz/trace.dict; textproto:
+#   OUT_DIR/*.dict             libFuzzer dictionaries (trace, plan: committed tests/fuzz/*.dict; textproto:
 #                              every field and enum value name of the .proto files, and the policy names)
 # Idempotent; OUT_DIR is replaced as a whole.
 set -euo pipefail
@@ -59,6 +59,7 @@ printf '5mukv\ngranularities=4,16,64\nkeep_ratios=0.5,0.25,0.8\n' >"$tmp/textpro
 
 # Dictionaries.
 cp "$fuzz/trace.dict" "$tmp/trace_reader.dict"
+cp "$fuzz/plan.dict" "$tmp/plan_reader.dict"
 {
   for tok in '{' '}' ':' '[' ']' ',' '=' '#' '"' 'nan' 'inf' '-inf' '-1' '0' '1e308' '2147483647' \
     '4294967296' '-2147483648' 'true' 'false'; do
