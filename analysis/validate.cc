@@ -13,6 +13,7 @@ StatusOr<ValidationReport> ValidateTrace(TraceSource& trace, int threads) {
   const TraceMeta& meta = trace.meta();
   KVSIM_RETURN_IF_ERROR(meta.Validate().WithContext(trace.Describe()));
   ValidationReport rep;
+  rep.integrity = trace.integrity();
   rep.aggregates_present = meta.has_prefill_column_sums;
   rep.aggregates_checked = meta.has_prefill_column_sums && meta.HasAllPromptQueries();
   const ModelInfo& m = meta.model;
@@ -85,6 +86,7 @@ StatusOr<ValidationReport> ValidateTrace(TraceSource& trace, int threads) {
 std::string ValidationReport::Text(const TraceMeta& meta, double tolerance) const {
   std::ostringstream os;
   os << "structure: ok (" << layers_checked << " layers; shapes, dtypes, finite values, token metadata)\n";
+  os << "integrity: " << integrity.Text() << "\n";
   if (!aggregates_present) {
     os << "aggregates: none recorded (nothing to compare)\n";
   } else if (!aggregates_checked) {

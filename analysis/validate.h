@@ -19,6 +19,7 @@ struct ValidationReport {
   double max_rel_deviation = 0;
   int worst_layer = -1, worst_head = -1, worst_key = -1;  // where max_rel_deviation is
   // Decode attention rows recorded by the capture tool (extension), vs recomputed from the decode queries.
+  TraceIntegrity integrity;  // the file's checksums (docs/trace-format.md, "Integrity")
   bool decode_rows_present = false;
   int decode_rows_layers = 0;
   double decode_max_abs_deviation = 0;

@@ -921,6 +921,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     const std::vector<double> dur =
         EventDurations(meta, a, ev, latency, runs[r].policy->gpu_work(), p.compress_end,
                        runs[r].policy->compression_step(), out.mutable_latency());
+    if (out.latency().device().empty()) out.clear_latency();  // no device profile: nothing was modelled
     const double bytes_per_token = 2.0 * meta.model.head_dim * meta.model.ModelDtypeBytes();
     double now = 0;
     for (size_t e = 0; e < ev.tokens.size(); ++e) {

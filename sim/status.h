@@ -26,6 +26,10 @@ class [[nodiscard]] Status {
     return Status(StatusCode::kFailedPrecondition, std::move(msg));
   }
   static Status Internal(std::string msg) { return Status(StatusCode::kInternal, std::move(msg)); }
+  // A status of any code (e.g. one passed between processes); kOk ignores the message.
+  static Status FromCode(StatusCode code, std::string msg) {
+    return code == StatusCode::kOk ? Status() : Status(code, std::move(msg));
+  }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }

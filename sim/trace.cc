@@ -536,4 +536,16 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
   return Status::Ok();
 }
 
+std::string TraceIntegrity::Text() const {
+  if (!known) return "not a file (no integrity features to check)";
+  const std::string counts = "HDF5 superblock v" + std::to_string(superblock_version) + ", Fletcher32 on " +
+                             std::to_string(checksummed_datasets) + " of " + std::to_string(datasets) +
+                             " datasets, " + std::to_string(variable_length_strings) +
+                             " variable-length strings";
+  if (checksummed()) return "checksummed (" + counts + "): damaged metadata or data is refused when read";
+  return "NOT fully checksummed (" + counts +
+         "): a trace written before kvsim checksummed its files, or by another writer; damage can go "
+         "undetected. Re-write it with this kvsim (kvsim synth / scripts/kvsim-capture) to protect it";
+}
+
 }  // namespace kvsim

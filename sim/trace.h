@@ -99,10 +99,10 @@ struct BlockEncodingInfo {
 struct StreamInfo {
   double fps = 0;  // nominal frame rate (informative; frame_time_s is authoritative)
   int init_len = 0;
-  int tokens_per_frame = 0;  // P
-  int num_frames = 0;        // F
-  std::vector<double> frame_time_s;  // [F], non-decreasing: arrival time of each frame
-  std::vector<StreamQuestion> questions;  // by time (non-decreasing), spans in token-table order
+  int tokens_per_frame = 0;                        // P
+  int num_frames = 0;                              // F
+  std::vector<double> frame_time_s;                // [F], non-decreasing: arrival time of each frame
+  std::vector<StreamQuestion> questions;           // by time (non-decreasing), spans in token-table order
   std::vector<BlockEncodingInfo> block_encodings;  // ascending granularity; may be empty
 
   int video_begin() const { return init_len; }
@@ -128,7 +128,7 @@ struct TraceMeta {
   std::vector<int32_t> query_positions;
   bool has_prefill_column_sums = false;  // aggregates/layer_XXX/prefill_column_sums [H, n]
   TokenTable tokens;
-  std::string config_text;  // optional: the generator config (e.g. synth textproto) for provenance
+  std::string config_text;           // optional: the generator config (e.g. synth textproto) for provenance
   std::optional<StreamInfo> stream;  // set for streaming traces (group /streaming in the file)
 
   bool is_streaming() const { return stream.has_value(); }
@@ -167,6 +167,20 @@ struct LayerData {
   std::vector<BlockLayerData> blocks;
 };
 
+// How well a trace file protects itself against undetected damage (docs/trace-format.md, "Integrity").
+struct TraceIntegrity {
+  bool known = false;               // false for sources that are not HDF5 files (in-memory traces)
+  int superblock_version = 0;       // HDF5 superblock; >= 2 means every metadata structure carries a checksum
+  int datasets = 0;                 // non-empty datasets
+  int checksummed_datasets = 0;     // of those, the ones with a Fletcher32 checksum on every chunk
+  int variable_length_strings = 0;  // attributes and datasets whose strings live in HDF5's global heap
+  // Metadata checksummed, every dataset checksummed, no unchecksummed global-heap strings.
+  bool checksummed() const {
+    return superblock_version >= 2 && checksummed_datasets == datasets && variable_length_strings == 0;
+  }
+  std::string Text() const;  // one line, for `kvsim validate`
+};
+
 class TraceSource {
  public:
   virtual ~TraceSource() = default;
@@ -186,6 +200,8 @@ class TraceSource {
   // Streaming traces: one layer of one granularity's block encodings (meta().stream->FindBlocks(g) must be
   // non-null). Same threading contract as ReadLayer.
   virtual Status ReadBlockLayer(int granularity, int layer, BlockLayerData* out);
+  // The file's integrity features (unknown for sources that are not files).
+  virtual TraceIntegrity integrity() const { return {}; }
 };
 
 class TraceSink {
@@ -223,7 +239,8 @@ class MemoryTrace : public TraceSource, public TraceSink {
 Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::string& what);
 // Checks one layer of block encodings against meta.stream (sizes, finiteness, attention_received present at
 // the layers listed in attention_layers).
-Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData& block, const std::string& what);
+Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData& block,
+                          const std::string& what);
 // Checks layer.blocks against meta.stream->block_encodings (one entry per granularity, same order; none for
 // non-streaming traces), each with ValidateBlockLayer. Used by sinks' WriteLayer.
 Status ValidateLayerBlocks(const TraceMeta& meta, const LayerData& layer, const std::string& what);

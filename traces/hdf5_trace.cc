@@ -1,19 +1,27 @@
 #include "traces/hdf5_trace.h"
 
+#include <fcntl.h>
 #include <hdf5.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <utility>
 #include <vector>
 
+#include "sim/resources.h"
 #include "traces/half.h"
 
 namespace kvsim {
@@ -62,11 +70,27 @@ std::string Hdf5Detail() {
       },
       &msg);
   H5Eclear2(H5E_DEFAULT);
+  // The file drivers' messages span lines and list buffers and offsets; keep what names the cause.
+  if (const size_t at = msg.find("error message = '"); at != std::string::npos) {
+    const size_t begin = at + 17, end = msg.find('\'', begin);
+    msg =
+        msg.substr(0, msg.find(':')) + ": " + msg.substr(begin, end == std::string::npos ? end : end - begin);
+  }
+  std::replace(msg.begin(), msg.end(), '\n', ' ');
   return msg.empty() ? "" : " (HDF5: " + msg + ")";
 }
 
+// The library's exit handler would close files left open and, after a close that failed (a full disk),
+// crash on the half-closed file. Every file kvsim opens is closed explicitly, so the handler is turned off
+// before the first HDF5 call.
+[[maybe_unused]] const bool kNoHdf5AtExit = H5dont_atexit() >= 0;
+
 Status ReadError(const std::string& what) {
-  return Status::DataLoss("cannot read " + what + Hdf5Detail() + "; the file may be truncated or corrupt");
+  const std::string detail = Hdf5Detail();
+  if (detail.find("checksum") != std::string::npos)
+    return Status::DataLoss(what + " fails its checksum" + detail +
+                            ": the file is damaged; copy it again or re-write it");
+  return Status::DataLoss("cannot read " + what + detail + "; the file may be truncated or corrupt");
 }
 Status WriteError(const std::string& what) {
   return Status::Internal("cannot write " + what + Hdf5Detail() + "; check free disk space and permissions");
@@ -108,9 +132,13 @@ int64_t FirstBeyondHalf(const std::vector<float>& v) {
   return std::find_if(v.begin(), v.end(), beyond) - v.begin();
 }
 
-Hid Utf8StringType() {
+// Fixed-length UTF-8 strings of `size` bytes, null-padded: the writer stores every string this way, so a
+// reader never touches HDF5's global heap (variable-length strings live there, outside the checksums).
+Hid FixedUtf8StringType(size_t size) {
   Hid t(H5Tcopy(H5T_C_S1), H5Tclose);
-  if (t.ok() && (H5Tset_size(t, H5T_VARIABLE) < 0 || H5Tset_cset(t, H5T_CSET_UTF8) < 0)) return Hid();
+  if (t.ok() && (H5Tset_size(t, std::max<size_t>(size, 1)) < 0 || H5Tset_strpad(t, H5T_STR_NULLPAD) < 0 ||
+                 H5Tset_cset(t, H5T_CSET_UTF8) < 0))
+    return Hid();
   return t;
 }
 
@@ -213,18 +241,53 @@ Status ReadOptionalAttr(hid_t file, const char* name, T* out) {
   return exists ? ReadAttr(file, name, out) : Status::Ok();
 }
 
-// True when every component of the absolute path `name` exists.
-bool LinkExists(hid_t file, const std::string& name) {
+// Whether every component of the absolute path `name` exists; a group that cannot be read (a failed
+// checksum) is an error, not a missing link.
+StatusOr<bool> LinkExists(hid_t file, const std::string& name) {
   for (size_t pos = name.find('/', 1);; pos = name.find('/', pos + 1)) {
-    if (H5Lexists(file, name.substr(0, pos).c_str(), H5P_DEFAULT) <= 0) return false;
+    const std::string prefix = name.substr(0, pos);
+    const htri_t exists = H5Lexists(file, prefix.c_str(), H5P_DEFAULT);
+    if (exists < 0) return ReadError("group of '" + prefix + "'");
+    if (exists == 0) return false;
     if (pos == std::string::npos) return true;
   }
+}
+#define KVSIM_HAS_LINK(var, file, name) KVSIM_ASSIGN_OR_RETURN(const bool var, LinkExists(file, name))
+
+// A numeric dataset whose stored bytes cannot hold its shape (unallocated chunks of a damaged or hand-made
+// file: a 45 KB file can declare terabytes) is refused before anything is allocated for it. Compressed
+// datasets may expand up to deflate's maximum ratio (1032:1).
+Status CheckStored(hid_t ds, const std::string& name, const std::vector<hsize_t>& dims) {
+  Hid type(H5Dget_type(ds), H5Tclose);
+  Hid dcpl(H5Dget_create_plist(ds), H5Pclose);
+  if (!type.ok() || !dcpl.ok()) return ReadError("dataset '" + name + "'");
+  const H5T_class_t cls = H5Tget_class(type);
+  if (cls != H5T_INTEGER && cls != H5T_FLOAT) return Status::Ok();
+  double need = static_cast<double>(H5Tget_size(type));
+  for (hsize_t d : dims) need *= static_cast<double>(d);
+  if (need == 0) return Status::Ok();
+  double expand = 1;
+  const int filters = H5Pget_nfilters(dcpl);
+  for (int i = 0; i < filters; ++i) {
+    unsigned flags = 0, cd[8];
+    size_t ncd = 8;
+    const H5Z_filter_t f = H5Pget_filter2(dcpl, i, &flags, &ncd, cd, 0, nullptr, nullptr);
+    if (f != H5Z_FILTER_FLETCHER32 && f != H5Z_FILTER_SHUFFLE) expand = 1032;
+  }
+  const double stored = static_cast<double>(H5Dget_storage_size(ds));
+  if (stored * expand < need)
+    return Status::DataLoss("dataset '" + name + "' stores " +
+                            std::to_string(static_cast<long long>(stored)) + " bytes but its shape " +
+                            DimsString(dims) + " needs " + std::to_string(static_cast<long long>(need)) +
+                            "; the file is damaged or incomplete, re-write the trace");
+  return Status::Ok();
 }
 
 // Opens dataset `name` (absolute path) and checks its shape. `dims_desc` explains the expected dims.
 Status OpenDataset(hid_t file, const std::string& name, const std::vector<hsize_t>& dims,
                    const std::string& dims_desc, Hid* ds) {
-  if (!LinkExists(file, name))
+  KVSIM_HAS_LINK(exists, file, name);
+  if (!exists)
     return Status::InvalidArgument("missing dataset '" + name + "' (shape " + dims_desc +
                                    "); the trace is incomplete, regenerate it (" + kSeeDocs + ")");
   *ds = Hid(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose);
@@ -237,7 +300,7 @@ Status OpenDataset(hid_t file, const std::string& name, const std::vector<hsize_
   if (got != dims)
     return Status::InvalidArgument("dataset '" + name + "' has shape " + DimsString(got) + ", expected " +
                                    dims_desc + "; the file does not match its root attributes");
-  return Status::Ok();
+  return CheckStored(*ds, name, got);
 }
 
 // Reads a whole 1-D integer dataset of length n into `data` through `mem_type`.
@@ -304,15 +367,15 @@ Status ReadObjScalar(hid_t obj, const std::string& where, const char* name, int*
 
 // Length of the 1-D dataset `name` (absolute path).
 Status Dataset1DLength(hid_t file, const std::string& name, const std::string& desc, hsize_t* n) {
-  if (!LinkExists(file, name))
-    return Status::InvalidArgument("missing dataset '" + name + "' (" + desc + "); " + kSeeDocs);
+  KVSIM_HAS_LINK(exists, file, name);
+  if (!exists) return Status::InvalidArgument("missing dataset '" + name + "' (" + desc + "); " + kSeeDocs);
   Hid ds(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose);
   Hid space(ds.ok() ? H5Dget_space(ds) : -1, H5Sclose);
   if (!space.ok()) return ReadError("dataset '" + name + "'");
   if (H5Sget_simple_extent_ndims(space) != 1)
     return Status::InvalidArgument("dataset '" + name + "' must be 1-D (" + desc + ")");
   H5Sget_simple_extent_dims(space, n, nullptr);
-  return Status::Ok();
+  return CheckStored(ds, name, {*n});
 }
 
 // Reads the whole 1-D float dataset `name` of length n as float64.
@@ -385,7 +448,8 @@ Status ReadStream(hid_t file, TraceMeta* m) {
   if (std::is_sorted(s.frame_time_s.begin(), s.frame_time_s.end()))
     for (StreamQuestion& q : s.questions) q.frames_before = FramesBefore(s, q.time_s);
 
-  if (LinkExists(file, "/streaming_blocks")) {
+  KVSIM_HAS_LINK(has_blocks, file, "/streaming_blocks");
+  if (has_blocks) {
     Hid bg(H5Gopen2(file, "/streaming_blocks", H5P_DEFAULT), H5Gclose);
     if (!bg.ok()) return ReadError("group '/streaming_blocks'");
     std::vector<double> gran;
@@ -405,7 +469,8 @@ Status ReadStream(hid_t file, TraceMeta* m) {
                                        std::to_string(video_len) + "] (the video's token count)");
       b.granularity = static_cast<int>(gd);
       const std::string gname = BlockGroupName(b.granularity);
-      if (!LinkExists(file, gname))
+      KVSIM_HAS_LINK(has_group, file, gname);
+      if (!has_group)
         return Status::InvalidArgument("missing group '" + gname +
                                        "' listed in '/streaming_blocks' granularities");
       Hid gg(H5Gopen2(file, gname.c_str(), H5P_DEFAULT), H5Gclose);
@@ -419,9 +484,10 @@ Status ReadStream(hid_t file, TraceMeta* m) {
       b.token_positions.resize(bgn);
       KVSIM_RETURN_IF_ERROR(
           ReadIntegers(file, gname + "/token_positions", bgn, H5T_NATIVE_INT32, b.token_positions.data()));
-      for (int l = 0; l < m->model.num_layers; ++l)
-        if (LinkExists(file, LayerName(gname.c_str(), l) + "/attention_received"))
-          b.attention_layers.push_back(l);
+      for (int l = 0; l < m->model.num_layers; ++l) {
+        KVSIM_HAS_LINK(has_attention, file, LayerName(gname.c_str(), l) + "/attention_received");
+        if (has_attention) b.attention_layers.push_back(l);
+      }
       s.block_encodings.push_back(std::move(b));
     }
   }
@@ -474,6 +540,11 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
     return Status::InvalidArgument("root attributes 'prefill_length' (" + std::to_string(m->prefill_length) +
                                    ") and 'num_decode_steps' (" + std::to_string(m->num_decode_steps) +
                                    ") must be > 0 and >= 0");
+  for (const char* name : {"/tokens/modality", "/tokens/segment_id", "/tokens/patch_row", "/tokens/patch_col",
+                           "/tokens/position_id", "/tokens/phase", "/tokens/role"}) {
+    Hid ds;  // shapes and stored sizes first: prefill_length comes from a root attribute
+    KVSIM_RETURN_IF_ERROR(OpenDataset(file, name, {hsize_t(t)}, "[T=" + std::to_string(t) + "]", &ds));
+  }
   TokenTable& tk = m->tokens;
   tk.Resize(t);
   KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/modality", t, H5T_NATIVE_UINT8, tk.modality.data()));
@@ -484,9 +555,11 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
       ReadIntegers(file, "/tokens/position_id", t, H5T_NATIVE_INT64, tk.position_id.data()));
   KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/phase", t, H5T_NATIVE_UINT8, tk.phase.data()));
   KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/role", t, H5T_NATIVE_UINT8, tk.role.data()));
-  if (LinkExists(file, "/tokens/token_id"))
+  KVSIM_HAS_LINK(has_token_id, file, "/tokens/token_id");
+  if (has_token_id)
     KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/token_id", t, H5T_NATIVE_INT64, tk.token_id.data()));
-  if (LinkExists(file, "/tokens/text")) {
+  KVSIM_HAS_LINK(has_text, file, "/tokens/text");
+  if (has_text) {
     Hid ds;
     KVSIM_RETURN_IF_ERROR(
         OpenDataset(file, "/tokens/text", {hsize_t(t)}, "[T=" + std::to_string(t) + "]", &ds));
@@ -494,7 +567,8 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   }
 
   const char* qname = "/queries/positions";
-  if (!LinkExists(file, qname))
+  KVSIM_HAS_LINK(has_queries, file, qname);
+  if (!has_queries)
     return Status::InvalidArgument(std::string("missing dataset '") + qname + "'; " + kSeeDocs);
   Hid qds(H5Dopen2(file, qname, H5P_DEFAULT), H5Dclose);
   Hid qspace(qds.ok() ? H5Dget_space(qds) : -1, H5Sclose);
@@ -508,7 +582,8 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   m->query_positions.resize(tq);
   KVSIM_RETURN_IF_ERROR(ReadIntegers(file, qname, tq, H5T_NATIVE_INT32, m->query_positions.data()));
   // Block encodings without /streaming (captured non-streaming traces) are an extension the reader ignores.
-  if (LinkExists(file, "/streaming")) KVSIM_RETURN_IF_ERROR(ReadStream(file, m));
+  KVSIM_HAS_LINK(has_stream, file, "/streaming");
+  if (has_stream) KVSIM_RETURN_IF_ERROR(ReadStream(file, m));
 
   KVSIM_RETURN_IF_ERROR(m->Validate());
   const char* want_mode = tq == static_cast<hsize_t>(t) ? "all" : "window_and_decode";
@@ -564,9 +639,9 @@ Status WriteAttr(hid_t file, const char* name, double v) {
   return WriteAttr(file, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v);
 }
 Status WriteAttr(hid_t file, const char* name, const std::string& v) {
-  Hid type = Utf8StringType();
-  const char* p = v.c_str();
-  return type.ok() ? WriteAttr(file, name, type, type, &p)
+  Hid type = FixedUtf8StringType(v.size());
+  const std::string padded = v.empty() ? std::string(1, '\0') : v;
+  return type.ok() ? WriteAttr(file, name, type, type, padded.data())
                    : WriteError(std::string("root attribute '") + name + "'");
 }
 
@@ -589,11 +664,27 @@ hid_t UntimedDatasetCreation() {
   return dcpl;
 }
 
-// Creates and writes dataset `name` (relative to `loc`) in one H5Dwrite.
+// Creates and writes dataset `name` (relative to `loc`) in one H5Dwrite. Without a `dcpl`, a non-empty
+// dataset is chunked (one chunk per leading index for rank >= 2) with a Fletcher32 checksum, untimed.
 Status WriteDataset(hid_t loc, const std::string& name, hid_t file_type, hid_t mem_type,
                     const std::vector<hsize_t>& dims, const void* data, hid_t dcpl = H5P_DEFAULT) {
   Hid space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
-  if (dcpl == H5P_DEFAULT) dcpl = UntimedDatasetCreation();
+  Hid own;
+  if (dcpl == H5P_DEFAULT) {
+    const bool empty = std::find(dims.begin(), dims.end(), hsize_t{0}) != dims.end();
+    if (empty) {
+      dcpl = UntimedDatasetCreation();  // nothing to checksum; HDF5 cannot chunk a zero-sized dataset
+    } else {
+      std::vector<hsize_t> chunk = dims;
+      for (size_t i = 0; i + 1 < chunk.size(); ++i) chunk[i] = 1;
+      own = Hid(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+      if (!own.ok() || H5Pset_chunk(own, static_cast<int>(chunk.size()), chunk.data()) < 0 ||
+          H5Pset_fill_time(own, H5D_FILL_TIME_NEVER) < 0 || H5Pset_obj_track_times(own, 0) < 0 ||
+          H5Pset_fletcher32(own) < 0)
+        return WriteError("dataset '" + name + "'");
+      dcpl = own;
+    }
+  }
   Hid ds(space.ok() ? H5Dcreate2(loc, name.c_str(), file_type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT) : -1,
          H5Dclose);
   if (!ds.ok() || H5Dwrite(ds, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
@@ -603,12 +694,12 @@ Status WriteDataset(hid_t loc, const std::string& name, hid_t file_type, hid_t m
 
 Status WriteNamesAttr(hid_t file, const char* dataset, const char* names) {
   Hid ds(H5Dopen2(file, dataset, H5P_DEFAULT), H5Dclose);
-  Hid type = Utf8StringType();
+  Hid type = FixedUtf8StringType(std::strlen(names));
   Hid space(H5Screate(H5S_SCALAR), H5Sclose);
   Hid attr(ds.ok() && type.ok() && space.ok() ? H5Acreate2(ds, "names", type, space, H5P_DEFAULT, H5P_DEFAULT)
                                               : -1,
            H5Aclose);
-  if (!attr.ok() || H5Awrite(attr, type, &names) < 0)
+  if (!attr.ok() || H5Awrite(attr, type, names) < 0)
     return WriteError(std::string("attribute 'names' of '") + dataset + "'");
   return Status::Ok();
 }
@@ -734,22 +825,207 @@ Status WriteMeta(hid_t file, const TraceMeta& m) {
   KVSIM_RETURN_IF_ERROR(
       WriteDataset(file, "/tokens/token_id", H5T_STD_I64LE, H5T_NATIVE_INT64, {t}, tk.token_id.data()));
   if (!tk.text.empty()) {
-    Hid type = Utf8StringType();
-    std::vector<const char*> ptrs(t);
-    for (hsize_t i = 0; i < t; ++i) ptrs[i] = tk.text[i].c_str();
+    size_t width = 1;
+    for (const std::string& x : tk.text) width = std::max(width, x.size());
+    Hid type = FixedUtf8StringType(width);
+    std::vector<char> buf(t * width, '\0');
+    for (hsize_t i = 0; i < t; ++i) std::memcpy(&buf[i * width], tk.text[i].data(), tk.text[i].size());
     if (!type.ok()) return WriteError("dataset '/tokens/text'");
-    KVSIM_RETURN_IF_ERROR(WriteDataset(file, "/tokens/text", type, type, {t}, ptrs.data()));
+    KVSIM_RETURN_IF_ERROR(WriteDataset(file, "/tokens/text", type, type, {t}, buf.data()));
   }
   KVSIM_RETURN_IF_ERROR(WriteDataset(file, "/queries/positions", H5T_STD_I32LE, H5T_NATIVE_INT32,
                                      {m.query_positions.size()}, m.query_positions.data()));
   return m.stream ? WriteStream(file, *m.stream) : Status::Ok();
 }
 
+// ---- integrity (docs/trace-format.md, "Integrity")
+
+bool IsVariableString(hid_t type) { return H5Tget_class(type) == H5T_STRING && H5Tis_variable_str(type) > 0; }
+
+herr_t CountAttr(hid_t obj, const char* name, const H5A_info_t*, void* data) {
+  Hid attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  Hid type(attr.ok() ? H5Aget_type(attr) : -1, H5Tclose);
+  if (!type.ok()) return -1;
+  if (IsVariableString(type)) ++static_cast<TraceIntegrity*>(data)->variable_length_strings;
+  return 0;
+}
+
+herr_t VisitObject(hid_t loc, const char* name, const H5O_info_t* info, void* data) {
+  auto* in = static_cast<TraceIntegrity*>(data);
+  Hid obj(H5Oopen(loc, name, H5P_DEFAULT), H5Oclose);
+  if (!obj.ok()) return -1;
+  hsize_t idx = 0;
+  if (H5Aiterate2(obj, H5_INDEX_NAME, H5_ITER_NATIVE, &idx, CountAttr, in) < 0) return -1;
+  if (info->type != H5O_TYPE_DATASET) return 0;
+  Hid type(H5Dget_type(obj), H5Tclose), space(H5Dget_space(obj), H5Sclose),
+      dcpl(H5Dget_create_plist(obj), H5Pclose);
+  if (!type.ok() || !space.ok() || !dcpl.ok()) return -1;
+  if (H5Sget_simple_extent_npoints(space) == 0) return 0;
+  ++in->datasets;
+  if (IsVariableString(type)) ++in->variable_length_strings;
+  unsigned flags = 0, cd[8];
+  size_t ncd = 8;
+  if (H5Pget_filter_by_id2(dcpl, H5Z_FILTER_FLETCHER32, &flags, &ncd, cd, 0, nullptr, nullptr) >= 0)
+    ++in->checksummed_datasets;
+  H5Eclear2(H5E_DEFAULT);  // "filter not found" is an answer, not an error
+  return 0;
+}
+
+Status ScanIntegrity(hid_t file, TraceIntegrity* out) {
+  TraceIntegrity in;
+  in.known = true;
+  H5F_info2_t info;
+  if (H5Fget_info2(file, &info) < 0) return ReadError("the file's superblock");
+  in.superblock_version = static_cast<int>(info.super.version);
+  if (H5Ovisit2(file, H5_INDEX_NAME, H5_ITER_NATIVE, VisitObject, &in, H5O_INFO_BASIC) < 0)
+    return ReadError("the file's objects (integrity scan)");
+  *out = in;
+  return Status::Ok();
+}
+
+// ---- the guarded open: a damaged file can still crash or hang the HDF5 library (variable-length strings
+// of files written without checksums live in an unchecksummed global heap), so Open() first reads all of
+// a file's metadata in a child process and only then in this one.
+
+// KVSIM_TRACE_GUARD=0 turns the guard off; KVSIM_TRACE_GUARD_TIMEOUT bounds the child (seconds, default 60).
+StatusOr<double> GuardTimeout() {
+  const char* on = std::getenv("KVSIM_TRACE_GUARD");
+  if (on && std::string(on) == "0") return 0.0;
+  if (on && *on && std::string(on) != "1")
+    return Status::InvalidArgument(std::string("environment variable KVSIM_TRACE_GUARD='") + on +
+                                   "' must be 0 (off) or 1 (on)");
+  const char* t = std::getenv("KVSIM_TRACE_GUARD_TIMEOUT");
+  if (!t || !*t) return 60.0;
+  char* end = nullptr;
+  const double v = std::strtod(t, &end);
+  if (end == t || *end || !(v > 0) || !std::isfinite(v))
+    return Status::InvalidArgument(std::string("environment variable KVSIM_TRACE_GUARD_TIMEOUT='") + t +
+                                   "' must be a positive number of seconds");
+  return v;
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAsan = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAsan = true;
+#else
+constexpr bool kAsan = false;
+#endif
+#else
+constexpr bool kAsan = false;
+#endif
+
+// In the child: address space capped at what it has now plus the memory kvsim may use, so a damaged file
+// that makes the library allocate without bound fails there, not in the machine (not under ASan, whose
+// shadow memory needs terabytes of address space).
+void LimitChildMemory() {
+  if (kAsan) return;
+  auto avail = AvailableMemoryBytes();
+  if (!avail.ok()) return;
+  unsigned long long pages = 0;
+  if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%llu", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  // At least 1 GiB of headroom: metadata needs little, and a tight KVSIM_MAX_MEMORY must yield the
+  // reader's own one-line message, not a crash of the child.
+  const rlim_t cap =
+      static_cast<rlim_t>(pages) * ::sysconf(_SC_PAGESIZE) + std::max<uint64_t>(*avail, 1ull << 30);
+  struct rlimit rl {
+    cap, cap
+  };
+  ::setrlimit(RLIMIT_AS, &rl);
+}
+
+void WriteAll(int fd, const std::string& s) {
+  for (size_t off = 0; off < s.size();) {
+    const ssize_t n = ::write(fd, s.data() + off, s.size() - off);
+    if (n <= 0) return;
+    off += static_cast<size_t>(n);
+  }
+}
+
 }  // namespace
+
+Status Hdf5TraceReader::GuardedProbe(const std::string& path) {
+  KVSIM_ASSIGN_OR_RETURN(const double timeout_s, GuardTimeout());
+  if (timeout_s == 0) return Status::Ok();
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return Status::Ok();  // cannot guard: read unguarded
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return Status::Ok();
+  }
+  if (pid == 0) {  // child: read everything Open() reads, report the status, never return
+    ::close(fds[0]);
+    LimitChildMemory();
+    Status st;
+    try {
+      auto r = OpenUnguarded(path);
+      st = r.ok() ? Status::Ok() : r.status();
+    } catch (const std::bad_alloc&) {
+      st = Status::DataLoss(path + ": reading the file's metadata exhausted memory (a damaged file?)");
+    }
+    WriteAll(fds[1], std::to_string(static_cast<int>(st.code())) + "\n" + st.message());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string reply;
+  bool timed_out = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      timed_out = true;
+      break;
+    }
+    struct pollfd pfd {
+      fds[0], POLLIN, 0
+    };
+    const int ready = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(left.count(), 1000)));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) continue;
+    char buf[4096];
+    const ssize_t n = ::read(fds[0], buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // EOF: the child exited (or crashed)
+    reply.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  if (timed_out) ::kill(pid, SIGKILL);
+  int wstatus = 0;
+  while (::waitpid(pid, &wstatus, 0) < 0 && errno == EINTR) {
+  }
+  const std::string fix = "; the file is damaged: re-capture or re-synthesize it (docs/hardening.md)";
+  if (timed_out)
+    return Status::DataLoss(path + ": reading the file's HDF5 metadata did not finish within " +
+                            std::to_string(static_cast<int>(timeout_s)) +
+                            " s (KVSIM_TRACE_GUARD_TIMEOUT) in a guarded process" + fix);
+  if (WIFSIGNALED(wstatus))
+    return Status::DataLoss(path + ": the HDF5 library crashed (" + strsignal(WTERMSIG(wstatus)) +
+                            ") reading the file's metadata in a guarded process" + fix);
+  const size_t nl = reply.find('\n');
+  if (!WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0 || nl == std::string::npos)
+    return Status::DataLoss(path + ": the guarded process reading the file's metadata failed" + fix);
+  const int code = std::atoi(reply.substr(0, nl).c_str());
+  if (code < 0 || code > static_cast<int>(StatusCode::kInternal))
+    return Status::Internal(path + ": the guarded process sent an unknown status");
+  return Status::FromCode(static_cast<StatusCode>(code), reply.substr(nl + 1));
+}
 
 // ---------------------------------------------------------------------------------------------- reader
 
 StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::Open(const std::string& path) {
+  KVSIM_RETURN_IF_ERROR(GuardedProbe(path));
+  return OpenUnguarded(path);
+}
+
+StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenUnguarded(const std::string& path) {
   SilenceHdf5Errors();
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return Status::NotFound(path + ": no such file");
@@ -768,8 +1044,8 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::Open(const std::stri
   return FromOpenFile(path, file);
 }
 
-StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std::string& name, const void* data,
-                                                                       size_t size) {
+StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std::string& name,
+                                                                      const void* data, size_t size) {
   SilenceHdf5Errors();
   Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   hid_t file = -1;
@@ -778,17 +1054,27 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std:
       H5Pset_file_image(fapl, const_cast<void*>(data), size) >= 0)
     file = H5Fopen(name.c_str(), H5F_ACC_RDONLY, fapl);
   if (file < 0)
-    return Status::DataLoss(name + ": cannot open as HDF5" + Hdf5Detail() + "; the image is truncated or corrupt");
+    return Status::DataLoss(name + ": cannot open as HDF5" + Hdf5Detail() +
+                            "; the image is truncated or corrupt");
+  // The core driver reads zeros past the end of an image (and a zeroed chunk passes Fletcher32), so a
+  // truncated image is caught here, as the default driver catches a truncated file.
+  hsize_t file_size = 0;
+  if (H5Fget_filesize(file, &file_size) < 0 || file_size > size) {
+    H5Fclose(file);
+    return Status::DataLoss(name + ": truncated: the file's end is at byte " + std::to_string(file_size) +
+                            " but the image holds " + std::to_string(size));
+  }
   return FromOpenFile(name, file);
 }
 
 StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::FromOpenFile(const std::string& name,
-                                                                          long long file) {
+                                                                         long long file) {
   std::unique_ptr<Hdf5TraceReader> r(new Hdf5TraceReader());
   r->path_ = name;
   r->file_ = file;
   Status st = ReadMeta(file, &r->meta_);
   if (st.ok()) st = r->CheckLayerShapes();
+  if (st.ok()) st = ScanIntegrity(file, &r->integrity_);
   if (!st.ok()) return st.WithContext(name);
   return r;
 }
@@ -814,11 +1100,16 @@ Status Hdf5TraceReader::CheckLayerShapes() const {
           "[num_heads=" + std::to_string(h) + ", prefill_length=" + std::to_string(n) + "]", &ds));
   }
   const std::string extra = LayerName("/layers", mi.num_layers);
-  if (LinkExists(file_, extra))
+  KVSIM_HAS_LINK(has_extra, file_, extra);
+  if (has_extra)
     return Status::InvalidArgument("stores '" + extra + "' but root attribute 'num_layers' is " +
                                    std::to_string(mi.num_layers) +
                                    ": the attribute is smaller than the stored layers (a damaged file?)");
-  return Status::Ok();
+  // The engine holds two layers (one replayed, the next prefetched) as float32.
+  return CheckMemory(2 * LayerFloatBytes(meta_), "two layers of keys, values and queries as float32 (" +
+                                                     std::to_string(kvh) + " KV heads x " +
+                                                     std::to_string(t) + " tokens x head_dim " +
+                                                     std::to_string(d) + ")");
 }
 
 Hdf5TraceReader::~Hdf5TraceReader() {
@@ -886,7 +1177,9 @@ Status Hdf5TraceReader::ReadBlockLayer(int granularity, int layer, BlockLayerDat
 StatusOr<bool> Hdf5TraceReader::ReadRecordedDecodeRows(int layer, std::vector<float>* out) {
   SilenceHdf5Errors();
   const std::string name = LayerName("/capture/decode_attention", layer);
-  if (!LinkExists(file_, name)) return false;
+  auto has_rows = LinkExists(file_, name);
+  if (!has_rows.ok()) return has_rows.status().WithContext(path_);
+  if (!*has_rows) return false;
   const hsize_t h = meta_.model.num_heads, s = meta_.num_decode_steps, t = meta_.total_tokens();
   Status st = ReadFloats(file_, name, {h, s, t},
                          "[num_heads=" + std::to_string(h) + ", decode_steps=" + std::to_string(s) +
@@ -917,8 +1210,14 @@ StatusOr<std::unique_ptr<Hdf5TraceWriter>> Hdf5TraceWriter::Create(const std::st
   w->tmp_path_ = path + ".tmp." + std::to_string(::getpid());
   w->options_ = options;
   Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
-  if (fapl.ok() && H5Pset_fclose_degree(fapl, H5F_CLOSE_STRONG) >= 0)
-    w->file_ = H5Fcreate(w->tmp_path_.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+  // The latest file format: superblock v3, object headers v2 and every other metadata structure carry
+  // checksums that the library verifies on read.
+  // The root group without object times, as every other object (the same trace is the same bytes).
+  Hid fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
+  if (fapl.ok() && fcpl.ok() && H5Pset_fclose_degree(fapl, H5F_CLOSE_STRONG) >= 0 &&
+      H5Pset_libver_bounds(fapl, H5F_LIBVER_LATEST, H5F_LIBVER_LATEST) >= 0 &&
+      H5Pset_obj_track_times(fcpl, 0) >= 0)
+    w->file_ = H5Fcreate(w->tmp_path_.c_str(), H5F_ACC_TRUNC, fcpl, fapl);
   if (w->file_ < 0)
     return Status::InvalidArgument(path + ": cannot create temporary file '" + w->tmp_path_ + "'" +
                                    Hdf5Detail() + "; check that the folder exists and is writable");
@@ -935,6 +1234,9 @@ Status Hdf5TraceWriter::Begin(const TraceMeta& meta) {
   if (began_ || file_ < 0)
     return Status::FailedPrecondition(path_ + ": Begin() called twice or after Finish()");
   KVSIM_RETURN_IF_ERROR(meta.Validate().WithContext(path_));
+  KVSIM_RETURN_IF_ERROR(CheckDisk(
+      TraceStoredBytes(meta), path_,
+      path_ + ": the trace" + (options_.compression_level > 0 ? " (size before compression)" : "")));
   began_ = true;
   meta_ = meta;
   return WriteMeta(file_, meta_).WithContext(path_);
@@ -990,6 +1292,7 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
               H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER) >= 0 && H5Pset_obj_track_times(dcpl, 0) >= 0;
     if (ok && options_.compression_level > 0)
       ok = H5Pset_shuffle(dcpl) >= 0 && H5Pset_deflate(dcpl, options_.compression_level) >= 0;
+    if (ok) ok = H5Pset_fletcher32(dcpl) >= 0;  // last: the checksum covers the stored (compressed) bytes
     if (!ok) return WriteError("dataset '" + group + "/" + name + "'");
     const void* buf = data.data();
     if (half) {

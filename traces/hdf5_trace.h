@@ -18,8 +18,13 @@ struct Hdf5WriteOptions {
 
 class Hdf5TraceReader final : public TraceSource {
  public:
-  // Opens and validates the root attributes and the token table. Errors name the file and the field.
+  // Opens and validates the root attributes, the token table and every dataset's shape and stored size.
+  // Errors name the file and the field. Guarded: all of this is first done in a forked child process, so a
+  // damaged file that crashes, hangs or exhausts the HDF5 library is a one-line error here
+  // (docs/hardening.md; KVSIM_TRACE_GUARD=0 turns it off). Call it while no other thread is inside HDF5.
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> Open(const std::string& path);
+  // The same without the child process (what the guarded child itself runs).
+  static StatusOr<std::unique_ptr<Hdf5TraceReader>> OpenUnguarded(const std::string& path);
   // The same from an in-memory copy of a trace file (`name` is used in messages); the bytes are copied.
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> OpenImage(const std::string& name, const void* data,
                                                               size_t size);
@@ -27,6 +32,7 @@ class Hdf5TraceReader final : public TraceSource {
   const TraceMeta& meta() const override { return meta_; }
   Status ReadLayer(int layer, LayerData* out) override;
   std::string Describe() const override { return path_; }
+  TraceIntegrity integrity() const override { return integrity_; }
   StatusOr<bool> ReadRecordedDecodeRows(int layer, std::vector<float>* out) override;
   // Streaming traces: /streaming_blocks/gG/layer_XXX (fp16 converted to fp32), validated.
   Status ReadBlockLayer(int granularity, int layer, BlockLayerData* out) override;
@@ -35,9 +41,11 @@ class Hdf5TraceReader final : public TraceSource {
   Hdf5TraceReader() = default;
   Status CheckLayerShapes() const;
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> FromOpenFile(const std::string& name, long long file);
+  static Status GuardedProbe(const std::string& path);
   std::string path_;
   long long file_ = -1;  // hid_t
   TraceMeta meta_;
+  TraceIntegrity integrity_;
   std::vector<uint16_t> scratch_;  // raw fp16 of the dataset being read
 };
 

@@ -15,6 +15,7 @@
 
 #include "sim/attention.h"
 #include "sim/parallel.h"
+#include "sim/resources.h"
 #include "sim/rope.h"
 #include "sim/text_proto.h"
 #include "sim/version.h"
@@ -837,9 +838,26 @@ StatusOr<TraceMeta> BuildSynthMeta(const synth::SynthConfig& config) {
   return meta;
 }
 
+// What the config asks for, from its fields alone (before the token table is built): the token table and
+// one layer of float32 tensors, twice (the generator's layer and the writer's converted copy).
+Status CheckSynthMemory(const SynthConfig& c) {
+  const synth::ModelShape& m = c.model();
+  const double n = static_cast<double>(PromptLength(c.layout())), steps = c.layout().decode_steps(),
+               t = n + steps,
+               tq = (c.storage().query_storage() == Storage::WINDOW ? c.storage().query_window() : n) + steps;
+  double floats =
+      2.0 * m.num_kv_heads() * t * m.head_dim() + static_cast<double>(m.num_heads()) * tq * m.head_dim();
+  if (c.storage().record_prefill_column_sums()) floats += static_cast<double>(m.num_heads()) * n;
+  return CheckMemory(2 * 4.0 * floats + 64.0 * t,
+                     "synth config: one layer (" + std::to_string(m.num_heads()) + " heads x " +
+                         std::to_string(static_cast<long long>(t)) + " tokens x head_dim " +
+                         std::to_string(m.head_dim()) + ", float32) and the token table");
+}
+
 Status Synthesize(const synth::SynthConfig& config, TraceSink* sink, int threads) {
   if (auto issue = CheckConfig(config)) return IssueStatus(*issue, "synth config", "");
   if (config.has_streaming()) return SynthesizeStreaming(config, sink, threads);
+  KVSIM_RETURN_IF_ERROR(CheckSynthMemory(config));
   TokenLayout layout = BuildLayout(config);
   KVSIM_RETURN_IF_ERROR(layout.meta.Validate().WithContext("synth config produced invalid trace metadata"));
   KVSIM_RETURN_IF_ERROR(sink->Begin(layout.meta));

@@ -10,6 +10,7 @@
 
 #include "sim/attention.h"
 #include "sim/parallel.h"
+#include "sim/resources.h"
 #include "sim/version.h"
 #include "traces/half.h"
 #include "traces/synth_rng.h"
@@ -756,6 +757,9 @@ StatusOr<TraceMeta> BuildStreamingSynthMeta(const synth::SynthConfig& config) {
 
 Status SynthesizeStreaming(const synth::SynthConfig& config, TraceSink* sink, int threads) {
   KVSIM_ASSIGN_OR_RETURN(const Plan plan, CheckedPlan(config));
+  KVSIM_RETURN_IF_ERROR(CheckMemory(2 * LayerFloatBytes(plan.meta),
+                                    "streaming synth config: one layer of float32 tensors (x2: generator and "
+                                    "writer)"));
   KVSIM_RETURN_IF_ERROR(sink->Begin(plan.meta));
   StreamGenerator gen(config, plan);
   LayerData layer;

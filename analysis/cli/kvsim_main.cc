@@ -675,6 +675,12 @@ int main(int argc, char** argv) {
     if (cmd == "gpu-plan") return CmdGpuPlan(sub_argc, sub_argv);
     if (cmd == "hash") return CmdHash(sub_argc, sub_argv);
     if (cmd == "latency") return CmdLatency(sub_argc, sub_argv);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr,
+                 "kvsim: error: out of memory in 'kvsim %s'; use fewer --threads, a smaller trace or budget "
+                 "set, or a machine with more memory\n",
+                 cmd.c_str());
+    return kExitInput;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvsim: error: %s\n", e.what());
     return kExitInput;

@@ -289,5 +289,47 @@ TEST_CASE("cli: bad values are refused, inputs are never overwritten", "[cli]") 
           "the argument ('abc') for option '--budget' is invalid");
 }
 
+TEST_CASE("cli: a full disk, exhausted memory and memory limits: one line, exit 1, nothing written",
+          "[cli]") {
+  const std::string dir = testing::ScratchDir("cli_resources");
+  const std::string tiny_cfg = testing::SourceDir() + "/configs/synth/tiny.textproto";
+  std::string out;
+  auto one_line = [&](const std::string& cmd, const std::string& needle) {
+    INFO(cmd);
+    CHECK(testing::RunCommand(cmd + " 2>&1", &out) == 1);  // not a signal: exit 1 after the message
+    INFO(out);
+    CHECK(out.find(needle) != std::string::npos);
+    CHECK(std::count(out.begin(), out.end(), '\n') == 1);
+    for (const auto& e : fs::directory_iterator(dir)) FAIL_CHECK("left behind: " + e.path().string());
+  };
+  // A file-size limit makes every write past 100 KiB fail as a full disk would (EFBIG); HDF5's failed
+  // close used to crash kvsim at exit.
+  one_line("bash -c 'ulimit -f 100; trap \"\" XFSZ; exec " + Kvsim() + " synth --config " + tiny_cfg +
+               " --out " + dir + "/t.h5'",
+           "(HDF5: file write failed: File too large); check free disk space");
+  // More than the memory kvsim may use: refused before allocating.
+  one_line("KVSIM_MAX_MEMORY=64K " + Kvsim() + " synth --config " + tiny_cfg + " --out " + dir + "/t.h5",
+           "synth config: one layer (4 heads x 102 tokens x head_dim 32, float32) and the token table needs");
+  one_line("KVSIM_MAX_MEMORY=64K " + Kvsim() + " run --trace " + TinyTrace() +
+               " --policy snapkv --budget 0.2 --out " + dir + "/r.json",
+           "two layers of keys, values and queries as float32");
+  // An allocation that fails anyway (an address-space limit below what the checks see) is a clear line, not
+  // a bare std::bad_alloc. (Not under ASan, which needs terabytes of address space.)
+#if !defined(__SANITIZE_ADDRESS__)
+  const std::string big_cfg = dir + "/../big.textproto";
+  std::string cfg = testing::ReadFile(tiny_cfg);
+  for (auto [from, to] : {std::pair{"num_heads: 4", "num_heads: 64"},
+                          {"num_kv_heads: 4", "num_kv_heads: 64"},
+                          {"tokens: 10 }", "tokens: 20000 }"},
+                          {"rope_theta: 10000", "rope_theta: 100000000"},
+                          {"head_dim: 32", "head_dim: 128"}})
+    cfg.replace(cfg.find(from), std::string(from).size(), to);
+  testing::WriteFile(big_cfg, cfg);
+  one_line("bash -c 'ulimit -v 400000; exec " + Kvsim() + " synth --config " + big_cfg + " --out " + dir +
+               "/big.h5 --threads 1'",
+           "out of memory in 'kvsim synth'");
+#endif
+}
+
 }  // namespace
 }  // namespace kvsim

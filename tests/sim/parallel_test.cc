@@ -1,7 +1,10 @@
 #include "sim/parallel.h"
 
+#include <atomic>
 #include <catch2/catch.hpp>
+#include <new>
 #include <set>
+#include <stdexcept>
 #include <vector>
 
 namespace kvsim {
@@ -35,6 +38,28 @@ TEST_CASE("ParallelForWorkers: every item once, worker ids in range and owned by
   ParallelForWorkers(2, 8, [&](int i, int wk) { w[i] = wk; });
   CHECK(w[0] < 2);
   CHECK(w[1] < 2);
+}
+
+}  // namespace kvsim
+
+namespace kvsim {
+
+TEST_CASE("ParallelFor: an item's exception reaches the caller after every thread joined", "[parallel]") {
+  for (int threads : {1, 2, 4}) {
+    std::atomic<int> ran{0};
+    try {
+      ParallelFor(100, threads, [&](int i) {
+        ++ran;
+        if (i == 7 || i == 50) throw std::runtime_error("item " + std::to_string(i));
+      });
+      FAIL("no exception");
+    } catch (const std::runtime_error& e) {
+      CHECK(std::string(e.what()) == "item 7");  // the lowest failing item among those that ran
+    }
+    CHECK(ran.load() >= 8);
+    CHECK(ran.load() <= 100);
+  }
+  CHECK_THROWS_AS(ParallelForWorkers(10, 2, [](int, int) { throw std::bad_alloc(); }), std::bad_alloc);
 }
 
 }  // namespace kvsim

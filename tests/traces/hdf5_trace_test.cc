@@ -371,8 +371,10 @@ TEST_CASE("HashFile is stable and sensitive to one byte", "[hdf5]") {
 }
 
 TEST_CASE("scripts/read_trace_example.py reads a trace with h5py", "[hdf5]") {
-  if (testing::RunCommand("/usr/bin/python3 -c 'import h5py, numpy'") != 0) {
-    WARN("skipped: /usr/bin/python3 lacks h5py or numpy");
+  // The project's Python environment (scripts/setup_python.sh; ./run test always creates it).
+  const std::string python = testing::SourceDir() + "/.venv/bin/python";
+  if (testing::RunCommand(python + " -c 'import h5py, numpy'") != 0) {
+    WARN("skipped: " + python + " lacks h5py or numpy (run scripts/setup_python.sh)");
     return;
   }
   const std::string dir = testing::ScratchDir("hdf5_python");
@@ -380,10 +382,10 @@ TEST_CASE("scripts/read_trace_example.py reads a trace with h5py", "[hdf5]") {
   REQUIRE(WriteTrace(tr, dir + "/t.h5").ok());
   std::string out;
   const int rc = testing::RunCommand(
-      "/usr/bin/python3 " + testing::SourceDir() + "/scripts/read_trace_example.py " + dir + "/t.h5", &out);
+      python + " " + testing::SourceDir() + "/scripts/read_trace_example.py " + dir + "/t.h5", &out);
   INFO(out);
   REQUIRE(rc == 0);
-  CHECK(out.find("keys float32 (30, 8)") != std::string::npos);
+  CHECK(out.find("layer 3 keys float32 (30, 8)") != std::string::npos);
   CHECK(out.find("modality counts {'text': 18, 'image': 12}") != std::string::npos);
   // h5py must see the IEEE half type as numpy float16 and return the same numbers.
   LayerData ld;
@@ -579,4 +581,177 @@ TEST_CASE("hdf5 trace: the same trace written twice is the same bytes (no object
   REQUIRE(b.ok());
   CHECK(*a == *b);
 }
+}  // namespace kvsim
+
+namespace kvsim {
+namespace {
+
+// Sets an environment variable for one scope.
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  const char* name_;
+};
+
+// Byte offset of the first chunk of dataset `name` in the file.
+haddr_t ChunkOffset(const std::string& path, const char* name) {
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  hid_t ds = H5Dopen2(f, name, H5P_DEFAULT);
+  hid_t space = H5Dget_space(ds);
+  hsize_t offset[3];
+  unsigned mask = 0;
+  haddr_t addr = HADDR_UNDEF;
+  hsize_t size = 0;
+  REQUIRE(H5Dget_chunk_info(ds, space, 0, offset, &mask, &addr, &size) >= 0);
+  H5Sclose(space);
+  H5Dclose(ds);
+  H5Fclose(f);
+  return addr;
+}
+
+void FlipByte(const std::string& path, size_t offset) {
+  std::string bytes = testing::ReadFile(path);
+  REQUIRE(offset < bytes.size());
+  bytes[offset] ^= 0x10;
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+}  // namespace
+
+TEST_CASE("hdf5 trace: integrity — checksummed format, damage refused", "[hdf5][integrity]") {
+  const std::string dir = testing::ScratchDir("hdf5_integrity");
+  MemoryTrace tr = testing::MakeTinyTrace();
+  tr.mutable_meta().tokens.text.assign(tr.meta().total_tokens(), "tok");
+  tr.mutable_meta().tokens.text[3] = "é and more";
+  const std::string path = dir + "/t.h5";
+  REQUIRE(WriteTrace(tr, path).ok());
+
+  SECTION("superblock v3, Fletcher32 on every dataset, fixed-length strings") {
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE(r.ok());
+    const TraceIntegrity in = (*r)->integrity();
+    CHECK(in.known);
+    CHECK(in.superblock_version >= 2);
+    CHECK(in.datasets > 10);
+    CHECK(in.checksummed_datasets == in.datasets);
+    CHECK(in.variable_length_strings == 0);
+    CHECK(in.checksummed());
+    CHECK((*r)->meta().tokens.text[3] == "é and more");
+    CHECK(in.Text().rfind("checksummed (HDF5 superblock v3", 0) == 0);
+  }
+  SECTION("a flipped data byte fails the Fletcher32 checksum when the layer is read") {
+    FlipByte(path, ChunkOffset(path, "/layers/layer_001/values") + 3);
+    auto r = Hdf5TraceReader::Open(path);
+    INFO(r.status().message());
+    REQUIRE(r.ok());  // metadata intact
+    LayerData ld;
+    REQUIRE((*r)->ReadLayer(0, &ld).ok());
+    Status st = (*r)->ReadLayer(1, &ld);
+    CHECK(st.code() == StatusCode::kDataLoss);
+    CHECK(Contains(st, path + ": dataset '/layers/layer_001/values' fails its checksum"));
+    CHECK(st.message().find('\n') == std::string::npos);
+  }
+  SECTION("a flipped metadata byte fails the metadata checksum when the file is opened") {
+    const std::string bytes = testing::ReadFile(path);
+    const size_t ohdr = bytes.find("OHDR", 100);  // an object header after the superblock's
+    REQUIRE(ohdr != std::string::npos);
+    FlipByte(path, ohdr + 12);
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE_FALSE(r.ok());
+    INFO(r.status().message());
+    CHECK(Contains(r.status(), "fails its checksum"));
+  }
+  SECTION("a dataset whose chunks were never stored is refused before anything is allocated") {
+    {
+      RawFile f(path);
+      REQUIRE(H5Ldelete(f.id, "/layers/layer_001/keys", H5P_DEFAULT) >= 0);
+      const hsize_t dims[3] = {2, 30, 8}, chunk[3] = {1, 30, 8};
+      hid_t space = H5Screate_simple(3, dims, nullptr);
+      hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+      H5Pset_chunk(dcpl, 3, chunk);
+      hid_t ds =
+          H5Dcreate2(f.id, "/layers/layer_001/keys", H5T_IEEE_F32LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT);
+      REQUIRE(ds >= 0);
+      H5Dclose(ds);
+      H5Pclose(dcpl);
+      H5Sclose(space);
+    }
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE_FALSE(r.ok());
+    CHECK(Contains(r.status(),
+                   "dataset '/layers/layer_001/keys' stores 0 bytes but its shape [2, 30, 8] needs 1920"));
+  }
+}
+
+TEST_CASE("hdf5 trace: sizes are checked against memory and disk before allocating", "[hdf5][integrity]") {
+  const std::string dir = testing::ScratchDir("hdf5_resources");
+  MemoryTrace tr = testing::MakeTinyTrace();
+  const std::string path = dir + "/t.h5";
+  REQUIRE(WriteTrace(tr, path).ok());
+  SECTION("two layers must fit in the memory kvsim may use") {
+    ScopedEnv env("KVSIM_MAX_MEMORY", "1K");
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE_FALSE(r.ok());
+    CHECK(Contains(r.status(), path + ": two layers of keys, values and queries as float32"));
+    CHECK(Contains(r.status(), "but only 1024 bytes is available"));
+  }
+  SECTION("an unparsable KVSIM_MAX_MEMORY is an error, not ignored") {
+    ScopedEnv env("KVSIM_MAX_MEMORY", "lots");
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE_FALSE(r.ok());
+    CHECK(Contains(r.status(), "KVSIM_MAX_MEMORY='lots' is not a byte count"));
+  }
+  SECTION("a trace larger than the free disk is refused before anything is written") {
+    TraceMeta meta = tr.meta();
+    meta.model.num_layers = 1 << 30;  // ~ terabytes
+    auto w = Hdf5TraceWriter::Create(dir + "/huge.h5");
+    REQUIRE(w.ok());
+    Status st = (*w)->Begin(meta);
+    CHECK(Contains(st, dir + "/huge.h5: the trace needs"));
+    CHECK(Contains(st, "of disk but only"));
+  }
+}
+
+TEST_CASE("hdf5 trace: the guarded open", "[hdf5][integrity]") {
+  const std::string dir = testing::ScratchDir("hdf5_guard");
+  MemoryTrace tr = testing::MakeTinyTrace();
+  const std::string path = dir + "/t.h5";
+  REQUIRE(WriteTrace(tr, path).ok());
+  SECTION("a child that does not finish in time is killed and reported in one line") {
+    ScopedEnv env("KVSIM_TRACE_GUARD_TIMEOUT", "0.000001");
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE_FALSE(r.ok());
+    CHECK(Contains(r.status(), path + ": reading the file's HDF5 metadata did not finish within"));
+    CHECK(r.status().message().find('\n') == std::string::npos);
+  }
+  SECTION("the child's errors come back unchanged") {
+    auto guarded = Hdf5TraceReader::Open(dir + "/missing.h5");
+    auto plain = Hdf5TraceReader::OpenUnguarded(dir + "/missing.h5");
+    REQUIRE_FALSE(guarded.ok());
+    CHECK(guarded.status().code() == plain.status().code());
+    CHECK(guarded.status().message() == plain.status().message());
+  }
+  SECTION("KVSIM_TRACE_GUARD=0 opens in-process; other values are refused") {
+    {
+      ScopedEnv env("KVSIM_TRACE_GUARD", "0");
+      CHECK(Hdf5TraceReader::Open(path).ok());
+    }
+    ScopedEnv env("KVSIM_TRACE_GUARD", "yes");
+    CHECK(Contains(Hdf5TraceReader::Open(path).status(), "KVSIM_TRACE_GUARD='yes' must be 0"));
+  }
+  SECTION("OpenImage reads the same trace from memory") {
+    const std::string bytes = testing::ReadFile(path);
+    auto r = Hdf5TraceReader::OpenImage("<image>", bytes.data(), bytes.size());
+    REQUIRE(r.ok());
+    CheckMetaEqual((*r)->meta(), tr.meta());
+    // Half an image: refused when opened or, at the latest, when the missing layers fail their checksums.
+    auto bad = Hdf5TraceReader::OpenImage("<image>", bytes.data(), bytes.size() / 2);
+    Status st = bad.status();
+    LayerData ld;
+    for (int l = 0; bad.ok() && st.ok() && l < tr.meta().model.num_layers; ++l)
+      st = (*bad)->ReadLayer(l, &ld);
+    CHECK_FALSE(st.ok());
+  }
+}
+
 }  // namespace kvsim

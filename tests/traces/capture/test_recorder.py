@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvsim_capture import (CaptureError, CaptureOptions, CaptureOutOfMemoryError, Recorder, UnsupportedModelError, capture_attention)
+from kvsim_capture.writer import attr_str
 
 F32_ALL = dict(storage_dtype="float32", all_queries=True)
 
@@ -74,8 +75,8 @@ class CaptureTest(unittest.TestCase):
         self.assertIn("not checkable", v.stdout)
         with h5py.File(self.path()) as f:
             n = int(f.attrs["prefill_length"])
-            self.assertEqual(f.attrs["query_mode"], "window_and_decode")
-            self.assertEqual(f.attrs["storage_dtype"], "float16")
+            self.assertEqual(attr_str(f.attrs["query_mode"]), "window_and_decode")
+            self.assertEqual(attr_str(f.attrs["storage_dtype"]), "float16")
             self.assertEqual(f["layers/layer_000/keys"].dtype, np.dtype("<f2"))
             np.testing.assert_array_equal(f["queries/positions"][:], np.arange(n - 8, n + 4))
             self.assertEqual(f.attrs["num_decode_steps"], 4)  # 5 new tokens: 1 prefill + 4 decode calls

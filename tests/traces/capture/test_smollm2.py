@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvsim_capture import CaptureError, CaptureOptions, UnsupportedModelError, hf, models, passkey
+from kvsim_capture.writer import attr_str
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 KVSIM = os.environ.get("KVSIM_BIN", os.path.join(REPO, "build", "kvsim"))
@@ -80,8 +81,8 @@ class SmolLM2Passkey(unittest.TestCase):
     def test_trace_records_the_task_and_its_tokens(self):
         with h5py.File(self.path, "r") as f:
             cap = f["capture"].attrs
-            self.assertEqual(cap["task"], "passkey")
-            self.assertEqual(str(cap["passkey"]), self.task.passkey)
+            self.assertEqual(attr_str(cap["task"]), "passkey")
+            self.assertEqual(attr_str(cap["passkey"]), self.task.passkey)
             self.assertEqual(int(cap["answered"]), 1)
             a, b = (int(x) for x in cap["needle_tokens"])
             text = f["tokens/text"][a:b]
@@ -97,7 +98,7 @@ class SmolLM2Passkey(unittest.TestCase):
             self.assertTrue(qtext.strip().startswith("What is the passkey?"), qtext)
             self.assertTrue((role[n:] == 3).all())
             self.assertTrue((f["tokens/modality"][...] == 0).all())
-            self.assertEqual(f.attrs["source"], "captured")
+            self.assertEqual(attr_str(f.attrs["source"]), "captured")
             self.assertEqual(int(f.attrs["num_kv_heads"]), 3)
 
     def test_kvsim_validate_accepts_the_trace(self):

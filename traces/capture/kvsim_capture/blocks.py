@@ -15,7 +15,7 @@ import torch
 
 from .errors import CaptureError
 from .recorder import _ACTIVE_LOCK, Recorder, set_active
-from .writer import STORAGE_DTYPES
+from .writer import STORAGE_DTYPES, create_dataset
 
 
 class StreamBlockRecorder:
@@ -108,10 +108,10 @@ class StreamBlockRecorder:
             grp = root.create_group("g%d" % g)
             grp.attrs["granularity"] = np.int64(g)
             grp.attrs["num_blocks"] = np.int64(nb)
-            grp.create_dataset("token_positions", data=self.stream_positions[: nb * g].astype("<i4"))
+            create_dataset(grp, "token_positions", data=self.stream_positions[: nb * g].astype("<i4"))
             for out_layer, layer in enumerate(self.main.layers):
                 ks, vs, a = self.store[g, layer]
                 lg = grp.create_group("layer_%03d" % out_layer)
-                lg.create_dataset("keys", data=ks[:, : nb * g])
-                lg.create_dataset("values", data=vs[:, : nb * g])
-                lg.create_dataset("attention_received", data=a[:, : nb * g])
+                create_dataset(lg, "keys", data=ks[:, : nb * g])
+                create_dataset(lg, "values", data=vs[:, : nb * g])
+                create_dataset(lg, "attention_received", data=a[:, : nb * g])

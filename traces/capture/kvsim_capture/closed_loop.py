@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .errors import CaptureError
+from .writer import attr_str
 
 ATTN_NAME = "kvsim_closed_loop"
 _PLAN_PROTO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "gpu_replay", "plan.proto"))
@@ -117,9 +118,10 @@ def read_trace_info(path):
         raise CaptureError("--trace %s: cannot open as HDF5 (%s)" % (path, str(e).split("\n")[0])) from e
     with f:
         a = f.attrs
-        if a.get("source") != "captured":
+        source = attr_str(a["source"]) if "source" in a else None
+        if source != "captured":
             raise CaptureError("--trace %s: a closed loop needs a trace captured from the model (source = "
-                               "'captured'), this one is '%s'" % (path, a.get("source")))
+                               "'captured'), this one is '%s'" % (path, source))
         info = TraceInfo(path, int(a["prefill_length"]), int(a["num_decode_steps"]), int(a["num_layers"]),
                          int(a["num_heads"]), int(a["num_kv_heads"]), int(a["head_dim"]),
                          f["tokens/token_id"][...].astype(np.int64))
@@ -130,8 +132,8 @@ def read_trace_info(path):
                                    "layer and KV head (capture without --layers / --kv-heads)"
                                    % (path, info.num_layers, int(cap["model_num_layers"]), info.num_kv_heads,
                                       int(cap["model_num_kv_heads"])))
-        if cap.get("task") == "passkey":
-            info.passkey = str(cap["passkey"])
+        if "task" in cap and attr_str(cap["task"]) == "passkey":
+            info.passkey = attr_str(cap["passkey"])
             info.needle_tokens = tuple(int(x) for x in cap["needle_tokens"])
     if info.steps < 1:
         raise CaptureError("--trace %s has no decode steps" % path)

@@ -21,6 +21,7 @@ from .blocks import StreamBlockRecorder
 from .errors import CaptureError, MissingDependencyError, UnsupportedModelError
 from .metadata import build_token_metadata
 from .recorder import CaptureOptions, Recorder, bound_heap_growth, capture_attention
+from .writer import set_attr
 
 ATTN_NAME = "kvsim_capture"
 MIN_TRANSFORMERS = (4, 48)
@@ -529,7 +530,7 @@ def capture(model, processor, out, prompt, images: Sequence[str] = (), video: Op
             if extra_attrs:
                 cap = w.extra_group("capture")
                 for k, v in extra_attrs.items():
-                    cap.attrs[k] = v
+                    set_attr(cap, k, v)
             if extra_writer is not None:
                 extra_writer(w)
             if blocks:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .errors import CaptureError, CaptureOutOfMemoryError, UnsupportedModelError
-from .writer import FLOAT16_MAX, STORAGE_DTYPES, TraceWriter
+from .writer import FLOAT16_MAX, STORAGE_DTYPES, TraceWriter, create_dataset
 
 GENERATOR = "kvsim_capture"
 VERSION = "0.1.0"
@@ -424,8 +424,8 @@ class Recorder:
                     rows = cap.create_group("decode_attention")
                     for out_layer, layer in enumerate(self.layers):
                         s = self._spill[layer]
-                        ds = rows.create_dataset("layer_%03d" % out_layer, shape=(len(self.q_sel), t - n, t),
-                                                 dtype="<f4", chunks=(1, min(t - n, 64), t))
+                        ds = create_dataset(rows, "layer_%03d" % out_layer, shape=(len(self.q_sel), t - n, t),
+                                            dtype="<f4", chunks=(1, min(t - n, 64), t))
                         for h in range(len(self.q_sel)):
                             ds[h] = s.decode_rows[h, :t - n, :t]
                 if extra is not None:

@@ -22,6 +22,44 @@ _INT_ATTRS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "causal", "
 _REAL_ATTRS = ("softmax_scale", "logit_softcap", "rope_theta")
 _STR_ATTRS = ("model_name", "model_family", "model_dtype", "storage_dtype", "source", "generator",
               "generator_version")
+# The file format kvsim's C++ reader (HDF5 1.10) understands, with checksummed metadata (superblock v3,
+# object headers v2): docs/trace-format.md, "Integrity".
+LIBVER = ("v110", "v110")
+
+
+def fixed_string(value):
+    """A str as a fixed-length UTF-8 HDF5 string: never a variable-length one, whose bytes live in HDF5's
+    global heap outside every checksum (docs/trace-format.md, "Integrity")."""
+    b = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+    return np.array(b, dtype=h5py.string_dtype("utf-8", max(1, len(b))))
+
+
+def set_attr(obj, name, value):
+    """obj.attrs[name] = value, strings fixed-length."""
+    if isinstance(value, (str, bytes)):
+        obj.attrs.create(name, fixed_string(value))
+    else:
+        obj.attrs[name] = value
+
+
+def attr_str(value):
+    """An HDF5 string attribute as str, whether stored fixed-length (bytes) or variable-length (str)."""
+    if isinstance(value, (bytes, np.bytes_)):
+        return bytes(value).decode("utf-8")
+    return str(value)
+
+
+def create_dataset(group, name, data=None, shape=None, dtype=None, chunks=None):
+    """group.create_dataset with what every dataset of a trace has: a Fletcher32 checksum on every chunk
+    (one chunk per leading index unless `chunks` says otherwise). Empty datasets cannot be chunked."""
+    if data is not None:
+        data = np.asarray(data) if dtype is None else np.asarray(data, dtype=dtype)
+        shape, dtype = data.shape, data.dtype
+    if int(np.prod(shape)) == 0:
+        return group.create_dataset(name, shape=shape, dtype=dtype, data=data)
+    if chunks is None:
+        chunks = tuple([1] * (len(shape) - 1) + [int(shape[-1])]) if len(shape) > 1 else tuple(int(x) for x in shape)
+    return group.create_dataset(name, shape=shape, dtype=dtype, data=data, chunks=chunks, fletcher32=True)
 
 
 class TraceWriter:
@@ -81,24 +119,24 @@ class TraceWriter:
         if not os.path.isdir(folder):
             raise CaptureError("%s: folder '%s' does not exist" % (self.path, folder))
         try:
-            self._file = h5py.File(self.tmp_path, "w")
+            self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, track_order=False)
         except OSError as e:
             raise CaptureError("%s: cannot create '%s' (%s); check that the folder is writable"
                                % (self.path, self.tmp_path, e)) from e
         f = self._file
-        f.attrs["format"] = FORMAT_NAME
+        set_attr(f, "format", FORMAT_NAME)
         f.attrs["format_version"] = np.int64(FORMAT_VERSION)
         for k in _INT_ATTRS:
             f.attrs[k] = np.int64(attrs[k])
         for k in _REAL_ATTRS:
             f.attrs[k] = np.float64(attrs[k])
         for k in _STR_ATTRS:
-            f.attrs[k] = str(attrs[k])
+            set_attr(f, k, str(attrs[k]))
         f.attrs["seed"] = np.uint64(attrs.get("seed", 0))
-        f.attrs["query_mode"] = "all" if len(qpos) == t else "window_and_decode"
+        set_attr(f, "query_mode", "all" if len(qpos) == t else "window_and_decode")
         f.attrs["has_prefill_column_sums"] = np.int64(1 if attrs.get("has_prefill_column_sums") else 0)
         if attrs.get("config_text"):
-            f.attrs["config_text"] = str(attrs["config_text"])
+            set_attr(f, "config_text", str(attrs["config_text"]))
         tk = f.create_group("tokens")
         spec = (("modality", "<u1"), ("segment_id", "<i4"), ("patch_row", "<i4"), ("patch_col", "<i4"),
                 ("position_id", "<i8"), ("role", "<u1"), ("token_id", "<i8"))
@@ -107,14 +145,15 @@ class TraceWriter:
             if arr.shape != (t,):
                 raise CaptureError("%s: internal: tokens/%s has shape %s, expected (%d,)"
                                    % (self.path, name, arr.shape, t))
-            tk.create_dataset(name, data=arr)
-        tk.create_dataset("phase", data=(np.arange(t) >= n).astype("<u1"))
-        tk["modality"].attrs["names"] = MODALITY_NAMES
-        tk["role"].attrs["names"] = ROLE_NAMES
+            create_dataset(tk, name, data=arr)
+        create_dataset(tk, "phase", data=(np.arange(t) >= n).astype("<u1"))
+        set_attr(tk["modality"], "names", MODALITY_NAMES)
+        set_attr(tk["role"], "names", ROLE_NAMES)
         if tokens.get("text") is not None:
-            tk.create_dataset("text", data=[str(s) for s in tokens["text"]],
-                              dtype=h5py.string_dtype("utf-8"))
-        f.create_group("queries").create_dataset("positions", data=qpos)
+            text = [str(s).encode("utf-8") for s in tokens["text"]]
+            create_dataset(tk, "text", data=np.array(text, dtype=h5py.string_dtype(
+                "utf-8", max([1] + [len(b) for b in text]))))
+        create_dataset(f.create_group("queries"), "positions", data=qpos)
         f.create_group("layers")
         if attrs.get("has_prefill_column_sums"):
             f.create_group("aggregates")
@@ -128,7 +167,7 @@ class TraceWriter:
             raise CaptureError("%s: internal: %s/%s has shape %s, expected %s"
                                % (self.path, group.name, name, tuple(data.shape), (heads, rows, d)))
         chunks = (1, max(1, min(rows, self.chunk_tokens)), d)
-        ds = group.create_dataset(name, shape=(heads, rows, d), dtype=dtype, chunks=chunks)
+        ds = create_dataset(group, name, shape=(heads, rows, d), dtype=dtype, chunks=chunks)
         for h in range(heads):  # one head at a time: bounded host memory when `data` is a memmap
             ds[h] = np.asarray(data[h], dtype=dtype)
 
@@ -145,15 +184,14 @@ class TraceWriter:
             s = np.asarray(prefill_column_sums, dtype="<f4")
             if s.shape != (m["num_heads"], m["prefill_length"]):
                 raise CaptureError("%s: internal: prefill_column_sums shape %s" % (self.path, s.shape))
-            self._file["aggregates"].create_group("layer_%03d" % layer).create_dataset(
-                "prefill_column_sums", data=s)
+            create_dataset(self._file["aggregates"].create_group("layer_%03d" % layer), "prefill_column_sums", data=s)
         self._next_layer += 1
 
     def write_extra(self, name, data, attrs=None, chunks=None):
         """Writes an optional dataset outside the v1 layout (e.g. 'capture/position_ids'); kvsim ignores it."""
-        ds = self._file.create_dataset(name, data=data, chunks=chunks)
+        ds = create_dataset(self._file, name, data=data, chunks=chunks)
         for k, v in (attrs or {}).items():
-            ds.attrs[k] = v
+            set_attr(ds, k, v)
         return ds
 
     def extra_group(self, name):
