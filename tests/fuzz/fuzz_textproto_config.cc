@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -63,6 +64,13 @@ void PolicyInput(const std::string& text) {
 }
 
 }  // namespace
+
+// The reader and synth check sizes against the memory kvsim may use before allocating: make that less than
+// libFuzzer's -rss_limit_mb (2048), so a refused size is an error, not an out-of-memory finding.
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  setenv("KVSIM_MAX_MEMORY", "512M", /*overwrite=*/0);
+  return 0;
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
