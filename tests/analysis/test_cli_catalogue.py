@@ -154,7 +154,7 @@ class Case:
     args: Callable[[Ctx], list]  # kvsim arguments, built in the case's folders
     expect: str  # distinctive substring of the one stderr line
     exit_code: int = 1
-    outputs: tuple = ("out",)  # folders that must stay empty
+    env: dict = dataclasses.field(default_factory=dict)  # extra environment of the kvsim process
     note: str = ""
 
 
@@ -335,6 +335,30 @@ CASES = [
     Case("gpu_plan_on_streaming_trace",
          lambda c: ["gpu-plan", "--trace", c.copy("stream"), "--policy", "snapkv", "--budget", "0.2", "--out",
                     c.o("p.pb")], "streaming trace"),
+    # -- memory (issue 18 §2)
+    Case("synth_config_asks_for_terabytes",
+         lambda c: ["synth", "--config", c.text("big.textproto", Path(TINY_CFG).read_text()
+                                                .replace("num_layers: 3", "num_layers: 1000")
+                                                .replace("num_heads: 4", "num_heads: 64")
+                                                .replace("num_kv_heads: 4", "num_kv_heads: 64")
+                                                .replace("head_dim: 32", "head_dim: 1024")
+                                                .replace("rope_theta: 10000", "rope_theta: 1e9")
+                                                .replace("tokens: 8 }", "tokens: 1000000 }")),
+                    "--out", c.o("t.h5")], "memory",
+         note="issue 18 §2"),
+    Case("huge_declared_shape_unallocated_chunks",
+         lambda c: ["validate", c.damaged(huge_unallocated_layers)], "stores 0 bytes",
+         note="issue 18 §2: stored sizes checked against shapes"),
+    Case("damaged_global_heap_string_attribute",
+         lambda c: ["validate", shutil.copy(SRC / "tests/fuzz/regressions/pending/trace_reader/"
+                                            "vlen_string_global_heap.h5", c.inp / "heap.h5")], "heap.h5",
+         note="issue 18 §1: found by fuzz_trace_reader; was SIGSEGV in H5Aread -> H5HG_read"),
+    Case("bad_alloc_is_one_line",
+         lambda c: ["synth", "--config", str(SYNTH / "streaming_demo.textproto"), "--out", c.o("t.h5"),
+                    "--threads", "1"],
+         "memory", note="issue 18 §3: was a bare std::bad_alloc (ulimit -v; skipped under ASan)"),
+    Case("layer_above_memory_limit", lambda c: ["validate", c.copy()], "memory",
+         env={"KVSIM_MAX_MEMORY": "4K"}, note="issue 18 §2: two layers checked against available memory"),
     # -- outputs
     Case("sweep_out_holds_other_files",
          lambda c: ["sweep", "--config", EXP_DEMO, "--trace", c.copy(), "--out",
@@ -348,38 +372,14 @@ PENDING = [
          lambda c: ["run", "--trace", c.damaged(del_link("streaming/frame_time_s"), "stream"), "--policy",
                     "rekv", "--budget-tokens", "16", "--out", c.o()], "frame_time_s",
          note="§3: says \"'rekv' is a streaming policy ... and this trace is not one\" instead of the damage"),
-    Case("synth_config_asks_for_terabytes",
-         lambda c: ["synth", "--config", c.text("big.textproto", Path(TINY_CFG).read_text()
-                                                .replace("num_layers: 3", "num_layers: 1000")
-                                                .replace("num_heads: 4", "num_heads: 64")
-                                                .replace("num_kv_heads: 4", "num_kv_heads: 64")
-                                                .replace("head_dim: 32", "head_dim: 1024")
-                                                .replace("rope_theta: 10000", "rope_theta: 1e9")
-                                                .replace("tokens: 8 }", "tokens: 1000000 }")),
-                    "--out", c.o("t.h5")], "memory",
-         note="§2: synth checks the total size against free disk and memory before writing"),
-    Case("huge_declared_shape_unallocated_chunks",
-         lambda c: ["validate", c.damaged(huge_unallocated_layers)], "memory",
-         note="§2: sizes that drive an allocation are checked against available memory first"),
     Case("streaming_trace_damaged_default_budget",
          lambda c: ["run", "--trace", c.damaged(del_link("streaming/frame_time_s"), "stream"), "--policy",
                     "rekv", "--out", c.o()], "frame_time_s",
          note="§3: a damaged streaming trace run with the policy's default budget gets the usage error 'give "
               "exactly one of --budget or --budget-tokens' (exit 2) instead of the trace's error"),
-    Case("damaged_global_heap_string_attribute",
-         lambda c: ["validate", shutil.copy(SRC / "tests/fuzz/regressions/pending/trace_reader/"
-                                            "vlen_string_global_heap.h5", c.inp / "heap.h5")], "heap.h5",
-         note="§1: found by fuzz_trace_reader; SIGSEGV in H5Aread -> H5HG_read on a damaged global heap"),
-    Case("bad_alloc_is_one_line",
-         lambda c: ["synth", "--config", str(SYNTH / "streaming_demo.textproto"), "--out", c.o("t.h5"),
-                    "--threads", "1"],
-         "memory", note="§3: bare std::bad_alloc (run under ulimit -v; skipped under ASan)"),
 ]
 
 ULIMIT_CASES = {"bad_alloc_is_one_line": 400_000}  # KB of address space for these cases
-# Cases that ask for hundreds of GB at once: a clean bad_alloc without ASan; under ASan's allocator the
-# reservation may succeed and the pages be touched, so they are skipped there.
-NOT_UNDER_ASAN = {"synth_config_asks_for_terabytes", "huge_declared_shape_unallocated_chunks"}
 
 
 def digest_tree(root: Path):
@@ -393,15 +393,14 @@ def check(case: Case, tmp_path, traces):
     before = digest_tree(c.inp)
     cmd = [KVSIM] + args
     preexec = None
-    if SANITIZED and case.id in NOT_UNDER_ASAN:
-        pytest.skip("allocates hundreds of GB: not under AddressSanitizer")
     if case.id in ULIMIT_CASES:
         if SANITIZED:
             pytest.skip("ulimit -v does not work under AddressSanitizer")
         import resource
         kb = ULIMIT_CASES[case.id]
         preexec = lambda: resource.setrlimit(resource.RLIMIT_AS, (kb * 1024, kb * 1024))  # noqa: E731
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=c.inp, preexec_fn=preexec)
+    env = dict(os.environ, **case.env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=c.inp, preexec_fn=preexec, env=env)
     shown = f"$ kvsim {' '.join(args)}\nexit {p.returncode}\nstderr: {p.stderr!r}\nstdout: {p.stdout!r}"
     assert p.returncode == case.exit_code, shown
     lines = p.stderr.splitlines()
