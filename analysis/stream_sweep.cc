@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "analysis/report.h"
+#include "analysis/trace_stats.h"
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
 #include "sim/stream_replay.h"
@@ -157,7 +158,7 @@ std::string FormatStreamSummary(const TraceMeta& meta) {
 std::string StreamSummaryJson(const TraceMeta& meta) {
   const StreamInfo& s = *meta.stream;
   std::ostringstream os;
-  os << "{\"model\": \"" << meta.model.name << "\", \"num_layers\": " << meta.model.num_layers
+  os << "{\"model\": " << JsonString(meta.model.name) << ", \"num_layers\": " << meta.model.num_layers
      << ", \"init_len\": " << s.init_len << ", \"num_frames\": " << s.num_frames
      << ", \"tokens_per_frame\": " << s.tokens_per_frame << ", \"fps\": " << Num(s.fps, 10)
      << ", \"questions\": [";

@@ -358,6 +358,8 @@ double Quantile(const std::vector<double>& sorted, double q) {
   return sorted[static_cast<size_t>(std::lround(q * (sorted.size() - 1)))];
 }
 
+}  // namespace
+
 std::string JsonNumber(double v) {
   if (!std::isfinite(v)) return "null";
   char buf[32];
@@ -381,8 +383,6 @@ std::string JsonString(const std::string& s) {
   }
   return out + "\"";
 }
-
-}  // namespace
 
 std::string FormatTraceStats(const TraceMeta& meta, const TraceStats& stats) {
   const ModelInfo& m = meta.model;

@@ -68,4 +68,9 @@ std::string FormatTraceStats(const TraceMeta& meta, const TraceStats& stats);
 // The same as compact JSON (one object).
 std::string TraceStatsToJson(const TraceMeta& meta, const TraceStats& stats);
 
+// The JSON of `kvsim inspect --json` (text and streaming): a number (%.6g; null when not finite) and an
+// escaped string literal.
+std::string JsonNumber(double v);
+std::string JsonString(const std::string& s);
+
 }  // namespace kvsim

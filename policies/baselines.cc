@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "policies/pieces.h"
 #include "sim/select.h"
@@ -105,13 +106,14 @@ class SnapKVHead final : public HeadPolicy {
 // ---- oracle ----
 class OracleHead final : public HeadPolicy {
  public:
-  explicit OracleHead(policy::GroupAggregation agg) : agg_(agg) {}
+  OracleHead(policy::GroupAggregation agg, bool growth) : agg_(agg), growth_(growth) {}
   void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
     // Nothing is known before the first decode query; re-selected at every step anyway.
     cache->AssignRange(std::max(0, ctx.compress_end - budget), ctx.compress_end);
   }
   void BeforeStep(const HeadContext& ctx, const StepAttention& att, int cap, HeadCache* cache) override {
     const int pos = ctx.prefill_length() + att.step;
+    if (growth_) cap += att.step + 1;  // as many slots as a prefill-compressing cache holds at this step
     std::vector<int32_t> keep;
     if (ctx.group_size == 1) {  // MHA: the engine's sorted copy gives the threshold without a selection
       const std::span<const float> row(att.full_probs[0], pos + 1);
@@ -130,6 +132,7 @@ class OracleHead final : public HeadPolicy {
 
  private:
   policy::GroupAggregation agg_;
+  bool growth_;
   bool append_new_ = true;
 };
 
@@ -139,6 +142,13 @@ std::vector<int32_t> SnapKVSelection::Select(const HeadContext& ctx, int budget)
   const int n = ctx.compress_end;
   const int observe = std::min(window, n);
   const int tail = std::min(observe, budget);  // the kept observation window
+  // B <= w': the budget holds (part of) the window only, no prefix token is voted in, so no scores are
+  // computed: window tokens are never ranked by the window's own attention (docs/policies/snapkv.md).
+  if (budget <= tail) {
+    std::vector<int32_t> keep(tail);
+    std::iota(keep.begin(), keep.end(), n - tail);
+    return keep;
+  }
   std::vector<float> score = GroupWindowColumnSums(ctx, observe, aggregation);
   score.resize(n - tail);
   score = Pool1D(score, kernel_size, pooling);
@@ -197,7 +207,7 @@ std::unique_ptr<HeadPolicy> PyramidKVPolicy::NewHeadPolicy(const HeadContext&) c
 }
 
 std::unique_ptr<HeadPolicy> OraclePolicy::NewHeadPolicy(const HeadContext&) const {
-  return std::make_unique<OracleHead>(params_.group_aggregation());
+  return std::make_unique<OracleHead>(params_.group_aggregation(), params_.decode_growth());
 }
 
 void RegisterBaselinePolicies(PolicyRegistry* r) {

@@ -73,14 +73,15 @@ class PyramidKVPolicy final : public TypedPolicy<policy::PyramidKVParams> {
 };
 
 // Oracle: each decode step keeps the `cap` tokens with the highest attention from that step's own queries
-// (group-aggregated), chosen from every token so far. Not causal.
+// (group-aggregated), chosen from every token so far. Not causal. With decode_growth, `cap + t + 1` at
+// step t (a prefill-compressing policy's cache size); the engine then checks it as a non-evicting policy.
 class OraclePolicy final : public TypedPolicy<policy::OracleParams> {
  public:
   using TypedPolicy::TypedPolicy;
   static Status Validate(const policy::OracleParams&) { return Status::Ok(); }
   std::string name() const override { return "oracle"; }
   PolicyRequirements requirements() const override { return {.future_attention = true}; }
-  bool evicts_during_decode() const override { return true; }
+  bool evicts_during_decode() const override { return !params_.decode_growth(); }
   std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const override;
 };
 

@@ -170,7 +170,49 @@ double MeanCausalRowEntropy(const ModelInfo& m, const float* q, const float* k, 
   return sum / n;
 }
 
-double MedaLayerEntropy(const LayerView& view, policy::MedaParams::Entropy mode) {
+double MeanRowEntropyOfHeadMean(const ModelInfo& m, std::span<const float* const> q,
+                                std::span<const float* const> k, int rows, int cols, bool causal,
+                                int threads) {
+  KVSIM_CHECK(q.size() == k.size());
+  const int H = static_cast<int>(q.size()), d = m.head_dim;
+  if (rows == 0 || cols == 0 || H == 0) return 0;
+  EnsureSingleThreadedBlas();
+  const float scale = static_cast<float>(m.softmax_scale), cap = static_cast<float>(m.logit_softcap);
+  const int blocks = (rows + kEntropyRows - 1) / kEntropyRows;
+  std::vector<double> part(blocks, 0.0);  // per row block, summed in block order: any thread count
+  ParallelFor(blocks, threads, [&](int b) {
+    const int r0 = b * kEntropyRows, r1 = std::min(rows, r0 + kEntropyRows), nr = r1 - r0;
+    const int kmin = causal ? FirstVisibleKey(m, r0) : 0, width = (causal ? r1 : cols) - kmin;
+    auto lo = [&](int i) { return causal ? FirstVisibleKey(m, r0 + i) - kmin : 0; };
+    auto hi = [&](int i) { return causal ? r0 + i + 1 - kmin : width; };
+    std::vector<float> block(static_cast<size_t>(nr) * width), mean(block.size(), 0.0f);
+    for (int h = 0; h < H; ++h) {  // heads in a fixed order
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, width, d, scale,
+                  q[h] + static_cast<size_t>(r0) * d, d, k[h] + static_cast<size_t>(kmin) * d, d, 0.0f,
+                  block.data(), width);
+      for (int i = 0; i < nr; ++i) {
+        float* row = block.data() + static_cast<size_t>(i) * width;
+        float* acc = mean.data() + static_cast<size_t>(i) * width;
+        SoftCap(row + lo(i), hi(i) - lo(i), cap);
+        SoftmaxInPlace(row + lo(i), hi(i) - lo(i));
+        for (int j = lo(i); j < hi(i); ++j) acc[j] += row[j];
+      }
+    }
+    double sum = 0;
+    for (int i = 0; i < nr; ++i) {
+      const float* acc = mean.data() + static_cast<size_t>(i) * width;
+      for (int j = lo(i); j < hi(i); ++j) {
+        const double p = static_cast<double>(acc[j]) / H;
+        if (p > 0) sum -= p * std::log(p);
+      }
+    }
+    part[b] = sum;
+  });
+  return std::accumulate(part.begin(), part.end(), 0.0) / rows;
+}
+
+double MedaLayerEntropy(const LayerView& view, policy::MedaParams::Entropy mode,
+                        policy::MedaParams::HeadAveraging averaging) {
   const TraceMeta& meta = *view.meta;
   const ModelInfo& m = meta.model;
   const int d = m.head_dim, ce = view.compress_end, t_all = meta.total_tokens();
@@ -182,15 +224,38 @@ double MedaLayerEntropy(const LayerView& view, policy::MedaParams::Entropy mode)
     qidx[j] = meta.QueryIndex(j);
     KVSIM_CHECK_MSG(qidx[j] >= 0, "meda: missing prompt query (CheckRuns should have refused the trace)");
   }
+  auto head_keys = [&](int h) {
+    return view.data->keys.data() + static_cast<size_t>(h / m.GroupSize()) * t_all * d;
+  };
+  auto head_query_rows = [&](int h, std::span<const int32_t> pos) {
+    const float* queries = view.data->queries.data() + static_cast<size_t>(h) * tq * d;
+    std::vector<int32_t> idx(pos.size());
+    for (size_t i = 0; i < pos.size(); ++i) idx[i] = qidx[pos[i]];
+    return Gather(queries, idx, d);
+  };
+  if (averaging == policy::MedaParams::ENTROPY_OF_MEAN_ATTENTION) {
+    // Every head's query rows (and, cross-modal, its KV head's keys) gathered once; rows in parallel.
+    auto entropy = [&](std::span<const int32_t> qpos, std::span<const int32_t> kpos, bool causal) {
+      std::vector<std::vector<float>> qs(m.num_heads), ks(m.num_kv_heads);
+      std::vector<const float*> qp(m.num_heads), kp(m.num_heads);
+      for (int u = 0; u < m.num_kv_heads; ++u)
+        if (!causal) ks[u] = Gather(head_keys(u * m.GroupSize()), kpos, d);
+      for (int h = 0; h < m.num_heads; ++h) {
+        qs[h] = head_query_rows(h, qpos);
+        qp[h] = qs[h].data();
+        kp[h] = causal ? head_keys(h) : ks[h / m.GroupSize()].data();
+      }
+      return MeanRowEntropyOfHeadMean(m, qp, kp, static_cast<int>(qpos.size()), static_cast<int>(kpos.size()),
+                                      causal, view.threads);
+    };
+    if (mode == policy::MedaParams::FULL_SELF) return entropy(all, all, true);
+    if (text.empty() || visual.empty()) return 0;
+    return entropy(text, visual, false) + entropy(visual, text, false);  // -E_TV - E_VT
+  }
   std::vector<double> per_head(m.num_heads, 0.0);
   ParallelFor(m.num_heads, view.threads, [&](int h) {
-    const float* keys = view.data->keys.data() + static_cast<size_t>(h / m.GroupSize()) * t_all * d;
-    const float* queries = view.data->queries.data() + static_cast<size_t>(h) * tq * d;
-    auto query_rows = [&](std::span<const int32_t> pos) {
-      std::vector<int32_t> idx(pos.size());
-      for (size_t i = 0; i < pos.size(); ++i) idx[i] = qidx[pos[i]];
-      return Gather(queries, idx, d);
-    };
+    const float* keys = head_keys(h);
+    auto query_rows = [&](std::span<const int32_t> pos) { return head_query_rows(h, pos); };
     if (mode == policy::MedaParams::FULL_SELF) {
       per_head[h] = MeanCausalRowEntropy(m, query_rows(all).data(), keys, ce);
       return;
@@ -251,6 +316,7 @@ policy::MedaParams ResolveMedaParams(const policy::MedaParams& in) {
   if (!p.has_merge_filter()) p.set_merge_filter(code ? policy::ABOVE_MEAN_SIMILARITY : policy::MERGE_ALL);
   if (!p.has_min_layer_ratio()) p.set_min_layer_ratio(0.01);
   if (!p.has_group_aggregation()) p.set_group_aggregation(policy::MEAN);
+  if (!p.has_head_averaging()) p.set_head_averaging(policy::MedaParams::MEAN_OF_HEAD_ENTROPIES);
   return p;
 }
 
@@ -289,7 +355,8 @@ std::unique_ptr<PolicyPlan> MedaPolicy::NewPlan(const TraceMeta&, int) const {
 }
 
 void MedaPolicy::ObserveLayer(const LayerView& layer, PolicyPlan* plan) const {
-  static_cast<MedaPlan*>(plan)->entropy.push_back(MedaLayerEntropy(layer, params_.entropy()));
+  static_cast<MedaPlan*>(plan)->entropy.push_back(
+      MedaLayerEntropy(layer, params_.entropy(), params_.head_averaging()));
 }
 
 void MedaPolicy::FinishPlan(const TraceMeta& meta, PolicyPlan* plan) const {

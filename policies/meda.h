@@ -21,11 +21,22 @@ double MeanRowEntropy(const LogitTransform& tf, const float* q, int rows, const 
 // [FirstVisibleKey(i), i]); q and k are [n][d] at positions 0..n-1.
 double MeanCausalRowEntropy(const ModelInfo& m, const float* q, const float* k, int n);
 
-// The head-averaged layer entropy over the compressible prompt [0, view.compress_end):
+// Mean over rows i in [0, rows) of the entropy of the head-averaged attention row
+// (1/H) Σ_h softmax(tf(q_h[i] . k_h[j])), H = q.size(); q[h]: [rows][d], k[h]: [cols][d]. causal: rows and
+// cols are positions 0..rows-1 and row i sees keys [FirstVisibleKey(i), i]; else every row sees every key.
+double MeanRowEntropyOfHeadMean(const ModelInfo& m, std::span<const float* const> q,
+                                std::span<const float* const> k, int rows, int cols, bool causal,
+                                int threads);
+
+// The layer entropy over the compressible prompt [0, view.compress_end):
 //   CROSS_MODAL (Eqs. 4-6): E_CM = H(softmax(Q_T K_V^T)) + H(softmax(Q_V K_T^T)), mean row entropies,
 //                           T = text-like tokens, V = image and video tokens;
 //   FULL_SELF (code):       mean row entropy of the causal self-attention.
-double MedaLayerEntropy(const LayerView& view, policy::MedaParams::Entropy mode);
+// MEAN_OF_HEAD_ENTROPIES: the mean over query heads of each head's value; ENTROPY_OF_MEAN_ATTENTION: the row
+// entropies of the head-averaged attention.
+double MedaLayerEntropy(
+    const LayerView& view, policy::MedaParams::Entropy mode,
+    policy::MedaParams::HeadAveraging averaging = policy::MedaParams::MEAN_OF_HEAD_ENTROPIES);
 
 // Eq. 7: α_l = softmax_l(E) * L * ρ with ρ = budget / compress_len, S_l = α_l * compress_len:
 //   clamp = false (paper): ProportionalLayerBudgets(softmax(E), L * budget, compress_len): exact total,

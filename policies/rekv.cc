@@ -1,5 +1,6 @@
 #include "policies/rekv.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "policies/policy_params.pb.h"
@@ -97,7 +98,7 @@ class ReKV : public TypedStreamPolicy<policy::ReKVParams> {
     while (fb < static_cast<int>(in.available.size()) && in.available[fb]) ++fb;
     const auto scores =
         ReKVFrameScores(*in.meta, *in.stream, question, fb, params_.score() == policy::ReKVParams::COSINE);
-    SelectFrames(ReKVSelect(scores, FramesForBudget(*in.meta, in.budget_tokens)), out);
+    SelectFrames(ReKVSelect(scores, std::max(1, FramesForBudget(*in.meta, in.budget_tokens))), out);
     out->positions = params_.positions() == policy::AS_ENCODED ? ContextPositions::kAsEncoded
                                                                : ContextPositions::kReindexed;
     return Status::Ok();

@@ -10,7 +10,7 @@
 namespace kvsim {
 
 int FramesForBudget(const TraceMeta& meta, int budget_tokens) {
-  return std::max(1, budget_tokens / std::max(1, meta.stream->tokens_per_frame));
+  return std::max(0, budget_tokens) / std::max(1, meta.stream->tokens_per_frame);
 }
 
 void BuildFrameBank(const TraceMeta& meta, const FrameBankOptions& opt, StreamPlan* plan) {
@@ -19,6 +19,7 @@ void BuildFrameBank(const TraceMeta& meta, const FrameBankOptions& opt, StreamPl
   const int P = s.tokens_per_frame;
   plan->initial_gpu_bytes = s.init_len * bpt;
   plan->context_resident = opt.tiers != FrameBankTiers::kOffloaded;
+  plan->bank_offloaded = opt.tiers == FrameBankTiers::kOffloaded;
   std::vector<int32_t> all(P);
   std::iota(all.begin(), all.end(), 0);
   for (int f = 0; f < s.num_frames; ++f) {
@@ -184,15 +185,17 @@ void RegisterStreamBaselines(StreamPolicyRegistry* r) {
   r->Register({"stream_full", "every frame before the question, all on the GPU (full-history reference)",
                "StreamFullParams", false},
               TypedStreamFactory<StreamFull, policy::StreamFullParams>());
-  r->Register({"stream_recent", "the last floor(B/P) frames before the question (sliding window of frames)",
+  r->Register({"stream_recent",
+               "the last floor(B/P) frames before the question (sliding window of frames; none if B < P)",
                "StreamRecentParams", true},
               TypedStreamFactory<StreamRecent, policy::StreamRecentParams>());
-  r->Register(
-      {"stream_uniform", "floor(B/P) frames sampled uniformly from the history", "StreamUniformParams", true},
-      TypedStreamFactory<StreamUniform, policy::StreamUniformParams>());
+  r->Register({"stream_uniform", "floor(B/P) frames sampled uniformly from the history (none if B < P)",
+               "StreamUniformParams", true},
+              TypedStreamFactory<StreamUniform, policy::StreamUniformParams>());
   r->Register(
       {"stream_oracle",
-       "hindsight: the floor(B/P) frames with the most full-history attention of the question and answer",
+       "hindsight: the floor(B/P) frames with the most full-history attention of the question and answer "
+       "(none if B < P)",
        "StreamOracleParams", true},
       TypedStreamFactory<StreamOracle, policy::StreamOracleParams>());
 }

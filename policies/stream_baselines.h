@@ -7,7 +7,7 @@
 
 namespace kvsim {
 
-// Frames k = floor(budget / P), at least 1.
+// Frames k = floor(budget / P): 0 when the budget is below one frame (the budget is a cap; never exceeded).
 int FramesForBudget(const TraceMeta& meta, int budget_tokens);
 
 // Memory tiers of a frame bank built by continuous encoding (one job per frame, P tokens each).

@@ -1,7 +1,8 @@
 #pragma once
 // Cache state of one (layer, KV head): an ordered set of slots. A slot is an original token (its "anchor",
 // kept as itself) or a merge: the anchor plus merged-in tokens with weights, holding its own key/value.
-// Provenance is kept so metrics can tell retained mass (anchors) from covered mass (anchors + merged-in).
+// Provenance is kept so metrics can tell retained mass (plain slots' anchors) from merged anchors and
+// covered mass (every anchor + merged-in tokens).
 
 #include <cstdint>
 #include <span>

@@ -119,9 +119,13 @@ class UnitScores final : public PromptScores {
 
 // Whole-trace accumulators of one run. Per-sample arrays are indexed ((layer * H + head) * S + step).
 struct RunAccum {
-  std::vector<float> retained, covered, err, regret;
+  std::vector<float> retained, anchor, covered, err, regret;  // anchor: merged slots' anchors' mass
   std::vector<double> ret_mod, full_mod;          // [(layer * H + head) * 4 + modality], summed over steps
   std::vector<int64_t> bound_checks, bound_viol;  // [layer * Hkv + unit]
+  // Σ over samples with a visible merged slot of (merged slots' weight / their tokens' full mass), and how
+  // many such samples: [layer * Hkv + unit].
+  std::vector<double> merged_share_sum;
+  std::vector<int64_t> merged_share_n;
   std::vector<int32_t> kept_mod;     // [(layer * Hkv + unit) * 4 + modality] after the compression event
   std::vector<int32_t> prompt_kept;  // [layer * Hkv + unit] compressible-prompt slots after compression
   std::vector<int32_t> merged_tokens, merged_slots, merge_max;  // [layer * Hkv + unit] at the end
@@ -369,7 +373,7 @@ class LayerPass {
         float* cp = &w.cache_probs[static_cast<size_t>(g) * slots];
         std::fill(w.out.begin(), w.out.end(), 0.0f);
         float* out = w.out.data();
-        double wsum = 0, retained = 0, covered = 0;
+        double wsum = 0, retained = 0, anchor = 0, covered = 0, merged_w = 0, merged_mass = 0;
         double ret_mod[4] = {0, 0, 0, 0};
         int visible = 0;
         for (int s = 0; s < slots; ++s) {
@@ -377,11 +381,11 @@ class LayerPass {
           if (tok < first) continue;  // outside a sliding window: masked
           ++visible;
           const float pt = p[tok];
-          retained += pt;
-          ret_mod[static_cast<int>(meta_.tokens.modality[tok])] += pt;
           float wgt;
           const float* v;
-          if (!cache.is_merged(s)) {
+          if (!cache.is_merged(s)) {  // kept as itself: retained
+            retained += pt;
+            ret_mod[static_cast<int>(meta_.tokens.modality[tok])] += pt;
             wgt = pt;
             covered += pt;
             v = w.ctx.values + static_cast<size_t>(tok) * d;
@@ -389,6 +393,7 @@ class LayerPass {
             const MergedSlot& ms = cache.merged(s);
             wgt = static_cast<float>(
                 std::exp(static_cast<double>(tf(Dot(DecodeQuery(qh, t), ms.key.data(), d))) - lse));
+            anchor += pt;  // its key and value were replaced: covered, not retained
             covered += pt;
             // Four independent partial sums in registers: no serial dependency chain over the members.
             const auto* mem = ms.members.data();
@@ -402,7 +407,10 @@ class LayerPass {
               m3 += p[mem[i + 3].first];
             }
             for (; i < nm; ++i) m0 += p[mem[i].first];
-            covered += (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
+            const double members = (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
+            covered += members;
+            merged_w += wgt;
+            merged_mass += pt + members;
             v = ms.value.data();
           }
           cp[s] = wgt;
@@ -421,6 +429,7 @@ class LayerPass {
         const double diff = std::sqrt(diff2);
         const size_t si = Sample(qh, t);
         a.retained[si] = static_cast<float>(retained);
+        a.anchor[si] = static_cast<float>(anchor);
         a.covered[si] = static_cast<float>(covered);
         a.err[si] = static_cast<float>(o2 > 0 ? diff / std::sqrt(o2) : diff);
         // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
@@ -434,6 +443,10 @@ class LayerPass {
         for (int mo = 0; mo < 4; ++mo) {
           rm[mo] += ret_mod[mo];
           fm[mo] += wfm[mo];
+        }
+        if (merged_mass > 0) {
+          a.merged_share_sum[UnitIndex(u)] += merged_w / merged_mass;
+          ++a.merged_share_n[UnitIndex(u)];
         }
         if (!cache.has_merges()) {
           const double bound = 2.0 * std::max(0.0, 1.0 - retained) * w.max_vnorm[t];
@@ -489,10 +502,12 @@ void FillQuality(const TraceMeta& meta, const RunAccum& a, int l0, int l1, Metri
   const int h = meta.model.num_heads, hkv = meta.model.num_kv_heads, s = meta.num_decode_steps;
   const size_t b = static_cast<size_t>(l0) * h * s, e = static_cast<size_t>(l1) * h * s;
   auto slice = [&](const std::vector<float>& v) { return std::vector<float>(v.begin() + b, v.begin() + e); };
-  const auto ret = slice(a.retained), cov = slice(a.covered), err = slice(a.err), reg = slice(a.regret);
+  const auto ret = slice(a.retained), anc = slice(a.anchor), cov = slice(a.covered), err = slice(a.err),
+             reg = slice(a.regret);
   m->set_samples(static_cast<double>(e - b));
   m->set_retained_mass_mean(Mean(ret));
   m->set_retained_mass_p5(Quantile(ret, 0.05));
+  m->set_merged_anchor_mass_mean(Mean(anc));
   m->set_covered_mass_mean(Mean(cov));
   m->set_output_rel_error_mean(Mean(err));
   m->set_output_rel_error_p95(Quantile(err, 0.95));
@@ -505,10 +520,13 @@ void FillQuality(const TraceMeta& meta, const RunAccum& a, int l0, int l1, Metri
       fm[mo] += a.full_mod[i * 4 + mo];
     }
   const double samples = std::max<double>(1, e - b);
-  int64_t checks = 0, viol = 0;
+  int64_t checks = 0, viol = 0, share_n = 0;
+  double share = 0;
   for (size_t i = static_cast<size_t>(l0) * hkv; i < static_cast<size_t>(l1) * hkv; ++i) {
     checks += a.bound_checks[i];
     viol += a.bound_viol[i];
+    share += a.merged_share_sum[i];
+    share_n += a.merged_share_n[i];
     for (int mo = 0; mo < 4; ++mo) km[mo] += a.kept_mod[i * 4 + mo];
   }
   const double units = std::max(1, (l1 - l0) * hkv);
@@ -522,6 +540,7 @@ void FillQuality(const TraceMeta& meta, const RunAccum& a, int l0, int l1, Metri
   SetByModality(m->mutable_kept_tokens_by_modality(), km);
   m->set_bound_checks(static_cast<double>(checks));
   m->set_bound_violations(static_cast<double>(viol));
+  m->set_merged_weight_over_mass_mean(share_n > 0 ? share / share_n : 0.0);
   double prompt = 0, merged = 0, slots = 0, most = 0;
   for (size_t i = static_cast<size_t>(l0) * hkv; i < static_cast<size_t>(l1) * hkv; ++i) {
     prompt += a.prompt_kept[i];
@@ -773,6 +792,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     RunAccum& a = acc[r];
     const size_t samples = static_cast<size_t>(num_layers) * h * steps;
     a.retained.assign(samples, 0);
+    a.anchor.assign(samples, 0);
     a.covered.assign(samples, 0);
     a.err.assign(samples, 0);
     a.regret.assign(samples, 0);
@@ -780,6 +800,8 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     a.full_mod.assign(a.ret_mod.size(), 0);
     a.bound_checks.assign(static_cast<size_t>(num_layers) * hkv, 0);
     a.bound_viol.assign(a.bound_checks.size(), 0);
+    a.merged_share_sum.assign(a.bound_checks.size(), 0.0);
+    a.merged_share_n.assign(a.bound_checks.size(), 0);
     a.kept_mod.assign(a.bound_checks.size() * 4, 0);
     a.prompt_kept.assign(a.bound_checks.size(), 0);
     a.merged_tokens.assign(a.bound_checks.size(), 0);

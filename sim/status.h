@@ -46,6 +46,22 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
+// A value from an input file, made fit for a one-line message: control characters as \xNN, at most 80
+// bytes (then "...").
+inline std::string ForMessage(const std::string& v) {
+  std::string out;
+  for (unsigned char c : v) {
+    if (out.size() >= 80) return out + "...";
+    if (c < 0x20 || c == 0x7f) {
+      const char* hex = "0123456789abcdef";
+      out += std::string("\\x") + hex[c >> 4] + hex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 template <typename T>
 class [[nodiscard]] StatusOr {
  public:

@@ -68,6 +68,9 @@ class StreamPlan {
   // true: the retrieved context is already resident on the GPU (full history, a recent window); false: it
   // is loaded from the bank for the question, on top of what is resident.
   bool context_resident = false;
+  // false: no CPU bank (the blocks stay on the GPU, or are dropped as they leave a resident window): the
+  // results' cpu_bank_tokens_final and bank_tokens_per_frame are 0, like cpu_bank_bytes_final.
+  bool bank_offloaded = true;
   // Per question: named statistics reported in results (e.g. MuKV's candidates, rerank changes).
   std::vector<std::map<std::string, double>> question_stats;
   // Whether any block encoding used was derived from the continuous run (results marked approximate).

@@ -843,7 +843,8 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
     }
     for (const MemoryPoint& p : tl.memory) *r.add_memory() = p;
     double bank_tokens = 0;
-    for (const BankBlock& b : st.plan->bank) bank_tokens += b.kept.size();
+    if (st.plan->bank_offloaded)
+      for (const BankBlock& b : st.plan->bank) bank_tokens += b.kept.size();
     r.set_cpu_bank_bytes_final(tl.memory.empty() ? 0 : tl.memory.back().cpu_bank_bytes());
     r.set_cpu_bank_tokens_final(bank_tokens);
     r.set_bank_tokens_per_frame(s.num_frames > 0 ? bank_tokens / s.num_frames : 0);

@@ -285,11 +285,11 @@ Status TraceMeta::Validate() const {
   if (m.logit_softcap < 0 || !std::isfinite(m.logit_softcap))
     return Bad("logit_softcap", "must be >= 0 (0 = none)");
   if (m.model_dtype != "float16" && m.model_dtype != "bfloat16" && m.model_dtype != "float32")
-    return Bad("model_dtype", "must be float16, bfloat16 or float32, got '" + m.model_dtype + "'");
+    return Bad("model_dtype", "must be float16, bfloat16 or float32, got '" + ForMessage(m.model_dtype) + "'");
   if (prefill_length <= 0) return Bad("prefill_length", "must be > 0");
   if (num_decode_steps < 0) return Bad("num_decode_steps", "must be >= 0");
   if (source != "synthetic" && source != "captured")
-    return Bad("source", "must be 'synthetic' or 'captured', got '" + source + "'");
+    return Bad("source", "must be 'synthetic' or 'captured', got '" + ForMessage(source) + "'");
   const int64_t t = total_tokens();
   const TokenTable& tk = tokens;
   auto check_len = [&](const char* name, size_t n) -> Status {

@@ -196,6 +196,18 @@ Status ReadAttr(hid_t file, const char* name, bool* out) {
   return Status::Ok();
 }
 
+bool IsUtf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    const int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    if (len == 0 || i + len > s.size()) return false;
+    for (int k = 1; k < len; ++k)
+      if ((static_cast<unsigned char>(s[i + k]) >> 6) != 2) return false;
+    i += len;
+  }
+  return true;
+}
+
 // Reads `n` strings from an attribute or dataset `obj` (fixed- or variable-length, any padding).
 Status ReadStrings(hid_t obj, bool is_attr, size_t n, const std::string& what,
                    std::vector<std::string>* out) {
@@ -221,6 +233,8 @@ Status ReadStrings(hid_t obj, bool is_attr, size_t n, const std::string& what,
     if (read(buf.data()) < 0) return ReadError(what);
     for (size_t i = 0; i < n; ++i) (*out)[i].assign(&buf[i * size], strnlen(&buf[i * size], size));
   }
+  for (const std::string& v : *out)
+    if (!IsUtf8(v)) return Status::DataLoss(what + " is not valid UTF-8 text; the file is damaged");
   return Status::Ok();
 }
 
@@ -499,7 +513,7 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   std::string format, storage, query_mode;
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "format", &format));
   if (format != kTraceFormatName)
-    return Status::InvalidArgument("root attribute 'format' is '" + format + "', expected '" +
+    return Status::InvalidArgument("root attribute 'format' is '" + ForMessage(format) + "', expected '" +
                                    kTraceFormatName + "'; this HDF5 file is not a kvsim trace");
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "format_version", &m->format_version));
   if (m->format_version != kTraceFormatVersion)
@@ -521,7 +535,7 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "model_dtype", &mi.model_dtype));
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "storage_dtype", &storage));
   if (storage != "float16" && storage != "float32")
-    return Status::InvalidArgument("root attribute 'storage_dtype' is '" + storage +
+    return Status::InvalidArgument("root attribute 'storage_dtype' is '" + ForMessage(storage) +
                                    "', expected 'float16' or 'float32'");
   m->storage_dtype = storage == "float16" ? StorageDtype::kFloat16 : StorageDtype::kFloat32;
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "prefill_length", &m->prefill_length));
@@ -588,7 +602,7 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   KVSIM_RETURN_IF_ERROR(m->Validate());
   const char* want_mode = tq == static_cast<hsize_t>(t) ? "all" : "window_and_decode";
   if (query_mode != want_mode)
-    return Status::InvalidArgument("root attribute 'query_mode' is '" + query_mode + "' but " + qname +
+    return Status::InvalidArgument("root attribute 'query_mode' is '" + ForMessage(query_mode) + "' but " + qname +
                                    " holds " + std::to_string(tq) + " of " + std::to_string(t) +
                                    " positions; expected '" + want_mode + "'");
   return Status::Ok();
@@ -1041,7 +1055,7 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenUnguarded(const 
   if (file < 0)
     return Status::DataLoss(path + ": cannot open as HDF5" + Hdf5Detail() +
                             "; check permissions, or the file is truncated or corrupt");
-  return FromOpenFile(path, file);
+  return FromOpenFile(path, file, /*checksummed_only=*/false);
 }
 
 StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std::string& name,
@@ -1064,17 +1078,35 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std:
     return Status::DataLoss(name + ": truncated: the file's end is at byte " + std::to_string(file_size) +
                             " but the image holds " + std::to_string(size));
   }
-  return FromOpenFile(name, file);
+  return FromOpenFile(name, file, /*checksummed_only=*/true);
 }
 
-StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::FromOpenFile(const std::string& name,
-                                                                         long long file) {
+StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::FromOpenFile(const std::string& name, long long file,
+                                                                         bool checksummed_only) {
   std::unique_ptr<Hdf5TraceReader> r(new Hdf5TraceReader());
   r->path_ = name;
   r->file_ = file;
-  Status st = ReadMeta(file, &r->meta_);
+  Status st;
+  if (checksummed_only) {
+    // Without the guard, only a file whose every structure is checksummed is read: the superblock version
+    // is known before anything else is parsed, and the scan reads types, never string values.
+    H5F_info2_t info;
+    if (H5Fget_info2(file, &info) < 0) {
+      st = ReadError("the file's superblock");
+    } else if (info.super.version < 2) {
+      st = Status::InvalidArgument("HDF5 superblock v" + std::to_string(info.super.version) +
+                                   " has no checksums; an in-memory image must be a checksummed trace (open "
+                                   "older traces from a file, through the guarded Open)");
+    } else {
+      st = ScanIntegrity(file, &r->integrity_);
+      if (st.ok() && !r->integrity_.checksummed())
+        st = Status::InvalidArgument("not a fully checksummed trace (" + r->integrity_.Text() +
+                                     "); an in-memory image must be one");
+    }
+  }
+  if (st.ok()) st = ReadMeta(file, &r->meta_);
   if (st.ok()) st = r->CheckLayerShapes();
-  if (st.ok()) st = ScanIntegrity(file, &r->integrity_);
+  if (st.ok() && !checksummed_only) st = ScanIntegrity(file, &r->integrity_);
   if (!st.ok()) return st.WithContext(name);
   return r;
 }

@@ -25,7 +25,9 @@ class Hdf5TraceReader final : public TraceSource {
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> Open(const std::string& path);
   // The same without the child process (what the guarded child itself runs).
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> OpenUnguarded(const std::string& path);
-  // The same from an in-memory copy of a trace file (`name` is used in messages); the bytes are copied.
+  // The same from an in-memory copy of a trace file (`name` is used in messages); the bytes are copied. Not
+  // guarded, so only a fully checksummed trace is accepted (TraceIntegrity::checksummed(): checked from the
+  // superblock and the objects' types before any string is read); older traces go through Open().
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> OpenImage(const std::string& name, const void* data,
                                                               size_t size);
   ~Hdf5TraceReader() override;
@@ -40,7 +42,8 @@ class Hdf5TraceReader final : public TraceSource {
  private:
   Hdf5TraceReader() = default;
   Status CheckLayerShapes() const;
-  static StatusOr<std::unique_ptr<Hdf5TraceReader>> FromOpenFile(const std::string& name, long long file);
+  static StatusOr<std::unique_ptr<Hdf5TraceReader>> FromOpenFile(const std::string& name, long long file,
+                                                                  bool checksummed_only);
   static Status GuardedProbe(const std::string& path);
   std::string path_;
   long long file_ = -1;  // hid_t

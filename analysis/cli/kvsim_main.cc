@@ -266,9 +266,11 @@ int CmdRun(int argc, char** argv) {
   if (Status st = CheckNotAnInput(out, {trace}); !st.ok()) return Fail(st);
   if (vm.count("budget-tokens") && budget_tokens < 1)
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
-  // Streaming traces go to the streaming engine; a trace that cannot be opened is reported below, after the
-  // usage checks.
-  if (auto streaming = IsStreamingTrace(trace); streaming.ok() && *streaming)
+  // Streaming traces go to the streaming engine. A missing trace is reported below, after the usage checks;
+  // a damaged one now, as itself (not as "not a streaming trace" or a usage error).
+  auto streaming = IsStreamingTrace(trace);
+  if (!streaming.ok() && streaming.status().code() != StatusCode::kNotFound) return Fail(streaming.status());
+  if (streaming.ok() && *streaming)
     return RunStreaming(trace, policy, sets, vm.count("budget") > 0, budget_tokens,
                         RunOptions{threads, true, latency, 0, device, model}, out);
   if (vm.count("budget") == vm.count("budget-tokens")) {

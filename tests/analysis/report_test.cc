@@ -27,9 +27,9 @@ TEST_CASE("report: CSV has one overall row and one row per layer, quoting fields
   CHECK(csv.find("\"snapkv window=8, \"\"x\"\"\"") != std::string::npos);
   CHECK(csv.find(",all,") != std::string::npos);
   CHECK(csv.find(",prompt_kept_tokens_mean,prompt_kept_over_budget,merged_tokens_mean,merged_slots_mean,"
-                 "merge_members_max,latency_device,ms_per_output_token,ttft_ms,speedup_vs_full,"
-                 "attention_ms_per_token,policy_work_ms,floor_fraction,ragged_attention_ratio\n") !=
-        std::string::npos);
+                 "merge_members_max,merged_anchor_mass_mean,merged_weight_over_mass_mean,latency_device,"
+                 "ms_per_output_token,ttft_ms,speedup_vs_full,attention_ms_per_token,policy_work_ms,"
+                 "floor_fraction,ragged_attention_ratio\n") != std::string::npos);
   // Every row has as many fields as the header (the latency columns are empty without --device).
   std::istringstream rows_in(csv);
   std::string header;
@@ -70,12 +70,20 @@ TEST_CASE("report: summary lists every run and the best causal policy per budget
   }
   runs[2].mutable_metrics()->set_prompt_kept_over_budget(2.5);
   runs[2].mutable_metrics()->set_merged_tokens_mean(42);
+  runs[2].mutable_metrics()->set_retained_mass_mean(0.25);
+  runs[2].mutable_metrics()->set_merged_anchor_mass_mean(0.125);
+  runs[2].mutable_metrics()->set_covered_mass_mean(0.5);
   const std::string md = SummaryMarkdown(runs, "title");
   CHECK(md.find("# title") == 0);
   CHECK(md.find("| snapkv | 10% (10)") != std::string::npos);
   CHECK(md.find("| prompt kept / budget |") != std::string::npos);
   CHECK(md.find("| h2o | 10% (10) | 2.50 |") != std::string::npos);  // the overshoot is visible
   CHECK(md.find("| 42.0 |") != std::string::npos);                   // merged tokens per head
+  // Retained mass (plain slots), merged anchors' mass and covered mass side by side.
+  CHECK(md.find("| retained mass | merged anchors | covered |") != std::string::npos);
+  CHECK(md.find("| 0.250 | 0.125 | 0.500 |") != std::string::npos);
+  // The oracle's cache size is stated next to the prefill-compressing policies'.
+  CHECK(md.find("B + (n − ce) + t + 1") != std::string::npos);
   // h2o has the lowest error but kept 2.5x its budget: snapkv is the best within budget.
   CHECK(md.find("**snapkv**") != std::string::npos);
   CHECK(md.find("**h2o**") == std::string::npos);

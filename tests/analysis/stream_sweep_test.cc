@@ -2,12 +2,16 @@
 // streaming report writers (analysis/stream_sweep.cc).
 #include "analysis/stream_sweep.h"
 
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "tests/test_util.h"
+#include "traces/synth.h"
 
 namespace kvsim {
 namespace {
@@ -155,4 +159,21 @@ TEST_CASE("stream report: CSV rows and summary columns", "[stream_cli]") {
 }
 
 }  // namespace
+}  // namespace kvsim
+
+namespace kvsim {
+
+TEST_CASE("streaming inspect --json escapes the model name (valid JSON for any name)", "[stream_sweep]") {
+  auto config = LoadSynthConfig(testing::SourceDir() + "/configs/synth/streaming_tiny.textproto");
+  REQUIRE(config.ok());
+  config->mutable_model()->set_name("my \"tiny\" model\\v2");
+  auto meta = BuildSynthMeta(*config);
+  REQUIRE(meta.ok());
+  const std::string json = StreamSummaryJson(*meta);
+  google::protobuf::Struct parsed;
+  INFO(json);
+  REQUIRE(google::protobuf::util::JsonStringToMessage(json, &parsed).ok());
+  CHECK(parsed.fields().at("model").string_value() == "my \"tiny\" model\\v2");
+}
+
 }  // namespace kvsim

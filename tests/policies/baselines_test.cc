@@ -254,6 +254,45 @@ TEST_CASE("h2o decode: evicts the lowest accumulated score outside the protected
   }
 }
 
+TEST_CASE("h2o decode: kvsim at budget B attends with the paper's cache of budget B - 1 plus the new token",
+          "[baselines]") {
+  // The paper keeps B' slots between steps, attends with B' + 1 (the new token added), then evicts one. kvsim
+  // counts the new token in its cap, so each step attends with B slots: B' = B - 1. Reference below: the
+  // paper's loop at B' = 5 (heavy 3, recent 2 including the new token); kvsim at B = 6 (heavy 3, recent 3).
+  H2OFixture f;
+  auto attention = [](int32_t tok, int step) {  // any fixed per-(token, step) attention without ties
+    return 0.01f * static_cast<float>((tok * 7 + step * 3) % 13 + 1) + 1e-4f * static_cast<float>(tok);
+  };
+  H2OPolicy p{H2O(0.5)};
+  auto hp = p.NewHeadPolicy(f.ctx);
+  HeadCache cache = Prefill(*hp, f.ctx, 6);
+  // Paper prefill at B' = 5: the top-3 column sums over [0, 8) -> 4 (4), 0 (3), 7 (2.5), plus 8, 9. kvsim
+  // kept {0, 3, 4, 7, 8, 9} and evicts 3 (2) before step 0: the same 5 old slots.
+  std::vector<float> acc(kH2OCol.begin(), kH2OCol.end());
+  acc.resize(14, 0.0f);
+  std::vector<int32_t> paper{0, 4, 7, 8, 9};
+  for (int t = 0; t < 4; ++t) {
+    const int32_t tok = 10 + t;
+    Step(*hp, f.ctx, t, 6, &cache);
+    std::vector<int32_t> attended = paper;
+    attended.push_back(tok);
+    INFO("step " << t);
+    CHECK(Tokens(cache) == attended);
+    CHECK(cache.size() == 6);
+    std::vector<float> probs;
+    for (int g = 0; g < 2; ++g)
+      for (int32_t a : Tokens(cache)) probs.push_back(attention(a, t));
+    hp->AfterStep(f.ctx, StepAttention{t, cache.size(), probs.data(), nullptr}, &cache);
+    // Paper: accumulate, then evict the lowest score outside the 2 most recent slots.
+    for (int32_t a : attended) acc[a] += attention(a, t);
+    int victim = 0;
+    for (int s = 1; s < static_cast<int>(attended.size()) - 2; ++s)
+      if (acc[attended[s]] < acc[attended[victim]]) victim = s;
+    attended.erase(attended.begin() + victim);
+    paper = attended;
+  }
+}
+
 TEST_CASE("h2o decode: heavy_fraction 1 still gives the new token its slot", "[baselines]") {
   H2OFixture f;
   H2OPolicy p{H2O(1.0)};
@@ -330,11 +369,23 @@ TEST_CASE("snapkv: pooled observation-window scores, top-k + the window", "[base
   }
 }
 
-TEST_CASE("snapkv: budget below the window keeps only the last B tokens", "[baselines]") {
+TEST_CASE("snapkv: budget below the window keeps only the last B tokens, scoring nothing", "[baselines]") {
+  // B = 2 < w = 3: the official code refuses (assert B > w); kvsim keeps the window's last B tokens. No
+  // prefix token can be voted in (B - w < 0) and no window token is ranked by the window's own attention:
+  // no scores are computed.
+  for (int budget : {1, 2, 3}) {
+    SnapFixture f;
+    SnapKVPolicy p{Snap(3, 3, policy::AVG)};
+    auto hp = p.NewHeadPolicy(f.ctx);
+    CHECK(Tokens(Prefill(*hp, f.ctx, budget)) == Range(10 - budget, 10));
+    CHECK(f.scores.windows_asked.empty());
+  }
+  // B = w + 1: one prefix token is voted in, scored over [0, 7) only: AVG [1, 1, 2, 2, 2, 0, 0] -> token 2
+  // (ties to the lower position).
   SnapFixture f;
   SnapKVPolicy p{Snap(3, 3, policy::AVG)};
   auto hp = p.NewHeadPolicy(f.ctx);
-  CHECK(Tokens(Prefill(*hp, f.ctx, 2)) == std::vector<int32_t>{8, 9});
+  CHECK(Tokens(Prefill(*hp, f.ctx, 4)) == std::vector<int32_t>{2, 7, 8, 9});
   CHECK(f.scores.windows_asked == std::vector<int>{3, 3});
 }
 
@@ -344,7 +395,7 @@ TEST_CASE("snapkv: a window longer than the prompt observes the whole prompt", "
   auto hp = p.NewHeadPolicy(f.ctx);
   HeadCache cache = Prefill(*hp, f.ctx, 4);
   CHECK(Tokens(cache) == std::vector<int32_t>{6, 7, 8, 9});
-  CHECK(f.scores.windows_asked == std::vector<int>{10, 10});
+  CHECK(f.scores.windows_asked.empty());  // B < w' = 10: nothing to vote for
   // Decode appends (no eviction hooks).
   Step(*hp, f.ctx, 0, 4, &cache);
   CHECK(Tokens(cache) == std::vector<int32_t>{6, 7, 8, 9, 10});
@@ -412,6 +463,31 @@ TEST_CASE("oracle: each step keeps the top-cap tokens of that step's attention",
   Step(*hp, ctx, 1, 3, &cache, rows1);
   CHECK_FALSE(hp->AppendNewToken());
   CHECK(Tokens(cache) == std::vector<int32_t>{0, 1, 2});
+}
+
+TEST_CASE("oracle: decode_growth keeps cap + t + 1 slots, a prefill-compressing cache's size",
+          "[baselines]") {
+  const TraceMeta meta = Meta(5, 3, 1, 2);
+  const HeadContext ctx = Ctx(meta, 2, 5, nullptr);
+  policy::OracleParams params;
+  params.set_decode_growth(true);
+  OraclePolicy p{params};
+  CHECK_FALSE(p.evicts_during_decode());  // the engine checks it like snapkv: cap + t + 1 at step t
+  auto hp = p.NewHeadPolicy(ctx);
+  HeadCache cache = Prefill(*hp, ctx, 2);
+  CHECK(Tokens(cache) == std::vector<int32_t>{3, 4});
+  // Step 0 (token 5), cap 2 + 1: group mean [.2, .3, 0, .1, .15, .25] -> top-3 = 1, 5, 0.
+  const std::vector<float> g0{.1f, .5f, 0, .1f, .1f, .2f}, g1{.3f, .1f, 0, .1f, .2f, .3f};
+  const float* rows0[2] = {g0.data(), g1.data()};
+  Step(*hp, ctx, 0, 2, &cache, rows0);
+  CHECK(Tokens(cache) == std::vector<int32_t>{0, 1, 5});
+  // Step 1 (token 6), cap 2 + 2: [.4, .1, .05, .3, .06, .07, .02] -> top-4 = 0, 3, 1, 5; the new token is
+  // out.
+  const std::vector<float> h{.4f, .1f, .05f, .3f, .06f, .07f, .02f};
+  const float* rows1[2] = {h.data(), h.data()};
+  Step(*hp, ctx, 1, 2, &cache, rows1);
+  CHECK_FALSE(hp->AppendNewToken());
+  CHECK(Tokens(cache) == std::vector<int32_t>{0, 1, 3, 5});
 }
 
 TEST_CASE("oracle: MHA selection uses the engine's sorted row as the threshold", "[baselines]") {

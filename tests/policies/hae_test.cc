@@ -77,6 +77,23 @@ TEST_CASE("hae: DAP evicts visual tokens that fail both conditions (Eq. 3), at m
   CHECK(DapEvictions(meta, s, 6, Params({"mode=BUDGET"}), 1) == std::vector<int32_t>{1, 2, 3, 4, 5});
 }
 
+TEST_CASE("hae: max_evict is an inclusive bound (at most c); Definition 1's strict |S0 \\ S1| < c is c - 1",
+          "[hae]") {
+  TraceMeta meta;
+  meta.tokens.Resize(6);
+  for (int j : {1, 2, 3, 4}) meta.tokens.modality[j] = Modality::kImage;
+  DapScores s;
+  s.received = {5, 0.001, 0.5, 0.002, 0.0005, 3};
+  s.peak = {1, 0.0009, 0.3, 0.002, 0.0001, 1};
+  // r = 1, alpha = 1: all four image tokens qualify; by A_j: 4 (.0005), 1 (.001), 3 (.002), 2 (.5).
+  auto evict = [&](const char* c) { return DapEvictions(meta, s, 6, Params({"r=1", "alpha=1", c}), 0); };
+  CHECK(evict("max_evict=4") == std::vector<int32_t>{1, 2, 3, 4});  // exactly c qualify: all c evicted
+  CHECK(evict("max_evict=3") == std::vector<int32_t>{1, 3, 4});     // = the paper's strict bound with c = 4
+  CHECK(evict("max_evict=2") == std::vector<int32_t>{1, 4});
+  CHECK(evict("max_evict=1") == std::vector<int32_t>{4});
+  CHECK(evict("max_evict=0") == std::vector<int32_t>{1, 2, 3, 4});  // no limit
+}
+
 TEST_CASE("hae: Table 5 presets fill unset fields", "[hae]") {
   const policy::HAEParams llava = Params({});
   CHECK(llava.r() == 0.0012);

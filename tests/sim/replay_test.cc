@@ -329,8 +329,9 @@ TEST_CASE("replay: sliding window masks kept tokens outside it", "[replay]") {
   CHECK(m.bound_violations() == 0);
 }
 
-TEST_CASE("replay: a merged slot counts as covered, attends with its merged key, skips the bound",
-          "[replay]") {
+TEST_CASE(
+    "replay: a merged slot counts as covered (not retained), attends with its merged key, skips the bound",
+    "[replay]") {
   MemoryTrace tr = MakeHandTrace();
   Recorder rec;
   std::vector<RunSpec> runs{Spec(std::make_shared<MergePolicy>(&rec), 4)};
@@ -338,9 +339,11 @@ TEST_CASE("replay: a merged slot counts as covered, attends with its merged key,
   REQUIRE(res.ok());
   const Metrics& m = (*res)[0].metrics();
   // Step 0: the full cache -> retained = covered = 1, error 0.
-  // Step 1: slots {0, 1, 2+3, 4, 5}. Retained (anchors) = .1 + .1 + .4 + .1 + .2 = 0.9; covered adds token
-  // 3's 0.1.
-  CHECK(m.retained_mass_mean() == Approx((1 + 0.9) / 2).margin(1e-6));
+  // Step 1: slots {0, 1, 2+3, 4, 5}. Retained (plain slots only) = .1 + .1 + .1 + .2 = 0.5; the merged
+  // slot's anchor 2 (.4) had its key and value replaced: merged anchor mass .4; covered adds token 3's .1:
+  // .5 + .4 + .1 = 1.
+  CHECK(m.retained_mass_mean() == Approx((1 + 0.5) / 2).margin(1e-6));
+  CHECK(m.merged_anchor_mass_mean() == Approx((0 + 0.4) / 2).margin(1e-6));
   CHECK(m.covered_mass_mean() == Approx(1.0).margin(1e-6));
   CHECK(m.covered_mass_mean() > m.retained_mass_mean());
   // The merged slot attends with k = (k2 + k3) / 2 = (ln3 / 2, ln2): q5 . k = ln2, weight e^{ln2} / 10 = 0.2,
@@ -348,6 +351,10 @@ TEST_CASE("replay: a merged slot counts as covered, attends with its merged key,
   //   ô = (.1 v0 + .1 v1 + .2 (0.5, 1.5) + .1 v4 + .2 v5) / .7 = (0.8, 0.8) / 0.7 = (8/7, 8/7);
   //   o = (1.1, 1.1) -> err = (8/7 - 1.1) / 1.1 = 3/77.
   CHECK(m.output_rel_error_mean() == Approx((0 + 3.0 / 77) / 2).epsilon(1e-4));
+  // The averaged key's logit is the mean of its tokens' logits, so its weight is their probabilities'
+  // geometric mean, sqrt(.4 * .1) = .2, at most their arithmetic mean .25 = (p2 + p3) / (1 + m): the slot
+  // gets .2 / .5 = 0.4 of the mass of the tokens it stands for (only step 1 has a merged slot).
+  CHECK(m.merged_weight_over_mass_mean() == Approx(0.4).margin(1e-6));
   REQUIRE(rec.probs.size() == 2);
   CHECK(rec.tokens[1] == std::vector<int32_t>{0, 1, 2, 4, 5});
   const double want[5] = {1 / 7.0, 1 / 7.0, 2 / 7.0, 1 / 7.0, 2 / 7.0};
@@ -355,19 +362,19 @@ TEST_CASE("replay: a merged slot counts as covered, attends with its merged key,
   // The eviction bound only applies to steps without merged slots: step 0 only.
   CHECK(m.bound_checks() == 1);
   CHECK(m.bound_violations() == 0);
-  // Regret uses anchors: 5 visible slots, best 5 of (1, 1, 4, 1, 1, 2) / 10 = 0.9 -> 0.
-  CHECK(m.regret_vs_oracle_mean() == Approx(0).margin(1e-6));
-  // Retained by modality counts anchors only: image step 1 = p1 + p2 = 0.5.
-  CHECK(m.retained_mass_by_modality().image() == Approx((5.0 / 8 + 0.5) / 2).margin(1e-6));
+  // Regret: 5 visible slots, best 5 of (1, 1, 4, 1, 1, 2) / 10 = 0.9, minus retained 0.5 -> 0.4.
+  CHECK(m.regret_vs_oracle_mean() == Approx((0 + 0.4) / 2).margin(1e-6));
+  // Retained by modality counts plain slots only: image step 1 = p1 = 0.1 (the merged anchor 2 is out).
+  CHECK(m.retained_mass_by_modality().image() == Approx((5.0 / 8 + 0.1) / 2).margin(1e-6));
   CHECK(m.retained_mass_by_modality().text() == Approx((3.0 / 8 + 0.4) / 2).margin(1e-6));
 }
 
 TEST_CASE("replay: budgets from fractions round and clamp to [1, compressible length]", "[replay]") {
   MemoryTrace tr = MakeHandTrace();
   auto p = Registered("streaming_llm");
-  std::vector<RunSpec> runs{RunSpec{p, "half", 0.5, 0}, RunSpec{p, "tiny", 0.01, 0},
-                            RunSpec{p, "big", 0, 100},
-                            RunSpec{p, "agn", 0.5, 0, QuestionMode::kQueryAgnostic}};
+  std::vector<RunSpec> runs{
+      RunSpec{p, "half", 0.5, 0}, RunSpec{p, "tiny", 0.01, 0}, RunSpec{p, "big", 0, 100},
+      RunSpec{p, "agn", 0.5, 0, QuestionMode::kQueryAgnostic}, RunSpec{p, "tie", 0.625, 0}};
   auto res = Replay(tr, runs, Options());
   REQUIRE(res.ok());
   CHECK((*res)[0].budget_tokens() == 2);  // round(0.5 x 4)
@@ -376,6 +383,9 @@ TEST_CASE("replay: budgets from fractions round and clamp to [1, compressible le
   CHECK((*res)[2].budget_tokens() == 4);  // 100 tokens -> the prompt
   CHECK((*res)[3].budget_tokens() == 2);  // round(0.5 x 3) = round(1.5) = 2
   CHECK((*res)[3].compressed_prompt_tokens() == 3);
+  // Ties round half away from zero (docs: B = clamp(round(R · ce), 1, ce)): 0.625 x 4 = 2.5 -> 3, not the
+  // even 2.
+  CHECK((*res)[4].budget_tokens() == 3);
 }
 
 TEST_CASE("CheckRuns: no decode steps, bad budgets, nothing to compress", "[replay]") {

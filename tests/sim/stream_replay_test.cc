@@ -219,17 +219,24 @@ TEST_CASE("memory tiers: full keeps the history on the GPU, rekv offloads frames
   const double bpt = KvBytesPerToken(meta);  // 2 (K, V) * 2 layers * 1 KV head * 8 dims * 2 bytes = 64
   CHECK(bpt == 64);
   const auto r = RunPolicies(ts.trace, {{"stream_full", 0}, {"rekv", 8}, {"stream_recent", 8}});
-  // Full: nothing on the CPU; GPU peak = init + 24 video + q1's 4 question/answer tokens.
+  // Full: nothing on the CPU (no bank tokens either); GPU peak = init + 24 video + q1's 4 question/answer
+  // tokens.
   CHECK(r[0].cpu_bank_bytes_final() == 0);
+  CHECK(r[0].cpu_bank_tokens_final() == 0);
+  CHECK(r[0].bank_tokens_per_frame() == 0);
   CHECK(r[0].gpu_bytes_peak() == Approx((4 + 24 + 4) * bpt));
   // ReKV: all 24 video tokens + one mean key per frame, layer and KV head (2 * 1 * 8 * 2 bytes = 32).
   CHECK(r[1].cpu_bank_bytes_final() == Approx(24 * bpt + 6 * 32));
+  CHECK(r[1].cpu_bank_tokens_final() == Approx(24));
   CHECK(r[1].bank_tokens_per_frame() == Approx(4));
   // ReKV at answer time: resident init + local window (n_local 15000 > 24: all 24) + 2 frames + 4 tokens.
   CHECK(r[1].questions(1).gpu_bytes_at_answer() == Approx((4 + 24 + 8 + 4) * bpt));
   CHECK(r[1].questions(1).visual_tokens_in_context() == 8);
-  // Recent window of 2 frames: GPU holds init + 8 video tokens; q0 retrieves frames 1, 2.
+  // Recent window of 2 frames: GPU holds init + 8 video tokens; older frames are dropped, not banked;
+  // q0 retrieves frames 1, 2.
   CHECK(r[2].cpu_bank_bytes_final() == 0);
+  CHECK(r[2].cpu_bank_tokens_final() == 0);
+  CHECK(r[2].bank_tokens_per_frame() == 0);
   CHECK(r[2].questions(0).gpu_bytes_at_answer() == Approx((4 + 8 + 4) * bpt));
   CHECK(r[2].questions(0).evidence_frame_recall() == Approx(1.0));  // evidence frame 1 is in the window
   CHECK(r[2].questions(1).evidence_frame_recall() == Approx(0.5));  // frames 4, 5 of evidence {3, 4}
@@ -246,6 +253,28 @@ TEST_CASE("stream_oracle: hindsight frames maximise the oracle recall", "[stream
     CHECK(r[0].questions(q).oracle_mass_recall() >= r[1].questions(q).oracle_mass_recall() - 1e-12);
     CHECK(r[0].questions(q).oracle_mass_recall() >= r[2].questions(q).oracle_mass_recall() - 1e-12);
   }
+}
+
+TEST_CASE("stream baselines: a budget below one frame retrieves no frame; rekv keeps its documented one",
+          "[stream_replay]") {
+  auto ts = MakeTinyStreamTrace();  // P = 4 tokens per frame
+  CHECK(FramesForBudget(ts.trace.meta(), 3) == 0);
+  CHECK(FramesForBudget(ts.trace.meta(), 8) == 2);
+  const auto r = RunPolicies(ts.trace, {{"stream_recent", 3},
+                                        {"stream_uniform", 3},
+                                        {"stream_oracle", 3},
+                                        {"rekv", 3},
+                                        {"stream_uniform", 4}});
+  for (int i = 0; i < 3; ++i) {
+    INFO(r[i].policy());
+    for (int q = 0; q < 2; ++q) {
+      CHECK(r[i].questions(q).visual_tokens_in_context() == 0);  // never above the budget of 3
+      CHECK(r[i].questions(q).frames_covered() == 0);
+      CHECK(r[i].questions(q).evidence_frame_recall() == 0);
+    }
+  }
+  CHECK(r[3].questions(0).visual_tokens_in_context() == 4);  // rekv: k = max(1, floor(B / P))
+  CHECK(r[4].questions(0).visual_tokens_in_context() == 4);  // B = P: one frame
 }
 
 TEST_CASE("streaming results are identical at any thread count", "[stream_replay]") {
