@@ -224,6 +224,14 @@ CASES = [
          lambda c: ["run", "--trace", c.damaged(replace_dataset("aggregates/layer_000/prefill_column_sums",
                                                                 lambda a: a * 0 + 1e30)),
                     "--policy", "h2o", "--budget", "0.2", "--out", c.o()], "prefill_column_sums"),
+    Case("streaming_trace_damaged",
+         lambda c: ["run", "--trace", c.damaged(del_link("streaming/frame_time_s"), "stream"), "--policy",
+                    "rekv", "--budget-tokens", "16", "--out", c.o()], "frame_time_s",
+         note="issue 18 §3: was \"'rekv' is a streaming policy ... and this trace is not one\""),
+    Case("streaming_trace_damaged_default_budget",
+         lambda c: ["run", "--trace", c.damaged(del_link("streaming/frame_time_s"), "stream"), "--policy",
+                    "rekv", "--out", c.o()], "frame_time_s",
+         note="issue 18 §3: was the usage error 'give exactly one of --budget or --budget-tokens' (exit 2)"),
     # -- flag values
     Case("threads_negative", lambda c: ["inspect", c.copy(), "--threads", "-1"], "--threads"),
     Case("tolerance_nan", lambda c: ["validate", c.copy(), "--tolerance", "nan"], "--tolerance"),
@@ -372,15 +380,7 @@ CASES = [
 # Classes whose fix is not in this tree yet (issue 18 §1-3, the lead's changes). Each states the behaviour the
 # issue asks for; it runs as a strict expected failure until the fix lands, then moves to CASES.
 PENDING = [
-    Case("streaming_trace_damaged",
-         lambda c: ["run", "--trace", c.damaged(del_link("streaming/frame_time_s"), "stream"), "--policy",
-                    "rekv", "--budget-tokens", "16", "--out", c.o()], "frame_time_s",
-         note="§3: says \"'rekv' is a streaming policy ... and this trace is not one\" instead of the damage"),
-    Case("streaming_trace_damaged_default_budget",
-         lambda c: ["run", "--trace", c.damaged(del_link("streaming/frame_time_s"), "stream"), "--policy",
-                    "rekv", "--out", c.o()], "frame_time_s",
-         note="§3: a damaged streaming trace run with the policy's default budget gets the usage error 'give "
-              "exactly one of --budget or --budget-tokens' (exit 2) instead of the trace's error"),
+    # (none: every class found so far is fixed)
 ]
 
 ULIMIT_CASES = {"bad_alloc_is_one_line": 400_000}  # KB of address space for these cases
