@@ -7,10 +7,12 @@
 #               trace (300 frames, 10 questions) and sweep ReKV, MuKV and the streaming baselines into
 #               demo-out/streaming/{summary.md,results.json,results.csv,questions.csv,memory.csv}
 #   make test   install packages, build, run every test (CTest + Catch2)
-# Both are idempotent. Other targets: build, asan-test (AddressSanitizer + UBSan stage of CI), bench, format.
+# Both are idempotent. Other targets: build, asan-test (AddressSanitizer + UBSan stage of CI), fuzz-ci (libFuzzer
+# targets, FUZZ_CI_SECONDS each: CI stage 3), fuzz (the same, FUZZ_SECONDS each), bench, format.
 
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
+FUZZ_BUILD ?= build-fuzz
 JOBS       ?= $(shell nproc)
 KVSIM      := $(BUILD)/kvsim
 DEMO_DIR   ?= demo-out
@@ -23,7 +25,7 @@ REAL_EXP     := configs/experiments/real_smollm2_passkey.textproto
 # The demo sweeps' simulated clock: MODELLED decode latency on this GPU (docs/latency.md).
 DEMO_DEVICE  ?= a100-sxm
 
-.PHONY: setup build cli test asan-test demo real-demo bench format clean
+.PHONY: setup build cli test asan-test fuzz-build fuzz-corpus fuzz fuzz-ci demo real-demo bench format clean
 
 setup:
 	@bash scripts/setup.sh
@@ -47,6 +49,28 @@ asan-test: setup
 	cmake --build $(ASAN_BUILD) -j $(JOBS) --target kvsim_tests kvsim kvsim_latency_bench
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS) -E '$(PY_ONLY_TESTS)'
+
+# libFuzzer targets (tests/fuzz/, docs/hardening.md "Fuzzing"): clang, ASan + UBSan, in $(FUZZ_BUILD)/. The seed
+# corpus is generated with the Release kvsim (tests/fuzz/make_corpus.sh). fuzz-ci: each target at most
+# FUZZ_CI_SECONDS (CI stage 3); fuzz: FUZZ_SECONDS each, inputs found kept in $(FUZZ_BUILD)/work/ across runs.
+# Either fails on any crash, leak, timeout (FUZZ_TIMEOUT s per input) or memory above FUZZ_RSS_MB.
+FUZZ_SECONDS    ?= 600
+FUZZ_CI_SECONDS ?= 60
+FUZZ_TARGETS    ?= trace_reader textproto_config plan_reader
+
+fuzz-build: setup
+	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVSIM_FUZZ=ON -DKVSIM_BUILD_TESTS=OFF -DKVSIM_WITH_CUDA=OFF \
+	  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target kvsim_fuzz
+
+fuzz-corpus: cli
+	bash tests/fuzz/make_corpus.sh $(KVSIM) $(FUZZ_BUILD)/corpus
+
+fuzz-ci: fuzz-build fuzz-corpus
+	bash tests/fuzz/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_CI_SECONDS) $(FUZZ_TARGETS)
+
+fuzz: fuzz-build fuzz-corpus
+	bash tests/fuzz/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
 # Python tests whose own code is not sanitized (they run in stage 1 of CI; capture_py, which also drives the
 # kvsim binary on captured traces, runs in both stages).
@@ -105,4 +129,4 @@ format:
 	clang-format -i $$(git ls-files '*.h' '*.cc' '*.cuh' '*.cu')
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

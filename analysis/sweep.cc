@@ -96,8 +96,13 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
 }
 
 StatusOr<config::Experiment> LoadExperiment(const std::string& path) {
+  KVSIM_ASSIGN_OR_RETURN(std::string text, ReadTextProtoFile(path));
+  return ParseExperiment(text, path);
+}
+
+StatusOr<config::Experiment> ParseExperiment(const std::string& text, const std::string& path) {
   config::Experiment e;
-  KVSIM_RETURN_IF_ERROR(ParseTextProtoFile(path, &e));
+  KVSIM_RETURN_IF_ERROR(ParseTextProto(text, path, &e));
   if (e.traces().empty())
     return Status::InvalidArgument(path + ": field 'traces' is empty; list at least one trace");
   if (e.policies().empty())

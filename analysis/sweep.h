@@ -44,6 +44,8 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
                            QuestionMode mode, const RunOptions& options);
 
 StatusOr<config::Experiment> LoadExperiment(const std::string& path);
+// The same from the file's text (`what` names it in messages): parsed, then its fields checked.
+StatusOr<config::Experiment> ParseExperiment(const std::string& text, const std::string& what);
 
 // Runs every trace x policy x budget of the experiment. Policies and traces are all checked before any
 // replay starts. Relative trace paths resolve against `base_dir`.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "analysis/report.h"
@@ -271,11 +272,15 @@ Status ValidatePlan(const GpuPlan& plan, const std::string& what) {
     return bad("field 'model' needs num_layers, num_heads, num_kv_heads, head_dim >= 1");
   if (m.num_heads() % m.num_kv_heads() != 0)
     return bad("field 'model': num_heads must be a multiple of num_kv_heads");
-  if (plan.prefill_length() < 1 || plan.num_decode_steps() < 0)
-    return bad("fields 'prefill_length' (>= 1) / 'num_decode_steps' (>= 0) out of range");
-  if (plan.heads_size() != m.num_layers() * m.num_kv_heads())
+  // Token indices run to prefill_length + num_decode_steps - 1, which must be an int32.
+  if (plan.prefill_length() < 1 || plan.num_decode_steps() < 0 ||
+      int64_t{plan.prefill_length()} + plan.num_decode_steps() > std::numeric_limits<int32_t>::max())
+    return bad(
+        "fields 'prefill_length' (>= 1) / 'num_decode_steps' (>= 0, total tokens < 2^31) out of range");
+  const int64_t num_units = int64_t{m.num_layers()} * m.num_kv_heads();
+  if (plan.heads_size() != num_units)
     return bad("field 'heads' has " + std::to_string(plan.heads_size()) + " entries, expected num_layers * " +
-               "num_kv_heads = " + std::to_string(m.num_layers() * m.num_kv_heads()));
+               "num_kv_heads = " + std::to_string(num_units));
   for (int i = 0; i < plan.heads_size(); ++i) {
     const HeadPlan& h = plan.heads(i);
     const std::string where = "heads[" + std::to_string(i) + "]";
@@ -320,8 +325,12 @@ StatusOr<GpuPlan> ReadPlan(const std::string& path) {
   if (!in) return Status::NotFound(path + ": cannot open the plan file");
   std::stringstream ss;
   ss << in.rdbuf();
+  return ParsePlan(ss.str(), path);
+}
+
+StatusOr<GpuPlan> ParsePlan(const std::string& bytes, const std::string& path) {
   GpuPlan plan;
-  if (!plan.ParseFromString(ss.str()))
+  if (!plan.ParseFromString(bytes))
     return Status::DataLoss(path +
                             ": not a GpuPlan (binary Protobuf, gpu_replay/plan.proto); write one with "
                             "kvsim gpu-plan");

@@ -60,6 +60,8 @@ Status ValidatePlan(const GpuPlan& plan, const std::string& what);
 Status WritePlan(const GpuPlan& plan, const std::string& path);
 // Reads and validates; errors name the file and the field.
 StatusOr<GpuPlan> ReadPlan(const std::string& path);
+// The same from the file's bytes (`what` names the file in messages).
+StatusOr<GpuPlan> ParsePlan(const std::string& bytes, const std::string& what);
 
 // The cache of one head as a slot list, replaying the plan's deltas (removed slots leave, the rest keep
 // their order, added anchors go at the end).

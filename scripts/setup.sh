@@ -11,6 +11,7 @@ PACKAGES=(
   catch2
   libopenblas-pthread-dev libopenblas0-pthread
   python3 python3-venv  # the project's Python environment (.venv/, scripts/setup_python.sh) is built on these
+  clang libclang-rt-14-dev llvm  # libFuzzer targets (make fuzz, fuzz-ci): clang-14, its fuzzer/sanitizer runtimes, llvm-symbolizer
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -122,8 +122,13 @@ std::unique_ptr<LatencyModel> MakeLinearLatencyModel(const LatencyModelProto& pr
 }
 
 StatusOr<std::unique_ptr<LatencyModel>> LoadLatencyModel(const std::string& path) {
+  KVSIM_ASSIGN_OR_RETURN(std::string text, ReadTextProtoFile(path));
+  return ParseLatencyModel(text, path);
+}
+
+StatusOr<std::unique_ptr<LatencyModel>> ParseLatencyModel(const std::string& text, const std::string& path) {
   LatencyModelProto proto;
-  KVSIM_RETURN_IF_ERROR(ParseTextProtoFile(path, &proto));
+  KVSIM_RETURN_IF_ERROR(ParseTextProto(text, path, &proto));
   for (double v : {proto.prefill_base_us(), proto.prefill_us_per_token(), proto.decode_base_us(),
                    proto.decode_us_per_kv_token()})
     if (!(v >= 0) || !std::isfinite(v))

@@ -50,6 +50,8 @@ std::unique_ptr<LatencyModel> MakeTokenStepLatencyModel();
 std::unique_ptr<LatencyModel> MakeLinearLatencyModel(const LatencyModelProto& proto);
 // Loads a LatencyModelProto text file; errors name the file and field.
 StatusOr<std::unique_ptr<LatencyModel>> LoadLatencyModel(const std::string& path);
+// The same from the file's text (`what` names it in messages).
+StatusOr<std::unique_ptr<LatencyModel>> ParseLatencyModel(const std::string& text, const std::string& what);
 // The device performance model for `model` at batch 1.
 std::unique_ptr<LatencyModel> MakeDeviceLatencyModel(const DeviceProfile& device, const ModelShape& model);
 // The model shape for a trace: `model` (a preset name or file) when given, else the preset named like the

@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
 
@@ -236,6 +237,29 @@ TEST_CASE("gpu plan: files are atomic, bad input names the file and field", "[gp
   broken = *plan;
   broken.mutable_heads(0)->add_slots(broken.heads(0).slots(0));  // a token twice
   CHECK(ValidatePlan(broken, "p.pb").message().find("heads[0].slots.added") != std::string::npos);
+}
+
+TEST_CASE("gpu plan: sizes whose products overflow int32 are refused (fuzz_plan_reader)",
+          "[gpu_replay][plan]") {
+  // num_layers * num_kv_heads = 2^32 wrapped to 0 and let a plan with no heads through.
+  GpuPlan plan;
+  plan.set_format_version(kPlanFormatVersion);
+  plan.mutable_model()->set_num_layers(65536);
+  plan.mutable_model()->set_num_heads(65536);
+  plan.mutable_model()->set_num_kv_heads(65536);
+  plan.mutable_model()->set_head_dim(1);
+  plan.set_prefill_length(1);
+  CHECK(ValidatePlan(plan, "p.pb").message().find("num_kv_heads = 4294967296") != std::string::npos);
+  // The last token index, prefill_length + num_decode_steps - 1, must be an int32.
+  plan.mutable_model()->set_num_layers(1);
+  plan.mutable_model()->set_num_heads(1);
+  plan.mutable_model()->set_num_kv_heads(1);
+  plan.set_prefill_length(std::numeric_limits<int32_t>::max());
+  plan.set_num_decode_steps(2);
+  HeadPlan* head = plan.add_heads();
+  head->add_steps();
+  head->add_steps();
+  CHECK(ValidatePlan(plan, "p.pb").message().find("'prefill_length'") != std::string::npos);
 }
 
 TEST_CASE("gpu plan: kvsim gpu-plan writes a plan, errors exit 1 in one line", "[gpu_replay][plan][cli]") {
