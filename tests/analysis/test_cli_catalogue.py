@@ -361,7 +361,7 @@ CASES = [
          lambda c: ["validate", c.damaged(huge_unallocated_layers)], "stores 0 bytes",
          note="issue 18 §2: stored sizes checked against shapes"),
     Case("damaged_global_heap_string_attribute",
-         lambda c: ["validate", shutil.copy(SRC / "tests/fuzz/regressions/pending/trace_reader/"
+         lambda c: ["validate", shutil.copy(SRC / "tests/fuzz/regressions/trace_reader/"
                                             "vlen_string_global_heap.h5", c.inp / "heap.h5")], "heap.h5",
          child_crashes=True,
          note="issue 18 §1: found by fuzz_trace_reader; was SIGSEGV in H5Aread -> H5HG_read"),
