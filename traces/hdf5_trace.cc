@@ -266,7 +266,6 @@ StatusOr<bool> LinkExists(hid_t file, const std::string& name) {
     if (pos == std::string::npos) return true;
   }
 }
-#define KVSIM_HAS_LINK(var, file, name) KVSIM_ASSIGN_OR_RETURN(const bool var, LinkExists(file, name))
 
 // A numeric dataset whose stored bytes cannot hold its shape (unallocated chunks of a damaged or hand-made
 // file: a 45 KB file can declare terabytes) is refused before anything is allocated for it. Compressed
@@ -300,7 +299,7 @@ Status CheckStored(hid_t ds, const std::string& name, const std::vector<hsize_t>
 // Opens dataset `name` (absolute path) and checks its shape. `dims_desc` explains the expected dims.
 Status OpenDataset(hid_t file, const std::string& name, const std::vector<hsize_t>& dims,
                    const std::string& dims_desc, Hid* ds) {
-  KVSIM_HAS_LINK(exists, file, name);
+  KVSIM_ASSIGN_OR_RETURN(const bool exists, LinkExists(file, name));
   if (!exists)
     return Status::InvalidArgument("missing dataset '" + name + "' (shape " + dims_desc +
                                    "); the trace is incomplete, regenerate it (" + kSeeDocs + ")");
@@ -381,7 +380,7 @@ Status ReadObjScalar(hid_t obj, const std::string& where, const char* name, int*
 
 // Length of the 1-D dataset `name` (absolute path).
 Status Dataset1DLength(hid_t file, const std::string& name, const std::string& desc, hsize_t* n) {
-  KVSIM_HAS_LINK(exists, file, name);
+  KVSIM_ASSIGN_OR_RETURN(const bool exists, LinkExists(file, name));
   if (!exists) return Status::InvalidArgument("missing dataset '" + name + "' (" + desc + "); " + kSeeDocs);
   Hid ds(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose);
   Hid space(ds.ok() ? H5Dget_space(ds) : -1, H5Sclose);
@@ -462,7 +461,7 @@ Status ReadStream(hid_t file, TraceMeta* m) {
   if (std::is_sorted(s.frame_time_s.begin(), s.frame_time_s.end()))
     for (StreamQuestion& q : s.questions) q.frames_before = FramesBefore(s, q.time_s);
 
-  KVSIM_HAS_LINK(has_blocks, file, "/streaming_blocks");
+  KVSIM_ASSIGN_OR_RETURN(const bool has_blocks, LinkExists(file, "/streaming_blocks"));
   if (has_blocks) {
     Hid bg(H5Gopen2(file, "/streaming_blocks", H5P_DEFAULT), H5Gclose);
     if (!bg.ok()) return ReadError("group '/streaming_blocks'");
@@ -483,7 +482,7 @@ Status ReadStream(hid_t file, TraceMeta* m) {
                                        std::to_string(video_len) + "] (the video's token count)");
       b.granularity = static_cast<int>(gd);
       const std::string gname = BlockGroupName(b.granularity);
-      KVSIM_HAS_LINK(has_group, file, gname);
+      KVSIM_ASSIGN_OR_RETURN(const bool has_group, LinkExists(file, gname));
       if (!has_group)
         return Status::InvalidArgument("missing group '" + gname +
                                        "' listed in '/streaming_blocks' granularities");
@@ -499,7 +498,8 @@ Status ReadStream(hid_t file, TraceMeta* m) {
       KVSIM_RETURN_IF_ERROR(
           ReadIntegers(file, gname + "/token_positions", bgn, H5T_NATIVE_INT32, b.token_positions.data()));
       for (int l = 0; l < m->model.num_layers; ++l) {
-        KVSIM_HAS_LINK(has_attention, file, LayerName(gname.c_str(), l) + "/attention_received");
+        KVSIM_ASSIGN_OR_RETURN(const bool has_attention,
+                               LinkExists(file, LayerName(gname.c_str(), l) + "/attention_received"));
         if (has_attention) b.attention_layers.push_back(l);
       }
       s.block_encodings.push_back(std::move(b));
@@ -569,10 +569,10 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
       ReadIntegers(file, "/tokens/position_id", t, H5T_NATIVE_INT64, tk.position_id.data()));
   KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/phase", t, H5T_NATIVE_UINT8, tk.phase.data()));
   KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/role", t, H5T_NATIVE_UINT8, tk.role.data()));
-  KVSIM_HAS_LINK(has_token_id, file, "/tokens/token_id");
+  KVSIM_ASSIGN_OR_RETURN(const bool has_token_id, LinkExists(file, "/tokens/token_id"));
   if (has_token_id)
     KVSIM_RETURN_IF_ERROR(ReadIntegers(file, "/tokens/token_id", t, H5T_NATIVE_INT64, tk.token_id.data()));
-  KVSIM_HAS_LINK(has_text, file, "/tokens/text");
+  KVSIM_ASSIGN_OR_RETURN(const bool has_text, LinkExists(file, "/tokens/text"));
   if (has_text) {
     Hid ds;
     KVSIM_RETURN_IF_ERROR(
@@ -581,7 +581,7 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   }
 
   const char* qname = "/queries/positions";
-  KVSIM_HAS_LINK(has_queries, file, qname);
+  KVSIM_ASSIGN_OR_RETURN(const bool has_queries, LinkExists(file, qname));
   if (!has_queries)
     return Status::InvalidArgument(std::string("missing dataset '") + qname + "'; " + kSeeDocs);
   Hid qds(H5Dopen2(file, qname, H5P_DEFAULT), H5Dclose);
@@ -596,14 +596,14 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   m->query_positions.resize(tq);
   KVSIM_RETURN_IF_ERROR(ReadIntegers(file, qname, tq, H5T_NATIVE_INT32, m->query_positions.data()));
   // Block encodings without /streaming (captured non-streaming traces) are an extension the reader ignores.
-  KVSIM_HAS_LINK(has_stream, file, "/streaming");
+  KVSIM_ASSIGN_OR_RETURN(const bool has_stream, LinkExists(file, "/streaming"));
   if (has_stream) KVSIM_RETURN_IF_ERROR(ReadStream(file, m));
 
   KVSIM_RETURN_IF_ERROR(m->Validate());
   const char* want_mode = tq == static_cast<hsize_t>(t) ? "all" : "window_and_decode";
   if (query_mode != want_mode)
-    return Status::InvalidArgument("root attribute 'query_mode' is '" + ForMessage(query_mode) + "' but " + qname +
-                                   " holds " + std::to_string(tq) + " of " + std::to_string(t) +
+    return Status::InvalidArgument("root attribute 'query_mode' is '" + ForMessage(query_mode) + "' but " +
+                                   qname + " holds " + std::to_string(tq) + " of " + std::to_string(t) +
                                    " positions; expected '" + want_mode + "'");
   return Status::Ok();
 }
@@ -1087,7 +1087,8 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std:
   return FromOpenFile(name, file, /*checksummed_only=*/true);
 }
 
-StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::FromOpenFile(const std::string& name, long long file,
+StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::FromOpenFile(const std::string& name,
+                                                                         long long file,
                                                                          bool checksummed_only) {
   std::unique_ptr<Hdf5TraceReader> r(new Hdf5TraceReader());
   r->path_ = name;
@@ -1138,7 +1139,7 @@ Status Hdf5TraceReader::CheckLayerShapes() const {
           "[num_heads=" + std::to_string(h) + ", prefill_length=" + std::to_string(n) + "]", &ds));
   }
   const std::string extra = LayerName("/layers", mi.num_layers);
-  KVSIM_HAS_LINK(has_extra, file_, extra);
+  KVSIM_ASSIGN_OR_RETURN(const bool has_extra, LinkExists(file_, extra));
   if (has_extra)
     return Status::InvalidArgument("stores '" + extra + "' but root attribute 'num_layers' is " +
                                    std::to_string(mi.num_layers) +

@@ -24,21 +24,29 @@ std::shared_ptr<const Policy> Make(const std::string& name, std::vector<std::str
 
 // One layer, one head, d 8 (only component 0 used), softmax scale 1. Tokens 0-1 text, 2-4 image.
 // Queries (0, 1 | 0, 1, 2), keys (1, -1 | 0, 1, 2).
-MemoryTrace HandLayer() {
+// One layer, d 8, softmax scale 1, text tokens [0, image_begin), image tokens [image_begin, prefill), one
+// decode step, every query stored; queries and keys zero (the hand-computed cases set what they use).
+MemoryTrace ZeroedLayer(int heads, int prefill, int image_begin) {
   testing::TinyTraceSpec spec;
   spec.num_layers = 1;
-  spec.num_heads = 1;
+  spec.num_heads = heads;
   spec.num_kv_heads = 1;
-  spec.prefill_length = 5;
+  spec.prefill_length = prefill;
   spec.decode_steps = 1;
-  spec.image_begin = 2;
-  spec.image_end = 5;
+  spec.image_begin = image_begin;
+  spec.image_end = prefill;
   spec.question_tokens = 0;
   MemoryTrace tr = testing::MakeTinyTrace(spec);
   tr.mutable_meta().model.softmax_scale = 1.0;
   LayerData& l = tr.layers()[0];
   std::fill(l.queries.begin(), l.queries.end(), 0.0f);
   std::fill(l.keys.begin(), l.keys.end(), 0.0f);
+  return tr;
+}
+
+MemoryTrace HandLayer() {
+  MemoryTrace tr = ZeroedLayer(/*heads=*/1, /*prefill=*/5, /*image_begin=*/2);
+  LayerData& l = tr.layers()[0];
   const float q[5] = {0, 1, 0, 1, 2}, k[5] = {1, -1, 0, 1, 2};
   for (int i = 0; i < 5; ++i) {
     l.queries[i * 8] = q[i];
@@ -119,20 +127,8 @@ TEST_CASE("meda: cross-modal entropy (Eqs. 4-6) restricts each softmax to the ot
 TEST_CASE("meda: head_averaging = entropy of the head-averaged attention (the paper's wording)", "[meda]") {
   // 2 query heads on 1 KV head, d 8 (component 0), scale 1. Tokens 0-1 text, 2-3 image; keys (0, 1 | 0, 1);
   // queries head 0 (ln 3, ln 3 | 0, 0), head 1 (-ln 3, -ln 3 | 0, 0).
-  testing::TinyTraceSpec spec;
-  spec.num_layers = 1;
-  spec.num_heads = 2;
-  spec.num_kv_heads = 1;
-  spec.prefill_length = 4;
-  spec.decode_steps = 1;
-  spec.image_begin = 2;
-  spec.image_end = 4;
-  spec.question_tokens = 0;
-  MemoryTrace tr = testing::MakeTinyTrace(spec);
-  tr.mutable_meta().model.softmax_scale = 1.0;
+  MemoryTrace tr = ZeroedLayer(/*heads=*/2, /*prefill=*/4, /*image_begin=*/2);
   LayerData& l = tr.layers()[0];
-  std::fill(l.queries.begin(), l.queries.end(), 0.0f);
-  std::fill(l.keys.begin(), l.keys.end(), 0.0f);
   const int t = 5, d = 8;  // 4 prompt + 1 decode token, every query stored
   const float ln3 = static_cast<float>(std::log(3.0));
   for (int j : {1, 3}) l.keys[static_cast<size_t>(j) * d] = 1.0f;

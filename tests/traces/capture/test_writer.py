@@ -18,6 +18,19 @@ TOKENS = dict(modality=[0] * 4, segment_id=[0] * 4, patch_row=[-1] * 4, patch_co
               position_id=range(4), role=[1, 1, 1, 3], token_id=[5] * 4)
 
 
+def legacy_copy(src, dst):
+    """`src` as kvsim wrote traces before checksums: earliest file format, variable-length strings, no filters."""
+    with h5py.File(src, "r") as s, h5py.File(dst, "w", libver="earliest") as d:
+        def copy_attrs(a, b):
+            for k, v in a.attrs.items():
+                b.attrs[k] = v.decode("utf-8") if isinstance(v, bytes) else v  # str: variable-length
+
+        def visit(name, obj):
+            copy_attrs(obj, d.require_group(name) if isinstance(obj, h5py.Group) else d.create_dataset(name, data=obj[...]))
+        copy_attrs(s, d)
+        s.visititems(visit)
+
+
 class WriterTest(unittest.TestCase):
     def test_abort_mid_layers_leaves_nothing_and_finish_renames(self):
         with tempfile.TemporaryDirectory() as d:
@@ -82,18 +95,7 @@ class WriterTest(unittest.TestCase):
                 w.write_layer(0, kv, kv, q)
                 w.write_layer(1, kv, kv, q)
                 w.finish()
-            with h5py.File(path, "r") as src, h5py.File(legacy, "w", libver="earliest") as dst:
-                def copy_attrs(a, b):
-                    for k, v in a.attrs.items():
-                        b.attrs[k] = v.decode("utf-8") if isinstance(v, bytes) else v  # str: variable-length
-
-                def visit(name, obj):
-                    if isinstance(obj, h5py.Group):
-                        copy_attrs(obj, dst.require_group(name))
-                    else:
-                        copy_attrs(obj, dst.create_dataset(name, data=obj[...]))
-                copy_attrs(src, dst)
-                src.visititems(visit)
+            legacy_copy(path, legacy)
             r = capture_util.kvsim("validate", legacy)
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("integrity: NOT fully checksummed (HDF5 superblock v0, Fletcher32 on 0 of", r.stdout)
@@ -114,11 +116,7 @@ class WriterTest(unittest.TestCase):
                 w.write_layer(0, kv, kv, q)
                 w.write_layer(1, kv, kv, q)
                 w.finish()
-            with h5py.File(path, "r") as src, h5py.File(legacy, "w", libver="earliest") as dst:
-                for k, v in src.attrs.items():
-                    dst.attrs[k] = v.decode("utf-8") if isinstance(v, bytes) else v
-                src.visititems(lambda name, obj: None if isinstance(obj, h5py.Group) else
-                               dst.create_dataset(name, data=obj[...]))
+            legacy_copy(path, legacy)
             data = bytearray(open(legacy, "rb").read())
             at = data.find(b"guarded-open-model")
             self.assertGreater(at, 0)
