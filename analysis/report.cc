@@ -3,6 +3,9 @@
 #include <google/protobuf/util/json_util.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -28,6 +31,14 @@ std::string FormatNumber(double v, int prec) {
   std::ostringstream os;
   os << std::setprecision(prec) << v;
   return os.str();
+}
+
+std::string CsvNumber(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[64];
+  const auto res = std::to_chars(buf, buf + sizeof(buf), v);  // shortest form that reads back exactly
+  return std::string(buf, res.ptr);
 }
 
 std::string CsvField(const std::string& s) {
@@ -75,45 +86,83 @@ void MetricColumns(const Metrics& m, std::ostringstream& os) {
                       m.merge_members_max(),
                       m.merged_anchor_mass_mean(),
                       m.merged_weight_over_mass_mean()};
-  for (double x : v) os << ',' << Num(x, 9);
+  for (double x : v) os << ',' << CsvNumber(x);
 }
 
 }  // namespace
 
-std::string ResultsCsv(const std::vector<RunResult>& runs) {
+namespace {
+
+// The metric columns shared by runs.csv and layers.csv (names, then values in the same order).
+constexpr const char* kMetricHeader =
+    "retained_mass_mean,retained_mass_p5,covered_mass_mean,output_rel_error_mean,output_rel_error_p95,"
+    "regret_vs_oracle_mean,regret_vs_oracle_p95,bound_checks,bound_violations,kv_bytes_peak,kv_bytes_mean,"
+    "kv_footprint,full_kv_bytes_peak,full_kv_bytes_mean,kv_memory_ratio,kept_tokens_mean,kept_text,"
+    "kept_image,kept_video,retained_mass_text,retained_mass_image,retained_mass_video,full_mass_text,"
+    "full_mass_image,full_mass_video,samples,prompt_kept_tokens_mean,prompt_kept_over_budget,"
+    "merged_tokens_mean,merged_slots_mean,merge_members_max,merged_anchor_mass_mean,"
+    "merged_weight_over_mass_mean";
+
+// The columns that identify a run in both tables (run = its index in results.json's runs).
+constexpr const char* kRunKeyHeader = "run,trace_hash,policy,label,budget_fraction,budget_tokens";
+
+void RunKey(int index, const RunResult& r, std::ostringstream& os) {
+  os << index << ',' << r.trace_hash() << ',' << CsvField(r.policy()) << ',' << CsvField(r.label()) << ','
+     << CsvNumber(r.budget_fraction()) << ',' << r.budget_tokens();
+}
+
+}  // namespace
+
+std::string RunsCsv(const std::vector<RunResult>& runs) {
   std::ostringstream os;
-  os << "trace,trace_hash,model,policy,label,parameters,question_mode,budget_fraction,budget_tokens,layer,"
-        "layer_budget_tokens,retained_mass_mean,retained_mass_p5,covered_mass_mean,output_rel_error_mean,"
-        "output_rel_error_p95,regret_vs_oracle_mean,regret_vs_oracle_p95,bound_checks,bound_violations,"
-        "kv_bytes_peak,kv_bytes_mean,kv_footprint,full_kv_bytes_peak,full_kv_bytes_mean,kv_memory_ratio,"
-        "kept_tokens_mean,kept_text,kept_image,kept_video,retained_mass_text,retained_mass_image,"
-        "retained_mass_video,full_mass_text,full_mass_image,full_mass_video,samples,prompt_kept_tokens_mean,"
-        "prompt_kept_over_budget,merged_tokens_mean,merged_slots_mean,merge_members_max,"
-        "merged_anchor_mass_mean,merged_weight_over_mass_mean,latency_device,ms_per_output_token,ttft_ms,"
-        "speedup_vs_full,attention_ms_per_token,policy_work_ms,floor_fraction,ragged_attention_ratio\n";
-  for (const RunResult& r : runs) {
-    auto prefix = [&](const std::string& layer, double layer_budget) {
-      os << CsvField(r.trace_path()) << ',' << r.trace_hash() << ',' << CsvField(r.trace_model()) << ','
-         << r.policy() << ',' << CsvField(r.label()) << ',' << CsvField(r.parameters()) << ','
-         << r.question_mode() << ',' << Num(r.budget_fraction()) << ',' << r.budget_tokens() << ',' << layer
-         << ',' << Num(layer_budget);
-    };
-    prefix("all", r.allocated_budget_tokens_mean());  // = budget_tokens unless the allocation is inexact
+  os << kRunKeyHeader
+     << ",trace,trace_source,model,trace_seed,parameters,question_mode,compressed_prompt_tokens,"
+        "allocated_budget_tokens_mean,prefill_chunks,time_unit,kvsim_version,git_commit,"
+     << kMetricHeader
+     << ",latency_device,latency_model_shape,ms_per_output_token,ttft_ms,full_ms_per_output_token,"
+        "full_ttft_ms,speedup_vs_full,attention_ms_per_token,policy_work_ms,floor_fraction,"
+        "ragged_attention_ratio,head_length_max_over_mean,decode_ms_total\n";
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const RunResult& r = runs[i];
+    RunKey(static_cast<int>(i), r, os);
+    os << ',' << CsvField(r.trace_path()) << ',' << CsvField(r.trace_source()) << ','
+       << CsvField(r.trace_model()) << ',' << r.trace_seed() << ',' << CsvField(r.parameters()) << ','
+       << r.question_mode() << ',' << r.compressed_prompt_tokens() << ','
+       << CsvNumber(r.allocated_budget_tokens_mean()) << ',' << r.prefill_chunks() << ',' << r.time_unit()
+       << ',' << CsvField(r.kvsim_version()) << ',' << CsvField(r.git_commit());
     MetricColumns(r.metrics(), os);
-    if (r.has_latency()) {  // modelled (docs/latency.md); empty without --device and in per-layer rows
+    if (r.has_latency()) {  // modelled (docs/latency.md); empty without --device
       const LatencyMetrics& l = r.latency();
-      os << ',' << CsvField(l.device());
-      for (double x : {l.ms_per_output_token(), l.ttft_ms(), l.speedup_vs_full(), l.attention_ms_per_token(),
-                       l.policy_work_ms(), l.floor_fraction(), l.ragged_attention_ratio()})
-        os << ',' << Num(x, 9);
+      os << ',' << CsvField(l.device()) << ',' << CsvField(l.model_shape());
+      for (double x :
+           {l.ms_per_output_token(), l.ttft_ms(), l.full_ms_per_output_token(), l.full_ttft_ms(),
+            l.speedup_vs_full(), l.attention_ms_per_token(), l.policy_work_ms(), l.floor_fraction(),
+            l.ragged_attention_ratio(), l.head_length_max_over_mean(), l.decode_ms_total()})
+        os << ',' << CsvNumber(x);
     } else {
-      os << ",,,,,,,,";
+      os << std::string(13, ',');
     }
     os << '\n';
-    for (const LayerResult& l : r.layers()) {
-      prefix(std::to_string(l.layer()), l.budget_tokens_mean());
+  }
+  return os.str();
+}
+
+std::string LayersCsv(const std::vector<RunResult>& runs) {
+  std::ostringstream os;
+  os << kRunKeyHeader
+     << ",layer,layer_budget_tokens,kv_head_budget_min,kv_head_budget_max,kv_head_tokens_peak_max,"
+     << kMetricHeader << '\n';
+  for (size_t i = 0; i < runs.size(); ++i) {
+    for (const LayerResult& l : runs[i].layers()) {
+      RunKey(static_cast<int>(i), runs[i], os);
+      const auto [bmin, bmax] = std::minmax_element(l.kv_head_budgets().begin(), l.kv_head_budgets().end());
+      const auto peak = std::max_element(l.kv_head_tokens_peak().begin(), l.kv_head_tokens_peak().end());
+      const bool heads = bmin != l.kv_head_budgets().end();
+      os << ',' << l.layer() << ',' << CsvNumber(l.budget_tokens_mean()) << ','
+         << (heads ? std::to_string(*bmin) : "") << ',' << (heads ? std::to_string(*bmax) : "") << ','
+         << (peak != l.kv_head_tokens_peak().end() ? CsvNumber(*peak) : "");
       MetricColumns(l.metrics(), os);
-      os << ",,,,,,,,\n";
+      os << '\n';
     }
   }
   return os.str();
@@ -273,7 +322,7 @@ Status WriteOutputFolder(const std::string& out_dir_arg,
       return Status::InvalidArgument(out_dir + ": exists and is not a folder; choose another --out");
     for (const auto& entry : fs::directory_iterator(final_dir, ec)) {
       const std::string name = entry.path().filename().string();
-      bool ours = false;
+      bool ours = name == kPlotsFolder;  // `kvsim plot` output of the earlier results: stale, replaced too
       for (const auto& f : files) ours |= name == f.first;
       if (!ours)
         return Status::InvalidArgument(out_dir + ": folder holds '" + name +

@@ -12,22 +12,27 @@
 namespace kvsim {
 
 std::string ToJson(const google::protobuf::Message& msg);
-// One row per (run, layer) plus one overall row per run (layer = "all").
-std::string ResultsCsv(const std::vector<RunResult>& runs);
+// Tidy tables (docs/metrics.md "Tables"): runs.csv has one row per run, layers.csv one row per (run, layer);
+// both start with the same key columns (run = the run's index in results.json).
+std::string RunsCsv(const std::vector<RunResult>& runs);
+std::string LayersCsv(const std::vector<RunResult>& runs);
 std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::string& title);
 
 // Writes `content` to `path` atomically (temp file + rename). Error names the path.
 Status WriteFileAtomic(const std::string& path, const std::string& content);
 
 // Writes `files` (name -> content) into the folder `out_dir`, which appears only when all are written. An
-// existing `out_dir` is replaced as a whole only if it holds nothing but files with these names (an earlier
-// run's outputs); anything else there is an error, never deleted.
+// existing `out_dir` is replaced as a whole only if it holds nothing but files with these names and the
+// kPlotsFolder of `kvsim plot` (an earlier run's outputs); anything else there is an error, never deleted.
+inline constexpr const char kPlotsFolder[] = "plots";
 Status WriteOutputFolder(const std::string& out_dir,
                          const std::vector<std::pair<std::string, std::string>>& files);
 
-// Shared by the report writers: a number with `prec` significant digits, and a CSV field (quoted when it
-// holds a comma, quote or newline).
+// Shared by the report writers: a number with `prec` significant digits (for reading), a number in a CSV
+// table (the shortest form that reads back as the same double: every CSV kvsim writes uses it), and a CSV
+// field (quoted when it holds a comma, quote or newline).
 std::string FormatNumber(double v, int prec = 6);
+std::string CsvNumber(double v);
 std::string CsvField(const std::string& s);
 
 }  // namespace kvsim

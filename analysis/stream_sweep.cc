@@ -157,24 +157,23 @@ std::string FormatStreamSummary(const TraceMeta& meta) {
 
 std::string StreamSummaryJson(const TraceMeta& meta) {
   const StreamInfo& s = *meta.stream;
-  std::ostringstream os;
-  os << "{\"model\": " << JsonString(meta.model.name) << ", \"num_layers\": " << meta.model.num_layers
-     << ", \"init_len\": " << s.init_len << ", \"num_frames\": " << s.num_frames
-     << ", \"tokens_per_frame\": " << s.tokens_per_frame << ", \"fps\": " << Num(s.fps, 10)
-     << ", \"questions\": [";
-  for (size_t i = 0; i < s.questions.size(); ++i) {
-    const StreamQuestion& q = s.questions[i];
-    os << (i ? ", " : "") << "{\"time_s\": " << Num(q.time_s, 10)
-       << ", \"frames_before\": " << q.frames_before << ", \"question_tokens\": " << q.num_question_tokens
-       << ", \"answer_tokens\": " << q.num_answer_tokens << ", \"evidence_frames\": [";
-    for (size_t j = 0; j < q.evidence_frames.size(); ++j) os << (j ? ", " : "") << q.evidence_frames[j];
-    os << "]}";
+  InspectStream out;
+  out.set_model(meta.model.name);
+  out.set_num_layers(meta.model.num_layers);
+  out.set_init_len(s.init_len);
+  out.set_num_frames(s.num_frames);
+  out.set_tokens_per_frame(s.tokens_per_frame);
+  out.set_fps(s.fps);
+  for (const StreamQuestion& q : s.questions) {
+    InspectStreamQuestion* oq = out.add_questions();
+    oq->set_time_s(q.time_s);
+    oq->set_frames_before(q.frames_before);
+    oq->set_question_tokens(q.num_question_tokens);
+    oq->set_answer_tokens(q.num_answer_tokens);
+    for (int32_t f : q.evidence_frames) oq->add_evidence_frames(f);
   }
-  os << "], \"block_granularities\": [";
-  for (size_t i = 0; i < s.block_encodings.size(); ++i)
-    os << (i ? ", " : "") << s.block_encodings[i].granularity;
-  os << "]}\n";
-  return os.str();
+  for (const BlockEncodingInfo& b : s.block_encodings) out.add_block_granularities(b.granularity);
+  return ToJson(out);
 }
 
 namespace {
@@ -188,7 +187,7 @@ void QuestionColumns(const StreamQuestionResult& q, std::ostringstream& os) {
                       q.frames_covered(),           q.duplicate_tokens(),
                       q.time_to_first_token_s(),    q.gpu_bytes_at_answer(),
                       q.cpu_bank_bytes_at_answer(), q.samples()};
-  for (double x : v) os << ',' << Num(x);
+  for (double x : v) os << ',' << CsvNumber(x);
 }
 
 const char* kQuestionHeader =
@@ -197,44 +196,52 @@ const char* kQuestionHeader =
     "frames_covered,duplicate_tokens,time_to_first_token_s,gpu_bytes_at_answer,cpu_bank_bytes_at_answer,"
     "samples";
 
-void RunPrefix(const StreamRunResult& r, std::ostringstream& os) {
-  os << CsvField(r.trace_path()) << ',' << r.trace_hash() << ',' << CsvField(r.trace_model()) << ','
-     << r.policy() << ',' << CsvField(r.label()) << ',' << CsvField(r.parameters()) << ','
+// The key columns every streaming table starts with (run = the run's index in results.json).
+constexpr const char* kRunKeyHeader = "run,trace_hash,policy,label,budget_tokens";
+
+void RunKey(size_t index, const StreamRunResult& r, std::ostringstream& os) {
+  os << index << ',' << r.trace_hash() << ',' << CsvField(r.policy()) << ',' << CsvField(r.label()) << ','
      << r.budget_tokens();
 }
 
 }  // namespace
 
-std::string StreamResultsCsv(const std::vector<StreamRunResult>& runs) {
+std::string StreamRunsCsv(const std::vector<StreamRunResult>& runs) {
   std::ostringstream os;
-  os << "trace,trace_hash,model,policy,label,parameters,budget_tokens," << kQuestionHeader
+  os << kRunKeyHeader << ",trace,trace_source,model,trace_seed,parameters,time_unit,kvsim_version,git_commit,"
+     << kQuestionHeader
      << ",approximate,cpu_bank_bytes_final,bank_tokens_final,bank_tokens_per_frame,gpu_bytes_peak,"
         "gpu_bytes_mean,encode_tokens,encode_passes_per_video_token,encode_busy_s,encode_lag_max_s,"
-        "decode_token_steps,time_unit\n";
-  for (const StreamRunResult& r : runs) {
-    RunPrefix(r, os);
+        "decode_token_steps\n";
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const StreamRunResult& r = runs[i];
+    RunKey(i, r, os);
+    os << ',' << CsvField(r.trace_path()) << ',' << CsvField(r.trace_source()) << ','
+       << CsvField(r.trace_model()) << ',' << r.trace_seed() << ',' << CsvField(r.parameters()) << ',' << r.time_unit() << ',' << CsvField(r.kvsim_version()) << ','
+       << CsvField(r.git_commit());
     QuestionColumns(r.mean(), os);
-    os << ',' << (r.approximate() ? 1 : 0) << ',' << Num(r.cpu_bank_bytes_final()) << ','
-       << Num(r.cpu_bank_tokens_final()) << ',' << Num(r.bank_tokens_per_frame()) << ','
-       << Num(r.gpu_bytes_peak()) << ',' << Num(r.gpu_bytes_mean()) << ',' << Num(r.encode_tokens()) << ','
-       << Num(r.encode_passes_per_video_token()) << ',' << Num(r.encode_busy_s()) << ','
-       << Num(r.encode_lag_max_s()) << ',' << Num(r.decode_token_steps()) << ',' << r.time_unit() << '\n';
+    os << ',' << (r.approximate() ? 1 : 0);
+    for (double x :
+         {r.cpu_bank_bytes_final(), r.cpu_bank_tokens_final(), r.bank_tokens_per_frame(), r.gpu_bytes_peak(),
+          r.gpu_bytes_mean(), r.encode_tokens(), r.encode_passes_per_video_token(), r.encode_busy_s(),
+          r.encode_lag_max_s(), r.decode_token_steps()})
+      os << ',' << CsvNumber(x);
+    os << '\n';
   }
   return os.str();
 }
 
 std::string StreamQuestionsCsv(const std::vector<StreamRunResult>& runs) {
   std::ostringstream os;
-  os << "trace,trace_hash,model,policy,label,parameters,budget_tokens,question,time_s,frames_before,"
-     << kQuestionHeader << ",policy_stats\n";
-  for (const StreamRunResult& r : runs)
-    for (const StreamQuestionResult& q : r.questions()) {
-      RunPrefix(r, os);
-      os << ',' << q.question() << ',' << Num(q.time_s()) << ',' << q.frames_before();
+  os << kRunKeyHeader << ",question,time_s,frames_before," << kQuestionHeader << ",policy_stats\n";
+  for (size_t i = 0; i < runs.size(); ++i)
+    for (const StreamQuestionResult& q : runs[i].questions()) {
+      RunKey(i, runs[i], os);
+      os << ',' << q.question() << ',' << CsvNumber(q.time_s()) << ',' << q.frames_before();
       QuestionColumns(q, os);
       std::string s;
       for (const StreamStat& x : q.policy_stats())
-        s += (s.empty() ? "" : ";") + x.name() + "=" + Num(x.value());
+        s += (s.empty() ? "" : ";") + x.name() + "=" + CsvNumber(x.value());
       os << ',' << CsvField(s) << '\n';
     }
   return os.str();
@@ -242,11 +249,13 @@ std::string StreamQuestionsCsv(const std::vector<StreamRunResult>& runs) {
 
 std::string StreamMemoryCsv(const std::vector<StreamRunResult>& runs) {
   std::ostringstream os;
-  os << "policy,label,budget_tokens,time_s,event,cpu_bank_bytes,gpu_bytes\n";
-  for (const StreamRunResult& r : runs)
-    for (const MemoryPoint& p : r.memory())
-      os << r.policy() << ',' << CsvField(r.label()) << ',' << r.budget_tokens() << ',' << Num(p.time_s(), 10)
-         << ',' << p.event() << ',' << Num(p.cpu_bank_bytes(), 12) << ',' << Num(p.gpu_bytes(), 12) << '\n';
+  os << kRunKeyHeader << ",time_s,event,cpu_bank_bytes,gpu_bytes\n";
+  for (size_t i = 0; i < runs.size(); ++i)
+    for (const MemoryPoint& p : runs[i].memory()) {
+      RunKey(i, runs[i], os);
+      os << ',' << CsvNumber(p.time_s()) << ',' << p.event() << ',' << CsvNumber(p.cpu_bank_bytes()) << ','
+         << CsvNumber(p.gpu_bytes()) << '\n';
+    }
   return os.str();
 }
 
@@ -289,7 +298,7 @@ std::string StreamSummaryMarkdown(const std::vector<StreamRunResult>& runs, cons
   if (approx)
     os << "\n(approx.): the trace lacks the per-granularity block encodings this policy stores; they were "
           "derived from the continuous run (docs/streaming.md).\n";
-  os << "\nPer-question rows: questions.csv; memory tiers over time: memory.csv.\n";
+  os << "\nOne row per run: runs.csv; per question: questions.csv; memory tiers over time: memory.csv.\n";
   return os.str();
 }
 
@@ -297,7 +306,7 @@ Status WriteStreamSweepOutputs(const StreamSweepResult& result, const std::strin
   const std::vector<StreamRunResult> runs(result.runs().begin(), result.runs().end());
   return WriteOutputFolder(out_dir,
                            {{"results.json", ToJson(result)},
-                            {"results.csv", StreamResultsCsv(runs)},
+                            {"runs.csv", StreamRunsCsv(runs)},
                             {"questions.csv", StreamQuestionsCsv(runs)},
                             {"memory.csv", StreamMemoryCsv(runs)},
                             {"summary.md", StreamSummaryMarkdown(runs, "kvsim streaming sweep summary")}});

@@ -36,7 +36,7 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
 std::string FormatStreamSummary(const TraceMeta& meta);
 std::string StreamSummaryJson(const TraceMeta& meta);
 
-std::string StreamResultsCsv(const std::vector<StreamRunResult>& runs);
+std::string StreamRunsCsv(const std::vector<StreamRunResult>& runs);
 std::string StreamQuestionsCsv(const std::vector<StreamRunResult>& runs);
 std::string StreamMemoryCsv(const std::vector<StreamRunResult>& runs);
 std::string StreamSummaryMarkdown(const std::vector<StreamRunResult>& runs, const std::string& title);

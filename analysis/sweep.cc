@@ -172,7 +172,8 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
 Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir) {
   const std::vector<RunResult> runs(result.runs().begin(), result.runs().end());
   return WriteOutputFolder(out_dir, {{"results.json", ToJson(result)},
-                                     {"results.csv", ResultsCsv(runs)},
+                                     {"runs.csv", RunsCsv(runs)},
+                                     {"layers.csv", LayersCsv(runs)},
                                      {"summary.md", SummaryMarkdown(runs, "kvsim sweep summary")}});
 }
 

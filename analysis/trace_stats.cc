@@ -10,6 +10,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "analysis/report.h"
 #include "sim/attention.h"
 #include "sim/parallel.h"
 
@@ -360,30 +361,6 @@ double Quantile(const std::vector<double>& sorted, double q) {
 
 }  // namespace
 
-std::string JsonNumber(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.6g", v);
-  return buf;
-}
-
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (const unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      out += buf;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out + "\"";
-}
-
 std::string FormatTraceStats(const TraceMeta& meta, const TraceStats& stats) {
   const ModelInfo& m = meta.model;
   const TokenTable& tk = meta.tokens;
@@ -470,41 +447,54 @@ std::string FormatTraceStats(const TraceMeta& meta, const TraceStats& stats) {
   return out.str();
 }
 
-std::string TraceStatsToJson(const TraceMeta& meta, const TraceStats& stats) {
+InspectReport TraceStatsReport(const TraceMeta& meta, const TraceStats& stats) {
+  InspectReport r;
   const ModelInfo& m = meta.model;
-  std::ostringstream j;
-  j << "{\"model\":{\"name\":" << JsonString(m.name) << ",\"family\":" << JsonString(m.family)
-    << ",\"num_layers\":" << m.num_layers << ",\"num_heads\":" << m.num_heads
-    << ",\"num_kv_heads\":" << m.num_kv_heads << ",\"head_dim\":" << m.head_dim << "}";
-  j << ",\"prefill_length\":" << meta.prefill_length << ",\"num_decode_steps\":" << meta.num_decode_steps
-    << ",\"source\":" << JsonString(meta.source) << ",\"generator\":" << JsonString(meta.generator)
-    << ",\"seed\":" << meta.seed;
+  InspectModel* im = r.mutable_model();
+  im->set_name(m.name);
+  im->set_family(m.family);
+  im->set_num_layers(m.num_layers);
+  im->set_num_heads(m.num_heads);
+  im->set_num_kv_heads(m.num_kv_heads);
+  im->set_head_dim(m.head_dim);
+  r.set_prefill_length(meta.prefill_length);
+  r.set_num_decode_steps(meta.num_decode_steps);
+  r.set_source(meta.source);
+  r.set_generator(meta.generator);
+  r.set_seed(meta.seed);
   const TokenCounts counts = CountTokens(meta.tokens);
-  j << ",\"tokens_by_modality\":{";
-  for (int i = 0; i < kNumModalities; ++i)
-    j << (i ? "," : "") << JsonString(ModalityName(static_cast<Modality>(i))) << ":" << counts.modality[i];
-  j << "},\"tokens_by_role\":{";
-  for (int i = 0; i < kNumRoles; ++i)
-    j << (i ? "," : "") << JsonString(RoleName(static_cast<Role>(i))) << ":" << counts.role[i];
+  InspectModalityCounts* mc = r.mutable_tokens_by_modality();
+  mc->set_text(counts.modality[static_cast<int>(Modality::kText)]);
+  mc->set_image(counts.modality[static_cast<int>(Modality::kImage)]);
+  mc->set_video(counts.modality[static_cast<int>(Modality::kVideo)]);
+  mc->set_other(counts.modality[static_cast<int>(Modality::kOther)]);
+  InspectRoleCounts* rc = r.mutable_tokens_by_role();
+  rc->set_system(counts.role[static_cast<int>(Role::kSystem)]);
+  rc->set_context(counts.role[static_cast<int>(Role::kContext)]);
+  rc->set_question(counts.role[static_cast<int>(Role::kQuestion)]);
+  rc->set_generated(counts.role[static_cast<int>(Role::kGenerated)]);
   const TraceStatsOptions& o = stats.options;
-  j << "},\"options\":{\"top_fraction\":" << JsonNumber(o.top_fraction)
-    << ",\"sink_tokens\":" << o.sink_tokens << ",\"recent_tokens\":" << o.recent_tokens
-    << ",\"sparsity_epsilon\":" << JsonNumber(o.sparsity_epsilon) << "},\"layers\":[";
-  for (size_t i = 0; i < stats.layers.size(); ++i) {
-    const LayerStats& ls = stats.layers[i];
-    j << (i ? "," : "") << "{\"layer\":" << ls.layer << ",\"entropy\":" << JsonNumber(ls.entropy)
-      << ",\"normalized_entropy\":" << JsonNumber(ls.normalized_entropy)
-      << ",\"top_mass\":" << JsonNumber(ls.top_mass) << ",\"sink_mass\":" << JsonNumber(ls.sink_mass)
-      << ",\"recent_mass\":" << JsonNumber(ls.recent_mass) << ",\"k90\":" << JsonNumber(ls.k90)
-      << ",\"k90_fraction\":" << JsonNumber(ls.k90_fraction)
-      << ",\"value_output_ratio\":" << JsonNumber(ls.value_output_ratio)
-      << ",\"sparsity\":" << JsonNumber(ls.sparsity) << ",\"text_sparsity\":" << JsonNumber(ls.text_sparsity)
-      << ",\"visual_sparsity\":" << JsonNumber(ls.visual_sparsity)
-      << ",\"text_concentration\":" << JsonNumber(ls.text_concentration)
-      << ",\"visual_concentration\":" << JsonNumber(ls.visual_concentration) << ",\"head_text_share\":[";
-    for (size_t h = 0; h < ls.head_text_share.size(); ++h)
-      j << (h ? "," : "") << JsonNumber(ls.head_text_share[h]);
-    j << "]}";
+  r.mutable_options()->set_top_fraction(o.top_fraction);
+  r.mutable_options()->set_sink_tokens(o.sink_tokens);
+  r.mutable_options()->set_recent_tokens(o.recent_tokens);
+  r.mutable_options()->set_sparsity_epsilon(o.sparsity_epsilon);
+  for (const LayerStats& ls : stats.layers) {
+    InspectLayer* l = r.add_layers();
+    l->set_layer(ls.layer);
+    l->set_entropy(ls.entropy);
+    l->set_normalized_entropy(ls.normalized_entropy);
+    l->set_top_mass(ls.top_mass);
+    l->set_sink_mass(ls.sink_mass);
+    l->set_recent_mass(ls.recent_mass);
+    l->set_k90(ls.k90);
+    l->set_k90_fraction(ls.k90_fraction);
+    l->set_value_output_ratio(ls.value_output_ratio);
+    l->set_sparsity(ls.sparsity);
+    l->set_text_sparsity(ls.text_sparsity);
+    l->set_visual_sparsity(ls.visual_sparsity);
+    l->set_text_concentration(ls.text_concentration);
+    l->set_visual_concentration(ls.visual_concentration);
+    for (double h : ls.head_text_share) l->add_head_text_share(h);
   }
   // The overall value of each per-layer statistic: its mean over layers (the " mean" row of the text report).
   double mean[8] = {};
@@ -516,16 +506,24 @@ std::string TraceStatsToJson(const TraceMeta& meta, const TraceStats& stats) {
   }
   const double num_layers = static_cast<double>(stats.layers.size());
   for (double& v : mean) v = Ratio(v, num_layers);
-  j << "],\"mean_over_layers\":{\"entropy\":" << JsonNumber(mean[0])
-    << ",\"normalized_entropy\":" << JsonNumber(mean[1]) << ",\"top_mass\":" << JsonNumber(mean[2])
-    << ",\"sink_mass\":" << JsonNumber(mean[3]) << ",\"recent_mass\":" << JsonNumber(mean[4])
-    << ",\"k90\":" << JsonNumber(mean[5]) << ",\"k90_fraction\":" << JsonNumber(mean[6])
-    << ",\"value_output_ratio\":" << JsonNumber(mean[7]) << "}";
-  j << ",\"adjacent_patch_key_cosine\":" << JsonNumber(stats.adjacent_patch_key_cosine)
-    << ",\"random_patch_key_cosine\":" << JsonNumber(stats.random_patch_key_cosine)
-    << ",\"num_adjacent_pairs\":" << stats.num_adjacent_pairs
-    << ",\"num_random_pairs\":" << stats.num_random_pairs << "}";
-  return j.str();
+  InspectMeans* mm = r.mutable_mean_over_layers();
+  mm->set_entropy(mean[0]);
+  mm->set_normalized_entropy(mean[1]);
+  mm->set_top_mass(mean[2]);
+  mm->set_sink_mass(mean[3]);
+  mm->set_recent_mass(mean[4]);
+  mm->set_k90(mean[5]);
+  mm->set_k90_fraction(mean[6]);
+  mm->set_value_output_ratio(mean[7]);
+  r.set_adjacent_patch_key_cosine(stats.adjacent_patch_key_cosine);
+  r.set_random_patch_key_cosine(stats.random_patch_key_cosine);
+  r.set_num_adjacent_pairs(static_cast<int32_t>(stats.num_adjacent_pairs));
+  r.set_num_random_pairs(static_cast<int32_t>(stats.num_random_pairs));
+  return r;
+}
+
+std::string TraceStatsToJson(const TraceMeta& meta, const TraceStats& stats) {
+  return ToJson(TraceStatsReport(meta, stats));
 }
 
 }  // namespace kvsim

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "analysis/json_reports.pb.h"
 #include "sim/status.h"
 #include "sim/trace.h"
 
@@ -65,12 +66,8 @@ StatusOr<TraceStats> ComputeTraceStats(TraceSource& src, int threads, const Trac
 // Readable report: model, token counts by modality and role, a per-layer table, head text-share summary.
 std::string FormatTraceStats(const TraceMeta& meta, const TraceStats& stats);
 
-// The same as compact JSON (one object).
+// The same as a message (analysis/json_reports.proto), and as JSON through the one writer (ToJson).
+InspectReport TraceStatsReport(const TraceMeta& meta, const TraceStats& stats);
 std::string TraceStatsToJson(const TraceMeta& meta, const TraceStats& stats);
-
-// The JSON of `kvsim inspect --json` (text and streaming): a number (%.6g; null when not finite) and an
-// escaped string literal.
-std::string JsonNumber(double v);
-std::string JsonString(const std::string& s);
 
 }  // namespace kvsim

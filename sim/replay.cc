@@ -957,6 +957,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
       tp->set_kv_bytes(ev.tokens[e] * bytes_per_token);
     }
     out.set_prefill_chunks(static_cast<int>(chunks));
+    out.set_compression_step(runs[r].policy->compression_step());
     FillQuality(meta, a, 0, num_layers, out.mutable_metrics());
     FillMemory(meta, ev, num_layers, dur, out.mutable_metrics());
     const double allocated =

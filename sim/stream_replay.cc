@@ -756,6 +756,7 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
     r.set_trace_hash(options.trace_hash);
     r.set_trace_model(meta.model.name);
     r.set_trace_seed(meta.seed);
+    r.set_trace_source(meta.source);
     r.set_kvsim_version(kVersion);
     r.set_git_commit(kGitCommit);
     r.set_time_unit(latency.unit());

@@ -2,18 +2,23 @@
 //   0 success, 1 bad input (file, config, trace, flag value), 2 usage error, 3 validation mismatch.
 
 #include <google/protobuf/stubs/logging.h>
+#include <unistd.h>
 
 #include <boost/program_options.hpp>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <initializer_list>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "analysis/chrome_trace.h"
 #include "analysis/latency_report.h"
 #include "analysis/report.h"
 #include "analysis/stream_sweep.h"
@@ -208,10 +213,17 @@ StatusOr<QuestionMode> ParseQuestionMode(const std::string& s) {
   return Status::InvalidArgument("--question-mode '" + s + "': expected 'aware' or 'agnostic'");
 }
 
+// `kvsim run --out r.json` also writes its tables next to it: r.runs.csv, r.layers.csv (streaming:
+// r.runs.csv, r.questions.csv, r.memory.csv).
+std::string OutputStem(const std::string& out) {
+  return out.size() > 5 && out.ends_with(".json") ? out.substr(0, out.size() - 5) : out;
+}
+
 // `kvsim run` on a streaming trace: --budget-tokens is the retrieved visual-token budget (optional: the
 // policy's default), fractions are refused.
 int RunStreaming(const std::string& trace, const std::string& policy, const std::vector<std::string>& sets,
-                 bool has_fraction, int budget_tokens, const RunOptions& options, const std::string& out) {
+                 bool has_fraction, int budget_tokens, const RunOptions& options, const std::string& out,
+                 const std::string& chrome_trace) {
   if (Status st = CheckStreamingPolicyName(policy); !st.ok()) return Fail(st.WithContext(trace));
   if (has_fraction)
     return Fail(Status::InvalidArgument(
@@ -222,7 +234,13 @@ int RunStreaming(const std::string& trace, const std::string& policy, const std:
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1 (omit it for the policy default)"));
   auto res = RunStreamOne(trace, policy, sets, budget_tokens, options);
   if (!res.ok()) return Fail(res.status());
+  const std::vector<StreamRunResult> runs{*res};
+  const std::string stem = OutputStem(out);
   Status st = WriteFileAtomic(out, ToJson(*res));
+  if (st.ok()) st = WriteFileAtomic(stem + ".runs.csv", StreamRunsCsv(runs));
+  if (st.ok()) st = WriteFileAtomic(stem + ".questions.csv", StreamQuestionsCsv(runs));
+  if (st.ok()) st = WriteFileAtomic(stem + ".memory.csv", StreamMemoryCsv(runs));
+  if (st.ok() && !chrome_trace.empty()) st = WriteChromeTrace(ChromeTraceForStreamRuns(runs), chrome_trace);
   if (!st.ok()) return Fail(st);
   const StreamQuestionResult& m = res->mean();
   std::fprintf(
@@ -235,7 +253,7 @@ int RunStreaming(const std::string& trace, const std::string& policy, const std:
 }
 
 int CmdRun(int argc, char** argv) {
-  std::string trace, policy, out, qmode, latency, device, model;
+  std::string trace, policy, out, qmode, latency, device, model, chrome_trace;
   double budget = 0;
   int budget_tokens = 0, threads = 0, prefill_chunk = 0;
   std::vector<std::string> sets;
@@ -256,7 +274,10 @@ int CmdRun(int argc, char** argv) {
       "prefill-chunk", po::value(&prefill_chunk)->default_value(0),
       "prefill chunk size in tokens (0 = whole prompt)")("threads", po::value(&threads)->default_value(0),
                                                          "worker threads (0 = all cores)")(
-      "out", po::value(&out)->required(), "result.json");
+      "out", po::value(&out)->required(),
+      "result.json (and its tables next to it: result.runs.csv, result.layers.csv)")(
+      "chrome-trace", po::value(&chrome_trace),
+      "also write the simulated run as a Chrome trace (Perfetto, chrome://tracing) to this file");
   po::variables_map vm;
   int code;
   const char* usage =
@@ -264,6 +285,7 @@ int CmdRun(int argc, char** argv) {
       "result.json";
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
   if (Status st = CheckNotAnInput(out, {trace}); !st.ok()) return Fail(st);
+  if (Status st = CheckNotAnInput(chrome_trace, {trace, out}); !st.ok()) return Fail(st);
   if (vm.count("budget-tokens") && budget_tokens < 1)
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
   // Streaming traces go to the streaming engine. A missing trace is reported below, after the usage checks;
@@ -272,7 +294,7 @@ int CmdRun(int argc, char** argv) {
   if (!streaming.ok() && streaming.status().code() != StatusCode::kNotFound) return Fail(streaming.status());
   if (streaming.ok() && *streaming)
     return RunStreaming(trace, policy, sets, vm.count("budget") > 0, budget_tokens,
-                        RunOptions{threads, true, latency, 0, device, model}, out);
+                        RunOptions{threads, true, latency, 0, device, model}, out, chrome_trace);
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
     return kExitUsage;
@@ -290,7 +312,11 @@ int CmdRun(int argc, char** argv) {
   auto res = RunOne(trace, policy, sets, budget, budget_tokens, *mode,
                     RunOptions{threads, true, latency, prefill_chunk, device, model});
   if (!res.ok()) return Fail(res.status());
+  const std::vector<RunResult> runs{*res};
   Status st = WriteFileAtomic(out, ToJson(*res));
+  if (st.ok()) st = WriteFileAtomic(OutputStem(out) + ".runs.csv", RunsCsv(runs));
+  if (st.ok()) st = WriteFileAtomic(OutputStem(out) + ".layers.csv", LayersCsv(runs));
+  if (st.ok() && !chrome_trace.empty()) st = WriteChromeTrace(ChromeTraceForRuns(runs), chrome_trace);
   if (!st.ok()) return Fail(st);
   const Metrics& m = res->metrics();
   std::fprintf(stderr,
@@ -375,7 +401,7 @@ int CmdVerify(int argc, char** argv) {
 }
 
 int CmdSweep(int argc, char** argv) {
-  std::string config, out, latency, device, model;
+  std::string config, out, latency, device, model, chrome_trace;
   std::vector<std::string> traces;
   int threads = 0, prefill_chunk = -1;
   po::options_description opts("kvsim sweep options");
@@ -389,7 +415,11 @@ int CmdSweep(int argc, char** argv) {
       "model", po::value(&model), "model shape for --device (overrides the config's model_shape)")(
       "prefill-chunk", po::value(&prefill_chunk), "prefill chunk size in tokens (overrides the config's)")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)")(
-      "out", po::value(&out)->required(), "output folder (results.json, results.csv, summary.md)");
+      "out", po::value(&out)->required(),
+      "output folder (results.json, runs.csv, layers.csv, summary.md; streaming: runs.csv, questions.csv, "
+      "memory.csv)")(
+      "chrome-trace", po::value(&chrome_trace),
+      "also write the simulated runs as a Chrome trace (Perfetto, chrome://tracing) to this file");
   po::variables_map vm;
   int code;
   if (!Parse(argc, argv, "usage: kvsim sweep --config experiment.textproto --out DIR [--trace T.h5]...", opts,
@@ -412,9 +442,13 @@ int CmdSweep(int argc, char** argv) {
         RunStreamSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, 0, device, model});
     if (!sres.ok()) return Fail(sres.status().WithContext(config));
     Status st = WriteStreamSweepOutputs(*sres, out);
+    if (st.ok() && !chrome_trace.empty())
+      st = WriteChromeTrace(
+          ChromeTraceForStreamRuns(std::vector<StreamRunResult>(sres->runs().begin(), sres->runs().end())),
+          chrome_trace);
     if (!st.ok()) return Fail(st);
     std::fprintf(stderr,
-                 "kvsim: %d streaming runs -> %s/{results.json,results.csv,questions.csv,memory.csv,"
+                 "kvsim: %d streaming runs -> %s/{results.json,runs.csv,questions.csv,memory.csv,"
                  "summary.md}\n",
                  sres->runs_size(), out.c_str());
     return kExitOk;
@@ -423,9 +457,12 @@ int CmdSweep(int argc, char** argv) {
                       RunOptions{threads, true, latency, prefill_chunk, device, model});
   if (!res.ok()) return Fail(res.status().WithContext(config));
   Status st = WriteSweepOutputs(*res, out);
+  if (st.ok() && !chrome_trace.empty())
+    st = WriteChromeTrace(ChromeTraceForRuns(std::vector<RunResult>(res->runs().begin(), res->runs().end())),
+                          chrome_trace);
   if (!st.ok()) return Fail(st);
-  std::fprintf(stderr, "kvsim: %d runs -> %s/{results.json,results.csv,summary.md}\n", res->runs_size(),
-               out.c_str());
+  std::fprintf(stderr, "kvsim: %d runs -> %s/{results.json,runs.csv,layers.csv,summary.md}\n",
+               res->runs_size(), out.c_str());
   return kExitOk;
 }
 
@@ -629,6 +666,47 @@ int CmdLatency(int argc, char** argv) {
   return kExitOk;
 }
 
+// `kvsim plot RESULTS_DIR`: runs python/kvsim/plot.py (matplotlib) in the project's Python environment; the
+// interpreter is the configure-time KVSIM_DEFAULT_PYTHON unless env KVSIM_PYTHON names another.
+int CmdPlot(int argc, char** argv) {
+  const char* usage =
+      "usage: kvsim plot RESULTS_DIR [--format png,svg]\n\n"
+      "Draws the results of kvsim sweep (plain or streaming) or of kvsim run (a folder holding its "
+      "*.runs.csv)\n"
+      "into RESULTS_DIR/plots/*.png and *.svg, and embeds them in RESULTS_DIR/summary.md (docs/cli.md).\n"
+      "Runs python -m kvsim.plot with the project's Python (env KVSIM_PYTHON overrides it).";
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
+      std::cout << usage << "\n";
+      return kExitOk;
+    }
+  if (argc < 2) {
+    std::fprintf(stderr, "kvsim: usage error: %s\n", usage);
+    return kExitUsage;
+  }
+  const char* env = std::getenv("KVSIM_PYTHON");
+  const std::string python = env && *env ? env : KVSIM_DEFAULT_PYTHON;
+  if (::access(python.c_str(), X_OK) != 0)
+    return Fail(Status::InvalidArgument("kvsim plot needs the project's Python with matplotlib, and " +
+                                        python + " is not an executable" +
+                                        (env && *env ? " (from KVSIM_PYTHON)" : "") +
+                                        "; run ./run setup (or make setup) to create .venv, or set "
+                                        "KVSIM_PYTHON to a Python with matplotlib"));
+  const char* old_path = std::getenv("PYTHONPATH");
+  const std::string path =
+      std::string(KVSIM_PYTHON_DIR) + (old_path && *old_path ? ":" + std::string(old_path) : "");
+  ::setenv("PYTHONPATH", path.c_str(), 1);
+  std::vector<std::string> args{python, "-m", "kvsim.plot"};
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  std::vector<char*> cargs;
+  for (std::string& a : args) cargs.push_back(a.data());
+  cargs.push_back(nullptr);
+  std::fflush(nullptr);
+  ::execv(python.c_str(), cargs.data());
+  return Fail(Status::InvalidArgument("kvsim plot: cannot run " + python + ": " + std::strerror(errno) +
+                                      "; set KVSIM_PYTHON to a Python with matplotlib"));
+}
+
 const char kTopUsage[] =
     "kvsim "
     "— replay recorded LLM attention traces against KV-cache compression policies\n\n"
@@ -644,6 +722,7 @@ const char kTopUsage[] =
     "  gpu-plan       write one policy run's decisions as a GPU replay plan (docs/gpu-replay.md)\n"
     "  hash           print a trace's content hash (the trace_hash of results and plans)\n"
     "  latency        modelled decode / prefill latency of a shape on a GPU (docs/latency.md)\n"
+    "  plot           draw a results folder's plots (RESULTS_DIR/plots/*.png, *.svg; matplotlib)\n"
     "  version        print version and git commit\n";
 
 }  // namespace
@@ -677,6 +756,7 @@ int main(int argc, char** argv) {
     if (cmd == "gpu-plan") return CmdGpuPlan(sub_argc, sub_argv);
     if (cmd == "hash") return CmdHash(sub_argc, sub_argv);
     if (cmd == "latency") return CmdLatency(sub_argc, sub_argv);
+    if (cmd == "plot") return CmdPlot(sub_argc, sub_argv);
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr,
                  "kvsim: error: out of memory in 'kvsim %s'; use fewer --threads, a smaller trace or budget "

@@ -137,7 +137,7 @@ TEST_CASE("cli: sweep is deterministic across invocations and thread counts", "[
   REQUIRE(testing::RunCommand(Kvsim() + " sweep --config " + exp + " --trace " + TinyTrace() +
                                   " --threads 2 --out " + dir + "/b",
                               &out) == 0);
-  for (const char* f : {"results.json", "results.csv", "summary.md"}) {
+  for (const char* f : {"results.json", "runs.csv", "layers.csv", "summary.md"}) {
     INFO(f);
     CHECK(ReadAll(dir + "/a/" + std::string(f)) == ReadAll(dir + "/b/" + std::string(f)));
   }
@@ -167,9 +167,9 @@ TEST_CASE("cli: sweep is deterministic across invocations and thread counts", "[
             Kvsim() + " sweep --config " + exp + " --trace " + TinyTrace() + " --out " + dir + "/file",
             &out) == 1);
   CHECK(ReadAll(dir + "/file") == "x");
-  // CSV: header + per run (all + per layer) rows.
-  const std::string csv = ReadAll(dir + "/a/results.csv");
-  CHECK(csv.rfind("trace,trace_hash,model,policy", 0) == 0);
+  // Tidy tables: one row per run, one per (run, layer).
+  CHECK(ReadAll(dir + "/a/runs.csv").rfind("run,trace_hash,policy,label,", 0) == 0);
+  CHECK(ReadAll(dir + "/a/layers.csv").find(",layer,layer_budget_tokens,") != std::string::npos);
 }
 
 TEST_CASE("cli: inspect and validate", "[cli]") {

@@ -182,7 +182,7 @@ TEST_CASE("kvsim run/sweep --device: modelled latency in results and summary", "
   const std::string summary = testing::ReadFile(dir + "/sweep/summary.md");
   CHECK(summary.find("MODELLED") != std::string::npos);
   CHECK(summary.find("ms/token") != std::string::npos);
-  const std::string csv = testing::ReadFile(dir + "/sweep/results.csv");
+  const std::string csv = testing::ReadFile(dir + "/sweep/runs.csv");
   CHECK(csv.find("ms_per_output_token") != std::string::npos);
 }
 

@@ -1,6 +1,7 @@
 #include "analysis/report.h"
 
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -10,30 +11,18 @@
 
 namespace kvsim {
 
-TEST_CASE("report: CSV has one overall row and one row per layer, quoting fields", "[report]") {
-  RunResult r;
-  r.set_policy("snapkv");
-  r.set_label("snapkv window=8, \"x\"");
-  r.set_trace_path("t.h5");
-  r.set_budget_tokens(10);
-  r.mutable_metrics()->set_retained_mass_mean(0.5);
-  for (int l = 0; l < 3; ++l) r.add_layers()->set_layer(l);
-  const std::string csv = ResultsCsv({r});
+namespace {
+
+int CsvLines(const std::string& csv) {
   std::istringstream in(csv);
   std::string line;
   int rows = 0;
   while (std::getline(in, line)) ++rows;
-  CHECK(rows == 1 + 1 + 3);
-  CHECK(csv.find("\"snapkv window=8, \"\"x\"\"\"") != std::string::npos);
-  CHECK(csv.find(",all,") != std::string::npos);
-  CHECK(csv.find(",prompt_kept_tokens_mean,prompt_kept_over_budget,merged_tokens_mean,merged_slots_mean,"
-                 "merge_members_max,merged_anchor_mass_mean,merged_weight_over_mass_mean,latency_device,"
-                 "ms_per_output_token,ttft_ms,speedup_vs_full,attention_ms_per_token,policy_work_ms,"
-                 "floor_fraction,ragged_attention_ratio\n") != std::string::npos);
-  // Every row has as many fields as the header (the latency columns are empty without --device).
-  std::istringstream rows_in(csv);
-  std::string header;
-  std::getline(rows_in, header);
+  return rows;
+}
+
+// Every row has as many fields as the header.
+void CheckRectangular(const std::string& csv) {
   const auto commas = [](const std::string& s) {
     int n = 0;
     bool quoted = false;
@@ -43,17 +32,70 @@ TEST_CASE("report: CSV has one overall row and one row per layer, quoting fields
     }
     return n;
   };
-  while (std::getline(rows_in, line)) CHECK(commas(line) == commas(header));
+  std::istringstream in(csv);
+  std::string header, line;
+  std::getline(in, header);
+  while (std::getline(in, line)) CHECK(commas(line) == commas(header));
 }
 
-TEST_CASE("report: the overall CSV row's layer budget is the allocated mean", "[report]") {
+}  // namespace
+
+TEST_CASE("report: runs.csv has one row per run, layers.csv one per (run, layer), quoting fields",
+          "[report]") {
+  RunResult r;
+  r.set_policy("snapkv");
+  r.set_label("snapkv window=8, \"x\"");
+  r.set_trace_path("t.h5");
+  r.set_trace_hash("abc");
+  r.set_time_unit("token_steps");
+  r.set_kvsim_version("1.2.3");
+  r.set_git_commit("deadbeef");
+  r.set_budget_tokens(10);
+  r.mutable_metrics()->set_retained_mass_mean(0.5);
+  for (int l = 0; l < 3; ++l) {
+    LayerResult* lr = r.add_layers();
+    lr->set_layer(l);
+    lr->add_kv_head_budgets(9 + l);
+    lr->add_kv_head_budgets(11);
+  }
+  RunResult r2 = r;
+  r2.set_label("h2o");
+  const std::string runs = RunsCsv({r, r2}), layers = LayersCsv({r, r2});
+  CHECK(CsvLines(runs) == 1 + 2);
+  CHECK(CsvLines(layers) == 1 + 2 * 3);
+  CHECK(runs.find("\"snapkv window=8, \"\"x\"\"\"") != std::string::npos);
+  CHECK(runs.rfind("run,trace_hash,policy,label,budget_fraction,budget_tokens,", 0) == 0);
+  CHECK(layers.rfind("run,trace_hash,policy,label,budget_fraction,budget_tokens,layer,", 0) == 0);
+  for (const char* col : {",time_unit,", ",kvsim_version,", ",git_commit,"})
+    CHECK(runs.find(col) != std::string::npos);
+  CHECK(runs.find(",token_steps,1.2.3,deadbeef,") != std::string::npos);
+  CHECK(runs.find(",latency_device,") != std::string::npos);
+  // Integer layers (no "all" rows), the run index as the key, the head budget range.
+  CHECK(layers.find(",all,") == std::string::npos);
+  CHECK(layers.find("\n1,abc,snapkv,h2o,0,10,2,0,11,11,") != std::string::npos);
+  CHECK(layers.find("\n0,abc,snapkv,") != std::string::npos);
+  CheckRectangular(runs);
+  CheckRectangular(layers);
+}
+
+TEST_CASE("report: CSV numbers read back exactly, in their shortest form", "[report]") {
+  CHECK(CsvNumber(0.1) == "0.1");
+  CHECK(CsvNumber(8.5) == "8.5");
+  CHECK(CsvNumber(3) == "3");
+  CHECK(CsvNumber(1234567890123.0) == "1234567890123");
+  CHECK(std::stod(CsvNumber(1.0 / 3)) == 1.0 / 3);
+  CHECK(CsvNumber(std::nan("")) == "nan");
+}
+
+TEST_CASE("report: runs.csv's allocated layer budget is the allocated mean", "[report]") {
   RunResult r;
   r.set_policy("meda");
   r.set_label("meda");
   r.set_budget_tokens(10);
   r.set_allocated_budget_tokens_mean(8.5);
-  const std::string csv = ResultsCsv({r});
-  CHECK(csv.find(",10,all,8.5,") != std::string::npos);
+  const std::string csv = RunsCsv({r});
+  CHECK(csv.find(",allocated_budget_tokens_mean,") != std::string::npos);
+  CHECK(csv.find(",8.5,") != std::string::npos);
 }
 
 TEST_CASE("report: summary lists every run and the best causal policy per budget", "[report]") {

@@ -106,10 +106,11 @@ TEST_CASE("stream cli: sweep writes every output; fractions and mixed experiment
   std::string out;
   const std::string res = dir + "/out";
   REQUIRE(testing::RunCommand(Kvsim() + " sweep --config " + cfg + " --out " + res, &out) == 0);
-  for (const char* f : {"results.json", "results.csv", "questions.csv", "memory.csv", "summary.md"})
+  for (const char* f : {"results.json", "runs.csv", "questions.csv", "memory.csv", "summary.md"})
     CHECK(fs::exists(res + "/" + f));
   // stream_full runs once, rekv and mukv at both budgets: 5 runs; 3 questions each.
-  CHECK(Lines(ReadAll(res + "/results.csv")) == 1 + 5);
+  CHECK(Lines(ReadAll(res + "/runs.csv")) == 1 + 5);
+  CHECK(ReadAll(res + "/memory.csv").rfind("run,trace_hash,policy,label,budget_tokens,time_s,", 0) == 0);
   CHECK(Lines(ReadAll(res + "/questions.csv")) == 1 + 5 * 3);
   CHECK(ReadAll(res + "/summary.md").find("| mukv granularities=4,16,64 keep_ratios=0.5,0.25,0.8 | 64 |") !=
         std::string::npos);
@@ -150,9 +151,9 @@ TEST_CASE("stream report: CSV rows and summary columns", "[stream_cli]") {
   p->set_time_s(1.5);
   p->set_event("encode");
   const std::vector<StreamRunResult> runs{r};
-  CHECK(Lines(StreamResultsCsv(runs)) == 2);
+  CHECK(Lines(StreamRunsCsv(runs)) == 2);
   CHECK(Lines(StreamQuestionsCsv(runs)) == 3);
-  CHECK(StreamMemoryCsv(runs).find("rekv,rekv,12,1.5,encode,") != std::string::npos);
+  CHECK(StreamMemoryCsv(runs).find("\n0,,rekv,rekv,12,1.5,encode,") != std::string::npos);
   const std::string md = StreamSummaryMarkdown(runs, "t");
   CHECK(md.find("| rekv | 12 |") != std::string::npos);
   CHECK(md.find("n/a") != std::string::npos);  // no evidence frames
