@@ -15,8 +15,7 @@ std::string PlainClock(const RunResult& r) {
                                  " (microseconds, --device; docs/latency.md), not measured"
                            : "fitted latency model (microseconds, --latency-model), not measured";
   return "simulated token steps (1 viewer microsecond = 1 step: a prefill event, a decode step), not wall "
-         "time"; prefill takes no time on this clock), not "
-         "wall time";
+         "time";
 }
 
 std::string StreamClock(const StreamRunResult& r) {
