@@ -3,9 +3,10 @@
 #               text-applicable policy into demo-out/real/; re-run those decisions in the model (closed loop,
 #               demo-out/closed_loop/); synthesize the LLaVA-1.5-7B-shaped demo trace, sweep the baselines,
 #               MEDA (paper + official code) and LOOK-M over budgets 5/10/20/50%, write
-#               demo-out/results/{summary.md,results.json,results.csv}; then synthesize the streaming video
+#               demo-out/results/{summary.md,results.json,runs.csv,layers.csv,plots/}; then synthesize the streaming video
 #               trace (300 frames, 10 questions) and sweep ReKV, MuKV and the streaming baselines into
-#               demo-out/streaming/{summary.md,results.json,results.csv,questions.csv,memory.csv}
+#               demo-out/streaming/{summary.md,results.json,runs.csv,questions.csv,memory.csv,plots/}; every
+#               results folder gets its plots (kvsim plot) and the demo sweeps a Chrome trace (*.trace.json)
 #   make test   install packages, build, run every test (CTest + Catch2)
 # Both are idempotent. Other targets: build, asan-test (AddressSanitizer + UBSan stage of CI), fuzz-ci (libFuzzer
 # targets, FUZZ_CI_SECONDS each: CI stage 3), fuzz (the same, FUZZ_SECONDS each), bench, format.
@@ -90,6 +91,7 @@ real-demo: cli
 	bash scripts/real_trace.sh $(REAL_TRACE)
 	$(KVSIM) validate $(REAL_TRACE)
 	$(KVSIM) sweep --config $(REAL_EXP) --trace $(REAL_TRACE) --device $(DEMO_DEVICE) --out $(DEMO_DIR)/real
+	$(KVSIM) plot $(DEMO_DIR)/real
 	rm -rf $(DEMO_DIR)/closed_loop/plans
 	$(KVSIM) gpu-plan --trace $(REAL_TRACE) --config $(REAL_EXP) --out-dir $(DEMO_DIR)/closed_loop/plans
 	scripts/kvsim-capture closed-loop --model smollm2 --trace $(REAL_TRACE) --plans-dir $(DEMO_DIR)/closed_loop/plans \
@@ -97,9 +99,11 @@ real-demo: cli
 
 demo: cli real-demo $(DEMO_TRACE) $(STREAM_TRACE)
 	$(KVSIM) sweep --config configs/experiments/demo.textproto --trace $(DEMO_TRACE) --device $(DEMO_DEVICE) \
-	  --out $(DEMO_DIR)/results
+	  --out $(DEMO_DIR)/results --chrome-trace $(DEMO_DIR)/results.trace.json
+	$(KVSIM) plot $(DEMO_DIR)/results
 	$(KVSIM) sweep --config configs/experiments/streaming_demo.textproto --trace $(STREAM_TRACE) \
-	  --out $(DEMO_DIR)/streaming
+	  --out $(DEMO_DIR)/streaming --chrome-trace $(DEMO_DIR)/streaming.trace.json
+	$(KVSIM) plot $(DEMO_DIR)/streaming
 	@echo
 	@echo "==== REAL model: SmolLM2-135M-Instruct, captured on a 2K-token passkey prompt ===================="
 	@cat $(DEMO_DIR)/real/summary.md
@@ -113,10 +117,11 @@ demo: cli real-demo $(DEMO_TRACE) $(STREAM_TRACE)
 	@echo "==== SYNTHETIC: streaming video trace from kvsim synth (not a real model) ======================="
 	@cat $(DEMO_DIR)/streaming/summary.md
 	@echo
-	@echo "Real model:  $(DEMO_DIR)/real/{summary.md,results.json,results.csv} (trace $(REAL_TRACE))"
+	@echo "Real model:  $(DEMO_DIR)/real/{summary.md,results.json,runs.csv,layers.csv,plots/} (trace $(REAL_TRACE))"
 	@echo "Closed loop: $(DEMO_DIR)/closed_loop/{summary.md,closed_loop.json,closed_loop.csv,closed_loop.png}"
-	@echo "Results: $(DEMO_DIR)/results/{summary.md,results.json,results.csv}"
-	@echo "Streaming: $(DEMO_DIR)/streaming/{summary.md,results.json,results.csv,questions.csv,memory.csv}"
+	@echo "Results: $(DEMO_DIR)/results/{summary.md,results.json,runs.csv,layers.csv,plots/}"
+	@echo "Streaming: $(DEMO_DIR)/streaming/{summary.md,results.json,runs.csv,questions.csv,memory.csv,plots/}"
+	@echo "Timelines (open in ui.perfetto.dev): $(DEMO_DIR)/{results,streaming}.trace.json"
 
 bench: cli $(DEMO_TRACE) $(STREAM_TRACE)
 	cmake --build $(BUILD) -j $(JOBS) --target kvsim_bench kvsim_latency_bench

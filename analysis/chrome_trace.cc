@@ -90,12 +90,14 @@ ChromeTrace ChromeTraceForRuns(const std::vector<RunResult>& runs) {
       x->mutable_args()->set_step(p.step());
       x->mutable_args()->set_kv_tokens(p.kv_tokens());
       x->mutable_args()->set_kv_bytes(p.kv_bytes());
-      // The compression event: at the end of the last prefill chunk (the hook), or when decode step t starts.
+      // The compression event: at the end of the last prefill chunk (the hook), or at the end of decode step t
+      // for policies that compress with its query (the step still attends over the whole prompt:
+      // docs/metrics.md "Memory over simulated time").
       const bool compress_here =
           r.policy() != "full" && ((r.compression_step() < 0 && prefill && p.step() == -1) ||
                                    (!prefill && p.step() == r.compression_step()));
       if (compress_here) {
-        const double at = r.compression_step() < 0 ? p.time() : start;
+        const double at = p.time();
         ChromeTraceEvent* ce = Add(&t, "compression", "compression", "i", at, pid, kComputeThread, clock);
         ce->set_s("t");
         ChromeTraceArgs* a = ce->mutable_args();

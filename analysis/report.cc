@@ -322,7 +322,9 @@ Status WriteOutputFolder(const std::string& out_dir_arg,
       return Status::InvalidArgument(out_dir + ": exists and is not a folder; choose another --out");
     for (const auto& entry : fs::directory_iterator(final_dir, ec)) {
       const std::string name = entry.path().filename().string();
-      bool ours = name == kPlotsFolder;  // `kvsim plot` output of the earlier results: stale, replaced too
+      // `kvsim plot` output of the earlier results (stale, replaced too), and the combined table that kvsim
+      // wrote before runs.csv / layers.csv.
+      bool ours = name == kPlotsFolder || name == "results.csv";
       for (const auto& f : files) ours |= name == f.first;
       if (!ours)
         return Status::InvalidArgument(out_dir + ": folder holds '" + name +

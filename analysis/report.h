@@ -22,8 +22,9 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
 Status WriteFileAtomic(const std::string& path, const std::string& content);
 
 // Writes `files` (name -> content) into the folder `out_dir`, which appears only when all are written. An
-// existing `out_dir` is replaced as a whole only if it holds nothing but files with these names and the
-// kPlotsFolder of `kvsim plot` (an earlier run's outputs); anything else there is an error, never deleted.
+// existing `out_dir` is replaced as a whole only if it holds nothing but files with these names, the
+// kPlotsFolder of `kvsim plot` and an older kvsim's results.csv (an earlier run's outputs); anything else
+// there is an error, never deleted.
 inline constexpr const char kPlotsFolder[] = "plots";
 Status WriteOutputFolder(const std::string& out_dir,
                          const std::vector<std::pair<std::string, std::string>>& files);

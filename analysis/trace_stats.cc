@@ -13,6 +13,7 @@
 #include "analysis/report.h"
 #include "sim/attention.h"
 #include "sim/parallel.h"
+#include "sim/stats.h"
 
 namespace kvsim {
 namespace {
@@ -354,11 +355,6 @@ ShareSummary SummarizeShares(const std::vector<double>& shares) {
   return s;
 }
 
-double Quantile(const std::vector<double>& sorted, double q) {
-  if (sorted.empty()) return 0;
-  return sorted[static_cast<size_t>(std::lround(q * (sorted.size() - 1)))];
-}
-
 }  // namespace
 
 std::string FormatTraceStats(const TraceMeta& meta, const TraceStats& stats) {
@@ -428,9 +424,9 @@ std::string FormatTraceStats(const TraceMeta& meta, const TraceStats& stats) {
   }
   const ShareSummary s = SummarizeShares(all_shares);
   char quantiles[128];
-  std::snprintf(quantiles, sizeof quantiles, "%.3f %.3f %.3f %.3f %.3f", Quantile(s.sorted, 0),
-                Quantile(s.sorted, 0.25), Quantile(s.sorted, 0.5), Quantile(s.sorted, 0.75),
-                Quantile(s.sorted, 1));
+  std::snprintf(quantiles, sizeof quantiles, "%.3f %.3f %.3f %.3f %.3f", SortedQuantile(s.sorted, 0),
+                SortedQuantile(s.sorted, 0.25), SortedQuantile(s.sorted, 0.5), SortedQuantile(s.sorted, 0.75),
+                SortedQuantile(s.sorted, 1));
   out << "\nhead text share (mass on text keys / total) over " << all_shares.size()
       << " (layer, head) pairs: " << s.text_preferring << " text-preferring (>0.6), " << s.visual_preferring
       << " visual-preferring (<0.4), " << s.mixed << " mixed; min/p25/median/p75/max " << quantiles << "\n";

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "analysis/report.h"
+#include "gpu_replay/bench_report.pb.h"
 #include "gpu_replay/gpu_api.h"
 #include "gpu_replay/plan.h"
 
@@ -35,42 +36,12 @@ struct Options {
   uint64_t seed = 1;
 };
 
-// Minimal JSON builder (objects of numbers/strings/arrays, in insertion order).
-class Json {
- public:
-  Json& Num(const std::string& k, double v) { return Raw(k, Fmt(v)); }
-  Json& Str(const std::string& k, const std::string& v) { return Raw(k, Quote(v)); }
-  Json& Obj(const std::string& k, const Json& j) { return Raw(k, j.Text()); }
-  Json& Arr(const std::string& k, const std::vector<Json>& a) {
-    std::string s = "[";
-    for (size_t i = 0; i < a.size(); ++i) s += (i ? "," : "") + a[i].Text();
-    return Raw(k, s + "]");
-  }
-  Json& Timing(const std::string& k, const TimingSummary& t) {
-    Json j;
-    j.Num("median_us", t.median).Num("p10_us", t.p10).Num("p90_us", t.p90).Num("samples", t.samples);
-    return Obj(k, j);
-  }
-  std::string Text() const { return "{" + body_ + "}"; }
-
- private:
-  static std::string Fmt(double v) {
-    if (!std::isfinite(v)) return "null";
-    char b[64];
-    std::snprintf(b, sizeof(b), "%.6g", v);
-    return b;
-  }
-  static std::string Quote(const std::string& s) {
-    std::string o = "\"";
-    for (char c : s) o += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
-    return o + "\"";
-  }
-  Json& Raw(const std::string& k, const std::string& v) {
-    body_ += (body_.empty() ? "" : ",") + Quote(k) + ":" + v;
-    return *this;
-  }
-  std::string body_;
-};
+void SetTiming(const TimingSummary& t, Timing* out) {
+  out->set_median_us(t.median);
+  out->set_p10_us(t.p10);
+  out->set_p90_us(t.p90);
+  out->set_samples(t.samples);
+}
 
 double Tolerance(Dtype dt) { return dt == Dtype::kBF16 ? 1e-2 : 2e-3; }
 
@@ -99,18 +70,16 @@ std::vector<int32_t> Lengths(const ModelShape& s, const Options& o, const std::v
 }
 
 // ---- Correctness: every kernel against its CPU reference ----
-Status CheckKernels(const ModelShape& shape, Dtype dt, Json* out, bool* all_ok) {
-  std::vector<Json> rows;
+Status CheckKernels(const ModelShape& shape, Dtype dt, BenchReport* out, bool* all_ok) {
   *all_ok = true;
   auto record = [&](const std::string& name, double err) {
     const bool ok = err <= Tolerance(dt);
     *all_ok = *all_ok && ok;
-    Json j;
-    j.Str("kernel", name)
-        .Num("max_rel_error", err)
-        .Num("tolerance", Tolerance(dt))
-        .Str("ok", ok ? "yes" : "NO");
-    rows.push_back(j);
+    KernelCheck* j = out->add_correctness();
+    j->set_kernel(name);
+    j->set_max_rel_error(err);
+    j->set_tolerance(Tolerance(dt));
+    j->set_ok(ok ? "yes" : "NO");
     std::fprintf(stderr, "  %-40s max rel. error %.2e (tolerance %.0e) %s\n", name.c_str(), err,
                  Tolerance(dt), ok ? "ok" : "MISMATCH");
   };
@@ -168,7 +137,6 @@ Status CheckKernels(const ModelShape& shape, Dtype dt, Json* out, bool* all_ok) 
     record("decoder step (" + name + (name == "tiny" ? "" : ", 1 layer") + ", logits)",
            MaxRelError(gpu, ref));
   }
-  out->Arr("correctness", rows);
   return Status::Ok();
 }
 
@@ -182,44 +150,44 @@ int RunGpu(const Options& o, const ModelShape& shape, Dtype dt, const std::vecto
     std::fprintf(stderr, "kvsim_replay_gpu: error: %s\n", st.message().c_str());
     return kExitInput;
   };
-  Json root, devj;
-  devj.Str("name", dev.name)
-      .Num("sm_count", dev.sm_count)
-      .Num("cc", dev.cc_major * 10 + dev.cc_minor)
-      .Num("memory_gib", dev.total_mem_gib)
-      .Num("l2_bytes", dev.l2_bytes)
-      .Num("peak_gb_per_s", dev.peak_gb_per_s());
+  BenchReport root;
+  BenchDevice* devj = root.mutable_device();
+  devj->set_name(dev.name);
+  devj->set_sm_count(dev.sm_count);
+  devj->set_cc(dev.cc_major * 10 + dev.cc_minor);
+  devj->set_memory_gib(dev.total_mem_gib);
+  devj->set_l2_bytes(dev.l2_bytes);
+  devj->set_peak_gb_per_s(dev.peak_gb_per_s());
   const NvmlReading before = ReadNvml(0);
-  auto nvml_json = [](const NvmlReading& r) {
-    Json j;
-    if (!r.ok) return j.Str("unavailable", r.why), j;
-    j.Num("sm_clock_mhz", r.sm_clock_mhz)
-        .Num("mem_clock_mhz", r.mem_clock_mhz)
-        .Num("max_sm_clock_mhz", r.max_sm_clock_mhz)
-        .Num("power_w", r.power_w)
-        .Num("temperature_c", r.temperature_c);
-    return j;
+  auto nvml_json = [](const NvmlReading& r, Nvml* j) {
+    if (!r.ok) return j->set_unavailable(r.why);
+    j->set_sm_clock_mhz(r.sm_clock_mhz);
+    j->set_mem_clock_mhz(r.mem_clock_mhz);
+    j->set_max_sm_clock_mhz(r.max_sm_clock_mhz);
+    j->set_power_w(r.power_w);
+    j->set_temperature_c(r.temperature_c);
   };
-  root.Obj("device", devj)
-      .Str("preset", shape.name)
-      .Str("dtype", DtypeName(dt))
-      .Num("context", o.context)
-      .Num("ragged_cv", o.ragged_cv)
-      .Str("plan", o.plan)
-      .Num("repeats", o.timing.repeats)
-      .Num("warmup", o.timing.warmup)
-      .Obj("nvml_before", nvml_json(before));
+  root.set_preset(shape.name);
+  root.set_dtype(DtypeName(dt));
+  root.set_context(o.context);
+  root.set_ragged_cv(o.ragged_cv);
+  root.set_plan(o.plan);
+  root.set_repeats(o.timing.repeats);
+  root.set_warmup(o.timing.warmup);
+  nvml_json(before, root.mutable_nvml_before());
   std::fprintf(stderr, "kvsim_replay_gpu: %s, %s %s\n", dev.name.c_str(), shape.name.c_str(), DtypeName(dt));
 
   double copy_gbs = 0;
   auto copy = TimeCopy(size_t{1} << 30, o.timing, &copy_gbs);
   if (!copy.ok()) return fail(copy.status());
-  root.Timing("copy_1gib", *copy).Num("copy_gb_per_s", copy_gbs);
+  SetTiming(*copy, root.mutable_copy_1gib());
+  root.set_copy_gb_per_s(copy_gbs);
   std::fprintf(stderr, "  copy bandwidth %.0f GB/s (read + write)\n", copy_gbs);
   double read_gbs = 0;  // the lower bound's denominator: a decode step only reads weights and KV
   auto read = TimeRead(size_t{1} << 30, o.timing, &read_gbs);
   if (!read.ok()) return fail(read.status());
-  root.Timing("read_1gib", *read).Num("read_gb_per_s", read_gbs);
+  SetTiming(*read, root.mutable_read_1gib());
+  root.set_read_gb_per_s(read_gbs);
   std::fprintf(stderr, "  read bandwidth %.0f GB/s (the lower bound's)\n", read_gbs);
 
   bool ok = true;
@@ -227,7 +195,6 @@ int RunGpu(const Options& o, const ModelShape& shape, Dtype dt, const std::vecto
   if (!st.ok()) return fail(st);
 
   // Decode attention of one layer at fixed tokens per head: ragged vs uniform vs padded.
-  std::vector<Json> att;
   const int hkv = shape.num_kv_heads;
   for (int n : o.attention_lengths) {
     for (double cv : {0.0, o.ragged_cv}) {
@@ -242,27 +209,25 @@ int RunGpu(const Options& o, const ModelShape& shape, Dtype dt, const std::vecto
       const double gbs = bytes / (t->median * 1e-6) / 1e9;
       std::string lens_text;  // for bench/sdpa_bench.py --lengths (the PyTorch padded-SDPA baseline)
       for (int32_t x : lens) lens_text += (lens_text.empty() ? "" : ",") + std::to_string(x);
-      Json j;
-      j.Num("tokens_per_head_mean", n)
-          .Num("cv", cv)
-          .Str("lengths", lens_text)
-          .Timing("ragged", *t)
-          .Timing("padded", *tp)
-          .Num("kv_bytes", bytes)
-          .Num("gb_per_s", gbs)
-          .Num("fraction_of_copy_bw", gbs / copy_gbs)
-          .Num("padded_over_ragged", tp->median / t->median);
-      att.push_back(j);
+      AttentionTiming* j = root.add_attention();
+      j->set_tokens_per_head_mean(n);
+      j->set_cv(cv);
+      j->set_lengths(lens_text);
+      SetTiming(*t, j->mutable_ragged());
+      SetTiming(*tp, j->mutable_padded());
+      j->set_kv_bytes(bytes);
+      j->set_gb_per_s(gbs);
+      j->set_fraction_of_copy_bw(gbs / copy_gbs);
+      j->set_padded_over_ragged(tp->median / t->median);
       std::fprintf(stderr,
                    "  attention %d tok/head cv %.1f: %.1f us (%.0f GB/s, %.0f%% of copy), padded %.1f us\n",
                    n, cv, t->median, gbs, 100 * gbs / copy_gbs, tp->median);
     }
   }
-  root.Arr("attention", att);
 
   // Policy kernels at the preset's shape, prompt = context.
   {
-    Json pol;
+    PolicyKernelTiming* pol = root.mutable_policy_overhead();
     const WindowScoreProblem wp =
         MakeWindowScoreProblem(dt, shape.num_heads, hkv, shape.head_dim, o.context, o.window, 7);
     auto tw = TimeWindowScores(wp, o.timing);
@@ -272,17 +237,15 @@ int RunGpu(const Options& o, const ModelShape& shape, Dtype dt, const std::vecto
     auto tm = TimeMergeNearest(MakeMergeProblem(dt, keep, ev, shape.head_dim, 9), o.timing);
     if (!tw.ok() || !tk.ok() || !tm.ok())
       return fail(!tw.ok() ? tw.status() : !tk.ok() ? tk.status() : tm.status());
-    pol.Timing("window_scores_per_layer", *tw)
-        .Timing("topk_compact_20pct_per_layer", *tk)
-        .Timing("merge_nearest_80pct_into_20pct_per_layer", *tm)
-        .Num("all_layers_us", (tw->median + tk->median + tm->median) * shape.num_layers);
-    root.Obj("policy_overhead", pol);
+    SetTiming(*tw, pol->mutable_window_scores_per_layer());
+    SetTiming(*tk, pol->mutable_topk_compact_20pct_per_layer());
+    SetTiming(*tm, pol->mutable_merge_nearest_80pct_into_20pct_per_layer());
+    pol->set_all_layers_us((tw->median + tk->median + tm->median) * shape.num_layers);
     std::fprintf(stderr, "  policy kernels per layer: scores %.1f us, top-k %.1f us, merge %.1f us\n",
                  tw->median, tk->median, tm->median);
   }
 
   // Full decoder step per budget.
-  std::vector<Json> steps;
   std::vector<LatencyPoint> points;
   const double weight_bytes = static_cast<double>(DecoderWeightBytes(shape));
   for (double b : o.budgets) {
@@ -299,28 +262,27 @@ int RunGpu(const Options& o, const ModelShape& shape, Dtype dt, const std::vecto
     for (int32_t n : p.lengths) mean_len += n + 1;
     mean_len /= p.lengths.size();
     const double lower = LowerBoundUs(weight_bytes + kv, read_gbs);
-    Json j;
-    j.Num("budget", b)
-        .Num("mean_kv_tokens_per_head", mean_len)
-        .Timing("step", t->step)
-        .Timing("attention_only", t->attention)
-        .Num("ms_per_token", t->step.median / 1e3)
-        .Num("weight_bytes", weight_bytes)
-        .Num("kv_bytes", kv)
-        .Num("lower_bound_us", lower)
-        .Num("fraction_of_lower_bound", lower / t->step.median)
-        .Num("achieved_gb_per_s", (weight_bytes + kv) / (t->step.median * 1e-6) / 1e9);
-    steps.push_back(j);
+    DecoderStepTiming* j = root.add_decoder_step();
+    j->set_budget(b);
+    j->set_mean_kv_tokens_per_head(mean_len);
+    SetTiming(t->step, j->mutable_step());
+    SetTiming(t->attention, j->mutable_attention_only());
+    j->set_ms_per_token(t->step.median / 1e3);
+    j->set_weight_bytes(weight_bytes);
+    j->set_kv_bytes(kv);
+    j->set_lower_bound_us(lower);
+    j->set_fraction_of_lower_bound(lower / t->step.median);
+    j->set_achieved_gb_per_s((weight_bytes + kv) / (t->step.median * 1e-6) / 1e9);
     points.push_back({mean_len, t->step.median});
     std::fprintf(stderr,
                  "  step budget %.2f: %.3f ms/token (attention %.3f ms), lower bound %.3f ms (%.0f%%)\n", b,
                  t->step.median / 1e3, t->attention.median / 1e3, lower / 1e3, 100 * lower / t->step.median);
   }
-  root.Arr("decoder_step", steps).Obj("nvml_after", nvml_json(ReadNvml(0)));
+  nvml_json(ReadNvml(0), root.mutable_nvml_after());
   auto model = FitLatencyModel(points, {}, dev.name + ", " + shape.name + " " + DtypeName(dt) + ", batch 1");
   if (model.ok()) {
-    root.Num("fit_decode_base_us", model->decode_base_us())
-        .Num("fit_decode_us_per_kv_token", model->decode_us_per_kv_token());
+    root.set_fit_decode_base_us(model->decode_base_us());
+    root.set_fit_decode_us_per_kv_token(model->decode_us_per_kv_token());
     if (!o.latency_out.empty()) {
       st = WriteFileAtomic(o.latency_out, LatencyModelText(*model));
       if (!st.ok()) return fail(st);
@@ -330,10 +292,10 @@ int RunGpu(const Options& o, const ModelShape& shape, Dtype dt, const std::vecto
                  model.status().message().c_str());
   }
   if (!o.out.empty()) {
-    st = WriteFileAtomic(o.out, root.Text() + "\n");
+    st = WriteFileAtomic(o.out, ToJson(root));
     if (!st.ok()) return fail(st);
   } else {
-    std::cout << root.Text() << "\n";
+    std::cout << ToJson(root);
   }
   return ok ? kExitOk : kExitMismatch;
 }
@@ -350,24 +312,22 @@ int RunCpu(const Options& o, const ModelShape& shape, Dtype dt) {
     }
     return Summarize(us);
   };
-  Json root;
-  root.Str("mode", "cpu-reference (single thread; not a GPU measurement)")
-      .Str("preset", shape.name)
-      .Str("dtype", DtypeName(dt))
-      .Num("repeats", o.timing.repeats);
-  std::vector<Json> att;
+  BenchReport root;
+  root.set_mode("cpu-reference (single thread; not a GPU measurement)");
+  root.set_preset(shape.name);
+  root.set_dtype(DtypeName(dt));
+  root.set_repeats(o.timing.repeats);
   for (int n : o.attention_lengths) {
     const std::vector<int32_t> lens(shape.num_kv_heads, n);
     const AttentionProblem p = MakeAttentionProblem(dt, shape.num_heads, lens, 1, shape.head_dim, 1);
     const SplitKvPartition part = PartitionSplitKv(lens, 1024);
     std::vector<float> out;
     const TimingSummary t = time([&] { RefDecodeAttention(p, part, &out); });
-    Json j;
-    j.Num("tokens_per_head", n).Timing("layer_attention", t);
-    att.push_back(j);
+    AttentionTiming* j = root.add_attention();
+    j->set_tokens_per_head(n);
+    SetTiming(t, j->mutable_layer_attention());
     std::fprintf(stderr, "  CPU ref attention, one layer, %d tok/head: %.0f us\n", n, t.median);
   }
-  root.Arr("attention", att);
   {
     const WindowScoreProblem wp = MakeWindowScoreProblem(dt, shape.num_heads, shape.num_kv_heads,
                                                          shape.head_dim, o.context, o.window, 7);
@@ -381,11 +341,10 @@ int RunCpu(const Options& o, const ModelShape& shape, Dtype dt) {
     const MergeProblem mp = MakeMergeProblem(dt, keep, ev, shape.head_dim, 9);
     MergeResult mr;
     const TimingSummary tm = time([&] { RefMergeNearest(mp, &mr); });
-    Json pol;
-    pol.Timing("window_scores_per_layer", tw)
-        .Timing("topk_compact_per_layer", tk)
-        .Timing("merge_per_layer", tm);
-    root.Obj("policy_kernels", pol);
+    PolicyKernelTiming* pol = root.mutable_policy_kernels();
+    SetTiming(tw, pol->mutable_window_scores_per_layer());
+    SetTiming(tk, pol->mutable_topk_compact_per_layer());
+    SetTiming(tm, pol->mutable_merge_per_layer());
     std::fprintf(stderr,
                  "  CPU ref per layer at %d prompt tokens: scores %.0f us, top-k %.0f us, merge %.0f us\n",
                  o.context, tw.median, tk.median, tm.median);
@@ -401,20 +360,21 @@ int RunCpu(const Options& o, const ModelShape& shape, Dtype dt) {
     RefDecoder dec(p);
     std::vector<float> logits;
     const TimingSummary t = time([&] { dec.Step(&logits); });
-    Json j;
-    j.Num("layers", s.num_layers).Num("kv_tokens_per_head", o.context).Timing("step", t);
-    root.Obj("decoder_step", j);
+    DecoderStepTiming* j = root.add_decoder_step();
+    j->set_layers(s.num_layers);
+    j->set_kv_tokens_per_head(o.context);
+    SetTiming(t, j->mutable_step());
     std::fprintf(stderr, "  CPU ref decoder step, %d layers + LM head, %d tok/head: %.1f ms\n", s.num_layers,
                  o.context, t.median / 1e3);
   }
   if (!o.out.empty()) {
-    Status st = WriteFileAtomic(o.out, root.Text() + "\n");
+    Status st = WriteFileAtomic(o.out, ToJson(root));
     if (!st.ok()) {
       std::fprintf(stderr, "kvsim_replay_gpu: error: %s\n", st.message().c_str());
       return kExitInput;
     }
   } else {
-    std::cout << root.Text() << "\n";
+    std::cout << ToJson(root);
   }
   return kExitOk;
 }

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <numeric>
 
+#include "sim/stats.h"
+
 namespace kvsim::gpu_replay {
 
 TimingSummary Summarize(std::vector<double> s) {
@@ -14,12 +16,11 @@ TimingSummary Summarize(std::vector<double> s) {
   t.samples = static_cast<int>(s.size());
   if (s.empty()) return t;
   std::sort(s.begin(), s.end());
-  auto q = [&](double p) { return s[static_cast<size_t>(std::floor(p * (s.size() - 1) + 0.5))]; };
-  t.median = q(0.5);
-  t.p10 = q(0.1);
-  t.p90 = q(0.9);
+  t.median = SortedQuantile(s, 0.5);
+  t.p10 = SortedQuantile(s, 0.1);
+  t.p90 = SortedQuantile(s, 0.9);
   t.min = s.front();
-  t.mean = std::accumulate(s.begin(), s.end(), 0.0) / s.size();
+  t.mean = Mean(s);
   return t;
 }
 

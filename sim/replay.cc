@@ -13,6 +13,7 @@
 #include "sim/event_queue.h"
 #include "sim/parallel.h"
 #include "sim/select.h"
+#include "sim/stats.h"
 #include "sim/version.h"
 
 namespace kvsim {
@@ -477,18 +478,6 @@ class LayerPass {
   DecisionRecorder* recorder_;
   std::vector<UnitWork> units_;
 };
-
-double Mean(const std::vector<float>& v) {
-  double s = 0;
-  for (float x : v) s += x;
-  return v.empty() ? 0 : s / v.size();
-}
-double Quantile(std::vector<float> v, double q) {
-  if (v.empty()) return 0;
-  const size_t k = std::min(v.size() - 1, static_cast<size_t>(std::floor(q * (v.size() - 1) + 0.5)));
-  std::nth_element(v.begin(), v.begin() + k, v.end());
-  return v[k];
-}
 
 void SetByModality(ByModality* b, const double v[4]) {
   b->set_text(v[0]);

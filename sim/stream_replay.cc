@@ -14,6 +14,7 @@
 #include "sim/event_queue.h"
 #include "sim/parallel.h"
 #include "sim/rope.h"
+#include "sim/stats.h"
 #include "sim/version.h"
 
 namespace kvsim {
@@ -46,18 +47,6 @@ double FindStreamStat(const google::protobuf::RepeatedPtrField<StreamStat>& stat
 namespace {
 
 constexpr double kUsPerSecond = 1e6;
-
-double Quantile(std::vector<float> v, double q) {
-  if (v.empty()) return 0;
-  const size_t k = std::min(v.size() - 1, static_cast<size_t>(std::floor(q * (v.size() - 1) + 0.5)));
-  std::nth_element(v.begin(), v.begin() + k, v.end());
-  return v[k];
-}
-double Mean(const std::vector<float>& v) {
-  double s = 0;
-  for (float x : v) s += x;
-  return v.empty() ? 0 : s / v.size();
-}
 
 // Attention of R query rows over N keys; row r sees keys [0, visible[r]). probs [R][N] (zeros beyond),
 // out [R][d]

@@ -1,11 +1,14 @@
 // kvsim_replay_gpu (gpu_replay/gpu_replay_main.cc): exit codes, the one-line no-device message, the CPU
 // reference mode, bad input.
 
+#include <google/protobuf/util/json_util.h>
+
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "gpu_replay/bench_report.pb.h"
 #include "gpu_replay/gpu_api.h"
 #include "tests/test_util.h"
 
@@ -42,8 +45,16 @@ TEST_CASE("kvsim_replay_gpu: --cpu-reference times the reference path", "[gpu_re
   std::ifstream in(dir + "/cpu.json");
   std::stringstream ss;
   ss << in.rdbuf();
-  CHECK(ss.str().find("\"mode\":\"cpu-reference") != std::string::npos);
-  CHECK(ss.str().find("decoder_step") != std::string::npos);
+  // Through kvsim's one JSON writer: parses back into the report message.
+  BenchReport report;
+  REQUIRE(google::protobuf::util::JsonStringToMessage(ss.str(), &report).ok());
+  CHECK(report.mode().rfind("cpu-reference", 0) == 0);
+  CHECK(report.preset() == "tiny");
+  CHECK(report.attention_size() == 2);
+  CHECK(report.attention(1).tokens_per_head() == 128);
+  CHECK(report.attention(0).layer_attention().samples() == 2);
+  REQUIRE(report.decoder_step_size() == 1);
+  CHECK(report.decoder_step(0).step().median_us() > 0);
 }
 
 }  // namespace kvsim::gpu_replay
