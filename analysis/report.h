@@ -11,6 +11,9 @@
 
 namespace kvsim {
 
+// The one JSON writer: every JSON kvsim writes (results, inspect --json, latency --json, verify hae, Chrome
+// traces, kvsim_replay_gpu reports) is a message printed here (protobuf's JSON mapping, proto field names,
+// indented, zero values printed), so escaping and number formatting are the same everywhere.
 std::string ToJson(const google::protobuf::Message& msg);
 // Tidy tables (docs/metrics.md "Tables"): runs.csv has one row per run, layers.csv one row per (run, layer);
 // both start with the same key columns (run = the run's index in results.json).

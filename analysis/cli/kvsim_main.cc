@@ -99,6 +99,21 @@ Status CheckNotAnInput(const std::string& out, std::initializer_list<std::string
   return Status::Ok();
 }
 
+// --chrome-trace must not name an input or another output of the same command.
+Status CheckChromeTracePath(const std::string& path, std::initializer_list<std::string> others) {
+  if (path.empty()) return Status::Ok();
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p = fs::weakly_canonical(fs::path(path), ec);
+  for (const std::string& o : others) {
+    std::error_code ec2;
+    if (!o.empty() && !ec && fs::weakly_canonical(fs::path(o), ec2) == p && !ec2)
+      return Status::InvalidArgument("--chrome-trace " + path + " is also " + o +
+                                     "; writing there would overwrite it: choose another file");
+  }
+  return Status::Ok();
+}
+
 int CmdSynth(int argc, char** argv) {
   std::string config, out, seed_text;
   int threads = 0;
@@ -285,7 +300,7 @@ int CmdRun(int argc, char** argv) {
       "result.json";
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
   if (Status st = CheckNotAnInput(out, {trace}); !st.ok()) return Fail(st);
-  if (Status st = CheckNotAnInput(chrome_trace, {trace, out}); !st.ok()) return Fail(st);
+  if (Status st = CheckChromeTracePath(chrome_trace, {trace, out}); !st.ok()) return Fail(st);
   if (vm.count("budget-tokens") && budget_tokens < 1)
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
   // Streaming traces go to the streaming engine. A missing trace is reported below, after the usage checks;
@@ -425,6 +440,7 @@ int CmdSweep(int argc, char** argv) {
   if (!Parse(argc, argv, "usage: kvsim sweep --config experiment.textproto --out DIR [--trace T.h5]...", opts,
              nullptr, vm, &code))
     return code;
+  if (Status st = CheckChromeTracePath(chrome_trace, {config, out}); !st.ok()) return Fail(st);
   auto exp = LoadExperiment(config);
   if (!exp.ok()) return Fail(exp.status());
   std::string base = std::filesystem::path(config).parent_path().string();

@@ -213,6 +213,11 @@ def test_chrome_trace_of_a_streaming_sweep_and_modelled_clock(work):
          "--chrome-trace", str(d / "t.json")])
     doc, events = load_trace(d / "t.json")
     assert "MODELLED".lower() in doc["metadata"]["clock"].lower()
+    # The trace may not overwrite the result (nor the trace file): one line, exit 1, nothing written.
+    p = run([KVSIM, "run", "--trace", str(work / "a.h5"), "--policy", "snapkv", "--budget", "0.25", "--out",
+             str(d / "same.json"), "--chrome-trace", str(d / "same.json")], check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "--chrome-trace" in p.stderr
+    assert not os.path.exists(d / "same.json")
     prefill = [e for e in events if e.get("cat") == "prefill"]
     assert len(prefill) > 1 and all("A100" in e["args"]["clock"] for e in prefill)
     compression = [e for e in events if e.get("cat") == "compression"]
