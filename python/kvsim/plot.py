@@ -173,13 +173,13 @@ def _mpl():
 def _provenance(res, clock=False):
     """The subtitle: what the data is (synthetic / captured) and, for time axes, what the clock is."""
     sources = res.trace_sources
+    n = len({r.get("trace_hash") or r.get("trace") for r in res.runs})
     if sources == ["captured"]:
-        what = "captured traces (real model attention, replayed)"
+        what = f"captured trace{'s' if n != 1 else ''} (real model attention, replayed)"
     elif "captured" in sources:
         what = "captured and synthetic traces"
     else:
-        what = "synthetic trace (kvsim synth): shows mechanics, not model behaviour"
-    n = len({r.get("trace_hash") or r.get("trace") for r in res.runs})
+        what = f"synthetic trace{'s' if n != 1 else ''} (kvsim synth): mechanics, not model behaviour"
     text = f"{what}; {n} trace{'s' if n != 1 else ''}"
     if clock:
         text += "; " + _clock_label(res)
@@ -216,9 +216,13 @@ def _budget_axis(runs):
     return (lambda r: _num(r, "budget_tokens")), "budget (prompt tokens kept per layer and KV head)"
 
 
-def _style(i):
-    markers = "osD^v<>pXh*"
-    return {"marker": markers[i % len(markers)], "markersize": 4, "linewidth": 1.4}
+def _style(i, n=10):
+    """Line style of the i-th of n labels: distinct colour (tab10, or tab20 beyond 10) and marker."""
+    import matplotlib
+
+    markers = "osD^v<>pXh*P"
+    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+    return {"marker": markers[i % len(markers)], "markersize": 4, "linewidth": 1.4, "color": cmap(i % cmap.N)}
 
 
 # ---- plain sweeps ---------------------------------------------------------------------------------------------
@@ -247,7 +251,7 @@ def plot_quality_vs_budget(res, plt, out_dir, written):
                 continue
             mean = [sum(by_x[x]) / len(by_x[x]) for x in xs]
             ls = "--" if rows[0]["policy"] == "oracle" else "-"
-            (line,) = ax.plot(xs, mean, linestyle=ls, label=label, **_style(i))
+            (line,) = ax.plot(xs, mean, linestyle=ls, label=label, **_style(i, len(labels)))
             if several:
                 lo = [min(by_x[x]) for x in xs]
                 hi = [max(by_x[x]) for x in xs]
@@ -292,8 +296,10 @@ def plot_memory_vs_quality(res, plt, out_dir, written):
             rows = [r for r in res.runs if r["label"] == label]
             xs = [_num(r, "kv_memory_ratio") for r in rows]
             ys = [_num(r, col) for r in rows]
-            marker = "*" if rows[0]["policy"] == "full" else _style(i)["marker"]
-            ax.scatter(xs, ys, s=22, marker=marker, label=label, alpha=0.85)
+            st = _style(i, len(labels))
+            if rows[0]["policy"] == "full":
+                st.update(marker="*", color="0.3")
+            ax.scatter(xs, ys, s=24, marker=st["marker"], color=st["color"], label=label, alpha=0.85)
             if rows[0]["policy"] not in ("oracle",):
                 causal += [(x, -y if higher else y) for x, y in zip(xs, ys)]
         front = _pareto(causal)
@@ -337,7 +343,8 @@ def plot_layer_budgets(res, plt, out_dir, written):
             for x in by_run[r["_key"]]:
                 grid[i, layers.index(int(x["layer"]))] = _num(x, "layer_budget_tokens") / b if b > 0 else np.nan
         im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest", origin="lower")
-        ax.set_title(label)
+        uniform = np.nanmax(grid) - np.nanmin(grid) < 1e-9 if np.isfinite(grid).any() else False
+        ax.set_title(label + (" (uniform: every layer gets B)" if uniform else ""))
         ax.set_xlabel("layer")
         ax.set_yticks(range(len(lruns)))
         ax.set_yticklabels([f"{int(_num(r, 'budget_tokens'))} tok" for r in lruns])
@@ -373,10 +380,14 @@ def plot_memory_over_time(res, plt, out_dir, written):
         idx = sorted({round(i * (len(budgets) - 1) / 3) for i in range(4)})
         budgets = [budgets[i] for i in idx]
     us = res.time_units == ["us"]
-    fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets) + 2.4, 4.4), layout="constrained",
+    ncols = min(2, len(budgets))
+    nrows = math.ceil(len(budgets) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols + 2.6, 3.4 * nrows + 1.0), layout="constrained",
                              squeeze=False, sharey=True)
+    for ax in axes.flat[len(budgets):]:
+        ax.set_visible(False)
     labels = list(OrderedDict.fromkeys(r["label"] for r in runs))
-    for ax, b in zip(axes[0], budgets):
+    for ax, b in zip(axes.flat, budgets):
         for i, label in enumerate(labels):
             for r in runs:
                 if r["label"] != label or (r["policy"] != "full" and int(_num(r, "budget_tokens")) != b):
@@ -390,11 +401,16 @@ def plot_memory_over_time(res, plt, out_dir, written):
                 if us:
                     t = [v / 1e3 for v in t]
                 dashes = [(None, None), (6, 2), (2, 2), (8, 2, 2, 2), (4, 4), (1, 3)][i % 6]
-                style = {"color": "0.3", "linestyle": ":"} if r["policy"] == "full" else {"dashes": dashes}
+                style = (
+                    {"color": "0.3", "linestyle": ":"}
+                    if r["policy"] == "full"
+                    else {"dashes": dashes, "color": _style(i, len(labels))["color"]}
+                )
                 ax.plot(t, y, label=label, linewidth=2.2 - 0.25 * (i % 5), alpha=0.9, **style)
         ax.set_title(f"budget {b} tokens per layer and KV head" if b else "")
         ax.set_xlabel("simulated time (ms, modelled)" if us else "simulated time (token steps)")
-    axes[0][0].set_ylabel("KV cache (MiB, all layers and KV heads)")
+    for row in axes:
+        row[0].set_ylabel("KV cache (MiB, all layers and KV heads)")
     handles, lbls = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, lbls, loc="outside right center", frameon=False)
     fig.suptitle(
@@ -425,10 +441,10 @@ def plot_streaming_recall(res, plt, out_dir, written):
             xs = [_num(r, "budget_tokens") for r in rows]
             ys = [_num(r, col) for r in rows]
             if len({x for x in xs}) == 1:  # one budget (or a policy that keeps everything): a reference line
-                ax.axhline(ys[0], linestyle=":", linewidth=1.1, color=f"C{i % 10}",
+                ax.axhline(ys[0], linestyle=":", linewidth=1.1, color=_style(i, len(labels))["color"],
                            label=f"{label} ({int(xs[0])} tok)" if xs[0] else f"{label} (no budget)")
                 continue
-            ax.plot(xs, ys, label=label, **_style(i))
+            ax.plot(xs, ys, label=label, **_style(i, len(labels)))
         ax.set_xlabel("budget (retrieved visual tokens per layer and KV head)")
         ax.set_ylabel(ylabel)
     handles, lbls = axes[0][0].get_legend_handles_labels()
