@@ -309,6 +309,18 @@ Status WriteFileAtomic(const std::string& path, const std::string& content) {
   return Status::Ok();
 }
 
+Status WriteFilesAtomic(const std::vector<std::pair<std::string, std::string>>& files) {
+  for (size_t i = 0; i < files.size(); ++i) {
+    Status st = WriteFileAtomic(files[i].first, files[i].second);
+    if (!st.ok()) {
+      std::error_code ec;
+      for (size_t j = 0; j < i; ++j) std::filesystem::remove(files[j].first, ec);
+      return st;
+    }
+  }
+  return Status::Ok();
+}
+
 Status WriteOutputFolder(const std::string& out_dir_arg,
                          const std::vector<std::pair<std::string, std::string>>& files) {
   namespace fs = std::filesystem;

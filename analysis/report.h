@@ -24,6 +24,10 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
 // Writes `content` to `path` atomically (temp file + rename). Error names the path.
 Status WriteFileAtomic(const std::string& path, const std::string& content);
 
+// Writes several files (path -> content), each atomically; if one fails, the ones already written are
+// removed, so a failed command leaves none of its outputs.
+Status WriteFilesAtomic(const std::vector<std::pair<std::string, std::string>>& files);
+
 // Writes `files` (name -> content) into the folder `out_dir`, which appears only when all are written. An
 // existing `out_dir` is replaced as a whole only if it holds nothing but files with these names, the
 // kPlotsFolder of `kvsim plot` and an older kvsim's results.csv (an earlier run's outputs); anything else

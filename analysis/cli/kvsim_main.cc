@@ -251,12 +251,12 @@ int RunStreaming(const std::string& trace, const std::string& policy, const std:
   if (!res.ok()) return Fail(res.status());
   const std::vector<StreamRunResult> runs{*res};
   const std::string stem = OutputStem(out);
-  Status st = WriteFileAtomic(out, ToJson(*res));
-  if (st.ok()) st = WriteFileAtomic(stem + ".runs.csv", StreamRunsCsv(runs));
-  if (st.ok()) st = WriteFileAtomic(stem + ".questions.csv", StreamQuestionsCsv(runs));
-  if (st.ok()) st = WriteFileAtomic(stem + ".memory.csv", StreamMemoryCsv(runs));
-  if (st.ok() && !chrome_trace.empty()) st = WriteChromeTrace(ChromeTraceForStreamRuns(runs), chrome_trace);
-  if (!st.ok()) return Fail(st);
+  std::vector<std::pair<std::string, std::string>> files{{out, ToJson(*res)},
+                                                         {stem + ".runs.csv", StreamRunsCsv(runs)},
+                                                         {stem + ".questions.csv", StreamQuestionsCsv(runs)},
+                                                         {stem + ".memory.csv", StreamMemoryCsv(runs)}};
+  if (!chrome_trace.empty()) files.emplace_back(chrome_trace, ToJson(ChromeTraceForStreamRuns(runs)));
+  if (Status st = WriteFilesAtomic(files); !st.ok()) return Fail(st);
   const StreamQuestionResult& m = res->mean();
   std::fprintf(
       stderr,
@@ -328,11 +328,11 @@ int CmdRun(int argc, char** argv) {
                     RunOptions{threads, true, latency, prefill_chunk, device, model});
   if (!res.ok()) return Fail(res.status());
   const std::vector<RunResult> runs{*res};
-  Status st = WriteFileAtomic(out, ToJson(*res));
-  if (st.ok()) st = WriteFileAtomic(OutputStem(out) + ".runs.csv", RunsCsv(runs));
-  if (st.ok()) st = WriteFileAtomic(OutputStem(out) + ".layers.csv", LayersCsv(runs));
-  if (st.ok() && !chrome_trace.empty()) st = WriteChromeTrace(ChromeTraceForRuns(runs), chrome_trace);
-  if (!st.ok()) return Fail(st);
+  std::vector<std::pair<std::string, std::string>> files{{out, ToJson(*res)},
+                                                         {OutputStem(out) + ".runs.csv", RunsCsv(runs)},
+                                                         {OutputStem(out) + ".layers.csv", LayersCsv(runs)}};
+  if (!chrome_trace.empty()) files.emplace_back(chrome_trace, ToJson(ChromeTraceForRuns(runs)));
+  if (Status st = WriteFilesAtomic(files); !st.ok()) return Fail(st);
   const Metrics& m = res->metrics();
   std::fprintf(stderr,
                "kvsim: %s budget %d tokens: retained mass %.4f, output rel. error %.4f, KV memory %.3f of "
@@ -415,6 +415,13 @@ int CmdVerify(int argc, char** argv) {
   return kExitOk;
 }
 
+// The sweep's Chrome trace is written before its folder; when the folder fails, the trace goes too.
+Status RemoveOnFailure(const Status& st, const std::string& written) {
+  std::error_code ec;
+  if (!written.empty()) std::filesystem::remove(written, ec);
+  return st;
+}
+
 int CmdSweep(int argc, char** argv) {
   std::string config, out, latency, device, model, chrome_trace;
   std::vector<std::string> traces;
@@ -457,12 +464,14 @@ int CmdSweep(int argc, char** argv) {
     auto sres =
         RunStreamSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, 0, device, model});
     if (!sres.ok()) return Fail(sres.status().WithContext(config));
-    Status st = WriteStreamSweepOutputs(*sres, out);
-    if (st.ok() && !chrome_trace.empty())
+    Status st = Status::Ok();
+    if (!chrome_trace.empty())
       st = WriteChromeTrace(
           ChromeTraceForStreamRuns(std::vector<StreamRunResult>(sres->runs().begin(), sres->runs().end())),
           chrome_trace);
-    if (!st.ok()) return Fail(st);
+    const bool trace_written = st.ok() && !chrome_trace.empty();
+    if (st.ok()) st = WriteStreamSweepOutputs(*sres, out);
+    if (!st.ok()) return Fail(RemoveOnFailure(st, trace_written ? chrome_trace : ""));
     std::fprintf(stderr,
                  "kvsim: %d streaming runs -> %s/{results.json,runs.csv,questions.csv,memory.csv,"
                  "summary.md}\n",
@@ -472,11 +481,13 @@ int CmdSweep(int argc, char** argv) {
   auto res = RunSweep(*exp, base.empty() ? "." : base,
                       RunOptions{threads, true, latency, prefill_chunk, device, model});
   if (!res.ok()) return Fail(res.status().WithContext(config));
-  Status st = WriteSweepOutputs(*res, out);
-  if (st.ok() && !chrome_trace.empty())
+  Status st = Status::Ok();
+  if (!chrome_trace.empty())
     st = WriteChromeTrace(ChromeTraceForRuns(std::vector<RunResult>(res->runs().begin(), res->runs().end())),
                           chrome_trace);
-  if (!st.ok()) return Fail(st);
+  const bool trace_written = st.ok() && !chrome_trace.empty();
+  if (st.ok()) st = WriteSweepOutputs(*res, out);
+  if (!st.ok()) return Fail(RemoveOnFailure(st, trace_written ? chrome_trace : ""));
   std::fprintf(stderr, "kvsim: %d runs -> %s/{results.json,runs.csv,layers.csv,summary.md}\n",
                res->runs_size(), out.c_str());
   return kExitOk;

@@ -119,6 +119,13 @@ def test_plain_sweep_plots_through_the_cli(work):
     # The sweep can be re-run into the folder: plots/ is an earlier output, replaced with the rest.
     run([KVSIM, "sweep", "--config", str(work / "exp.textproto"), "--out", str(work / "sweep")])
     assert not os.path.exists(work / "sweep" / "plots")
+    # A sweep that cannot write its folder leaves no Chrome trace either.
+    (work / "sweep" / "notes.txt").write_text("mine")
+    p = run([KVSIM, "sweep", "--config", str(work / "exp.textproto"), "--out", str(work / "sweep"),
+             "--chrome-trace", str(work / "failed_trace.json")], check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "notes.txt" in p.stderr
+    assert not os.path.exists(work / "failed_trace.json")
+    os.remove(work / "sweep" / "notes.txt")
 
 
 def test_streaming_sweep_plots(work):
