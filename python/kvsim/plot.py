@@ -245,7 +245,7 @@ def plot_quality_vs_budget(res, plt, out_dir, written):
             for r in rows:
                 by_x[xof(r)].append(_num(r, col))
             xs = sorted(by_x)
-            if rows[0]["policy"] == "full" or len(xs) == 1 and rows[0]["policy"] in ("full",):
+            if rows[0]["policy"] == "full":  # no budget: the reference level
                 mean = sum(by_x[xs[0]]) / len(by_x[xs[0]])
                 ax.axhline(mean, color="0.4", linestyle=":", linewidth=1, label=f"{label} (no compression)")
                 continue
