@@ -90,8 +90,8 @@ ChromeTrace ChromeTraceForRuns(const std::vector<RunResult>& runs) {
       x->mutable_args()->set_step(p.step());
       x->mutable_args()->set_kv_tokens(p.kv_tokens());
       x->mutable_args()->set_kv_bytes(p.kv_bytes());
-      // The compression event: at the end of the last prefill chunk (the hook), or at the end of decode step t
-      // for policies that compress with its query (the step still attends over the whole prompt:
+      // The compression event: at the end of the last prefill chunk (the hook), or at the end of decode step
+      // t for policies that compress with its query (the step still attends over the whole prompt:
       // docs/metrics.md "Memory over simulated time").
       const bool compress_here =
           r.policy() != "full" && ((r.compression_step() < 0 && prefill && p.step() == -1) ||

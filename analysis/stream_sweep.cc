@@ -217,8 +217,8 @@ std::string StreamRunsCsv(const std::vector<StreamRunResult>& runs) {
     const StreamRunResult& r = runs[i];
     RunKey(i, r, os);
     os << ',' << CsvField(r.trace_path()) << ',' << CsvField(r.trace_source()) << ','
-       << CsvField(r.trace_model()) << ',' << r.trace_seed() << ',' << CsvField(r.parameters()) << ',' << r.time_unit() << ',' << CsvField(r.kvsim_version()) << ','
-       << CsvField(r.git_commit());
+       << CsvField(r.trace_model()) << ',' << r.trace_seed() << ',' << CsvField(r.parameters()) << ','
+       << r.time_unit() << ',' << CsvField(r.kvsim_version()) << ',' << CsvField(r.git_commit());
     QuestionColumns(r.mean(), os);
     os << ',' << (r.approximate() ? 1 : 0);
     for (double x :

@@ -56,8 +56,8 @@ LatencySpec ExperimentLatency(const config::Experiment& experiment, const std::s
 StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir,
                                const RunOptions& options);
 
-// Writes results.json, runs.csv, layers.csv and summary.md into `out_dir` (created, or replaced as a whole if it
-// holds only an earlier sweep's outputs; any other existing file or folder is an error). The folder
+// Writes results.json, runs.csv, layers.csv and summary.md into `out_dir` (created, or replaced as a whole if
+// it holds only an earlier sweep's outputs; any other existing file or folder is an error). The folder
 // appears only when everything is written.
 Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir);
 
