@@ -418,6 +418,8 @@ def test_capture_is_the_capture_tool():
     import kvsim_capture.writer
     assert writer is kvsim_capture.writer
     assert kvsim.capture.CaptureOptions is kvsim_capture.CaptureOptions
+    res = subprocess.run([sys.executable, "-m", "kvsim.capture", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.startswith("usage: kvsim-capture"), res.stderr
 
 
 def test_import_is_lazy():
