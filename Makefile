@@ -38,9 +38,9 @@ $(BUILD)/Makefile: CMakeLists.txt | setup
 build: setup $(BUILD)/Makefile
 	cmake --build $(BUILD) -j $(JOBS)
 
-# Only the kvsim binary (what the demo needs).
+# Only the kvsim binary and the Python package's extension (what the demo needs).
 cli: setup $(BUILD)/Makefile
-	cmake --build $(BUILD) -j $(JOBS) --target kvsim
+	cmake --build $(BUILD) -j $(JOBS) --target kvsim_package
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)

@@ -10,7 +10,7 @@ PACKAGES=(
   protobuf-compiler libprotobuf-dev
   catch2
   libopenblas-pthread-dev libopenblas0-pthread
-  python3 python3-venv  # the project's Python environment (.venv/, scripts/setup_python.sh) is built on these
+  python3 python3-venv python3-dev  # python3-dev: headers of the extension kvsim._core (docs/python.md); the project's Python environment (.venv/, scripts/setup_python.sh) is built on these
   clang libclang-rt-14-dev llvm  # libFuzzer targets (make fuzz, fuzz-ci): clang-14, its fuzzer/sanitizer runtimes, llvm-symbolizer
 )
 missing=()

@@ -53,7 +53,13 @@ rm -f "$stamp"
 # The capture package is used from this checkout (no install step to forget after an edit).
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$root/traces/capture" >"$site/kvsim_capture_checkout.pth"
+# The kvsim Python package, also from this checkout (docs/python.md, "Installing"): its Python code in
+# python/kvsim and what `make build` writes to build/python/kvsim (the extension kvsim._core, bin/kvsim).
+printf '%s\n%s\n' "$root/python" "$root/build/python" >"$site/kvsim_checkout.pth"
+# `kvsim` on .venv/bin/: the package's console script, as pip writes it for pyproject.toml's [project.scripts].
+printf '#!%s\nimport sys\nfrom kvsim.cli import main\nsys.exit(main())\n' "$venv/bin/python" >"$venv/bin/kvsim"
+chmod +x "$venv/bin/kvsim"
 # Fail here, not in a test, if the lock is inconsistent.
-"$venv/bin/python" -c 'import torch, transformers, gguf, tokenizers, safetensors, numpy, h5py, matplotlib, pytest, kvsim_capture; from kvsim_capture import models; models.smollm2_gguf()'
+"$venv/bin/python" -c 'import torch, transformers, gguf, tokenizers, safetensors, numpy, h5py, matplotlib, pytest, pandas, kvsim_capture, kvsim, kvsim.api; from kvsim_capture import models; models.smollm2_gguf()'
 echo "$stamp_value" >"$stamp"
 echo "setup_python: ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1) ($venv)" >&2

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <hdf5.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -58,6 +59,39 @@ class Hid {
 
 // Error stacks and their printing are per thread in a thread-safe HDF5, so every entry point calls this.
 void SilenceHdf5Errors() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+
+// fork() while another thread is inside HDF5 would give the guarded child (GuardedProbe) a copy of HDF5's
+// global lock that nobody will release: the child hangs until the guard's timeout and a good trace is
+// reported as damaged. That happens when threads of one process open and read traces at once (the Python
+// package runs replays from several threads). So every public entry point that calls HDF5 holds this lock
+// shared (re-entrantly per thread), and the fork holds it exclusively. HDF5 serialises its own calls anyway,
+// so readers lose no concurrency.
+// Writer-preferring (a waiting fork blocks new readers, so threads that read in a loop cannot starve it);
+// never taken recursively (hdf5_use_depth), which that kind of lock requires.
+pthread_rwlock_t* Hdf5ForkLock() {
+  static pthread_rwlock_t* lock = [] {
+    static pthread_rwlock_t l;
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&l, &attr);
+    pthread_rwlockattr_destroy(&attr);
+    return &l;
+  }();
+  return lock;
+}
+thread_local int hdf5_use_depth = 0;
+class Hdf5Use {
+ public:
+  Hdf5Use() {
+    if (hdf5_use_depth++ == 0) pthread_rwlock_rdlock(Hdf5ForkLock());
+  }
+  ~Hdf5Use() {
+    if (--hdf5_use_depth == 0) pthread_rwlock_unlock(Hdf5ForkLock());
+  }
+  Hdf5Use(const Hdf5Use&) = delete;
+  Hdf5Use& operator=(const Hdf5Use&) = delete;
+};
 
 // The innermost message on this thread's HDF5 error stack, as " (HDF5: ...)", then clears the stack.
 std::string Hdf5Detail() {
@@ -968,7 +1002,12 @@ Status Hdf5TraceReader::GuardedProbe(const std::string& path) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) return Status::Ok();  // cannot guard: read unguarded
   std::fflush(nullptr);
+  pthread_rwlock_wrlock(Hdf5ForkLock());  // no other thread inside HDF5
   const pid_t pid = ::fork();
+  if (pid == 0)
+    hdf5_use_depth = 1;  // the child is alone: its copy of the lock stays as it is, unused
+  else
+    pthread_rwlock_unlock(Hdf5ForkLock());
   if (pid < 0) {
     ::close(fds[0]);
     ::close(fds[1]);
@@ -1046,6 +1085,7 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::Open(const std::stri
 }
 
 StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenUnguarded(const std::string& path) {
+  const Hdf5Use hdf5_use;
   SilenceHdf5Errors();
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return Status::NotFound(path + ": no such file");
@@ -1066,6 +1106,7 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenUnguarded(const 
 
 StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std::string& name,
                                                                       const void* data, size_t size) {
+  const Hdf5Use hdf5_use;
   SilenceHdf5Errors();
   Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   hid_t file = -1;
@@ -1152,10 +1193,12 @@ Status Hdf5TraceReader::CheckLayerShapes() const {
 }
 
 Hdf5TraceReader::~Hdf5TraceReader() {
+  const Hdf5Use hdf5_use;
   if (file_ >= 0) H5Fclose(file_);
 }
 
 Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out) {
+  const Hdf5Use hdf5_use;
   SilenceHdf5Errors();
   const ModelInfo& mi = meta_.model;
   if (layer < 0 || layer >= mi.num_layers)
@@ -1186,6 +1229,7 @@ Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out) {
 }
 
 Status Hdf5TraceReader::ReadBlockLayer(int granularity, int layer, BlockLayerData* out) {
+  const Hdf5Use hdf5_use;
   SilenceHdf5Errors();
   const BlockEncodingInfo* info = meta_.is_streaming() ? meta_.stream->FindBlocks(granularity) : nullptr;
   if (!info) return TraceSource::ReadBlockLayer(granularity, layer, out);
@@ -1214,6 +1258,7 @@ Status Hdf5TraceReader::ReadBlockLayer(int granularity, int layer, BlockLayerDat
 }
 
 StatusOr<bool> Hdf5TraceReader::ReadRecordedDecodeRows(int layer, std::vector<float>* out) {
+  const Hdf5Use hdf5_use;
   SilenceHdf5Errors();
   const std::string name = LayerName("/capture/decode_attention", layer);
   auto has_rows = LinkExists(file_, name);
@@ -1235,6 +1280,7 @@ StatusOr<bool> Hdf5TraceReader::ReadRecordedDecodeRows(int layer, std::vector<fl
 
 StatusOr<std::unique_ptr<Hdf5TraceWriter>> Hdf5TraceWriter::Create(const std::string& path,
                                                                    Hdf5WriteOptions options) {
+  const Hdf5Use hdf5_use;
   SilenceHdf5Errors();
   if (options.compression_level < 0 || options.compression_level > 9)
     return Status::InvalidArgument(path + ": compression_level " + std::to_string(options.compression_level) +
@@ -1264,11 +1310,13 @@ StatusOr<std::unique_ptr<Hdf5TraceWriter>> Hdf5TraceWriter::Create(const std::st
 }
 
 Hdf5TraceWriter::~Hdf5TraceWriter() {
+  const Hdf5Use hdf5_use;
   if (file_ >= 0) H5Fclose(file_);
   if (!finished_) std::remove(tmp_path_.c_str());
 }
 
 Status Hdf5TraceWriter::Begin(const TraceMeta& meta) {
+  const Hdf5Use hdf5_use;
   SilenceHdf5Errors();
   if (began_ || file_ < 0)
     return Status::FailedPrecondition(path_ + ": Begin() called twice or after Finish()");
@@ -1282,6 +1330,7 @@ Status Hdf5TraceWriter::Begin(const TraceMeta& meta) {
 }
 
 Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
+  const Hdf5Use hdf5_use;
   SilenceHdf5Errors();
   const ModelInfo& mi = meta_.model;
   if (!began_ || file_ < 0)
@@ -1377,6 +1426,7 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
 }
 
 Status Hdf5TraceWriter::Finish() {
+  const Hdf5Use hdf5_use;
   SilenceHdf5Errors();
   if (!began_ || file_ < 0)
     return Status::FailedPrecondition(path_ + ": Finish() before Begin() or called twice");

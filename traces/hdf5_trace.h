@@ -21,7 +21,8 @@ class Hdf5TraceReader final : public TraceSource {
   // Opens and validates the root attributes, the token table and every dataset's shape and stored size.
   // Errors name the file and the field. Guarded: all of this is first done in a forked child process, so a
   // damaged file that crashes, hangs or exhausts the HDF5 library is a one-line error here
-  // (docs/hardening.md; KVSIM_TRACE_GUARD=0 turns it off). Call it while no other thread is inside HDF5.
+  // (docs/hardening.md; KVSIM_TRACE_GUARD=0 turns it off). Safe from any thread: the fork waits until no
+  // other thread is inside one of this file's HDF5 calls.
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> Open(const std::string& path);
   // The same without the child process (what the guarded child itself runs).
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> OpenUnguarded(const std::string& path);

@@ -3,13 +3,16 @@
 #include <hdf5.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <bit>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <thread>
 
 #include "tests/test_util.h"
 #include "traces/half.h"
@@ -738,6 +741,35 @@ TEST_CASE("hdf5 trace: the guarded open", "[hdf5][integrity]") {
     }
     ScopedEnv env("KVSIM_TRACE_GUARD", "yes");
     CHECK(Contains(Hdf5TraceReader::Open(path).status(), "KVSIM_TRACE_GUARD='yes' must be 0"));
+  }
+  SECTION("opening while other threads read: every open succeeds promptly") {
+    // A fork while another thread is inside HDF5 would leave the child waiting for HDF5's lock until the
+    // timeout (a good trace reported as damaged); the fork waits for the readers, and they cannot starve it.
+    ScopedEnv env("KVSIM_TRACE_GUARD_TIMEOUT", "5");
+    auto open_20 = [&] {
+      const auto start = std::chrono::steady_clock::now();
+      int opened = 0;
+      for (int i = 0; i < 20; ++i) opened += Hdf5TraceReader::Open(path).ok();
+      return std::pair(opened,
+                       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    };
+    const double alone = open_20().second;  // with no other thread reading
+    std::atomic<bool> stop{false};
+    std::atomic<int> reads{0};
+    std::vector<std::thread> readers;
+    for (int i = 0; i < 2; ++i)
+      readers.emplace_back([&] {
+        auto r = Hdf5TraceReader::OpenUnguarded(path);
+        LayerData ld;
+        for (int l = 0; r.ok() && !stop; ++l)
+          if ((*r)->ReadLayer(l % tr.meta().model.num_layers, &ld).ok()) ++reads;
+      });
+    const auto [opened, seconds] = open_20();
+    stop = true;
+    for (auto& t : readers) t.join();
+    CHECK(opened == 20);
+    CHECK(reads > 0);
+    CHECK(seconds < 3 * alone + 1);  // readers do not starve the opens
   }
   SECTION("OpenImage reads the same trace from memory") {
     const std::string bytes = testing::ReadFile(path);

@@ -1,0 +1,433 @@
+// kvsim._core: the replay engine in-process for the `kvsim` Python package (python/kvsim/, docs/python.md).
+// Every entry point calls the same library functions as the CLI (analysis/sweep.h, analysis/stream_sweep.h,
+// analysis/report.h) and returns results as the same protobuf JSON that `kvsim run` / `kvsim sweep` write, so
+// the two cannot drift. The GIL is released while traces are read and replayed. A Status error becomes
+// kvsim.errors.KvsimError carrying the message the CLI prints after "kvsim: error: ".
+
+#include <google/protobuf/stubs/logging.h>
+#include <google/protobuf/text_format.h>
+#include <google/protobuf/util/json_util.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "analysis/report.h"
+#include "analysis/stream_sweep.h"
+#include "analysis/sweep.h"
+#include "analysis/trace_stats.h"
+#include "policies/registry.h"
+#include "policies/stream_registry.h"
+#include "sim/version.h"
+#include "traces/hdf5_trace.h"
+
+namespace nb = nanobind;
+
+namespace kvsim {
+namespace {
+
+const char* CodeName(StatusCode c) {
+  switch (c) {
+    case StatusCode::kOk:
+      return "ok";
+    case StatusCode::kInvalidArgument:
+      return "invalid_argument";
+    case StatusCode::kNotFound:
+      return "not_found";
+    case StatusCode::kDataLoss:
+      return "data_loss";
+    case StatusCode::kFailedPrecondition:
+      return "failed_precondition";
+    case StatusCode::kInternal:
+      return "internal";
+  }
+  return "unknown";
+}
+
+// Raises kvsim.KvsimError(message, code). Call with the GIL held.
+[[noreturn]] void Raise(const Status& st) {
+  nb::object cls = nb::module_::import_("kvsim.errors").attr("KvsimError");
+  nb::object exc = cls(st.message(), CodeName(st.code()));
+  PyErr_SetObject(cls.ptr(), exc.ptr());
+  throw nb::python_error();
+}
+
+template <typename T>
+T ValueOrRaise(StatusOr<T> v) {
+  if (!v.ok()) Raise(v.status());
+  return std::move(v).value();
+}
+
+void RaiseIfError(const Status& st) {
+  if (!st.ok()) Raise(st);
+}
+
+StatusOr<QuestionMode> ParseQuestionMode(const std::string& s) {
+  if (s == "aware" || s == "query_aware") return QuestionMode::kQueryAware;
+  if (s == "agnostic" || s == "query_agnostic") return QuestionMode::kQueryAgnostic;
+  return Status::InvalidArgument("question_mode='" + ForMessage(s) + "': expected 'aware' or 'agnostic'");
+}
+
+// `kvsim run`: one policy at one budget. Plain traces need budget_fraction in (0, 1] or budget_tokens >= 1
+// (exactly one; the Python wrapper checks that); streaming traces take budget_tokens (0 = the policy's
+// default). Returns (streaming, result JSON).
+std::pair<bool, std::string> Run(const std::string& trace, const std::string& policy,
+                                 const std::vector<std::string>& sets, double budget_fraction,
+                                 int budget_tokens, const std::string& question_mode, int threads,
+                                 const std::string& latency_model, const std::string& device,
+                                 const std::string& model, int prefill_chunk, bool progress) {
+  const RunOptions options{threads, progress, latency_model, prefill_chunk, device, model};
+  StatusOr<bool> streaming = false;
+  {
+    nb::gil_scoped_release release;
+    streaming = IsStreamingTrace(trace);
+  }
+  // A missing trace is reported by the run itself (the CLI's order of checks).
+  if (!streaming.ok() && streaming.status().code() != StatusCode::kNotFound) Raise(streaming.status());
+  if (streaming.ok() && *streaming) {
+    RaiseIfError(CheckStreamingPolicyName(policy).WithContext(trace));
+    if (budget_fraction > 0)
+      Raise(Status::InvalidArgument(
+          trace +
+          " is a streaming trace: give budget_tokens=N (retrieved visual tokens per layer and KV head) or no "
+          "budget (the policy's default), not budget="));
+    StatusOr<StreamRunResult> res = Status::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      res = RunStreamOne(trace, policy, sets, budget_tokens, options);
+    }
+    return {true, ToJson(ValueOrRaise(std::move(res)))};
+  }
+  const QuestionMode mode = ValueOrRaise(ParseQuestionMode(question_mode));
+  if (budget_fraction <= 0 && budget_tokens <= 0)
+    Raise(
+        Status::InvalidArgument("give budget= (a fraction of the prompt kept, in (0, 1]) or budget_tokens= "
+                                "(tokens kept per layer per KV head)"));
+  StatusOr<RunResult> res = Status::Internal("not run");
+  {
+    nb::gil_scoped_release release;
+    res = RunOne(trace, policy, sets, budget_fraction, budget_tokens, mode, options);
+  }
+  return {false, ToJson(ValueOrRaise(std::move(res)))};
+}
+
+// The JSON mapping of analysis/experiment.proto (field names as in the .textproto).
+config::Experiment ExperimentFromJson(const std::string& json) {
+  config::Experiment e;
+  google::protobuf::util::JsonParseOptions jo;
+  const auto st = google::protobuf::util::JsonStringToMessage(json, &e, jo);
+  if (!st.ok())
+    Raise(Status::InvalidArgument("kvsim.sweep experiment: " + ForMessage(std::string(st.message()))));
+  return e;
+}
+
+// `kvsim sweep`: the experiment from a file (`config`; relative paths resolve against its folder) with the
+// fields named in `replace` taken from `experiment_json`, or, without a file, `experiment_json` itself
+// (relative paths resolve against the working directory). Either way it is checked by the parser of
+// experiment files. Writes the CLI's output folder when `out_dir` is set. Returns (streaming, SweepResult /
+// StreamSweepResult JSON).
+std::pair<bool, std::string> Sweep(const std::string& config, const std::string& experiment_json,
+                                   const std::vector<std::string>& replace, int threads,
+                                   const std::string& latency_model, const std::string& device,
+                                   const std::string& model, int prefill_chunk, bool progress,
+                                   const std::string& out_dir) {
+  config::Experiment exp;
+  std::string base = ".";
+  const config::Experiment fields = ExperimentFromJson(experiment_json);
+  if (!config.empty()) {
+    exp = ValueOrRaise(LoadExperiment(config));
+    base = std::filesystem::path(config).parent_path().string();
+    if (base.empty()) base = ".";
+    // Traces given here are relative to the working directory (the CLI's --trace).
+    if (fields.traces_size() > 0) base = ".";
+    // Every field named in `replace` is replaced (an empty list clears it).
+    for (const std::string& name : replace) {
+      const auto* f = exp.GetDescriptor()->FindFieldByName(name);
+      if (!f)
+        Raise(Status::InvalidArgument("kvsim.sweep: the experiment has no field '" + ForMessage(name) + "'"));
+      exp.GetReflection()->ClearField(&exp, f);
+    }
+    exp.MergeFrom(fields);
+  } else {
+    exp = fields;
+  }
+  const std::string what = config.empty() ? std::string("kvsim.sweep experiment") : config;
+  std::string text;
+  google::protobuf::TextFormat::PrintToString(exp, &text);
+  exp = ValueOrRaise(ParseExperiment(text, what));
+  const RunOptions options{threads, progress, latency_model, prefill_chunk, device, model};
+  StatusOr<bool> streaming = false;
+  {
+    nb::gil_scoped_release release;
+    streaming = ExperimentIsStreaming(exp, base);
+  }
+  if (ValueOrRaise(std::move(streaming))) {
+    StatusOr<StreamSweepResult> res = Status::Internal("not run");
+    Status written;
+    {
+      nb::gil_scoped_release release;
+      res = RunStreamSweep(exp, base, RunOptions{threads, progress, latency_model, 0, device, model});
+      if (res.ok() && !out_dir.empty()) written = WriteStreamSweepOutputs(*res, out_dir);
+    }
+    if (!res.ok()) Raise(res.status().WithContext(what));
+    RaiseIfError(written);
+    return {true, ToJson(*res)};
+  }
+  StatusOr<SweepResult> res = Status::Internal("not run");
+  Status written;
+  {
+    nb::gil_scoped_release release;
+    res = RunSweep(exp, base, options);
+    if (res.ok() && !out_dir.empty()) written = WriteSweepOutputs(*res, out_dir);
+  }
+  if (!res.ok()) Raise(res.status().WithContext(what));
+  RaiseIfError(written);
+  return {false, ToJson(*res)};
+}
+
+// ---- Traces
+// -------------------------------------------------------------------------------------------------
+
+// A std::vector handed to NumPy without a copy: the array owns it through a capsule.
+template <typename T>
+nb::ndarray<nb::numpy, T> ToNumpy(std::vector<T>&& v, std::initializer_list<size_t> shape) {
+  auto* owned = new std::vector<T>(std::move(v));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::ndarray<nb::numpy, T>(owned->data(), shape, owner);
+}
+
+template <typename E>
+std::vector<uint8_t> Codes(const std::vector<E>& v) {
+  std::vector<uint8_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = static_cast<uint8_t>(v[i]);
+  return out;
+}
+
+nb::dict ModelDict(const ModelInfo& m) {
+  nb::dict d;
+  d["name"] = m.name;
+  d["family"] = m.family;
+  d["num_layers"] = m.num_layers;
+  d["num_heads"] = m.num_heads;
+  d["num_kv_heads"] = m.num_kv_heads;
+  d["head_dim"] = m.head_dim;
+  d["softmax_scale"] = m.softmax_scale;
+  d["causal"] = m.causal;
+  d["sliding_window"] = m.sliding_window;
+  d["logit_softcap"] = m.logit_softcap;
+  d["rope_theta"] = m.rope_theta;
+  d["model_dtype"] = m.model_dtype;
+  return d;
+}
+
+nb::object StreamDict(const TraceMeta& meta) {
+  if (!meta.stream) return nb::none();
+  const StreamInfo& s = *meta.stream;
+  nb::dict d;
+  d["fps"] = s.fps;
+  d["init_len"] = s.init_len;
+  d["tokens_per_frame"] = s.tokens_per_frame;
+  d["num_frames"] = s.num_frames;
+  d["frame_time_s"] = ToNumpy(std::vector<double>(s.frame_time_s), {s.frame_time_s.size()});
+  nb::list questions;
+  for (const StreamQuestion& q : s.questions) {
+    nb::dict qd;
+    qd["time_s"] = q.time_s;
+    qd["token_begin"] = q.token_begin;
+    qd["num_question_tokens"] = q.num_question_tokens;
+    qd["num_answer_tokens"] = q.num_answer_tokens;
+    qd["frames_before"] = q.frames_before;
+    qd["evidence_frames"] = q.evidence_frames;
+    questions.append(qd);
+  }
+  d["questions"] = questions;
+  nb::list blocks;
+  for (const BlockEncodingInfo& b : s.block_encodings) {
+    nb::dict bd;
+    bd["granularity"] = b.granularity;
+    bd["num_blocks"] = b.num_blocks;
+    bd["attention_layers"] = b.attention_layers;
+    blocks.append(bd);
+  }
+  d["block_encodings"] = blocks;
+  return d;
+}
+
+// One opened trace file (the CLI's reader: same validation, same messages). Reads are serialised per trace
+// (TraceSource::ReadLayer is never concurrent with itself).
+class PyTrace {
+ public:
+  explicit PyTrace(const std::string& path) : path_(path) {
+    StatusOr<std::unique_ptr<TraceSource>> src = Status::Internal("not opened");
+    {
+      nb::gil_scoped_release release;
+      src = OpenTrace(path);
+    }
+    source_ = ValueOrRaise(std::move(src));
+  }
+
+  const std::string& path() const { return path_; }
+
+  nb::dict Meta() const {
+    const TraceMeta& m = source_->meta();
+    nb::dict d;
+    d["format_version"] = m.format_version;
+    d["model"] = ModelDict(m.model);
+    d["prefill_length"] = m.prefill_length;
+    d["num_decode_steps"] = m.num_decode_steps;
+    d["total_tokens"] = m.total_tokens();
+    d["source"] = m.source;
+    d["generator"] = m.generator;
+    d["generator_version"] = m.generator_version;
+    d["seed"] = m.seed;
+    d["storage_dtype"] = std::string(StorageDtypeName(m.storage_dtype));
+    d["query_positions"] = ToNumpy(std::vector<int32_t>(m.query_positions), {m.query_positions.size()});
+    d["has_prefill_column_sums"] = m.has_prefill_column_sums;
+    d["config_text"] = m.config_text;
+    d["stream"] = StreamDict(m);
+    const TraceIntegrity integ = source_->integrity();
+    nb::dict id;
+    id["known"] = integ.known;
+    id["superblock_version"] = integ.superblock_version;
+    id["datasets"] = integ.datasets;
+    id["checksummed_datasets"] = integ.checksummed_datasets;
+    id["variable_length_strings"] = integ.variable_length_strings;
+    id["checksummed"] = integ.checksummed();
+    id["text"] = integ.Text();
+    d["integrity"] = id;
+    return d;
+  }
+
+  // The token table as columns (enums as uint8 codes; their names in kvsim.trace).
+  nb::dict Tokens() const {
+    const TokenTable& t = source_->meta().tokens;
+    const size_t n = static_cast<size_t>(t.size());
+    nb::dict d;
+    d["modality"] = ToNumpy(Codes(t.modality), {n});
+    d["segment_id"] = ToNumpy(std::vector<int32_t>(t.segment_id), {n});
+    d["patch_row"] = ToNumpy(std::vector<int32_t>(t.patch_row), {n});
+    d["patch_col"] = ToNumpy(std::vector<int32_t>(t.patch_col), {n});
+    d["position_id"] = ToNumpy(std::vector<int64_t>(t.position_id), {n});
+    d["phase"] = ToNumpy(Codes(t.phase), {n});
+    d["role"] = ToNumpy(Codes(t.role), {n});
+    if (t.token_id.size() == n) d["token_id"] = ToNumpy(std::vector<int64_t>(t.token_id), {n});
+    if (t.text.size() == n) d["text"] = t.text;
+    return d;
+  }
+
+  nb::dict Layer(int layer) {
+    const TraceMeta& m = source_->meta();
+    if (layer < 0 || layer >= m.model.num_layers)
+      Raise(Status::InvalidArgument(path_ + ": layer " + std::to_string(layer) + " out of range [0, " +
+                                    std::to_string(m.model.num_layers) + ")"));
+    LayerData data;
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mu_);
+      st = source_->ReadLayer(layer, &data);
+    }
+    RaiseIfError(st);
+    const size_t kv = m.model.num_kv_heads, h = m.model.num_heads, d = m.model.head_dim;
+    const size_t t = m.total_tokens(), q = m.query_positions.size(), n = m.prefill_length;
+    nb::dict out;
+    out["layer"] = layer;
+    out["keys"] = ToNumpy(std::move(data.keys), {kv, t, d});
+    out["values"] = ToNumpy(std::move(data.values), {kv, t, d});
+    out["queries"] = ToNumpy(std::move(data.queries), {h, q, d});
+    if (data.prefill_column_sums.empty())
+      out["prefill_column_sums"] = nb::none();
+    else
+      out["prefill_column_sums"] = ToNumpy(std::move(data.prefill_column_sums), {h, n});
+    return out;
+  }
+
+  // `kvsim inspect --json`: measured decode-attention statistics (plain traces) or the stream summary.
+  std::string StatsJson(int threads) {
+    const TraceMeta& m = source_->meta();
+    if (m.is_streaming()) return StreamSummaryJson(m);
+    StatusOr<TraceStats> stats = Status::Internal("not computed");
+    {
+      nb::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mu_);
+      stats = ComputeTraceStats(*source_, threads);
+    }
+    return TraceStatsToJson(m, ValueOrRaise(std::move(stats)));
+  }
+
+  std::string Hash() const {
+    StatusOr<std::string> h = Status::Internal("not computed");
+    {
+      nb::gil_scoped_release release;
+      h = HashFile(path_);
+    }
+    return ValueOrRaise(std::move(h));
+  }
+
+ private:
+  std::string path_;
+  std::unique_ptr<TraceSource> source_;
+  std::mutex mu_;
+};
+
+nb::list Policies() {
+  nb::list out;
+  for (const PolicyInfo& p : PolicyRegistry::Default().List()) {
+    auto policy = PolicyRegistry::Default().Create(p.name);
+    nb::dict d;
+    d["name"] = p.name;
+    d["summary"] = p.summary;
+    d["params_type"] = p.params_type;
+    d["defaults"] = policy.ok() ? (*policy)->ParamsText() : std::string();
+    d["uses_budget"] = p.uses_budget;
+    d["streaming"] = false;
+    out.append(d);
+  }
+  for (const StreamPolicyInfo& p : StreamPolicyRegistry::Default().List()) {
+    auto policy = StreamPolicyRegistry::Default().Create(p.name);
+    nb::dict d;
+    d["name"] = p.name;
+    d["summary"] = p.summary;
+    d["params_type"] = p.params_type;
+    d["defaults"] = policy.ok() ? (*policy)->ParamsText() : std::string();
+    d["uses_budget"] = true;
+    d["streaming"] = true;
+    out.append(d);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace kvsim
+
+NB_MODULE(_core, m) {
+  using namespace kvsim;
+  // Errors reach Python as exceptions; keep protobuf's own log lines off stderr (as the CLI does).
+  google::protobuf::SetLogHandler(nullptr);
+  m.doc() = "kvsim's replay engine in-process (use the kvsim package, not this module)";
+  m.attr("__version__") = std::string(kVersion);
+  m.attr("git_commit") = std::string(kGitCommit);
+  m.def("run", &Run, nb::arg("trace"), nb::arg("policy"), nb::arg("sets"), nb::arg("budget_fraction"),
+        nb::arg("budget_tokens"), nb::arg("question_mode"), nb::arg("threads"), nb::arg("latency_model"),
+        nb::arg("device"), nb::arg("model"), nb::arg("prefill_chunk"), nb::arg("progress"));
+  m.def("sweep", &Sweep, nb::arg("config"), nb::arg("experiment_json"), nb::arg("replace"),
+        nb::arg("threads"), nb::arg("latency_model"), nb::arg("device"), nb::arg("model"),
+        nb::arg("prefill_chunk"), nb::arg("progress"), nb::arg("out_dir"));
+  m.def("policies", &Policies);
+  nb::class_<PyTrace>(m, "Trace")
+      .def(nb::init<const std::string&>(), nb::arg("path"))
+      .def_prop_ro("path", &PyTrace::path)
+      .def("meta", &PyTrace::Meta)
+      .def("tokens", &PyTrace::Tokens)
+      .def("layer", &PyTrace::Layer, nb::arg("layer"))
+      .def("stats_json", &PyTrace::StatsJson, nb::arg("threads"))
+      .def("hash", &PyTrace::Hash);
+}
