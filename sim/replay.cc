@@ -406,8 +406,11 @@ class LayerPass {
     const auto tokens = cache.tokens();
     // The step's plain visible slots (the same for every head of the group): the compact product's rows.
     const int first0 = w.refs[0].first[t];
-    for (int s = 0; s < slots; ++s)
-      if (tokens[s] >= first0 && !cache.is_merged(s)) ws.plain.push_back(tokens[s]);
+    if (first0 == 0 && !cache.has_merges())
+      ws.plain.insert(ws.plain.end(), tokens.begin(), tokens.end());
+    else
+      for (int s = 0; s < slots; ++s)
+        if (tokens[s] >= first0 && !cache.is_merged(s)) ws.plain.push_back(tokens[s]);
     ws.step_begin.push_back(ws.plain.size());
     ws.checked[t] = !cache.has_merges();
     for (int g = 0; g < group; ++g) {
@@ -420,7 +423,24 @@ class LayerPass {
       double wsum = 0, retained = 0, anchor = 0, covered = 0, merged_w = 0, merged_mass = 0;
       double ret_mod[4] = {0, 0, 0, 0};
       int visible = 0;
-      for (int s = 0; s < slots; ++s) {
+      if (!cache.has_merges()) {
+        // Plain slots only: w_s = p_{a(s)}, and p is zero outside the visible keys, so no branch. The
+        // modality sums go to four interleaved accumulators (no serial dependency through one of them).
+        const Modality* mod = meta_.tokens.modality.data();
+        double rm[4][4] = {};
+        const int32_t* tk = tokens.data();
+        for (int s = 0; s < slots; ++s) {
+          const int32_t tok = tk[s];
+          const float pt = p[tok];
+          cp[s] = pt;
+          visible += tok >= first;
+          rm[s & 3][static_cast<int>(mod[tok])] += pt;
+        }
+        for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
+        retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
+        wsum = covered = retained;
+      }
+      for (int s = 0; s < slots && cache.has_merges(); ++s) {
         const int32_t tok = tokens[s];
         if (tok < first) continue;  // outside a sliding window: masked
         ++visible;
