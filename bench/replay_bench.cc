@@ -380,6 +380,7 @@ int main(int argc, char** argv) {
                 trace_path.c_str(), meta.model.name.c_str(), meta.model.num_layers, meta.model.num_heads,
                 meta.model.num_kv_heads, meta.model.head_dim, meta.prefill_length, meta.num_decode_steps,
                 st.st_size / 1e9);
+    std::fflush(stdout);  // the measurements fork: an unflushed buffer would be written by every child
     return Issue14Suite(trace_path, meta, static_cast<double>(st.st_size), threads);
   }
   if (suite != "all" && suite != "baseline" && suite != "multimodal") {
