@@ -7,7 +7,10 @@
 //   streaming:  (streaming traces; the default suite for them) reading every layer and block encoding, the
 //               full-history reference alone (stream_full), rekv / mukv x 3 budgets, and the demo sweep on 1
 //               thread and on all threads, as ratios to stream_full.
+//   issue14:    fixed per-trace and per-run cost against their floors (read-only pass, BLAS of the reference
+//               and of the runs' own products), CPU use, every text policy x 4 budgets (docs/performance.md).
 
+#include <cblas.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -24,6 +27,7 @@
 #include "analysis/sweep.h"
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
+#include "sim/attention.h"
 #include "sim/parallel.h"
 #include "sim/stream_replay.h"
 
@@ -37,6 +41,8 @@ struct Measure {
   double peak_rss_mb = 0;
   double samples = 0;
   bool ok = false;
+  double cpu_seconds = 0;  // user + system of the child
+  double cpu_percent() const { return seconds > 0 ? 100.0 * cpu_seconds / seconds : 0; }
 };
 
 // One policy (with overrides) over budgets 5/10/20/50%.
@@ -78,17 +84,19 @@ Measure InChild(Body body) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    double msg[3] = {s, ru.ru_maxrss / 1024.0, samples};
+    const double cpu =
+        ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 + ru.ru_stime.tv_sec + ru.ru_stime.tv_usec * 1e-6;
+    double msg[4] = {s, ru.ru_maxrss / 1024.0, samples, cpu};
     if (write(fd[1], msg, sizeof msg) != sizeof msg) _exit(2);
     _exit(samples < 0 ? 1 : 0);
   }
   close(fd[1]);
-  double msg[3] = {0, 0, 0};
+  double msg[4] = {0, 0, 0, 0};
   const bool got = read(fd[0], msg, sizeof msg) == sizeof msg;
   close(fd[0]);
   int status = 0;
   waitpid(pid, &status, 0);
-  return Measure{msg[0], msg[1], msg[2], got && WIFEXITED(status) && WEXITSTATUS(status) == 0};
+  return Measure{msg[0], msg[1], msg[2], got && WIFEXITED(status) && WEXITSTATUS(status) == 0, msg[3]};
 }
 
 std::vector<StreamRunSpec> StreamRuns(const std::string& name, const std::vector<std::string>& sets,
@@ -98,6 +106,135 @@ std::vector<StreamRunSpec> StreamRuns(const std::string& name, const std::vector
   std::vector<StreamRunSpec> runs;
   for (int b : budgets) runs.push_back(StreamRunSpec{*p, name, b});
   return runs;
+}
+
+// Issue 14: kvsim's fixed per-trace cost and per-run cost against their floors, CPU use, and every text
+// policy x 4 budgets. Floors: a read-only pass (I/O + fp16 -> fp32), and the BLAS time of the products a
+// replay cannot avoid, on the trace's shapes with random data, single-threaded BLAS per (layer, KV head)
+// unit over `threads` threads (as kvsim runs them): the reference (logits S x T x d and output S x T x d per
+// query head) and, per run, its own output product (S x (B + S) x d per query head, B the budget).
+double ProductsFloor(const TraceMeta& meta, int threads, const std::vector<int>& kept) {
+  const ModelInfo& m = meta.model;
+  const int s = meta.num_decode_steps, t = meta.total_tokens(), d = m.head_dim, g = m.GroupSize();
+  const int units = m.num_layers * m.num_kv_heads;
+  struct Buf {
+    std::vector<float> q, k, v, p, o;
+  };
+  std::vector<Buf> bufs(std::max(1, threads));
+  for (Buf& b : bufs) {
+    b.q.assign(static_cast<size_t>(g) * s * d, 0.01f);
+    b.k.assign(static_cast<size_t>(t) * d, 0.02f);
+    b.v.assign(static_cast<size_t>(t) * d, 0.03f);
+    b.p.assign(static_cast<size_t>(g) * s * t, 0.001f);
+    b.o.assign(static_cast<size_t>(g) * s * d, 0.0f);
+  }
+  EnsureSingleThreadedBlas();
+  const auto t0 = std::chrono::steady_clock::now();
+  ParallelForWorkers(units, threads, [&](int, int w) {
+    Buf& b = bufs[w];
+    if (kept.empty()) {  // the reference: logits and output of every query head of the unit
+      for (int h = 0; h < g; ++h) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s, t, d, 1.0f,
+                    b.q.data() + static_cast<size_t>(h) * s * d, d, b.k.data(), d, 0.0f,
+                    b.p.data() + static_cast<size_t>(h) * s * t, t);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s, d, t, 1.0f,
+                    b.p.data() + static_cast<size_t>(h) * s * t, t, b.v.data(), d, 0.0f,
+                    b.o.data() + static_cast<size_t>(h) * s * d, d);
+      }
+      return;
+    }
+    for (int width : kept)  // one run's output product: the group's rows over its kept columns
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g * s, d, std::min(width, t), 1.0f, b.p.data(),
+                  std::min(width, t), b.v.data(), d, 0.0f, b.o.data(), d);
+  });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double trace_bytes, int threads) {
+  auto make = [](const char* name, std::vector<std::string> sets = {}) {
+    auto p = PolicyRegistry::Default().Create(name, sets);
+    if (!p.ok()) std::abort();
+    return *p;
+  };
+  const std::vector<double> budgets{0.05, 0.10, 0.20, 0.50};
+  std::vector<RunSpec> full_only{RunSpec{make("full"), "full", 1.0, 0, QuestionMode::kQueryAware}};
+  std::vector<RunSpec> nine = full_only;
+  for (const char* name : {"streaming_llm", "snapkv"})
+    for (double b : budgets) nine.push_back(RunSpec{make(name), name, b, 0, QuestionMode::kQueryAware});
+  std::vector<RunSpec> all = full_only;
+  const std::vector<std::pair<const char*, std::vector<std::string>>> text_policies{
+      {"streaming_llm", {}},
+      {"h2o", {}},
+      {"snapkv", {}},
+      {"pyramidkv", {}},
+      {"adakv", {}},
+      {"oracle", {}},
+      {"meda", {}},
+      {"meda", {"variant=OFFICIAL_CODE"}},
+      {"look_m", {}},
+      {"madakv", {}},
+      {"hae", {"mode=BUDGET"}}};
+  for (const auto& [name, sets] : text_policies) {
+    auto p = make(name, sets);
+    for (double b : budgets) all.push_back(RunSpec{p, name, b, 0, QuestionMode::kQueryAware});
+  }
+  auto replay = [&](const std::vector<RunSpec>& rs) {
+    return [&]() -> double {
+      auto t = OpenTrace(trace_path);
+      if (!t.ok()) return -1;
+      auto res = Replay(**t, rs, ReplayOptions{.threads = threads});
+      if (!res.ok()) {
+        std::cerr << "kvsim_bench: " << res.status().message() << "\n";
+        return -1;
+      }
+      double samples = 0;
+      for (const auto& r : *res) samples += r.metrics().samples();
+      return samples;
+    };
+  };
+  auto read_only = [&]() -> double {
+    auto t = OpenTrace(trace_path);
+    if (!t.ok()) return -1;
+    LayerData layer;
+    for (int l = 0; l < meta.model.num_layers; ++l)
+      if (!(*t)->ReadLayer(l, &layer).ok()) return -1;
+    return 0;
+  };
+  std::vector<int> kept;  // the 8 budgeted runs' kept widths (prompt budget + decode tokens)
+  for (int rep = 0; rep < 2; ++rep)
+    for (double b : budgets)
+      kept.push_back(static_cast<int>(std::lround(b * meta.prefill_length)) + meta.num_decode_steps);
+  const Measure io = InChild(read_only);
+  const Measure ref_floor =
+      InChild([&]() -> double { return ProductsFloor(meta, threads, {}) >= 0 ? 0 : -1; });
+  const Measure runs_floor =
+      InChild([&]() -> double { return ProductsFloor(meta, threads, kept) >= 0 ? 0 : -1; });
+  const Measure full = InChild(replay(full_only));
+  const Measure sweep9 = InChild(replay(nine));
+  const Measure sweep45 = InChild(replay(all));
+  if (!io.ok || !ref_floor.ok || !runs_floor.ok || !full.ok || !sweep9.ok || !sweep45.ok) {
+    std::cerr << "kvsim_bench: a measurement failed\n";
+    return 1;
+  }
+  std::printf("issue 14: %d threads; floors are measured on this machine in this run\n\n", threads);
+  std::printf("| what | wall s | CPU %% | peak RSS MB | RSS / trace |\n|---|---:|---:|---:|---:|\n");
+  auto row = [&](const std::string& what, const Measure& m) {
+    std::printf("| %s | %.2f | %.0f | %.0f | %.3f |\n", what.c_str(), m.seconds, m.cpu_percent(),
+                m.peak_rss_mb, m.peak_rss_mb * 1048576.0 / trace_bytes);
+  };
+  row("floor: read every layer only (I/O + fp16 -> fp32)", io);
+  row("floor: BLAS of the reference products (logits + output, every query head)", ref_floor);
+  row("floor: BLAS of 8 runs' own output products (S x (B + S) x d per query head)", runs_floor);
+  row("kvsim: full alone (= the fixed per-trace cost)", full);
+  row("kvsim: full + streaming_llm + snapkv x 5/10/20/50% (9 runs)", sweep9);
+  row("kvsim: all 12 text policies x 5/10/20/50% (45 runs)", sweep45);
+  const double fixed_floor = io.seconds + ref_floor.seconds;
+  const double per_run = (sweep9.seconds - full.seconds) / 8, per_run_floor = runs_floor.seconds / 8;
+  std::printf("\nfixed per-trace cost %.2f s vs floor %.2f s (read-only pass + reference BLAS): %.2fx\n",
+              full.seconds, fixed_floor, full.seconds / fixed_floor);
+  std::printf("cost per extra run %.2f s vs floor %.2f s (its output product): %.2fx\n", per_run,
+              per_run_floor, per_run / per_run_floor);
+  return 0;
 }
 
 int StreamingSuite(const std::string& trace_path, const TraceMeta& meta, int threads) {
@@ -184,7 +321,7 @@ int main(int argc, char** argv) {
   opts.add_options()("help,h", "help")("trace", po::value(&trace_path)->required(), "trace (.h5)")(
       "threads", po::value(&threads)->default_value(0), "threads for the parallel variant (0 = all cores)")(
       "suite", po::value(&suite)->default_value("all"),
-      "baseline | multimodal | streaming | all (streaming traces: streaming)");
+      "baseline | multimodal | streaming | issue14 | all (streaming traces: streaming)");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, opts), vm);
@@ -238,8 +375,16 @@ int main(int argc, char** argv) {
       return samples;
     };
   };
+  if (suite == "issue14") {
+    std::printf("trace: %s (%s, %d layers, %d/%d heads, d %d, prompt %d, %d decode steps, %.2f GB)\n\n",
+                trace_path.c_str(), meta.model.name.c_str(), meta.model.num_layers, meta.model.num_heads,
+                meta.model.num_kv_heads, meta.model.head_dim, meta.prefill_length, meta.num_decode_steps,
+                st.st_size / 1e9);
+    std::fflush(stdout);  // the measurements fork: an unflushed buffer would be written by every child
+    return Issue14Suite(trace_path, meta, static_cast<double>(st.st_size), threads);
+  }
   if (suite != "all" && suite != "baseline" && suite != "multimodal") {
-    std::cerr << "kvsim_bench: --suite '" << suite << "': expected baseline, multimodal or all\n";
+    std::cerr << "kvsim_bench: --suite '" << suite << "': expected baseline, multimodal, issue14 or all\n";
     return 2;
   }
   std::printf("trace: %s (%s, %d layers, %d/%d heads, d %d, prompt %d, %d decode steps, %.2f GB)\n\n",

@@ -1,5 +1,6 @@
 #include "sim/replay.h"
 
+#include <cblas.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,7 +11,6 @@
 #include <numeric>
 
 #include "sim/attention.h"
-#include "sim/event_queue.h"
 #include "sim/parallel.h"
 #include "sim/select.h"
 #include "sim/stats.h"
@@ -143,15 +143,30 @@ struct UnitWork {
   std::vector<std::unique_ptr<HeadPolicy>> policies;  // per run
   std::vector<HeadCache> caches;                      // per run
   std::vector<int> prefill_size;                      // per run: cache slots after the prefill event
-  std::vector<float> cache_probs, out;                // scratch
-  std::vector<uint32_t> stamp;                        // [T] for CheckCache
-  uint32_t epoch = 0;
-  struct Checked {  // per run: what CheckCache saw last
+  struct Checked {                                    // per run: what CheckCache saw last
     uint64_t version = ~uint64_t{0};
     int size = 0;
     int32_t max_token = -1;
   };
   std::vector<Checked> checked;
+};
+
+// Scratch of one worker, reused across the (KV head, run) items it replays.
+struct WorkerScratch {
+  std::vector<uint32_t> stamp;  // [T] for CheckCache
+  uint32_t epoch = 0;
+  std::vector<float> cache_probs;  // [g][slots] of the current step
+  // The steps' plain visible slots (token positions), step t's in [step_begin[t], step_begin[t + 1]).
+  std::vector<int32_t> plain;
+  std::vector<size_t> step_begin;
+  std::vector<double> wsum;       // [g][t] Σ_s w_s over visible slots
+  std::vector<double> retained;   // [g][t]
+  std::vector<char> checked;      // [t]: the bound is checked (no merged slot in the cache)
+  std::vector<char> has_extra;    // [t]: a merged slot was visible
+  std::vector<float> extra;       // [g][t][d] Σ w_s ṽ_s over visible merged slots
+  std::vector<int32_t> col;       // [T] column of a token in the compact product, -1 if unused
+  std::vector<int32_t> used;      // columns' tokens, ascending
+  std::vector<float> a, vu, out;  // the compact product: [g*S][|U|] x [|U|][d] = [g*S][d]
 };
 
 class LayerPass {
@@ -166,16 +181,22 @@ class LayerPass {
         threads_(threads),
         recorder_(recorder) {}
 
+  // Two parallel phases over the layer's work units. Prefill: per KV head, the full-attention reference
+  // (shared by every run) and every run's compression hook (runs share the head's prompt scores). Decode:
+  // per (KV head, run), every decode step in event order, then the outputs of all steps at once. Each item
+  // writes only its own accumulator slots, so results never depend on the thread count or on scheduling.
   void Run() {
-    EventQueue queue;
-    const int steps = meta_.num_decode_steps;
-    queue.Schedule(SimTime{0},
-                   [this] { ParallelFor(m_.num_kv_heads, threads_, [this](int u) { Prefill(u); }); });
-    for (int t = 0; t < steps; ++t)
-      queue.Schedule(SimTime{t + 1},
-                     [this, t] { ParallelFor(m_.num_kv_heads, threads_, [this, t](int u) { Step(u, t); }); });
-    units_.resize(m_.num_kv_heads);
-    queue.Run();
+    const int hkv = m_.num_kv_heads, runs = static_cast<int>(plans_.size());
+    units_.resize(hkv);
+    ParallelFor(hkv, threads_, [this](int u) { Prefill(u); });
+    scratch_.resize(std::max(1, std::min(threads_ > 0 ? threads_ : DefaultThreads(), hkv * runs)));
+    ParallelForWorkers(hkv * runs, threads_, [this, runs](int item, int worker) {
+      const int u = item / runs, r = item % runs;
+      WorkerScratch& ws = scratch_[worker];
+      BeginRun(ws);
+      for (int t = 0; t < meta_.num_decode_steps; ++t) Step(u, r, t, ws);
+      FinishRun(u, r, ws);
+    });
   }
 
  private:
@@ -224,7 +245,8 @@ class LayerPass {
       w.max_vnorm[t] = *std::max_element(vnorm.begin() + first, vnorm.begin() + n + t + 1);
     }
     // Compression hook of every run.
-    w.stamp.assign(t_all, 0);
+    WorkerScratch check;  // CheckCache's marker for the prefill checks (few per unit)
+    check.stamp.assign(t_all, 0);
     w.policies.resize(plans_.size());
     w.caches.assign(plans_.size(), HeadCache(d));
     w.prefill_size.assign(plans_.size(), 0);
@@ -247,7 +269,7 @@ class LayerPass {
       const int budget = plan.head_budgets[UnitIndex(u)];
       w.policies[r]->OnPrefill(ctx, budget, &cache);
       for (int j = plan.compress_end; j < n; ++j) cache.Append(j);
-      CheckCache(w, cache, n - 1, r);
+      CheckCache(w, check, cache, n - 1, r);
       if (!plan.may_exceed)
         KVSIM_CHECK_MSG(cache.size() <= budget + (n - plan.compress_end),
                         plan.spec->policy->name() + " kept " + std::to_string(cache.size()) +
@@ -290,7 +312,8 @@ class LayerPass {
   // Never a token twice, never a token from the future (O(covered tokens) with an epoch-stamped marker).
   // When the cache only grew by appends since the last check of run r, only the new slots are checked:
   // each must be newer than every token seen before (so it cannot be a duplicate) and not from the future.
-  static void CheckCache(UnitWork& w, const HeadCache& cache, int32_t last_token, size_t r) {
+  static void CheckCache(UnitWork& w, WorkerScratch& ws, const HeadCache& cache, int32_t last_token,
+                         size_t r) {
     UnitWork::Checked& c = w.checked[r];
     if (cache.version() == c.version && cache.size() >= c.size) {
       for (int s = c.size; s < cache.size(); ++s) {
@@ -310,11 +333,11 @@ class LayerPass {
       if (cache.is_merged(s))
         for (const auto& member : cache.merged(s).members) c.max_token = std::max(c.max_token, member.first);
     }
-    const uint32_t epoch = ++w.epoch;
+    const uint32_t epoch = ++ws.epoch;
     auto mark = [&](int32_t tok) {
       KVSIM_CHECK_MSG(tok >= 0 && tok <= last_token, "cache holds a token outside [0, current position]");
-      KVSIM_CHECK_MSG(w.stamp[tok] != epoch, "a token is held twice in one cache");
-      w.stamp[tok] = epoch;
+      KVSIM_CHECK_MSG(ws.stamp[tok] != epoch, "a token is held twice in one cache");
+      ws.stamp[tok] = epoch;
     };
     for (int s = 0; s < cache.size(); ++s) {
       mark(cache.token(s));
@@ -323,7 +346,26 @@ class LayerPass {
     }
   }
 
-  void Step(int u, int t) {
+  void BeginRun(WorkerScratch& ws) const {
+    const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
+    const size_t gs = static_cast<size_t>(group) * steps;
+    if (ws.stamp.size() != static_cast<size_t>(t_all)) {
+      ws.stamp.assign(t_all, 0);
+      ws.epoch = 0;
+      ws.col.assign(t_all, -1);
+    }
+    ws.plain.clear();
+    ws.step_begin.assign(1, 0);
+    ws.wsum.assign(gs, 0.0);
+    ws.retained.assign(gs, 0.0);
+    ws.checked.assign(steps, 0);
+    ws.has_extra.assign(steps, 0);
+    ws.extra.clear();
+  }
+
+  // One decode step of run r on KV head u: the policy's hooks, the cache checks and every metric of the
+  // step except the output error, which needs Σ_s w_s v_s and is computed for all steps in FinishRun.
+  void Step(int u, int r, int t, WorkerScratch& ws) {
     UnitWork& w = units_[u];
     const int n = meta_.prefill_length, steps = meta_.num_decode_steps, t_all = meta_.total_tokens();
     const int d = m_.head_dim, group = m_.GroupSize();
@@ -334,138 +376,243 @@ class LayerPass {
       full[g] = w.refs[g].row(t);
       full_sorted[g] = &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all];
     }
-    for (size_t r = 0; r < plans_.size(); ++r) {
-      const RunPlan& plan = plans_[r];
-      HeadCache& cache = w.caches[r];
-      HeadPolicy& hp = *w.policies[r];
-      HeadContext ctx = w.ctx;
-      ctx.compress_end = plan.compress_end;
-      ctx.scores = nullptr;  // prompt scores are a prefill-time facility
-      ctx.plan = plan.policy_plan.get();
-      ctx.run_budget = plan.budget;
-      const int appended = n - plan.compress_end;
-      const int cap = plan.head_budgets[UnitIndex(u)] + appended;
-      StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr,
-                           plan.req.future_attention ? full_sorted.data() : nullptr};
-      hp.BeforeStep(ctx, before, cap, &cache);
-      if (hp.AppendNewToken()) cache.Append(pos);
-      CheckCache(w, cache, pos, r);
-      const int limit = (plan.may_exceed ? std::max(cap, w.prefill_size[r]) : cap) + plan.headroom;
-      if (plan.evicts)
-        KVSIM_CHECK_MSG(cache.size() <= limit, plan.spec->policy->name() + " holds " +
-                                                   std::to_string(cache.size()) + " slots at decode, cap " +
-                                                   std::to_string(limit));
-      else
-        KVSIM_CHECK_MSG(cache.size() <= limit + t + 1,
-                        plan.spec->policy->name() + " exceeded prompt budget + decode");
-      if (recorder_) recorder_->BeforeAttention(plan.index, layer_.layer, u, t, cache);
-      RunAccum& a = acc_[r];
-      a.tokens[UnitIndex(u) * (steps + 1) + 1 + t] = cache.size();
-      const int slots = cache.size();
-      w.cache_probs.assign(static_cast<size_t>(group) * slots, 0.0f);
-      w.out.resize(d);
-      const auto tokens = cache.tokens();
-      for (int g = 0; g < group; ++g) {
-        const int qh = u * group + g;
-        const DecodeReference& ref = w.refs[g];
-        const float* p = ref.row(t);
-        const int first = ref.first[t];
-        const float lse = ref.log_z[t];
-        float* cp = &w.cache_probs[static_cast<size_t>(g) * slots];
-        std::fill(w.out.begin(), w.out.end(), 0.0f);
-        float* out = w.out.data();
-        double wsum = 0, retained = 0, anchor = 0, covered = 0, merged_w = 0, merged_mass = 0;
-        double ret_mod[4] = {0, 0, 0, 0};
-        int visible = 0;
+    const RunPlan& plan = plans_[r];
+    HeadCache& cache = w.caches[r];
+    HeadPolicy& hp = *w.policies[r];
+    HeadContext ctx = w.ctx;
+    ctx.compress_end = plan.compress_end;
+    ctx.scores = nullptr;  // prompt scores are a prefill-time facility
+    ctx.plan = plan.policy_plan.get();
+    ctx.run_budget = plan.budget;
+    const int appended = n - plan.compress_end;
+    const int cap = plan.head_budgets[UnitIndex(u)] + appended;
+    StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr,
+                         plan.req.future_attention ? full_sorted.data() : nullptr};
+    hp.BeforeStep(ctx, before, cap, &cache);
+    if (hp.AppendNewToken()) cache.Append(pos);
+    CheckCache(w, ws, cache, pos, r);
+    const int limit = (plan.may_exceed ? std::max(cap, w.prefill_size[r]) : cap) + plan.headroom;
+    if (plan.evicts)
+      KVSIM_CHECK_MSG(cache.size() <= limit, plan.spec->policy->name() + " holds " +
+                                                 std::to_string(cache.size()) + " slots at decode, cap " +
+                                                 std::to_string(limit));
+    else
+      KVSIM_CHECK_MSG(cache.size() <= limit + t + 1,
+                      plan.spec->policy->name() + " exceeded prompt budget + decode");
+    if (recorder_) recorder_->BeforeAttention(plan.index, layer_.layer, u, t, cache);
+    RunAccum& a = acc_[r];
+    a.tokens[UnitIndex(u) * (steps + 1) + 1 + t] = cache.size();
+    const int slots = cache.size();
+    ws.cache_probs.assign(static_cast<size_t>(group) * slots, 0.0f);
+    const auto tokens = cache.tokens();
+    // The step's plain visible slots (the same for every head of the group): the compact product's rows.
+    const int first0 = w.refs[0].first[t];
+    if (first0 == 0 && !cache.has_merges())
+      ws.plain.insert(ws.plain.end(), tokens.begin(), tokens.end());
+    else
+      for (int s = 0; s < slots; ++s)
+        if (tokens[s] >= first0 && !cache.is_merged(s)) ws.plain.push_back(tokens[s]);
+    ws.step_begin.push_back(ws.plain.size());
+    ws.checked[t] = !cache.has_merges();
+    for (int g = 0; g < group; ++g) {
+      const int qh = u * group + g;
+      const DecodeReference& ref = w.refs[g];
+      const float* p = ref.row(t);
+      const int first = ref.first[t];
+      const float lse = ref.log_z[t];
+      float* cp = &ws.cache_probs[static_cast<size_t>(g) * slots];
+      double wsum = 0, retained = 0, anchor = 0, covered = 0, merged_w = 0, merged_mass = 0;
+      double ret_mod[4] = {0, 0, 0, 0};
+      int visible = 0;
+      if (!cache.has_merges()) {
+        // Plain slots only: w_s = p_{a(s)}, and p is zero outside the visible keys, so no branch. The
+        // modality sums go to four interleaved accumulators (no serial dependency through one of them).
+        const Modality* mod = meta_.tokens.modality.data();
+        double rm[4][4] = {};
+        const int32_t* tk = tokens.data();
         for (int s = 0; s < slots; ++s) {
-          const int32_t tok = tokens[s];
-          if (tok < first) continue;  // outside a sliding window: masked
-          ++visible;
+          const int32_t tok = tk[s];
           const float pt = p[tok];
-          float wgt;
-          const float* v;
-          if (!cache.is_merged(s)) {  // kept as itself: retained
-            retained += pt;
-            ret_mod[static_cast<int>(meta_.tokens.modality[tok])] += pt;
-            wgt = pt;
-            covered += pt;
-            v = w.ctx.values + static_cast<size_t>(tok) * d;
-          } else {
-            const MergedSlot& ms = cache.merged(s);
-            wgt = static_cast<float>(
-                std::exp(static_cast<double>(tf(Dot(DecodeQuery(qh, t), ms.key.data(), d))) - lse));
-            anchor += pt;  // its key and value were replaced: covered, not retained
-            covered += pt;
-            // Four independent partial sums in registers: no serial dependency chain over the members.
-            const auto* mem = ms.members.data();
-            const size_t nm = ms.members.size();
-            float m0 = 0, m1 = 0, m2 = 0, m3 = 0;
-            size_t i = 0;
-            for (; i + 4 <= nm; i += 4) {
-              m0 += p[mem[i].first];
-              m1 += p[mem[i + 1].first];
-              m2 += p[mem[i + 2].first];
-              m3 += p[mem[i + 3].first];
-            }
-            for (; i < nm; ++i) m0 += p[mem[i].first];
-            const double members = (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
-            covered += members;
-            merged_w += wgt;
-            merged_mass += pt + members;
-            v = ms.value.data();
+          cp[s] = pt;
+          visible += tok >= first;
+          rm[s & 3][static_cast<int>(mod[tok])] += pt;
+        }
+        for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
+        retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
+        wsum = covered = retained;
+      }
+      for (int s = 0; s < slots && cache.has_merges(); ++s) {
+        const int32_t tok = tokens[s];
+        if (tok < first) continue;  // outside a sliding window: masked
+        ++visible;
+        const float pt = p[tok];
+        float wgt;
+        if (!cache.is_merged(s)) {  // kept as itself: retained
+          retained += pt;
+          ret_mod[static_cast<int>(meta_.tokens.modality[tok])] += pt;
+          wgt = pt;
+          covered += pt;
+        } else {
+          const MergedSlot& ms = cache.merged(s);
+          wgt = static_cast<float>(
+              std::exp(static_cast<double>(tf(Dot(DecodeQuery(qh, t), ms.key.data(), d))) - lse));
+          anchor += pt;  // its key and value were replaced: covered, not retained
+          covered += pt;
+          // Four independent partial sums in registers: no serial dependency chain over the members.
+          const auto* mem = ms.members.data();
+          const size_t nm = ms.members.size();
+          float m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+          size_t i = 0;
+          for (; i + 4 <= nm; i += 4) {
+            m0 += p[mem[i].first];
+            m1 += p[mem[i + 1].first];
+            m2 += p[mem[i + 2].first];
+            m3 += p[mem[i + 3].first];
           }
-          cp[s] = wgt;
-          wsum += wgt;
-          for (int k = 0; k < d; ++k) out[k] += wgt * v[k];
+          for (; i < nm; ++i) m0 += p[mem[i].first];
+          const double members = (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
+          covered += members;
+          merged_w += wgt;
+          merged_mass += pt + members;
+          // The merged value is no original row: its contribution is added to the step's output here.
+          if (!ws.has_extra[t]) {
+            if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
+            ws.has_extra[t] = 1;
+          }
+          float* ex = &ws.extra[(static_cast<size_t>(g) * steps + t) * d];
+          const float* v = ms.value.data();
+          for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
+        }
+        cp[s] = wgt;
+        wsum += wgt;
+      }
+      const size_t gt = static_cast<size_t>(g) * steps + t;
+      ws.wsum[gt] = wsum;
+      ws.retained[gt] = retained;
+      const size_t si = Sample(qh, t);
+      a.retained[si] = static_cast<float>(retained);
+      a.anchor[si] = static_cast<float>(anchor);
+      a.covered[si] = static_cast<float>(covered);
+      // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
+      const float* best = &w.sorted[gt * t_all];
+      double top = 0;
+      for (int i = 0, k = std::min(visible, pos - first + 1); i < k; ++i) top += best[i];
+      a.regret[si] = static_cast<float>(top - retained);
+      double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
+      double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
+      const double* wfm = &w.full_mod[gt * 4];
+      for (int mo = 0; mo < 4; ++mo) {
+        rm[mo] += ret_mod[mo];
+        fm[mo] += wfm[mo];
+      }
+      if (merged_mass > 0) {
+        a.merged_share_sum[UnitIndex(u)] += merged_w / merged_mass;
+        ++a.merged_share_n[UnitIndex(u)];
+      }
+      if (wsum > 0) {
+        const double inv = 1.0 / wsum;
+        for (int s = 0; s < slots; ++s) cp[s] = static_cast<float>(cp[s] * inv);
+      }
+    }
+    StepAttention after{t, slots, ws.cache_probs.data(), plan.req.future_attention ? full.data() : nullptr,
+                        plan.req.future_attention ? full_sorted.data() : nullptr};
+    hp.AfterStep(ctx, after, &cache);
+    if (recorder_) recorder_->AfterStep(plan.index, layer_.layer, u, t, cache);
+    if (t == 0 && plan.compression_step == 0) {
+      CheckCache(w, ws, cache, pos, r);
+      RecordCompression(plan, cache, u, &a);
+    }
+    if (t == steps - 1) RecordMerges(cache, u, &a);
+  }
+
+  // The outputs ô_t = Σ_s w_s v_s / Σ_s w_s of every step of run r on KV head u, then the output error and
+  // the eviction bound per sample. The plain slots' part of all steps is one product: the union U of the
+  // tokens any step kept as themselves, A[g·S + t][U] = p_t (zero where step t did not keep the token) times
+  // V[U] (a run whose every step kept every visible token is the reference product itself). When the union
+  // is much wider than the steps' caches (a cache re-selected every step), a per-step gather is cheaper.
+  void FinishRun(int u, int r, WorkerScratch& ws) {
+    UnitWork& w = units_[u];
+    const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), d = m_.head_dim;
+    const int group = m_.GroupSize();
+    const float* values = w.ctx.values;
+    const size_t rows = static_cast<size_t>(group) * steps;
+    ws.out.assign(rows * d, 0.0f);
+    bool everything = true;  // every step kept every visible token as itself
+    for (int t = 0; t < steps && everything; ++t)
+      everything = static_cast<int>(ws.step_begin[t + 1] - ws.step_begin[t]) ==
+                   w.refs[0].last(t) - w.refs[0].first[t] + 1;
+    if (everything) {
+      for (int g = 0; g < group; ++g)
+        std::copy(w.refs[g].output.begin(), w.refs[g].output.end(),
+                  ws.out.begin() + static_cast<size_t>(g) * steps * d);
+    } else {
+      ws.used.clear();
+      for (int32_t tok : ws.plain)
+        if (ws.col[tok] < 0) {
+          ws.col[tok] = 0;
+          ws.used.push_back(tok);
+        }
+      std::sort(ws.used.begin(), ws.used.end());
+      const size_t nu = ws.used.size(), gathered = ws.plain.size();
+      if (nu > 0 && nu * steps <= 4 * gathered) {
+        for (size_t c = 0; c < nu; ++c) ws.col[ws.used[c]] = static_cast<int32_t>(c);
+        ws.a.assign(rows * nu, 0.0f);
+        ws.vu.resize(nu * d);
+        for (size_t c = 0; c < nu; ++c)
+          std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
+        for (int g = 0; g < group; ++g)
+          for (int t = 0; t < steps; ++t) {
+            const float* p = w.refs[g].row(t);
+            float* row = ws.a.data() + (static_cast<size_t>(g) * steps + t) * nu;
+            for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i)
+              row[ws.col[ws.plain[i]]] = p[ws.plain[i]];
+          }
+        EnsureSingleThreadedBlas();
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d,
+                    static_cast<int>(nu), 1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f,
+                    ws.out.data(), d);
+      } else {
+        for (int g = 0; g < group; ++g)
+          for (int t = 0; t < steps; ++t) {
+            const float* p = w.refs[g].row(t);
+            float* out = ws.out.data() + (static_cast<size_t>(g) * steps + t) * d;
+            for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i) {
+              const int32_t tok = ws.plain[i];
+              const float pt = p[tok];
+              const float* v = values + static_cast<size_t>(tok) * d;
+              for (int k = 0; k < d; ++k) out[k] += pt * v[k];
+            }
+          }
+      }
+      for (int32_t tok : ws.used) ws.col[tok] = -1;
+    }
+    RunAccum& a = acc_[r];
+    for (int g = 0; g < group; ++g) {
+      const int qh = u * group + g;
+      for (int t = 0; t < steps; ++t) {
+        const size_t gt = static_cast<size_t>(g) * steps + t;
+        float* out = ws.out.data() + gt * d;
+        if (ws.has_extra[t]) {
+          const float* ex = &ws.extra[gt * d];
+          for (int k = 0; k < d; ++k) out[k] += ex[k];
         }
         // ô = out / wsum; relative error against the full output.
-        const float* o = ref.out(t);
+        const float* o = w.refs[g].out(t);
         double diff2 = 0, o2 = 0;
-        const double inv = wsum > 0 ? 1.0 / wsum : 0.0;
+        const double inv = ws.wsum[gt] > 0 ? 1.0 / ws.wsum[gt] : 0.0;
         for (int k = 0; k < d; ++k) {
           const double dk = out[k] * inv - o[k];
           diff2 += dk * dk;
           o2 += static_cast<double>(o[k]) * o[k];
         }
         const double diff = std::sqrt(diff2);
-        const size_t si = Sample(qh, t);
-        a.retained[si] = static_cast<float>(retained);
-        a.anchor[si] = static_cast<float>(anchor);
-        a.covered[si] = static_cast<float>(covered);
-        a.err[si] = static_cast<float>(o2 > 0 ? diff / std::sqrt(o2) : diff);
-        // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
-        const float* best = &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all];
-        double top = 0;
-        for (int i = 0, k = std::min(visible, pos - first + 1); i < k; ++i) top += best[i];
-        a.regret[si] = static_cast<float>(top - retained);
-        double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
-        double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
-        const double* wfm = &w.full_mod[(static_cast<size_t>(g) * steps + t) * 4];
-        for (int mo = 0; mo < 4; ++mo) {
-          rm[mo] += ret_mod[mo];
-          fm[mo] += wfm[mo];
-        }
-        if (merged_mass > 0) {
-          a.merged_share_sum[UnitIndex(u)] += merged_w / merged_mass;
-          ++a.merged_share_n[UnitIndex(u)];
-        }
-        if (!cache.has_merges()) {
-          const double bound = 2.0 * std::max(0.0, 1.0 - retained) * w.max_vnorm[t];
+        a.err[Sample(qh, t)] = static_cast<float>(o2 > 0 ? diff / std::sqrt(o2) : diff);
+        if (ws.checked[t]) {
+          const double bound = 2.0 * std::max(0.0, 1.0 - ws.retained[gt]) * w.max_vnorm[t];
           ++a.bound_checks[UnitIndex(u)];
           if (diff > bound + 1e-4 * w.max_vnorm[t] + 1e-6) ++a.bound_viol[UnitIndex(u)];
         }
-        if (wsum > 0)
-          for (int s = 0; s < slots; ++s) cp[s] = static_cast<float>(cp[s] * inv);
       }
-      StepAttention after{t, slots, w.cache_probs.data(), plan.req.future_attention ? full.data() : nullptr,
-                          plan.req.future_attention ? full_sorted.data() : nullptr};
-      hp.AfterStep(ctx, after, &cache);
-      if (recorder_) recorder_->AfterStep(plan.index, layer_.layer, u, t, cache);
-      if (t == 0 && plan.compression_step == 0) {
-        CheckCache(w, cache, pos, r);
-        RecordCompression(plan, cache, u, &a);
-      }
-      if (t == steps - 1) RecordMerges(cache, u, &a);
     }
   }
 
@@ -477,6 +624,7 @@ class LayerPass {
   int threads_;
   DecisionRecorder* recorder_;
   std::vector<UnitWork> units_;
+  std::vector<WorkerScratch> scratch_;
 };
 
 void SetByModality(ByModality* b, const double v[4]) {

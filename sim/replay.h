@@ -1,8 +1,8 @@
 #pragma once
 // The replay engine: runs many (policy, budget) configurations over one trace in a single streamed pass.
 // For every layer it reads the layer's tensors once, computes the full-attention reference once (shared by
-// every configuration), and runs the request's events — prefill, compression hook, decode steps — on a
-// discrete-event queue in token-step time. After the last layer, the latency model turns the per-step cache
+// every configuration), and runs the request's events — prefill, compression hook, decode steps — in
+// token-step order for every (KV head, configuration) unit. After the last layer, the latency model turns the per-step cache
 // sizes into simulated time, and metrics are aggregated (docs/metrics.md).
 
 #include <memory>
