@@ -89,8 +89,8 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
   std::vector<RunSpec> runs{RunSpec{p, RunLabel(policy, sets), budget_fraction, budget_tokens, mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
-  ReplayOptions ro{options.threads, latency.get(), options.progress, hash,
-                   std::max(0, options.prefill_chunk)};
+  Progress progress = Progress::FromEnv("run", options.progress);
+  ReplayOptions ro{options.threads, latency.get(), &progress, hash, std::max(0, options.prefill_chunk)};
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
   return results[0];
 }
@@ -159,10 +159,12 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
   }
   SweepResult out;
   out.set_experiment(ToTextWithDefaults(experiment));
+  Progress progress = Progress::FromEnv("sweep", options.progress);
   for (size_t i = 0; i < traces.size(); ++i) {
     KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(paths[i]));
     const int chunk = options.prefill_chunk >= 0 ? options.prefill_chunk : experiment.prefill_chunk_tokens();
-    ReplayOptions ro{options.threads, latencies[i].get(), options.progress, hash, chunk};
+    progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(traces.size()));
+    ReplayOptions ro{options.threads, latencies[i].get(), &progress, hash, chunk};
     KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*traces[i], runs, ro));
     for (auto& r : results) *out.add_runs() = std::move(r);
   }

@@ -366,7 +366,8 @@ StatusOr<GpuPlan> BuildPlan(const PlanRequest& req, RunResult* result) {
   PlanRecorder rec;
   ReplayOptions ro;
   ro.threads = req.threads;
-  ro.progress = req.progress;
+  Progress progress = Progress::FromEnv("gpu-plan", req.progress);
+  ro.progress = &progress;
   ro.trace_hash = hash;
   ro.recorder = &rec;
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));

@@ -8,6 +8,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <initializer_list>
 #include <iostream>
@@ -25,6 +26,7 @@
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
 #include "sim/perf_model.h"
+#include "sim/progress.h"
 #include "sim/version.h"
 #include "traces/hdf5_trace.h"
 #include "traces/synth.h"
@@ -35,6 +37,8 @@ namespace kvsim {
 namespace {
 
 constexpr int kExitOk = 0, kExitInput = 1, kExitUsage = 2, kExitMismatch = 3;
+constexpr const char* kQuietHelp =
+    "no progress on stderr (else a bar on a terminal, plain lines otherwise; also KVSIM_PROGRESS=off)";
 
 int Fail(const Status& st) {
   std::fprintf(stderr, "kvsim: error: %s\n", st.message().c_str());
@@ -238,6 +242,7 @@ int CmdRun(int argc, char** argv) {
   std::string trace, policy, out, qmode, latency, device, model;
   double budget = 0;
   int budget_tokens = 0, threads = 0, prefill_chunk = 0;
+  bool quiet = false;
   std::vector<std::string> sets;
   po::options_description opts("kvsim run options");
   opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
@@ -256,7 +261,7 @@ int CmdRun(int argc, char** argv) {
       "prefill-chunk", po::value(&prefill_chunk)->default_value(0),
       "prefill chunk size in tokens (0 = whole prompt)")("threads", po::value(&threads)->default_value(0),
                                                          "worker threads (0 = all cores)")(
-      "out", po::value(&out)->required(), "result.json");
+      "quiet,q", po::bool_switch(&quiet), kQuietHelp)("out", po::value(&out)->required(), "result.json");
   po::variables_map vm;
   int code;
   const char* usage =
@@ -272,7 +277,7 @@ int CmdRun(int argc, char** argv) {
   if (!streaming.ok() && streaming.status().code() != StatusCode::kNotFound) return Fail(streaming.status());
   if (streaming.ok() && *streaming)
     return RunStreaming(trace, policy, sets, vm.count("budget") > 0, budget_tokens,
-                        RunOptions{threads, true, latency, 0, device, model}, out);
+                        RunOptions{threads, !quiet, latency, 0, device, model}, out);
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
     return kExitUsage;
@@ -288,7 +293,7 @@ int CmdRun(int argc, char** argv) {
   if (prefill_chunk < 0)
     return Fail(Status::InvalidArgument("--prefill-chunk must be >= 0 (0 = whole prompt)"));
   auto res = RunOne(trace, policy, sets, budget, budget_tokens, *mode,
-                    RunOptions{threads, true, latency, prefill_chunk, device, model});
+                    RunOptions{threads, !quiet, latency, prefill_chunk, device, model});
   if (!res.ok()) return Fail(res.status());
   Status st = WriteFileAtomic(out, ToJson(*res));
   if (!st.ok()) return Fail(st);
@@ -312,6 +317,7 @@ int CmdRun(int argc, char** argv) {
 // `kvsim verify hae`: the report next to its markdown summary (report.json -> report.md).
 int CmdVerify(int argc, char** argv) {
   std::string what, trace, out, preset = "llava";
+  bool quiet = false;
   VerifyHaeOptions o;
   po::options_description opts("kvsim verify hae options");
   opts.add_options()("what", po::value(&what)->required(), "what to verify: hae")(
@@ -329,7 +335,8 @@ int CmdVerify(int argc, char** argv) {
       "decay fits with a lower R² make Theorem 2.1 not applicable")(
       "sparsity-epsilon", po::value(&o.sparsity_epsilon)->default_value(1e-4),
       "App. A.1: entries <= this count as sparse")("threads", po::value(&o.threads)->default_value(0),
-                                                   "worker threads (0 = all cores)");
+                                                   "worker threads (0 = all cores)")(
+      "quiet,q", po::bool_switch(&quiet), kQuietHelp);
   po::positional_options_description pos;
   pos.add("what", 1);
   po::variables_map vm;
@@ -359,7 +366,10 @@ int CmdVerify(int argc, char** argv) {
   if (!src.ok()) return Fail(src.status());
   auto hash = HashFile(trace);
   if (hash.ok()) o.trace_hash = *hash;
+  Progress progress = Progress::FromEnv("verify hae", !quiet);
+  o.progress = &progress;
   auto rep = VerifyHae(**src, o);
+  progress.Finish();
   if (!rep.ok()) return Fail(rep.status());
   std::string md = out;
   if (md.size() > 5 && md.substr(md.size() - 5) == ".json") md = md.substr(0, md.size() - 5);
@@ -378,6 +388,7 @@ int CmdSweep(int argc, char** argv) {
   std::string config, out, latency, device, model;
   std::vector<std::string> traces;
   int threads = 0, prefill_chunk = -1;
+  bool quiet = false;
   po::options_description opts("kvsim sweep options");
   opts.add_options()("config", po::value(&config)->required(),
                      "Experiment text proto (configs/experiments/)")(
@@ -389,6 +400,7 @@ int CmdSweep(int argc, char** argv) {
       "model", po::value(&model), "model shape for --device (overrides the config's model_shape)")(
       "prefill-chunk", po::value(&prefill_chunk), "prefill chunk size in tokens (overrides the config's)")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)")(
+      "quiet,q", po::bool_switch(&quiet), kQuietHelp)(
       "out", po::value(&out)->required(), "output folder (results.json, results.csv, summary.md)");
   po::variables_map vm;
   int code;
@@ -408,8 +420,8 @@ int CmdSweep(int argc, char** argv) {
   auto streaming = ExperimentIsStreaming(*exp, base.empty() ? "." : base);
   if (!streaming.ok()) return Fail(streaming.status());
   if (*streaming) {
-    auto sres =
-        RunStreamSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, 0, device, model});
+    auto sres = RunStreamSweep(*exp, base.empty() ? "." : base,
+                               RunOptions{threads, !quiet, latency, 0, device, model});
     if (!sres.ok()) return Fail(sres.status().WithContext(config));
     Status st = WriteStreamSweepOutputs(*sres, out);
     if (!st.ok()) return Fail(st);
@@ -420,7 +432,7 @@ int CmdSweep(int argc, char** argv) {
     return kExitOk;
   }
   auto res = RunSweep(*exp, base.empty() ? "." : base,
-                      RunOptions{threads, true, latency, prefill_chunk, device, model});
+                      RunOptions{threads, !quiet, latency, prefill_chunk, device, model});
   if (!res.ok()) return Fail(res.status().WithContext(config));
   Status st = WriteSweepOutputs(*res, out);
   if (!st.ok()) return Fail(st);
@@ -510,6 +522,7 @@ Status CheckPlainTrace(const std::string& trace) {
 int CmdGpuPlan(int argc, char** argv) {
   gpu_replay::PlanRequest req;
   std::string qmode, out, result_out, config, out_dir;
+  bool quiet = false;
   po::options_description opts("kvsim gpu-plan options");
   opts.add_options()("trace", po::value(&req.trace_path)->required(), "trace file (.h5)")(
       "policy", po::value(&req.policy)->required(), "policy name (kvsim list-policies), merge wrappers too")(
@@ -523,7 +536,8 @@ int CmdGpuPlan(int argc, char** argv) {
       "result", po::value(&result_out), "also write the run's result JSON (as kvsim run --out) here")(
       "config", po::value(&config),
       "experiment text proto: one plan per (policy, budget) of it, instead of --policy/--budget")(
-      "out-dir", po::value(&out_dir), "with --config: folder for NN_<label>_<budget>.pb + .result.json");
+      "out-dir", po::value(&out_dir), "with --config: folder for NN_<label>_<budget>.pb + .result.json")(
+      "quiet,q", po::bool_switch(&quiet), kQuietHelp);
   po::variables_map vm;
   int code;
   const char* usage =
@@ -540,8 +554,10 @@ int CmdGpuPlan(int argc, char** argv) {
     copts.add_options()("trace", po::value(&req.trace_path)->required(), "trace file (.h5)")(
         "config", po::value(&config)->required(), "experiment text proto")(
         "out-dir", po::value(&out_dir)->required(), "output folder")(
-        "threads", po::value(&req.threads)->default_value(0), "worker threads (0 = all cores)");
+        "threads", po::value(&req.threads)->default_value(0), "worker threads (0 = all cores)")(
+        "quiet,q", po::bool_switch(&quiet), kQuietHelp);
     if (!Parse(argc, argv, usage, copts, nullptr, vm, &code)) return code;
+    req.progress = !quiet;
     if (Status st = CheckPlainTrace(req.trace_path); !st.ok()) return Fail(st);
     return GpuPlansForExperiment(req, config, out_dir);
   }
@@ -562,7 +578,7 @@ int CmdGpuPlan(int argc, char** argv) {
   auto mode = ParseQuestionMode(qmode);
   if (!mode.ok()) return Fail(mode.status());
   req.question_mode = *mode;
-  req.progress = true;
+  req.progress = !quiet;
   RunResult result;
   auto plan = gpu_replay::BuildPlan(req, &result);
   if (!plan.ok()) return Fail(plan.status());
@@ -662,6 +678,12 @@ int main(int argc, char** argv) {
   if (cmd == "version" || cmd == "--version") {
     std::cout << "kvsim " << kVersion << " (" << kGitCommit << ")\n";
     return kExitOk;
+  }
+  if (!ProgressStyleFromEnv()) {
+    std::fprintf(stderr,
+                 "kvsim: error: environment variable KVSIM_PROGRESS='%s': expected auto, bar, lines or off\n",
+                 std::getenv("KVSIM_PROGRESS"));
+    return kExitInput;
   }
   // Subcommand parsers see argv without the command name.
   int sub_argc = argc - 1;
