@@ -12,11 +12,13 @@
 #include <filesystem>
 #include <initializer_list>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "analysis/latency_report.h"
 #include "analysis/report.h"
+#include "analysis/search.h"
 #include "analysis/stream_sweep.h"
 #include "analysis/sweep.h"
 #include "analysis/trace_stats.h"
@@ -98,6 +100,39 @@ Status CheckNotAnInput(const std::string& out, std::initializer_list<std::string
   return Status::Ok();
 }
 
+// Output paths, normalised the same way for every command. A file output that ends in '/' or names an
+// existing folder gets the command's default file name in that folder ("--out results/" ->
+// results/result.json); its folder must exist (checked before any work). A folder output loses trailing
+// slashes and "." parts
+// ("results//" -> results) and may not be the current folder, its parent or the root.
+StatusOr<std::string> NormalizeOutputFile(const std::string& flag, const std::string& path,
+                                          const std::string& default_name) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return Status::InvalidArgument(flag + " is empty; give a file name");
+  std::error_code ec;
+  fs::path p(path);
+  if (path.back() == '/' || fs::is_directory(p, ec)) p /= default_name;
+  p = p.lexically_normal();
+  const fs::path parent = p.parent_path();
+  if (!parent.empty() && !fs::is_directory(parent, ec))
+    return Status::InvalidArgument(flag + " " + path + ": folder '" + parent.string() +
+                                   (fs::exists(parent, ec) ? "' is not a folder" : "' does not exist") +
+                                   "; create it first (mkdir -p " + parent.string() + ") or choose another " +
+                                   flag);
+  return p.string();
+}
+
+StatusOr<std::string> NormalizeOutputFolder(const std::string& flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::string p = fs::path(path).lexically_normal().string();
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  if (p.empty() || p == "." || p == ".." || p == "/" || p.ends_with("/.."))
+    return Status::InvalidArgument(flag + " '" + path +
+                                   "': give a new folder's name (it is replaced as a whole), e.g. " + flag +
+                                   " results");
+  return p;
+}
+
 int CmdSynth(int argc, char** argv) {
   std::string config, out, seed_text;
   int threads = 0;
@@ -111,6 +146,9 @@ int CmdSynth(int argc, char** argv) {
   int code;
   if (!Parse(argc, argv, "usage: kvsim synth --config F --out T.h5 [--seed N]", opts, nullptr, vm, &code))
     return code;
+  auto out_path = NormalizeOutputFile("--out", out, std::filesystem::path(config).stem().string() + ".h5");
+  if (!out_path.ok()) return Fail(out_path.status());
+  out = *out_path;
   if (Status st = CheckNotAnInput(out, {config}); !st.ok()) return Fail(st);
   uint64_t seed = 0;
   if (vm.count("seed")) {
@@ -268,6 +306,9 @@ int CmdRun(int argc, char** argv) {
       "usage: kvsim run --trace T.h5 --policy P (--budget R | --budget-tokens N) [--set k=v]... --out "
       "result.json";
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
+  auto out_path = NormalizeOutputFile("--out", out, "result.json");
+  if (!out_path.ok()) return Fail(out_path.status());
+  out = *out_path;
   if (Status st = CheckNotAnInput(out, {trace}); !st.ok()) return Fail(st);
   if (vm.count("budget-tokens") && budget_tokens < 1)
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
@@ -349,6 +390,9 @@ int CmdVerify(int argc, char** argv) {
                  usage);
     return kExitUsage;
   }
+  auto out_path = NormalizeOutputFile("--out", out, "report.json");
+  if (!out_path.ok()) return Fail(out_path.status());
+  out = *out_path;
   if (Status st = CheckNotAnInput(out, {trace}); !st.ok()) return Fail(st);
   if (preset == "llava") {
     o.r = 0.0012, o.alpha = 0.001, o.rc_size = 64;
@@ -407,6 +451,9 @@ int CmdSweep(int argc, char** argv) {
   if (!Parse(argc, argv, "usage: kvsim sweep --config experiment.textproto --out DIR [--trace T.h5]...", opts,
              nullptr, vm, &code))
     return code;
+  auto out_dir = NormalizeOutputFolder("--out", out);
+  if (!out_dir.ok()) return Fail(out_dir.status());
+  out = *out_dir;
   auto exp = LoadExperiment(config);
   if (!exp.ok()) return Fail(exp.status());
   std::string base = std::filesystem::path(config).parent_path().string();
@@ -438,6 +485,70 @@ int CmdSweep(int argc, char** argv) {
   if (!st.ok()) return Fail(st);
   std::fprintf(stderr, "kvsim: %d runs -> %s/{results.json,results.csv,summary.md}\n", res->runs_size(),
                out.c_str());
+  return kExitOk;
+}
+
+// `kvsim search`: the smallest budget per policy that meets a quality target (analysis/search.h).
+int CmdSearch(int argc, char** argv) {
+  std::string trace, out, qmode;
+  std::vector<std::string> policy_args;
+  SearchSpec spec;
+  bool quiet = false;
+  po::options_description opts("kvsim search options");
+  opts.add_options()("trace", po::value(&trace)->required(),
+                     "trace file (.h5; also the first positional argument)")(
+      "policy", po::value(&policy_args)->composing()->required(),
+      "policies, comma-separated and/or repeated; overrides after the name: --policy 'snapkv window=16,h2o'")(
+      "metric", po::value(&spec.metric)->default_value("retained_mass"),
+      "retained_mass (with --at-least), output_error or regret (with --at-most); docs/metrics.md")(
+      "at-least", po::value<double>(), "target: the metric must be >= this (retained_mass), e.g. 0.9")(
+      "at-most", po::value<double>(), "target: the metric must be <= this (output_error, regret), e.g. 0.1")(
+      "points-per-pass", po::value(&spec.points_per_pass)->default_value(4),
+      "budgets evaluated per policy in each replay of the trace")(
+      "question-mode", po::value(&qmode)->default_value("aware"), "aware | agnostic (as kvsim run)")(
+      "threads", po::value(&spec.threads)->default_value(0), "worker threads (0 = all cores)")(
+      "quiet,q", po::bool_switch(&quiet), kQuietHelp)("out", po::value(&out)->required(), "search.json");
+  po::positional_options_description pos;
+  pos.add("trace", 1);
+  po::variables_map vm;
+  int code;
+  const char* usage =
+      "usage: kvsim search [--trace] T.h5 --policy P[,Q...] (--metric retained_mass --at-least X | --metric "
+      "output_error|regret --at-most X) --out search.json";
+  if (!Parse(argc, argv, usage, opts, &pos, vm, &code)) return code;
+  if (vm.count("at-least") == vm.count("at-most")) {
+    std::fprintf(stderr, "kvsim: usage error: give exactly one of --at-least or --at-most\n%s\n", usage);
+    return kExitUsage;
+  }
+  spec.at_least = vm.count("at-least") > 0;
+  spec.target = spec.at_least ? vm["at-least"].as<double>() : vm["at-most"].as<double>();
+  for (const std::string& arg : policy_args) {
+    std::string item;
+    std::istringstream is(arg);
+    while (std::getline(is, item, ',')) spec.policies.push_back(item);
+  }
+  auto mode = ParseQuestionMode(qmode);
+  if (!mode.ok()) return Fail(mode.status());
+  spec.question_mode = *mode;
+  if (Status st = CheckSearchSpec(spec); !st.ok()) return Fail(st);
+  auto out_path = NormalizeOutputFile("--out", out, "search.json");
+  if (!out_path.ok()) return Fail(out_path.status());
+  if (Status st = CheckNotAnInput(*out_path, {trace}); !st.ok()) return Fail(st);
+  auto res = RunSearch(trace, spec, !quiet);
+  if (!res.ok()) return Fail(res.status());
+  Status st = WriteFileAtomic(*out_path, ToJson(*res));
+  if (!st.ok()) return Fail(st);
+  for (const PolicySearch& p : res->policies()) {
+    if (p.found())
+      std::fprintf(stderr,
+                   "kvsim: %s: budget %d tokens (%.4g of %d) gives %s %.4g, KV memory %.3f of full%s\n",
+                   p.label().c_str(), p.budget_tokens(), p.budget_fraction(), res->compressed_prompt_tokens(),
+                   res->metric().c_str(), p.value(), p.kv_memory_ratio(),
+                   p.monotone() ? "" : " (metric not monotone in the budget: see non_monotone)");
+    else
+      std::fprintf(stderr, "kvsim: %s: no budget: %s\n", p.label().c_str(), p.reason().c_str());
+  }
+  std::fprintf(stderr, "kvsim: %d passes, %d runs -> %s\n", res->passes(), res->runs(), out_path->c_str());
   return kExitOk;
 }
 
@@ -558,10 +669,21 @@ int CmdGpuPlan(int argc, char** argv) {
         "quiet,q", po::bool_switch(&quiet), kQuietHelp);
     if (!Parse(argc, argv, usage, copts, nullptr, vm, &code)) return code;
     req.progress = !quiet;
+    auto dir = NormalizeOutputFolder("--out-dir", out_dir);
+    if (!dir.ok()) return Fail(dir.status());
+    out_dir = *dir;
     if (Status st = CheckPlainTrace(req.trace_path); !st.ok()) return Fail(st);
     return GpuPlansForExperiment(req, config, out_dir);
   }
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
+  auto out_path = NormalizeOutputFile("--out", out, "plan.pb");
+  if (!out_path.ok()) return Fail(out_path.status());
+  out = *out_path;
+  if (!result_out.empty()) {
+    auto result_path = NormalizeOutputFile("--result", result_out, "result.json");
+    if (!result_path.ok()) return Fail(result_path.status());
+    result_out = *result_path;
+  }
   if (Status st = CheckNotAnInput(out, {req.trace_path}); !st.ok()) return Fail(st);
   if (Status st = CheckNotAnInput(result_out, {req.trace_path}); !st.ok()) return Fail(st);
   if (Status st = CheckPlainTrace(req.trace_path); !st.ok()) return Fail(st);
@@ -656,6 +778,7 @@ const char kTopUsage[] =
     "  list-policies  list registered policies and their parameters\n"
     "  run            replay one policy at one budget\n"
     "  sweep          replay traces x policies x budgets, write results and a summary\n"
+    "  search         the smallest budget per policy that meets a quality target\n"
     "  verify hae     measure HAE's Theorem 2.1 / Corollary 2.1 and sparsity on a trace\n"
     "  gpu-plan       write one policy run's decisions as a GPU replay plan (docs/gpu-replay.md)\n"
     "  hash           print a trace's content hash (the trace_hash of results and plans)\n"
@@ -695,6 +818,7 @@ int main(int argc, char** argv) {
     if (cmd == "list-policies") return CmdListPolicies(sub_argc, sub_argv);
     if (cmd == "run") return CmdRun(sub_argc, sub_argv);
     if (cmd == "sweep") return CmdSweep(sub_argc, sub_argv);
+    if (cmd == "search") return CmdSearch(sub_argc, sub_argv);
     if (cmd == "verify") return CmdVerify(sub_argc, sub_argv);
     if (cmd == "gpu-plan") return CmdGpuPlan(sub_argc, sub_argv);
     if (cmd == "hash") return CmdHash(sub_argc, sub_argv);
