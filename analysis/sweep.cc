@@ -95,6 +95,37 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
   return results[0];
 }
 
+std::vector<std::string> DegenerateRunWarnings(const RunResult& result, const std::string& policy,
+                                               const std::vector<std::string>& sets) {
+  std::vector<std::string> out;
+  const PolicyInfo* info = PolicyRegistry::Default().Find(policy);
+  auto p = PolicyRegistry::Default().Create(policy, sets);
+  if (!info || !p.ok()) return out;
+  const int b = result.budget_tokens(), ce = result.compressed_prompt_tokens();
+  if (!info->uses_budget) {
+    out.push_back(policy + " ignores the budget: it keeps every token, so the budget of " +
+                  std::to_string(b) + " tokens has no effect");
+    return out;
+  }
+  const int window = std::min((*p)->requirements().window, ce);
+  const std::string knob =
+      (*p)->ParamsText().find("proxy_window") != std::string::npos ? "proxy_window" : "window";
+  if (window > 0 && b <= window)
+    out.push_back("budget " + std::to_string(b) + " tokens is at or below " + policy +
+                  "'s observation window of " + std::to_string(window) + " tokens: it keeps only the last " +
+                  std::to_string(b) +
+                  " prompt tokens and ranks none (as every window policy would); raise the budget above " +
+                  std::to_string(window) + " or lower the window (--set " + knob + "=N)");
+  const double over = result.metrics().prompt_kept_over_budget();
+  if (over > 1 + 1e-9)
+    out.push_back("kept " + FormatNumber(result.metrics().prompt_kept_tokens_mean(), 4) +
+                  " prompt tokens per KV head on average, " + FormatNumber(over, 4) + "x the budget of " +
+                  std::to_string(b) +
+                  " tokens (this variant's budget is a floor, not a cap; see "
+                  "allocated_budget_tokens_mean and prompt_kept_tokens_mean in the result)");
+  return out;
+}
+
 StatusOr<config::Experiment> LoadExperiment(const std::string& path) {
   KVSIM_ASSIGN_OR_RETURN(std::string text, ReadTextProtoFile(path));
   return ParseExperiment(text, path);

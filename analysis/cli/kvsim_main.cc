@@ -39,6 +39,12 @@ namespace kvsim {
 namespace {
 
 constexpr int kExitOk = 0, kExitInput = 1, kExitUsage = 2, kExitMismatch = 3;
+constexpr const char* kPositionalTrace = "trace file (.h5); also as the first argument without --trace";
+constexpr const char* kPolicyHelp =
+    "policy name (kvsim list-policies), or a merge variant NAME+average, NAME+pivot, NAME+weighted: NAME "
+    "with "
+    "every evicted token merged into its nearest kept slot (not full, oracle, meda, look_m; "
+    "docs/policies/merging.md)";
 constexpr const char* kQuietHelp =
     "no progress on stderr (else a bar on a terminal, plain lines otherwise; also KVSIM_PROGRESS=off)";
 
@@ -52,12 +58,17 @@ struct Usage {
 };
 
 // Parses argv for one subcommand; returns false after printing help or a usage error (exit code set).
+// `hidden` options are parsed but not shown in --help (e.g. the positional word of `verify hae`).
 bool Parse(int argc, char** argv, const std::string& usage, po::options_description& opts,
-           const po::positional_options_description* pos, po::variables_map& vm, int* exit_code) {
+           const po::positional_options_description* pos, po::variables_map& vm, int* exit_code,
+           const po::options_description* hidden = nullptr) {
   opts.add_options()("help,h", "show this help");
   try {
+    po::options_description all;
+    all.add(opts);
+    if (hidden) all.add(*hidden);
     po::command_line_parser parser(argc, argv);
-    parser.options(opts);
+    parser.options(all);
     if (pos) parser.positional(*pos);
     po::store(parser.run(), vm);
     if (vm.count("help")) {
@@ -175,14 +186,14 @@ int CmdInspect(int argc, char** argv) {
   bool json = false;
   int threads = 0;
   po::options_description opts("kvsim inspect options");
-  opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
+  opts.add_options()("trace", po::value(&trace)->required()->value_name("T.h5"), kPositionalTrace)(
       "json", po::bool_switch(&json), "print JSON instead of text")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)");
   po::positional_options_description pos;
   pos.add("trace", 1);
   po::variables_map vm;
   int code;
-  if (!Parse(argc, argv, "usage: kvsim inspect T.h5 [--json]", opts, &pos, vm, &code)) return code;
+  if (!Parse(argc, argv, "usage: kvsim inspect [--trace] T.h5 [--json]", opts, &pos, vm, &code)) return code;
   auto src = OpenTrace(trace);
   if (!src.ok()) return Fail(src.status());
   if ((*src)->meta().is_streaming()) {
@@ -200,15 +211,16 @@ int CmdValidate(int argc, char** argv) {
   double tolerance = 0.05;
   int threads = 0;
   po::options_description opts("kvsim validate options");
-  opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
-      "tolerance", po::value(&tolerance)->default_value(0.05),
+  opts.add_options()("trace", po::value(&trace)->required()->value_name("T.h5"), kPositionalTrace)(
+      "tolerance", po::value(&tolerance)->default_value(0.05, "0.05")->value_name("X"),
       "max allowed |recorded - recomputed| for attention aggregates")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)");
   po::positional_options_description pos;
   pos.add("trace", 1);
   po::variables_map vm;
   int code;
-  if (!Parse(argc, argv, "usage: kvsim validate T.h5 [--tolerance X]", opts, &pos, vm, &code)) return code;
+  if (!Parse(argc, argv, "usage: kvsim validate [--trace] T.h5 [--tolerance X]", opts, &pos, vm, &code))
+    return code;
   if (!(tolerance >= 0) || !std::isfinite(tolerance))
     return Fail(Status::InvalidArgument("--tolerance " + std::to_string(tolerance) +
                                         ": must be a finite number >= 0 (e.g. --tolerance 0.05)"));
@@ -284,7 +296,7 @@ int CmdRun(int argc, char** argv) {
   std::vector<std::string> sets;
   po::options_description opts("kvsim run options");
   opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
-      "policy", po::value(&policy)->required(), "policy name (kvsim list-policies)")(
+      "policy", po::value(&policy)->required()->value_name("P"), kPolicyHelp)(
       "budget", po::value(&budget), "fraction of the prompt kept per layer per KV head, in (0, 1]")(
       "budget-tokens", po::value(&budget_tokens), "tokens kept per layer per KV head")(
       "set", po::value(&sets)->composing(), "policy parameter override key=value (repeatable)")(
@@ -344,6 +356,8 @@ int CmdRun(int argc, char** argv) {
                "full -> %s\n",
                res->label().c_str(), res->budget_tokens(), m.retained_mass_mean(), m.output_rel_error_mean(),
                m.kv_memory_ratio(), out.c_str());
+  for (const std::string& w : DegenerateRunWarnings(*res, policy, sets))
+    std::fprintf(stderr, "kvsim: warning: %s\n", w.c_str());
   if (res->has_latency()) {
     const LatencyMetrics& l = res->latency();
     std::fprintf(stderr,
@@ -361,8 +375,10 @@ int CmdVerify(int argc, char** argv) {
   bool quiet = false;
   VerifyHaeOptions o;
   po::options_description opts("kvsim verify hae options");
-  opts.add_options()("what", po::value(&what)->required(), "what to verify: hae")(
-      "trace", po::value(&trace)->required(), "trace file (.h5); needs every prompt query")(
+  po::options_description hidden;
+  hidden.add_options()("what", po::value(&what)->required(), "what to verify: hae");
+  opts.add_options()("trace", po::value(&trace)->required()->value_name("T.h5"),
+                     "trace file (.h5); needs every prompt query")(
       "out", po::value(&out)->required(), "report.json (report.md is written next to it)")(
       "preset", po::value(&preset)->default_value("llava"),
       "DAP thresholds and bin from HAE Table 5: llava (r 0.0012, alpha 0.001, d 64), phi-a (0.0005, 0.0005, "
@@ -384,7 +400,7 @@ int CmdVerify(int argc, char** argv) {
   int code;
   const char* usage =
       "usage: kvsim verify hae --trace T.h5 [--preset llava|phi-a|phi-b] [--epsilon E] --out report.json";
-  if (!Parse(argc, argv, usage, opts, &pos, vm, &code)) return code;
+  if (!Parse(argc, argv, usage, opts, &pos, vm, &code, &hidden)) return code;
   if (what != "hae") {
     std::fprintf(stderr, "kvsim: usage error: unknown verification '%s' (available: hae)\n%s\n", what.c_str(),
                  usage);
@@ -495,8 +511,7 @@ int CmdSearch(int argc, char** argv) {
   SearchSpec spec;
   bool quiet = false;
   po::options_description opts("kvsim search options");
-  opts.add_options()("trace", po::value(&trace)->required(),
-                     "trace file (.h5; also the first positional argument)")(
+  opts.add_options()("trace", po::value(&trace)->required(), kPositionalTrace)(
       "policy", po::value(&policy_args)->composing()->required(),
       "policies, comma-separated and/or repeated; overrides after the name: --policy 'snapkv window=16,h2o'")(
       "metric", po::value(&spec.metric)->default_value("retained_mass"),
@@ -636,7 +651,7 @@ int CmdGpuPlan(int argc, char** argv) {
   bool quiet = false;
   po::options_description opts("kvsim gpu-plan options");
   opts.add_options()("trace", po::value(&req.trace_path)->required(), "trace file (.h5)")(
-      "policy", po::value(&req.policy)->required(), "policy name (kvsim list-policies), merge wrappers too")(
+      "policy", po::value(&req.policy)->required()->value_name("P"), kPolicyHelp)(
       "budget", po::value(&req.budget_fraction),
       "fraction of the prompt kept per layer per KV head, in (0, 1]")(
       "budget-tokens", po::value(&req.budget_tokens), "tokens kept per layer per KV head")(
