@@ -366,8 +366,8 @@ StatusOr<GpuPlan> BuildPlan(const PlanRequest& req, RunResult* result) {
   PlanRecorder rec;
   ReplayOptions ro;
   ro.threads = req.threads;
-  Progress progress = Progress::FromEnv("gpu-plan", req.progress);
-  ro.progress = &progress;
+  Progress progress = Progress::FromEnv("gpu-plan", req.progress && !req.reporter);
+  ro.progress = req.reporter ? req.reporter : &progress;
   ro.trace_hash = hash;
   ro.recorder = &rec;
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));

@@ -613,7 +613,10 @@ int GpuPlansForExperiment(gpu_replay::PlanRequest base, const std::string& confi
   std::filesystem::create_directories(out_dir, ec);
   if (ec)
     return Fail(Status::InvalidArgument("--out-dir " + out_dir + ": cannot create (" + ec.message() + ")"));
+  Progress progress = Progress::FromEnv("gpu-plan", base.progress);
   for (size_t i = 0; i < reqs.size(); ++i) {
+    progress.SetOuter("plan", static_cast<int>(i) + 1, static_cast<int>(reqs.size()));
+    reqs[i].reporter = &progress;
     RunResult result;
     auto plan = gpu_replay::BuildPlan(reqs[i], &result);
     if (!plan.ok()) return Fail(plan.status());
@@ -629,6 +632,7 @@ int GpuPlansForExperiment(gpu_replay::PlanRequest base, const std::string& confi
     if (st.ok()) st = WriteFileAtomic(stem + ".result.json", ToJson(result));
     if (!st.ok()) return Fail(st);
   }
+  progress.Finish();
   std::fprintf(stderr, "kvsim: %zu plans -> %s/NN_<label>_<budget>.{pb,result.json}\n", reqs.size(),
                out_dir.c_str());
   return kExitOk;

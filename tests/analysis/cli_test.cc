@@ -3,8 +3,8 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
-#include <cctype>
 #include <catch2/catch.hpp>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -279,8 +279,8 @@ TEST_CASE("cli: bad values are refused, inputs are never overwritten", "[cli]") 
   CHECK_FALSE(fs::exists(dir + "/s.json"));
   // An --out naming an existing folder gets the default file name inside it (no longer a failed rename).
   fs::create_directories(dir + "/taken");
-  CHECK(testing::RunCommand(Kvsim() + " run -q --trace " + TinyTrace() + " --policy snapkv --budget 0.2 --out " +
-                                dir + "/taken",
+  CHECK(testing::RunCommand(Kvsim() + " run -q --trace " + TinyTrace() +
+                                " --policy snapkv --budget 0.2 --out " + dir + "/taken",
                             &out) == 0);
   CHECK(fs::exists(dir + "/taken/result.json"));
   // gpu-plan on a streaming trace, a folder as --config, a value of the wrong type.
@@ -351,42 +351,44 @@ TEST_CASE("cli: --out paths are normalised the same way for every command", "[cl
   std::string out;
   // A folder output with trailing slashes and "./" parts: the folder, named cleanly.
   const std::string exp = testing::SourceDir() + "/configs/experiments/demo.textproto";
-  REQUIRE(testing::RunCommand("cd " + dir + " && " + Kvsim() + " sweep -q --config " + exp + " --trace " + trace +
-                                  " --out ./results///",
+  REQUIRE(testing::RunCommand("cd " + dir + " && " + Kvsim() + " sweep -q --config " + exp + " --trace " +
+                                  trace + " --out ./results///",
                               &out) == 0);
   CHECK(fs::exists(dir + "/results/results.json"));
   CHECK(Has(out, "-> results/{results.json"));
   CHECK_FALSE(Has(out, "//"));
   // "." or ".." as a folder output would replace the current folder: refused in one line.
-  CHECK(testing::RunCommand("cd " + dir + " && " + Kvsim() + " sweep -q --config " + exp + " --trace " + trace +
-                                " --out .",
-                            &out) == 1);
+  CHECK(testing::RunCommand(
+            "cd " + dir + " && " + Kvsim() + " sweep -q --config " + exp + " --trace " + trace + " --out .",
+            &out) == 1);
   CHECK(Has(out, "kvsim: error: --out '.': give a new folder's name"));
   // A file output naming a folder (trailing slash or existing): the command's default name inside it.
   fs::create_directories(dir + "/into");
-  REQUIRE(testing::RunCommand(Kvsim() + " run -q --trace " + trace + " --policy snapkv --budget 0.5 --out " + dir +
-                                  "/into/",
-                              &out) == 0);
+  REQUIRE(testing::RunCommand(
+              Kvsim() + " run -q --trace " + trace + " --policy snapkv --budget 0.5 --out " + dir + "/into/",
+              &out) == 0);
   CHECK(fs::exists(dir + "/into/result.json"));
-  REQUIRE(testing::RunCommand(Kvsim() + " search -q " + trace + " --policy h2o --at-least 0.5 --out " + dir +
-                                  "/into",
-                              &out) == 0);
+  REQUIRE(testing::RunCommand(
+              Kvsim() + " search -q " + trace + " --policy h2o --at-least 0.5 --out " + dir + "/into",
+              &out) == 0);
   CHECK(fs::exists(dir + "/into/search.json"));
   REQUIRE(testing::RunCommand(Kvsim() + " synth --config " + testing::SourceDir() +
                                   "/configs/synth/tiny.textproto --out " + dir + "/into/",
                               &out) == 0);
   CHECK(fs::exists(dir + "/into/tiny.h5"));
-  REQUIRE(testing::RunCommand(Kvsim() + " verify hae -q --trace " + trace + " --rc-size 4 --out " + dir + "/into/",
-                              &out) == 0);
+  REQUIRE(testing::RunCommand(
+              Kvsim() + " verify hae -q --trace " + trace + " --rc-size 4 --out " + dir + "/into/", &out) ==
+          0);
   CHECK(fs::exists(dir + "/into/report.json"));
   CHECK(fs::exists(dir + "/into/report.md"));
-  REQUIRE(testing::RunCommand(Kvsim() + " gpu-plan -q --trace " + trace + " --policy snapkv --budget 0.5 --out " +
-                                  dir + "/into/ --result " + dir + "/into/",
+  REQUIRE(testing::RunCommand(Kvsim() + " gpu-plan -q --trace " + trace +
+                                  " --policy snapkv --budget 0.5 --out " + dir + "/into/ --result " + dir +
+                                  "/into/",
                               &out) == 0);
   CHECK(fs::exists(dir + "/into/plan.pb"));
   CHECK(fs::exists(dir + "/into/result.json"));
-  REQUIRE(testing::RunCommand(Kvsim() + " gpu-plan -q --trace " + trace + " --config " + exp + " --out-dir " + dir +
-                                  "/plans//",
+  REQUIRE(testing::RunCommand(Kvsim() + " gpu-plan -q --trace " + trace + " --config " + exp + " --out-dir " +
+                                  dir + "/plans//",
                               &out) == 0);
   CHECK(fs::exists(dir + "/plans/00_full_1.pb"));
   CHECK_FALSE(Has(out, "//"));
@@ -394,7 +396,8 @@ TEST_CASE("cli: --out paths are normalised the same way for every command", "[cl
   for (const std::string& cmd :
        {" run -q --trace " + trace + " --policy snapkv --budget 0.5 --out " + dir + "/missing/r.json",
         " search -q " + trace + " --policy h2o --at-least 0.5 --out " + dir + "/missing/",
-        " synth --config " + testing::SourceDir() + "/configs/synth/tiny.textproto --out " + dir + "/missing/t.h5"}) {
+        " synth --config " + testing::SourceDir() + "/configs/synth/tiny.textproto --out " + dir +
+            "/missing/t.h5"}) {
     INFO(cmd);
     CHECK(testing::RunCommand(Kvsim() + cmd, &out) == 1);
     CHECK(Has(out, "kvsim: error: --out "));
@@ -409,8 +412,8 @@ TEST_CASE("cli: run warns in one line when the run is degenerate", "[cli][fricti
   const std::string trace = TinyTrace();  // 94-token prompt
   auto warnings = [&](const std::string& args) {
     std::string out;
-    REQUIRE(testing::RunCommand(Kvsim() + " run -q --trace " + trace + " " + args + " --out " + dir + "/r.json",
-                                &out) == 0);
+    REQUIRE(testing::RunCommand(
+                Kvsim() + " run -q --trace " + trace + " " + args + " --out " + dir + "/r.json", &out) == 0);
     std::vector<std::string> w;
     std::istringstream is(out);
     for (std::string line; std::getline(is, line);)
@@ -476,8 +479,12 @@ TEST_CASE("cli: progress is plain lines without carriage returns off a terminal;
        "kvsim: run: layer 3/3, done in "},
       {" sweep --config " + exp + " --trace " + trace + " --trace " + trace + " --out " + dir + "/sw",
        "kvsim: sweep: trace 2/2, layer 3/3, done in "},
-      {" search " + trace + " --policy snapkv --at-least 0.8 --out " + dir + "/s.json", "kvsim: search: pass "},
-      {" verify hae --trace " + trace + " --rc-size 4 --out " + dir + "/v.json", "kvsim: verify hae: layer 3/3, done"}};
+      {" search " + trace + " --policy snapkv --at-least 0.8 --out " + dir + "/s.json",
+       "kvsim: search: pass "},
+      {" verify hae --trace " + trace + " --rc-size 4 --out " + dir + "/v.json",
+       "kvsim: verify hae: layer 3/3, done"},
+      {" gpu-plan --trace " + trace + " --config " + exp + " --out-dir " + dir + "/plans",
+       "kvsim: gpu-plan: plan 33/33, layer 3/3, done in "}};
   for (const auto& [cmd, line] : cmds) {
     INFO(cmd);
     REQUIRE(testing::RunCommand("env -u KVSIM_PROGRESS " + Kvsim() + cmd, &out) == 0);

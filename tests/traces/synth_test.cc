@@ -9,10 +9,10 @@
 #include "policies/registry.h"
 #include "sim/attention.h"
 #include "sim/replay.h"
+#include "sim/rope.h"
 #include "sim/version.h"
 #include "tests/test_util.h"
 #include "traces/half.h"
-#include "sim/rope.h"
 
 namespace kvsim {
 namespace {
@@ -356,7 +356,8 @@ TEST_CASE("synth: shipped configs parse and describe valid traces", "[synth]") {
   CHECK(qwen->has_prefill_column_sums);
 }
 
-TEST_CASE("synth: the tiny configs let the window policies run with their defaults and differ", "[synth][friction]") {
+TEST_CASE("synth: the tiny configs let the window policies run with their defaults and differ",
+          "[synth][friction]") {
   // Issue 16: a prompt longer than the default observation window (32) and every query of that window
   // stored, so snapkv, pyramidkv, adakv and madakv run with their defaults; above a 32-token budget they
   // select differently and their numbers differ.
