@@ -218,6 +218,7 @@ StatusOr<SearchResult> RunSearch(const std::string& trace_path, const SearchSpec
   Progress reporter = Progress::FromEnv("search", progress);
   auto result = SearchBudgets(*trace, spec, hash, &reporter);
   if (!result.ok()) return result.status().WithContext(trace_path);
+  reporter.Finish();
   return result;
 }
 

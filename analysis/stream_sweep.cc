@@ -70,6 +70,7 @@ StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std:
   Progress progress = Progress::FromEnv("streaming run", options.progress);
   StreamReplayOptions ro{options.threads, latency.get(), &progress, hash, trace_path};
   KVSIM_ASSIGN_OR_RETURN(auto results, ReplayStream(*trace, runs, ro));
+  progress.Finish();
   return results[0];
 }
 
@@ -116,6 +117,7 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
     KVSIM_ASSIGN_OR_RETURN(auto results, ReplayStream(*traces[i], runs, ro));
     for (auto& r : results) *out.add_runs() = std::move(r);
   }
+  progress.Finish();
   return out;
 }
 

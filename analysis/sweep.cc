@@ -92,6 +92,7 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
   Progress progress = Progress::FromEnv("run", options.progress);
   ReplayOptions ro{options.threads, latency.get(), &progress, hash, std::max(0, options.prefill_chunk)};
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
+  progress.Finish();
   return results[0];
 }
 
@@ -199,6 +200,7 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*traces[i], runs, ro));
     for (auto& r : results) *out.add_runs() = std::move(r);
   }
+  progress.Finish();
   return out;
 }
 

@@ -371,6 +371,7 @@ StatusOr<GpuPlan> BuildPlan(const PlanRequest& req, RunResult* result) {
   ro.trace_hash = hash;
   ro.recorder = &rec;
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
+  progress.Finish();
   GpuPlan plan = rec.TakePlan(0, results[0]);
   if (result) *result = std::move(results[0]);
   return plan;

@@ -47,14 +47,27 @@ Progress::Progress(std::string task, ProgressStyle style, std::FILE* out, double
   start_ = clock_();
 }
 
+std::optional<double> ProgressIntervalFromEnv() {
+  const char* v = std::getenv("KVSIM_PROGRESS_INTERVAL");
+  if (!v || !*v) return 10.0;
+  char* end = nullptr;
+  const double s = std::strtod(v, &end);
+  if (*end != '\0' || !std::isfinite(s) || s < 0) return std::nullopt;
+  return s;
+}
+
 Progress Progress::FromEnv(std::string task, bool enabled) {
   const ProgressStyle style =
       enabled ? ProgressStyleFromEnv().value_or(ProgressStyle::kLines) : ProgressStyle::kOff;
-  return Progress(std::move(task), style);
+  return Progress(std::move(task), style, stderr, ProgressIntervalFromEnv().value_or(10.0));
 }
 
 Progress::~Progress() {
-  if (mu_) Finish();
+  // Not finished: the work failed (its error follows) — no "done" line; a bar's line is ended.
+  if (mu_ && !finished_ && style_ == ProgressStyle::kBar && last_emit_ >= 0) {
+    std::fprintf(out_, "\n");
+    std::fflush(out_);
+  }
 }
 
 void Progress::SetOuter(const std::string& name, int index, int total) {
@@ -78,7 +91,8 @@ void Progress::Finish() {
   std::lock_guard<std::mutex> lock(*mu_);
   if (finished_ || style_ == ProgressStyle::kOff || !started_) return;
   finished_ = true;
-  Emit(true);
+  // Lines: the last line only after periodic ones (a short run prints nothing); bar: always.
+  if (style_ == ProgressStyle::kBar || last_emit_ >= 0) Emit(true);
 }
 
 double Progress::Fraction() const {

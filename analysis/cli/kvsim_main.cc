@@ -429,8 +429,8 @@ int CmdVerify(int argc, char** argv) {
   Progress progress = Progress::FromEnv("verify hae", !quiet);
   o.progress = &progress;
   auto rep = VerifyHae(**src, o);
-  progress.Finish();
   if (!rep.ok()) return Fail(rep.status());
+  progress.Finish();
   std::string md = out;
   if (md.size() > 5 && md.substr(md.size() - 5) == ".json") md = md.substr(0, md.size() - 5);
   md += ".md";
@@ -820,6 +820,12 @@ int main(int argc, char** argv) {
   if (cmd == "version" || cmd == "--version") {
     std::cout << "kvsim " << kVersion << " (" << kGitCommit << ")\n";
     return kExitOk;
+  }
+  if (!ProgressIntervalFromEnv()) {
+    std::fprintf(stderr,
+                 "kvsim: error: environment variable KVSIM_PROGRESS_INTERVAL='%s': expected seconds >= 0\n",
+                 std::getenv("KVSIM_PROGRESS_INTERVAL"));
+    return kExitInput;
   }
   if (!ProgressStyleFromEnv()) {
     std::fprintf(stderr,

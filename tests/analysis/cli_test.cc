@@ -487,12 +487,17 @@ TEST_CASE("cli: progress is plain lines without carriage returns off a terminal;
        "kvsim: gpu-plan: plan 33/33, layer 3/3, done in "}};
   for (const auto& [cmd, line] : cmds) {
     INFO(cmd);
-    REQUIRE(testing::RunCommand("env -u KVSIM_PROGRESS " + Kvsim() + cmd, &out) == 0);
+    REQUIRE(testing::RunCommand("env -u KVSIM_PROGRESS KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + cmd, &out) ==
+            0);
     CHECK(Has(out, line));
     CHECK(out.find('\r') == std::string::npos);
-    REQUIRE(testing::RunCommand("env -u KVSIM_PROGRESS " + Kvsim() + cmd + " --quiet", &out) == 0);
+    REQUIRE(testing::RunCommand("KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + cmd + " --quiet", &out) == 0);
     CHECK_FALSE(Has(out, line));
-    REQUIRE(testing::RunCommand("KVSIM_PROGRESS=off " + Kvsim() + cmd, &out) == 0);
+    REQUIRE(testing::RunCommand("KVSIM_PROGRESS=off KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + cmd, &out) == 0);
+    CHECK_FALSE(Has(out, line));
+    // The default interval (10 s): a run this short prints no progress at all.
+    REQUIRE(testing::RunCommand("env -u KVSIM_PROGRESS -u KVSIM_PROGRESS_INTERVAL " + Kvsim() + cmd, &out) ==
+            0);
     CHECK_FALSE(Has(out, line));
   }
   // Streaming runs use the same reporter.
@@ -500,13 +505,20 @@ TEST_CASE("cli: progress is plain lines without carriage returns off a terminal;
   REQUIRE(testing::RunCommand(Kvsim() + " synth --config " + testing::SourceDir() +
                                   "/configs/synth/streaming_tiny.textproto --out " + stream,
                               &out) == 0);
-  REQUIRE(testing::RunCommand("env -u KVSIM_PROGRESS " + Kvsim() + " run --trace " + stream +
-                                  " --policy rekv --out " + dir + "/sr.json",
+  REQUIRE(testing::RunCommand("env -u KVSIM_PROGRESS KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + " run --trace " +
+                                  stream + " --policy rekv --out " + dir + "/sr.json",
                               &out) == 0);
   CHECK(Has(out, "kvsim: streaming run: layer 4/4, done in "));
   CHECK(out.find('\r') == std::string::npos);
   CHECK(testing::RunCommand("KVSIM_PROGRESS=maybe " + Kvsim() + cmds[0].first, &out) == 1);
   CHECK(Has(out, "KVSIM_PROGRESS='maybe'"));
+  CHECK(testing::RunCommand("KVSIM_PROGRESS_INTERVAL=soon " + Kvsim() + cmds[0].first, &out) == 1);
+  CHECK(Has(out, "KVSIM_PROGRESS_INTERVAL='soon'"));
+  // A failing command prints its error alone: no "done" line before it.
+  CHECK(testing::RunCommand("KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + " sweep --config " + exp + " --trace " +
+                                trace + " --out " + dir + "/into_a_file/x --trace " + dir + "/missing.h5",
+                            &out) == 1);
+  CHECK(std::count(out.begin(), out.end(), '\n') == 1);
 }
 
 }  // namespace kvsim

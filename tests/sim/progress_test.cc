@@ -46,7 +46,8 @@ TEST_CASE("progress lines: periodic plain lines with outer and inner counts, eta
     p.Update("layer", 1, 4);  // 5/8 done after 80 s: 48 s to go
     c.now = 125;
     p.Update("layer", 4, 4);
-  }  // the destructor prints the last line
+    p.Finish();
+  }
   CHECK(c.text() ==
         "kvsim: sweep: trace 1/2, layer 2/4, eta 30 s\n"
         "kvsim: sweep: trace 2/2, layer 1/4, eta 48 s\n"
@@ -67,14 +68,29 @@ TEST_CASE("progress bar: one line redrawn with \\r, ended by a newline", "[progr
         "\rkvsim: run [############............] layer 1/2, done in 1 s\n");
 }
 
-TEST_CASE("progress off and unused reporters print nothing", "[progress]") {
+TEST_CASE("progress off, unused, short or failed work prints nothing", "[progress]") {
   Captured c;
+  {
+    Progress short_run("run", ProgressStyle::kLines, c.f, 10, c.clock());
+    short_run.Update("layer", 1, 1);  // within the interval: no line, and so no last line either
+    short_run.Finish();
+    Progress failed("run", ProgressStyle::kLines, c.f, 0, c.clock());
+    failed.Update("layer", 1, 2);
+  }  // `failed` was never finished: its error follows, not a "done" line
+  CHECK(c.text() == "kvsim: run: layer 1/2, eta 0 s\n");
+  Captured d;
+  {
+    Progress failed_bar("run", ProgressStyle::kBar, d.f, 10, d.clock());
+    d.now = 1;
+    failed_bar.Update("layer", 1, 2);
+  }  // the bar's line is ended so that the error starts on its own line
+  CHECK(d.text() == "\rkvsim: run [############............] layer 1/2, eta 1 s\n");
   {
     Progress off("run", ProgressStyle::kOff, c.f, 0, c.clock());
     off.Update("layer", 1, 1);
     Progress unused("run", ProgressStyle::kLines, c.f, 0, c.clock());
   }
-  CHECK(c.text().empty());
+  CHECK(c.text() == "kvsim: run: layer 1/2, eta 0 s\n");
 }
 
 TEST_CASE("KVSIM_PROGRESS chooses the style; anything else is refused", "[progress]") {
