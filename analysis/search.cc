@@ -98,7 +98,7 @@ StatusOr<SearchResult> SearchBudgets(TraceSource& trace, const SearchSpec& spec,
   const TraceMeta& meta = trace.meta();
   if (meta.is_streaming())
     return Status::InvalidArgument(
-        trace.Describe() + " is a streaming trace; kvsim search replays plain (prefill + decode) traces");
+        "a streaming trace; kvsim search replays plain (prefill + decode) traces only (docs/streaming.md)");
   const int ce = CompressEnd(meta, spec.question_mode);
   std::vector<PolicyState> states;
   for (const std::string& entry : spec.policies) {
