@@ -67,8 +67,10 @@ StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std:
   std::vector<StreamRunSpec> runs{StreamRunSpec{p, RunLabel(policy, sets), budget_tokens}};
   KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
-  StreamReplayOptions ro{options.threads, latency.get(), options.progress, hash, trace_path};
+  Progress progress = Progress::FromEnv("streaming run", options.progress);
+  StreamReplayOptions ro{options.threads, latency.get(), &progress, hash, trace_path};
   KVSIM_ASSIGN_OR_RETURN(auto results, ReplayStream(*trace, runs, ro));
+  progress.Finish();
   return results[0];
 }
 
@@ -107,12 +109,15 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
   }
   StreamSweepResult out;
   out.set_experiment(ToTextWithDefaults(experiment));
+  Progress progress = Progress::FromEnv("streaming sweep", options.progress);
   for (size_t i = 0; i < traces.size(); ++i) {
     KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(paths[i]));
-    StreamReplayOptions ro{options.threads, latencies[i].get(), options.progress, hash, paths[i]};
+    progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(traces.size()));
+    StreamReplayOptions ro{options.threads, latencies[i].get(), &progress, hash, paths[i]};
     KVSIM_ASSIGN_OR_RETURN(auto results, ReplayStream(*traces[i], runs, ro));
     for (auto& r : results) *out.add_runs() = std::move(r);
   }
+  progress.Finish();
   return out;
 }
 

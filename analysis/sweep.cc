@@ -89,10 +89,42 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
   std::vector<RunSpec> runs{RunSpec{p, RunLabel(policy, sets), budget_fraction, budget_tokens, mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(trace_path));
   KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
-  ReplayOptions ro{options.threads, latency.get(), options.progress, hash,
-                   std::max(0, options.prefill_chunk)};
+  Progress progress = Progress::FromEnv("run", options.progress);
+  ReplayOptions ro{options.threads, latency.get(), &progress, hash, std::max(0, options.prefill_chunk)};
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
+  progress.Finish();
   return results[0];
+}
+
+std::vector<std::string> DegenerateRunWarnings(const RunResult& result, const std::string& policy,
+                                               const std::vector<std::string>& sets) {
+  std::vector<std::string> out;
+  const PolicyInfo* info = PolicyRegistry::Default().Find(policy);
+  auto p = PolicyRegistry::Default().Create(policy, sets);
+  if (!info || !p.ok()) return out;
+  const int b = result.budget_tokens(), ce = result.compressed_prompt_tokens();
+  if (!info->uses_budget) {
+    out.push_back(policy + " ignores the budget: it keeps every token, so the budget of " +
+                  std::to_string(b) + " tokens has no effect");
+    return out;
+  }
+  const int window = std::min((*p)->requirements().window, ce);
+  const std::string knob =
+      (*p)->ParamsText().find("proxy_window") != std::string::npos ? "proxy_window" : "window";
+  if (window > 0 && b <= window)
+    out.push_back("budget " + std::to_string(b) + " tokens is at or below " + policy +
+                  "'s observation window of " + std::to_string(window) + " tokens: it keeps only the last " +
+                  std::to_string(b) +
+                  " prompt tokens and ranks none (as every window policy would); raise the budget above " +
+                  std::to_string(window) + " or lower the window (--set " + knob + "=N)");
+  const double over = result.metrics().prompt_kept_over_budget();
+  if (over > 1 + 1e-9)
+    out.push_back("kept " + FormatNumber(result.metrics().prompt_kept_tokens_mean(), 4) +
+                  " prompt tokens per KV head on average, " + FormatNumber(over, 4) + "x the budget of " +
+                  std::to_string(b) +
+                  " tokens (this variant's budget is a floor, not a cap; see "
+                  "allocated_budget_tokens_mean and prompt_kept_tokens_mean in the result)");
+  return out;
 }
 
 StatusOr<config::Experiment> LoadExperiment(const std::string& path) {
@@ -159,13 +191,16 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
   }
   SweepResult out;
   out.set_experiment(ToTextWithDefaults(experiment));
+  Progress progress = Progress::FromEnv("sweep", options.progress);
   for (size_t i = 0; i < traces.size(); ++i) {
     KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(paths[i]));
     const int chunk = options.prefill_chunk >= 0 ? options.prefill_chunk : experiment.prefill_chunk_tokens();
-    ReplayOptions ro{options.threads, latencies[i].get(), options.progress, hash, chunk};
+    progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(traces.size()));
+    ReplayOptions ro{options.threads, latencies[i].get(), &progress, hash, chunk};
     KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*traces[i], runs, ro));
     for (auto& r : results) *out.add_runs() = std::move(r);
   }
+  progress.Finish();
   return out;
 }
 

@@ -43,6 +43,13 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
                            const std::vector<std::string>& sets, double budget_fraction, int budget_tokens,
                            QuestionMode mode, const RunOptions& options);
 
+// Why a finished run says little about its policy, one sentence each (empty when nothing is off): a policy
+// that ignores the budget, a budget at or below the policy's observation window (it then keeps only the last
+// B tokens, like every other window policy), prompt tokens kept over the budget (a floor-style variant).
+// `kvsim run` prints them as warnings.
+std::vector<std::string> DegenerateRunWarnings(const RunResult& result, const std::string& policy,
+                                               const std::vector<std::string>& sets);
+
 StatusOr<config::Experiment> LoadExperiment(const std::string& path);
 // The same from the file's text (`what` names it in messages): parsed, then its fields checked.
 StatusOr<config::Experiment> ParseExperiment(const std::string& text, const std::string& what);

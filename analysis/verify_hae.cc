@@ -285,6 +285,7 @@ StatusOr<HaeVerifyReport> VerifyHae(TraceSource& trace, const VerifyHaeOptions& 
     sp->set_other(frac(3));
     const double all_e = entries[0] + entries[1] + entries[2] + entries[3];
     sp->set_all(all_e > 0 ? (sparse[0] + sparse[1] + sparse[2] + sparse[3]) / all_e : 0);
+    if (o.progress) o.progress->Update("layer", l + 1, L);
   }
   // Corollary: the worst cases (largest excess first; ties by position for determinism).
   std::stable_sort(cases.begin(), cases.end(),

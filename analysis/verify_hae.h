@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "analysis/verify_hae.pb.h"
+#include "sim/progress.h"
 #include "sim/trace.h"
 
 namespace kvsim {
@@ -26,7 +27,8 @@ struct VerifyHaeOptions {
   double min_r_squared = 0.5;  // below: the trace is not exponential and the theorem does not apply
   double sparsity_epsilon = 1e-4;
   int threads = 0;
-  std::string trace_hash;  // recorded in the report
+  std::string trace_hash;        // recorded in the report
+  Progress* progress = nullptr;  // optional: told after every layer (sim/progress.h)
 };
 
 // Within-token least squares of log s(j, t) on t over series (one per token, equal lengths, every value

@@ -366,10 +366,12 @@ StatusOr<GpuPlan> BuildPlan(const PlanRequest& req, RunResult* result) {
   PlanRecorder rec;
   ReplayOptions ro;
   ro.threads = req.threads;
-  ro.progress = req.progress;
+  Progress progress = Progress::FromEnv("gpu-plan", req.progress && !req.reporter);
+  ro.progress = req.reporter ? req.reporter : &progress;
   ro.trace_hash = hash;
   ro.recorder = &rec;
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
+  progress.Finish();
   GpuPlan plan = rec.TakePlan(0, results[0]);
   if (result) *result = std::move(results[0]);
   return plan;

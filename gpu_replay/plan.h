@@ -85,8 +85,9 @@ struct PlanRequest {
   int budget_tokens = 0;
   QuestionMode question_mode = QuestionMode::kQueryAware;
   int threads = 0;
-  bool progress = false;
-  std::string label;  // display name; default: policy (+ overrides)
+  bool progress = false;         // progress on stderr (sim/progress.h)
+  Progress* reporter = nullptr;  // or this reporter (several plans under one progress line)
+  std::string label;             // display name; default: policy (+ overrides)
 };
 StatusOr<GpuPlan> BuildPlan(const PlanRequest& request, RunResult* result = nullptr);
 // Same over an open trace (tests): one run.

@@ -836,23 +836,6 @@ std::vector<double> EventDurations(const TraceMeta& meta, const RunAccum& a, con
   return dur;
 }
 
-class Progress {
- public:
-  Progress(bool enabled, int total) : enabled_(enabled && ::isatty(2)), total_(total) {}
-  void Update(int done) {
-    if (!enabled_) return;
-    const int width = 30, filled = total_ ? done * width / total_ : width;
-    std::fprintf(stderr, "\rreplay [%s%s] layer %d/%d", std::string(filled, '#').c_str(),
-                 std::string(width - filled, '.').c_str(), done, total_);
-    if (done == total_) std::fprintf(stderr, "\n");
-    std::fflush(stderr);
-  }
-
- private:
-  bool enabled_;
-  int total_;
-};
-
 }  // namespace
 
 Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
@@ -1032,7 +1015,6 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     }
     options.recorder->Begin(meta, runs, ce, hb);
   }
-  Progress progress(options.progress, num_layers);
   // Layer l + 1 is read in the background while layer l is replayed (at most two layers resident).
   LayerData current, next;
   Status read_status = trace.ReadLayer(0, &current);
@@ -1043,7 +1025,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     current.layer = l;
     LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder);
     pass.Run();
-    progress.Update(l + 1);
+    if (options.progress) options.progress->Update("layer", l + 1, num_layers);
     if (prefetch.valid()) {
       read_status = prefetch.get();
       std::swap(current, next);

@@ -12,6 +12,7 @@
 
 #include "sim/latency_model.h"
 #include "sim/policy.h"
+#include "sim/progress.h"
 #include "sim/results.pb.h"
 #include "sim/trace.h"
 
@@ -52,7 +53,7 @@ class DecisionRecorder {
 struct ReplayOptions {
   int threads = 0;                        // <= 0: hardware concurrency; results never depend on it
   const LatencyModel* latency = nullptr;  // null: token steps
-  bool progress = false;                  // progress bar on stderr
+  Progress* progress = nullptr;           // optional: told after every layer (sim/progress.h)
   std::string trace_hash;                 // recorded in results
   // Prefill in chunks of this many tokens (0 = the whole prompt at once). Chunks are timeline events: each
   // lasts LatencyModel::PrefillDuration(chunk) and holds its uncompressed prefix; the compression hook runs

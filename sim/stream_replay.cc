@@ -684,7 +684,6 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
 
   // 2. The per-layer pass.
   for (int l = 0; l < L; ++l) {
-    if (options.progress) std::fprintf(stderr, "\rkvsim: streaming replay layer %d/%d", l + 1, L);
     access.KeepOnly(l);
     auto layer_or = access.Stream(l);
     if (!layer_or.ok()) return layer_or.status();
@@ -724,8 +723,8 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
       });
       for (const Status& st : status) KVSIM_RETURN_IF_ERROR(st);
     }
+    if (options.progress) options.progress->Update("layer", l + 1, L);
   }
-  if (options.progress) std::fprintf(stderr, "\n");
 
   // 3. Timelines and results.
   auto tokens_latency = MakeTokenStepLatencyModel();

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "sim/latency_model.h"
+#include "sim/progress.h"
 #include "sim/stream_policy.h"
 #include "sim/stream_results.pb.h"
 #include "sim/trace.h"
@@ -32,7 +33,7 @@ struct StreamRunSpec {
 struct StreamReplayOptions {
   int threads = 0;
   const LatencyModel* latency = nullptr;  // null: token steps
-  bool progress = false;
+  Progress* progress = nullptr;           // optional: told after every layer (sim/progress.h)
   std::string trace_hash;
   std::string trace_path;
 };

@@ -15,12 +15,14 @@
 #include <filesystem>
 #include <initializer_list>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "analysis/chrome_trace.h"
 #include "analysis/latency_report.h"
 #include "analysis/report.h"
+#include "analysis/search.h"
 #include "analysis/stream_sweep.h"
 #include "analysis/sweep.h"
 #include "analysis/trace_stats.h"
@@ -30,6 +32,7 @@
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
 #include "sim/perf_model.h"
+#include "sim/progress.h"
 #include "sim/version.h"
 #include "traces/hdf5_trace.h"
 #include "traces/synth.h"
@@ -40,6 +43,14 @@ namespace kvsim {
 namespace {
 
 constexpr int kExitOk = 0, kExitInput = 1, kExitUsage = 2, kExitMismatch = 3;
+constexpr const char* kPositionalTrace = "trace file (.h5); also as the first argument without --trace";
+constexpr const char* kPolicyHelp =
+    "policy name (kvsim list-policies), or a merge variant NAME+average, NAME+pivot, NAME+weighted: NAME "
+    "with "
+    "every evicted token merged into its nearest kept slot (not full, oracle, meda, look_m; "
+    "docs/policies/merging.md)";
+constexpr const char* kQuietHelp =
+    "no progress on stderr (else a bar on a terminal, plain lines otherwise; also KVSIM_PROGRESS=off)";
 
 int Fail(const Status& st) {
   std::fprintf(stderr, "kvsim: error: %s\n", st.message().c_str());
@@ -51,12 +62,17 @@ struct Usage {
 };
 
 // Parses argv for one subcommand; returns false after printing help or a usage error (exit code set).
+// `hidden` options are parsed but not shown in --help (e.g. the positional word of `verify hae`).
 bool Parse(int argc, char** argv, const std::string& usage, po::options_description& opts,
-           const po::positional_options_description* pos, po::variables_map& vm, int* exit_code) {
+           const po::positional_options_description* pos, po::variables_map& vm, int* exit_code,
+           const po::options_description* hidden = nullptr) {
   opts.add_options()("help,h", "show this help");
   try {
+    po::options_description all;
+    all.add(opts);
+    if (hidden) all.add(*hidden);
     po::command_line_parser parser(argc, argv);
-    parser.options(opts);
+    parser.options(all);
     if (pos) parser.positional(*pos);
     po::store(parser.run(), vm);
     if (vm.count("help")) {
@@ -114,6 +130,39 @@ Status CheckChromeTracePath(const std::string& path, std::initializer_list<std::
   return Status::Ok();
 }
 
+// Output paths, normalised the same way for every command. A file output that ends in '/' or names an
+// existing folder gets the command's default file name in that folder ("--out results/" ->
+// results/result.json); its folder must exist (checked before any work). A folder output loses trailing
+// slashes and "." parts
+// ("results//" -> results) and may not be the current folder, its parent or the root.
+StatusOr<std::string> NormalizeOutputFile(const std::string& flag, const std::string& path,
+                                          const std::string& default_name) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return Status::InvalidArgument(flag + " is empty; give a file name");
+  std::error_code ec;
+  fs::path p(path);
+  if (path.back() == '/' || fs::is_directory(p, ec)) p /= default_name;
+  p = p.lexically_normal();
+  const fs::path parent = p.parent_path();
+  if (!parent.empty() && !fs::is_directory(parent, ec))
+    return Status::InvalidArgument(flag + " " + path + ": folder '" + parent.string() +
+                                   (fs::exists(parent, ec) ? "' is not a folder" : "' does not exist") +
+                                   "; create it first (mkdir -p " + parent.string() + ") or choose another " +
+                                   flag);
+  return p.string();
+}
+
+StatusOr<std::string> NormalizeOutputFolder(const std::string& flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::string p = fs::path(path).lexically_normal().string();
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  if (p.empty() || p == "." || p == ".." || p == "/" || p.ends_with("/.."))
+    return Status::InvalidArgument(flag + " '" + path +
+                                   "': give a new folder's name (it is replaced as a whole), e.g. " + flag +
+                                   " results");
+  return p;
+}
+
 int CmdSynth(int argc, char** argv) {
   std::string config, out, seed_text;
   int threads = 0;
@@ -127,6 +176,9 @@ int CmdSynth(int argc, char** argv) {
   int code;
   if (!Parse(argc, argv, "usage: kvsim synth --config F --out T.h5 [--seed N]", opts, nullptr, vm, &code))
     return code;
+  auto out_path = NormalizeOutputFile("--out", out, std::filesystem::path(config).stem().string() + ".h5");
+  if (!out_path.ok()) return Fail(out_path.status());
+  out = *out_path;
   if (Status st = CheckNotAnInput(out, {config}); !st.ok()) return Fail(st);
   uint64_t seed = 0;
   if (vm.count("seed")) {
@@ -153,14 +205,14 @@ int CmdInspect(int argc, char** argv) {
   bool json = false;
   int threads = 0;
   po::options_description opts("kvsim inspect options");
-  opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
+  opts.add_options()("trace", po::value(&trace)->required()->value_name("T.h5"), kPositionalTrace)(
       "json", po::bool_switch(&json), "print JSON instead of text")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)");
   po::positional_options_description pos;
   pos.add("trace", 1);
   po::variables_map vm;
   int code;
-  if (!Parse(argc, argv, "usage: kvsim inspect T.h5 [--json]", opts, &pos, vm, &code)) return code;
+  if (!Parse(argc, argv, "usage: kvsim inspect [--trace] T.h5 [--json]", opts, &pos, vm, &code)) return code;
   auto src = OpenTrace(trace);
   if (!src.ok()) return Fail(src.status());
   if ((*src)->meta().is_streaming()) {
@@ -178,15 +230,16 @@ int CmdValidate(int argc, char** argv) {
   double tolerance = 0.05;
   int threads = 0;
   po::options_description opts("kvsim validate options");
-  opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
-      "tolerance", po::value(&tolerance)->default_value(0.05),
+  opts.add_options()("trace", po::value(&trace)->required()->value_name("T.h5"), kPositionalTrace)(
+      "tolerance", po::value(&tolerance)->default_value(0.05, "0.05")->value_name("X"),
       "max allowed |recorded - recomputed| for attention aggregates")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)");
   po::positional_options_description pos;
   pos.add("trace", 1);
   po::variables_map vm;
   int code;
-  if (!Parse(argc, argv, "usage: kvsim validate T.h5 [--tolerance X]", opts, &pos, vm, &code)) return code;
+  if (!Parse(argc, argv, "usage: kvsim validate [--trace] T.h5 [--tolerance X]", opts, &pos, vm, &code))
+    return code;
   if (!(tolerance >= 0) || !std::isfinite(tolerance))
     return Fail(Status::InvalidArgument("--tolerance " + std::to_string(tolerance) +
                                         ": must be a finite number >= 0 (e.g. --tolerance 0.05)"));
@@ -271,10 +324,11 @@ int CmdRun(int argc, char** argv) {
   std::string trace, policy, out, qmode, latency, device, model, chrome_trace;
   double budget = 0;
   int budget_tokens = 0, threads = 0, prefill_chunk = 0;
+  bool quiet = false;
   std::vector<std::string> sets;
   po::options_description opts("kvsim run options");
   opts.add_options()("trace", po::value(&trace)->required(), "trace file (.h5)")(
-      "policy", po::value(&policy)->required(), "policy name (kvsim list-policies)")(
+      "policy", po::value(&policy)->required()->value_name("P"), kPolicyHelp)(
       "budget", po::value(&budget), "fraction of the prompt kept per layer per KV head, in (0, 1]")(
       "budget-tokens", po::value(&budget_tokens), "tokens kept per layer per KV head")(
       "set", po::value(&sets)->composing(), "policy parameter override key=value (repeatable)")(
@@ -289,6 +343,7 @@ int CmdRun(int argc, char** argv) {
       "prefill-chunk", po::value(&prefill_chunk)->default_value(0),
       "prefill chunk size in tokens (0 = whole prompt)")("threads", po::value(&threads)->default_value(0),
                                                          "worker threads (0 = all cores)")(
+      "quiet,q", po::bool_switch(&quiet), kQuietHelp)(
       "out", po::value(&out)->required(),
       "result.json (and its tables next to it: result.runs.csv, result.layers.csv)")(
       "chrome-trace", po::value(&chrome_trace),
@@ -299,7 +354,15 @@ int CmdRun(int argc, char** argv) {
       "usage: kvsim run --trace T.h5 --policy P (--budget R | --budget-tokens N) [--set k=v]... --out "
       "result.json";
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
+  auto out_path = NormalizeOutputFile("--out", out, "result.json");
+  if (!out_path.ok()) return Fail(out_path.status());
+  out = *out_path;
   if (Status st = CheckNotAnInput(out, {trace}); !st.ok()) return Fail(st);
+  if (!chrome_trace.empty()) {
+    auto ct = NormalizeOutputFile("--chrome-trace", chrome_trace, "trace.json");
+    if (!ct.ok()) return Fail(ct.status());
+    chrome_trace = *ct;
+  }
   if (Status st = CheckChromeTracePath(chrome_trace, {trace, out}); !st.ok()) return Fail(st);
   if (vm.count("budget-tokens") && budget_tokens < 1)
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
@@ -309,7 +372,7 @@ int CmdRun(int argc, char** argv) {
   if (!streaming.ok() && streaming.status().code() != StatusCode::kNotFound) return Fail(streaming.status());
   if (streaming.ok() && *streaming)
     return RunStreaming(trace, policy, sets, vm.count("budget") > 0, budget_tokens,
-                        RunOptions{threads, true, latency, 0, device, model}, out, chrome_trace);
+                        RunOptions{threads, !quiet, latency, 0, device, model}, out, chrome_trace);
   if (vm.count("budget") == vm.count("budget-tokens")) {
     std::fprintf(stderr, "kvsim: usage error: give exactly one of --budget or --budget-tokens\n%s\n", usage);
     return kExitUsage;
@@ -325,7 +388,7 @@ int CmdRun(int argc, char** argv) {
   if (prefill_chunk < 0)
     return Fail(Status::InvalidArgument("--prefill-chunk must be >= 0 (0 = whole prompt)"));
   auto res = RunOne(trace, policy, sets, budget, budget_tokens, *mode,
-                    RunOptions{threads, true, latency, prefill_chunk, device, model});
+                    RunOptions{threads, !quiet, latency, prefill_chunk, device, model});
   if (!res.ok()) return Fail(res.status());
   const std::vector<RunResult> runs{*res};
   std::vector<std::pair<std::string, std::string>> files{{out, ToJson(*res)},
@@ -339,6 +402,8 @@ int CmdRun(int argc, char** argv) {
                "full -> %s\n",
                res->label().c_str(), res->budget_tokens(), m.retained_mass_mean(), m.output_rel_error_mean(),
                m.kv_memory_ratio(), out.c_str());
+  for (const std::string& w : DegenerateRunWarnings(*res, policy, sets))
+    std::fprintf(stderr, "kvsim: warning: %s\n", w.c_str());
   if (res->has_latency()) {
     const LatencyMetrics& l = res->latency();
     std::fprintf(stderr,
@@ -353,10 +418,13 @@ int CmdRun(int argc, char** argv) {
 // `kvsim verify hae`: the report next to its markdown summary (report.json -> report.md).
 int CmdVerify(int argc, char** argv) {
   std::string what, trace, out, preset = "llava";
+  bool quiet = false;
   VerifyHaeOptions o;
   po::options_description opts("kvsim verify hae options");
-  opts.add_options()("what", po::value(&what)->required(), "what to verify: hae")(
-      "trace", po::value(&trace)->required(), "trace file (.h5); needs every prompt query")(
+  po::options_description hidden;
+  hidden.add_options()("what", po::value(&what)->required(), "what to verify: hae");
+  opts.add_options()("trace", po::value(&trace)->required()->value_name("T.h5"),
+                     "trace file (.h5); needs every prompt query")(
       "out", po::value(&out)->required(), "report.json (report.md is written next to it)")(
       "preset", po::value(&preset)->default_value("llava"),
       "DAP thresholds and bin from HAE Table 5: llava (r 0.0012, alpha 0.001, d 64), phi-a (0.0005, 0.0005, "
@@ -370,19 +438,23 @@ int CmdVerify(int argc, char** argv) {
       "decay fits with a lower R² make Theorem 2.1 not applicable")(
       "sparsity-epsilon", po::value(&o.sparsity_epsilon)->default_value(1e-4),
       "App. A.1: entries <= this count as sparse")("threads", po::value(&o.threads)->default_value(0),
-                                                   "worker threads (0 = all cores)");
+                                                   "worker threads (0 = all cores)")(
+      "quiet,q", po::bool_switch(&quiet), kQuietHelp);
   po::positional_options_description pos;
   pos.add("what", 1);
   po::variables_map vm;
   int code;
   const char* usage =
       "usage: kvsim verify hae --trace T.h5 [--preset llava|phi-a|phi-b] [--epsilon E] --out report.json";
-  if (!Parse(argc, argv, usage, opts, &pos, vm, &code)) return code;
+  if (!Parse(argc, argv, usage, opts, &pos, vm, &code, &hidden)) return code;
   if (what != "hae") {
     std::fprintf(stderr, "kvsim: usage error: unknown verification '%s' (available: hae)\n%s\n", what.c_str(),
                  usage);
     return kExitUsage;
   }
+  auto out_path = NormalizeOutputFile("--out", out, "report.json");
+  if (!out_path.ok()) return Fail(out_path.status());
+  out = *out_path;
   if (Status st = CheckNotAnInput(out, {trace}); !st.ok()) return Fail(st);
   if (preset == "llava") {
     o.r = 0.0012, o.alpha = 0.001, o.rc_size = 64;
@@ -400,8 +472,11 @@ int CmdVerify(int argc, char** argv) {
   if (!src.ok()) return Fail(src.status());
   auto hash = HashFile(trace);
   if (hash.ok()) o.trace_hash = *hash;
+  Progress progress = Progress::FromEnv("verify hae", !quiet);
+  o.progress = &progress;
   auto rep = VerifyHae(**src, o);
   if (!rep.ok()) return Fail(rep.status());
+  progress.Finish();
   std::string md = out;
   if (md.size() > 5 && md.substr(md.size() - 5) == ".json") md = md.substr(0, md.size() - 5);
   md += ".md";
@@ -426,6 +501,7 @@ int CmdSweep(int argc, char** argv) {
   std::string config, out, latency, device, model, chrome_trace;
   std::vector<std::string> traces;
   int threads = 0, prefill_chunk = -1;
+  bool quiet = false;
   po::options_description opts("kvsim sweep options");
   opts.add_options()("config", po::value(&config)->required(),
                      "Experiment text proto (configs/experiments/)")(
@@ -437,6 +513,7 @@ int CmdSweep(int argc, char** argv) {
       "model", po::value(&model), "model shape for --device (overrides the config's model_shape)")(
       "prefill-chunk", po::value(&prefill_chunk), "prefill chunk size in tokens (overrides the config's)")(
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)")(
+      "quiet,q", po::bool_switch(&quiet), kQuietHelp)(
       "out", po::value(&out)->required(),
       "output folder (results.json, runs.csv, layers.csv, summary.md; streaming: runs.csv, questions.csv, "
       "memory.csv)")(
@@ -447,6 +524,14 @@ int CmdSweep(int argc, char** argv) {
   if (!Parse(argc, argv, "usage: kvsim sweep --config experiment.textproto --out DIR [--trace T.h5]...", opts,
              nullptr, vm, &code))
     return code;
+  auto out_dir = NormalizeOutputFolder("--out", out);
+  if (!out_dir.ok()) return Fail(out_dir.status());
+  out = *out_dir;
+  if (!chrome_trace.empty()) {
+    auto ct = NormalizeOutputFile("--chrome-trace", chrome_trace, "trace.json");
+    if (!ct.ok()) return Fail(ct.status());
+    chrome_trace = *ct;
+  }
   if (Status st = CheckChromeTracePath(chrome_trace, {config, out}); !st.ok()) return Fail(st);
   auto exp = LoadExperiment(config);
   if (!exp.ok()) return Fail(exp.status());
@@ -461,8 +546,8 @@ int CmdSweep(int argc, char** argv) {
   auto streaming = ExperimentIsStreaming(*exp, base.empty() ? "." : base);
   if (!streaming.ok()) return Fail(streaming.status());
   if (*streaming) {
-    auto sres =
-        RunStreamSweep(*exp, base.empty() ? "." : base, RunOptions{threads, true, latency, 0, device, model});
+    auto sres = RunStreamSweep(*exp, base.empty() ? "." : base,
+                               RunOptions{threads, !quiet, latency, 0, device, model});
     if (!sres.ok()) return Fail(sres.status().WithContext(config));
     Status st = Status::Ok();
     if (!chrome_trace.empty())
@@ -479,7 +564,7 @@ int CmdSweep(int argc, char** argv) {
     return kExitOk;
   }
   auto res = RunSweep(*exp, base.empty() ? "." : base,
-                      RunOptions{threads, true, latency, prefill_chunk, device, model});
+                      RunOptions{threads, !quiet, latency, prefill_chunk, device, model});
   if (!res.ok()) return Fail(res.status().WithContext(config));
   Status st = Status::Ok();
   if (!chrome_trace.empty())
@@ -490,6 +575,69 @@ int CmdSweep(int argc, char** argv) {
   if (!st.ok()) return Fail(RemoveOnFailure(st, trace_written ? chrome_trace : ""));
   std::fprintf(stderr, "kvsim: %d runs -> %s/{results.json,runs.csv,layers.csv,summary.md}\n",
                res->runs_size(), out.c_str());
+  return kExitOk;
+}
+
+// `kvsim search`: the smallest budget per policy that meets a quality target (analysis/search.h).
+int CmdSearch(int argc, char** argv) {
+  std::string trace, out, qmode;
+  std::vector<std::string> policy_args;
+  SearchSpec spec;
+  bool quiet = false;
+  po::options_description opts("kvsim search options");
+  opts.add_options()("trace", po::value(&trace)->required(), kPositionalTrace)(
+      "policy", po::value(&policy_args)->composing()->required(),
+      "policies, comma-separated and/or repeated; overrides after the name: --policy 'snapkv window=16,h2o'")(
+      "metric", po::value(&spec.metric)->default_value("retained_mass"),
+      "retained_mass (with --at-least), output_error or regret (with --at-most); docs/metrics.md")(
+      "at-least", po::value<double>(), "target: the metric must be >= this (retained_mass), e.g. 0.9")(
+      "at-most", po::value<double>(), "target: the metric must be <= this (output_error, regret), e.g. 0.1")(
+      "points-per-pass", po::value(&spec.points_per_pass)->default_value(4),
+      "budgets evaluated per policy in each replay of the trace")(
+      "question-mode", po::value(&qmode)->default_value("aware"), "aware | agnostic (as kvsim run)")(
+      "threads", po::value(&spec.threads)->default_value(0), "worker threads (0 = all cores)")(
+      "quiet,q", po::bool_switch(&quiet), kQuietHelp)("out", po::value(&out)->required(), "search.json");
+  po::positional_options_description pos;
+  pos.add("trace", 1);
+  po::variables_map vm;
+  int code;
+  const char* usage =
+      "usage: kvsim search [--trace] T.h5 --policy P[,Q...] (--metric retained_mass --at-least X | --metric "
+      "output_error|regret --at-most X) --out search.json";
+  if (!Parse(argc, argv, usage, opts, &pos, vm, &code)) return code;
+  if (vm.count("at-least") == vm.count("at-most")) {
+    std::fprintf(stderr, "kvsim: usage error: give exactly one of --at-least or --at-most\n%s\n", usage);
+    return kExitUsage;
+  }
+  spec.at_least = vm.count("at-least") > 0;
+  spec.target = spec.at_least ? vm["at-least"].as<double>() : vm["at-most"].as<double>();
+  for (const std::string& arg : policy_args) {
+    std::string item;
+    std::istringstream is(arg);
+    while (std::getline(is, item, ',')) spec.policies.push_back(item);
+  }
+  auto mode = ParseQuestionMode(qmode);
+  if (!mode.ok()) return Fail(mode.status());
+  spec.question_mode = *mode;
+  if (Status st = CheckSearchSpec(spec); !st.ok()) return Fail(st);
+  auto out_path = NormalizeOutputFile("--out", out, "search.json");
+  if (!out_path.ok()) return Fail(out_path.status());
+  if (Status st = CheckNotAnInput(*out_path, {trace}); !st.ok()) return Fail(st);
+  auto res = RunSearch(trace, spec, !quiet);
+  if (!res.ok()) return Fail(res.status());
+  Status st = WriteFileAtomic(*out_path, ToJson(*res));
+  if (!st.ok()) return Fail(st);
+  for (const PolicySearch& p : res->policies()) {
+    if (p.found())
+      std::fprintf(stderr,
+                   "kvsim: %s: budget %d tokens (%.4g of %d) gives %s %.4g, KV memory %.3f of full%s\n",
+                   p.label().c_str(), p.budget_tokens(), p.budget_fraction(), res->compressed_prompt_tokens(),
+                   res->metric().c_str(), p.value(), p.kv_memory_ratio(),
+                   p.monotone() ? "" : " (metric not monotone in the budget: see non_monotone)");
+    else
+      std::fprintf(stderr, "kvsim: %s: no budget: %s\n", p.label().c_str(), p.reason().c_str());
+  }
+  std::fprintf(stderr, "kvsim: %d passes, %d runs -> %s\n", res->passes(), res->runs(), out_path->c_str());
   return kExitOk;
 }
 
@@ -539,7 +687,10 @@ int GpuPlansForExperiment(gpu_replay::PlanRequest base, const std::string& confi
   std::filesystem::create_directories(out_dir, ec);
   if (ec)
     return Fail(Status::InvalidArgument("--out-dir " + out_dir + ": cannot create (" + ec.message() + ")"));
+  Progress progress = Progress::FromEnv("gpu-plan", base.progress);
   for (size_t i = 0; i < reqs.size(); ++i) {
+    progress.SetOuter("plan", static_cast<int>(i) + 1, static_cast<int>(reqs.size()));
+    reqs[i].reporter = &progress;
     RunResult result;
     auto plan = gpu_replay::BuildPlan(reqs[i], &result);
     if (!plan.ok()) return Fail(plan.status());
@@ -555,6 +706,7 @@ int GpuPlansForExperiment(gpu_replay::PlanRequest base, const std::string& confi
     if (st.ok()) st = WriteFileAtomic(stem + ".result.json", ToJson(result));
     if (!st.ok()) return Fail(st);
   }
+  progress.Finish();
   std::fprintf(stderr, "kvsim: %zu plans -> %s/NN_<label>_<budget>.{pb,result.json}\n", reqs.size(),
                out_dir.c_str());
   return kExitOk;
@@ -574,9 +726,10 @@ Status CheckPlainTrace(const std::string& trace) {
 int CmdGpuPlan(int argc, char** argv) {
   gpu_replay::PlanRequest req;
   std::string qmode, out, result_out, config, out_dir;
+  bool quiet = false;
   po::options_description opts("kvsim gpu-plan options");
   opts.add_options()("trace", po::value(&req.trace_path)->required(), "trace file (.h5)")(
-      "policy", po::value(&req.policy)->required(), "policy name (kvsim list-policies), merge wrappers too")(
+      "policy", po::value(&req.policy)->required()->value_name("P"), kPolicyHelp)(
       "budget", po::value(&req.budget_fraction),
       "fraction of the prompt kept per layer per KV head, in (0, 1]")(
       "budget-tokens", po::value(&req.budget_tokens), "tokens kept per layer per KV head")(
@@ -587,7 +740,8 @@ int CmdGpuPlan(int argc, char** argv) {
       "result", po::value(&result_out), "also write the run's result JSON (as kvsim run --out) here")(
       "config", po::value(&config),
       "experiment text proto: one plan per (policy, budget) of it, instead of --policy/--budget")(
-      "out-dir", po::value(&out_dir), "with --config: folder for NN_<label>_<budget>.pb + .result.json");
+      "out-dir", po::value(&out_dir), "with --config: folder for NN_<label>_<budget>.pb + .result.json")(
+      "quiet,q", po::bool_switch(&quiet), kQuietHelp);
   po::variables_map vm;
   int code;
   const char* usage =
@@ -604,12 +758,25 @@ int CmdGpuPlan(int argc, char** argv) {
     copts.add_options()("trace", po::value(&req.trace_path)->required(), "trace file (.h5)")(
         "config", po::value(&config)->required(), "experiment text proto")(
         "out-dir", po::value(&out_dir)->required(), "output folder")(
-        "threads", po::value(&req.threads)->default_value(0), "worker threads (0 = all cores)");
+        "threads", po::value(&req.threads)->default_value(0), "worker threads (0 = all cores)")(
+        "quiet,q", po::bool_switch(&quiet), kQuietHelp);
     if (!Parse(argc, argv, usage, copts, nullptr, vm, &code)) return code;
+    req.progress = !quiet;
+    auto dir = NormalizeOutputFolder("--out-dir", out_dir);
+    if (!dir.ok()) return Fail(dir.status());
+    out_dir = *dir;
     if (Status st = CheckPlainTrace(req.trace_path); !st.ok()) return Fail(st);
     return GpuPlansForExperiment(req, config, out_dir);
   }
   if (!Parse(argc, argv, usage, opts, nullptr, vm, &code)) return code;
+  auto out_path = NormalizeOutputFile("--out", out, "plan.pb");
+  if (!out_path.ok()) return Fail(out_path.status());
+  out = *out_path;
+  if (!result_out.empty()) {
+    auto result_path = NormalizeOutputFile("--result", result_out, "result.json");
+    if (!result_path.ok()) return Fail(result_path.status());
+    result_out = *result_path;
+  }
   if (Status st = CheckNotAnInput(out, {req.trace_path}); !st.ok()) return Fail(st);
   if (Status st = CheckNotAnInput(result_out, {req.trace_path}); !st.ok()) return Fail(st);
   if (Status st = CheckPlainTrace(req.trace_path); !st.ok()) return Fail(st);
@@ -626,7 +793,7 @@ int CmdGpuPlan(int argc, char** argv) {
   auto mode = ParseQuestionMode(qmode);
   if (!mode.ok()) return Fail(mode.status());
   req.question_mode = *mode;
-  req.progress = true;
+  req.progress = !quiet;
   RunResult result;
   auto plan = gpu_replay::BuildPlan(req, &result);
   if (!plan.ok()) return Fail(plan.status());
@@ -745,6 +912,7 @@ const char kTopUsage[] =
     "  list-policies  list registered policies and their parameters\n"
     "  run            replay one policy at one budget\n"
     "  sweep          replay traces x policies x budgets, write results and a summary\n"
+    "  search         the smallest budget per policy that meets a quality target\n"
     "  verify hae     measure HAE's Theorem 2.1 / Corollary 2.1 and sparsity on a trace\n"
     "  gpu-plan       write one policy run's decisions as a GPU replay plan (docs/gpu-replay.md)\n"
     "  hash           print a trace's content hash (the trace_hash of results and plans)\n"
@@ -769,6 +937,18 @@ int main(int argc, char** argv) {
     std::cout << "kvsim " << kVersion << " (" << kGitCommit << ")\n";
     return kExitOk;
   }
+  if (!ProgressIntervalFromEnv()) {
+    std::fprintf(stderr,
+                 "kvsim: error: environment variable KVSIM_PROGRESS_INTERVAL='%s': expected seconds >= 0\n",
+                 std::getenv("KVSIM_PROGRESS_INTERVAL"));
+    return kExitInput;
+  }
+  if (!ProgressStyleFromEnv()) {
+    std::fprintf(stderr,
+                 "kvsim: error: environment variable KVSIM_PROGRESS='%s': expected auto, bar, lines or off\n",
+                 std::getenv("KVSIM_PROGRESS"));
+    return kExitInput;
+  }
   // Subcommand parsers see argv without the command name.
   int sub_argc = argc - 1;
   char** sub_argv = argv + 1;
@@ -779,6 +959,7 @@ int main(int argc, char** argv) {
     if (cmd == "list-policies") return CmdListPolicies(sub_argc, sub_argv);
     if (cmd == "run") return CmdRun(sub_argc, sub_argv);
     if (cmd == "sweep") return CmdSweep(sub_argc, sub_argv);
+    if (cmd == "search") return CmdSearch(sub_argc, sub_argv);
     if (cmd == "verify") return CmdVerify(sub_argc, sub_argv);
     if (cmd == "gpu-plan") return CmdGpuPlan(sub_argc, sub_argv);
     if (cmd == "hash") return CmdHash(sub_argc, sub_argv);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -276,10 +277,12 @@ TEST_CASE("cli: bad values are refused, inputs are never overwritten", "[cli]") 
   refused("run --trace " + stream + " --policy rekv --budget-tokens 0 --out " + dir + "/s.json",
           "--budget-tokens must be >= 1");
   CHECK_FALSE(fs::exists(dir + "/s.json"));
-  // A result that cannot be moved into place says why (the cleanup no longer overwrites errno: "Success").
+  // An --out naming an existing folder gets the default file name inside it (no longer a failed rename).
   fs::create_directories(dir + "/taken");
-  refused("run --trace " + TinyTrace() + " --policy snapkv --budget 0.2 --out " + dir + "/taken",
-          "cannot move the finished file into place: Is a directory");
+  CHECK(testing::RunCommand(Kvsim() + " run -q --trace " + TinyTrace() +
+                                " --policy snapkv --budget 0.2 --out " + dir + "/taken",
+                            &out) == 0);
+  CHECK(fs::exists(dir + "/taken/result.json"));
   // gpu-plan on a streaming trace, a folder as --config, a value of the wrong type.
   refused("gpu-plan --trace " + stream + " --policy snapkv --budget 0.2 --out " + dir + "/p.pb",
           "is a streaming trace; gpu-plan records plain");
@@ -332,4 +335,190 @@ TEST_CASE("cli: a full disk, exhausted memory and memory limits: one line, exit 
 }
 
 }  // namespace
+}  // namespace kvsim
+
+namespace kvsim {
+namespace {
+
+bool Has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("cli: --out paths are normalised the same way for every command", "[cli][friction]") {
+  namespace fs = std::filesystem;
+  const std::string dir = testing::ScratchDir("cli_out_paths");
+  const std::string trace = TinyTrace();
+  std::string out;
+  // A folder output with trailing slashes and "./" parts: the folder, named cleanly.
+  const std::string exp = testing::SourceDir() + "/configs/experiments/demo.textproto";
+  REQUIRE(testing::RunCommand("cd " + dir + " && " + Kvsim() + " sweep -q --config " + exp + " --trace " +
+                                  trace + " --out ./results///",
+                              &out) == 0);
+  CHECK(fs::exists(dir + "/results/results.json"));
+  CHECK(Has(out, "-> results/{results.json"));
+  CHECK_FALSE(Has(out, "//"));
+  // "." or ".." as a folder output would replace the current folder: refused in one line.
+  CHECK(testing::RunCommand(
+            "cd " + dir + " && " + Kvsim() + " sweep -q --config " + exp + " --trace " + trace + " --out .",
+            &out) == 1);
+  CHECK(Has(out, "kvsim: error: --out '.': give a new folder's name"));
+  // A file output naming a folder (trailing slash or existing): the command's default name inside it.
+  fs::create_directories(dir + "/into");
+  REQUIRE(testing::RunCommand(
+              Kvsim() + " run -q --trace " + trace + " --policy snapkv --budget 0.5 --out " + dir + "/into/",
+              &out) == 0);
+  CHECK(fs::exists(dir + "/into/result.json"));
+  REQUIRE(testing::RunCommand(
+              Kvsim() + " search -q " + trace + " --policy h2o --at-least 0.5 --out " + dir + "/into",
+              &out) == 0);
+  CHECK(fs::exists(dir + "/into/search.json"));
+  REQUIRE(testing::RunCommand(Kvsim() + " synth --config " + testing::SourceDir() +
+                                  "/configs/synth/tiny.textproto --out " + dir + "/into/",
+                              &out) == 0);
+  CHECK(fs::exists(dir + "/into/tiny.h5"));
+  REQUIRE(testing::RunCommand(
+              Kvsim() + " verify hae -q --trace " + trace + " --rc-size 4 --out " + dir + "/into/", &out) ==
+          0);
+  CHECK(fs::exists(dir + "/into/report.json"));
+  CHECK(fs::exists(dir + "/into/report.md"));
+  REQUIRE(testing::RunCommand(Kvsim() + " gpu-plan -q --trace " + trace +
+                                  " --policy snapkv --budget 0.5 --out " + dir + "/into/ --result " + dir +
+                                  "/into/",
+                              &out) == 0);
+  CHECK(fs::exists(dir + "/into/plan.pb"));
+  CHECK(fs::exists(dir + "/into/result.json"));
+  REQUIRE(testing::RunCommand(Kvsim() + " gpu-plan -q --trace " + trace + " --config " + exp + " --out-dir " +
+                                  dir + "/plans//",
+                              &out) == 0);
+  CHECK(fs::exists(dir + "/plans/00_full_1.pb"));
+  CHECK_FALSE(Has(out, "//"));
+  // A file output in a folder that does not exist: refused before any work, one line, nothing created.
+  for (const std::string& cmd :
+       {" run -q --trace " + trace + " --policy snapkv --budget 0.5 --out " + dir + "/missing/r.json",
+        " search -q " + trace + " --policy h2o --at-least 0.5 --out " + dir + "/missing/",
+        " synth --config " + testing::SourceDir() + "/configs/synth/tiny.textproto --out " + dir +
+            "/missing/t.h5"}) {
+    INFO(cmd);
+    CHECK(testing::RunCommand(Kvsim() + cmd, &out) == 1);
+    CHECK(Has(out, "kvsim: error: --out "));
+    CHECK(Has(out, "does not exist; create it first (mkdir -p "));
+    CHECK(std::count(out.begin(), out.end(), '\n') == 1);
+    CHECK_FALSE(fs::exists(dir + "/missing"));
+  }
+}
+
+TEST_CASE("cli: run warns in one line when the run is degenerate", "[cli][friction]") {
+  const std::string dir = testing::ScratchDir("cli_warnings");
+  const std::string trace = TinyTrace();  // 94-token prompt
+  auto warnings = [&](const std::string& args) {
+    std::string out;
+    REQUIRE(testing::RunCommand(
+                Kvsim() + " run -q --trace " + trace + " " + args + " --out " + dir + "/r.json", &out) == 0);
+    std::vector<std::string> w;
+    std::istringstream is(out);
+    for (std::string line; std::getline(is, line);)
+      if (line.rfind("kvsim: warning: ", 0) == 0) w.push_back(line);
+    return w;
+  };
+  auto full = warnings("--policy full --budget 0.2");
+  REQUIRE(full.size() == 1);
+  CHECK(Has(full[0], "full ignores the budget"));
+  auto below = warnings("--policy snapkv --budget 0.2");  // B = 19 <= the default window of 32
+  REQUIRE(below.size() == 1);
+  CHECK(Has(below[0], "budget 19 tokens is at or below snapkv's observation window of 32 tokens"));
+  CHECK(Has(below[0], "--set window=N"));
+  CHECK(Has(warnings("--policy madakv --budget-tokens 32")[0], "--set proxy_window=N"));
+  auto over = warnings("--policy meda --set variant=OFFICIAL_CODE --budget 0.5");
+  REQUIRE(over.size() == 1);
+  CHECK(Has(over[0], "x the budget of 47 tokens"));
+  CHECK(warnings("--policy snapkv --budget 0.5").empty());
+  CHECK(warnings("--policy snapkv --budget 0.2 --set window=8").empty());
+  CHECK(warnings("--policy h2o --budget 0.1").empty());
+}
+
+TEST_CASE("cli: help texts show plain defaults, positional traces, merge variants, no internal options",
+          "[cli][friction]") {
+  std::string out;
+  for (const char* cmd : {"synth", "inspect", "validate", "run", "sweep", "search", "verify hae", "gpu-plan",
+                          "latency", "list-policies"}) {
+    INFO(cmd);
+    REQUIRE(testing::RunCommand(Kvsim() + " " + cmd + " --help", &out) == 0);
+    // No binary-float noise such as "(=0.050000000000000003)".
+    for (size_t i = 0; (i = out.find("(=", i)) != std::string::npos; ++i) {
+      const std::string value = out.substr(i + 2, out.find(')', i) - i - 2);
+      if (!value.empty() && std::isdigit(static_cast<unsigned char>(value[0]))) CHECK(value.size() < 8);
+    }
+    CHECK_FALSE(Has(out, "--what"));
+  }
+  REQUIRE(testing::RunCommand(Kvsim() + " validate --help", &out) == 0);
+  CHECK(Has(out, "--tolerance X (=0.05)"));
+  for (const char* cmd : {"inspect", "validate", "search"}) {
+    INFO(cmd);
+    REQUIRE(testing::RunCommand(Kvsim() + " " + cmd + " --help", &out) == 0);
+    CHECK(Has(out, "[--trace] T.h5"));
+    CHECK(Has(out, "also as the first argument"));
+  }
+  for (const char* cmd : {"run", "gpu-plan"}) {
+    INFO(cmd);
+    REQUIRE(testing::RunCommand(Kvsim() + " " + cmd + " --help", &out) == 0);
+    CHECK(Has(out, "NAME+average"));
+    CHECK(Has(out, "NAME+pivot"));
+    CHECK(Has(out, "NAME+weighted"));
+  }
+}
+
+TEST_CASE("cli: progress is plain lines without carriage returns off a terminal; --quiet silences it",
+          "[cli][friction][progress]") {
+  const std::string dir = testing::ScratchDir("cli_progress");
+  const std::string trace = TinyTrace();
+  const std::string exp = testing::SourceDir() + "/configs/experiments/demo.textproto";
+  std::string out;
+  // Through a pipe (not a terminal): the last progress line of each engine, and no '\r' anywhere.
+  const std::vector<std::pair<std::string, std::string>> cmds = {
+      {" run --trace " + trace + " --policy snapkv --budget 0.5 --out " + dir + "/r.json",
+       "kvsim: run: layer 3/3, done in "},
+      {" sweep --config " + exp + " --trace " + trace + " --trace " + trace + " --out " + dir + "/sw",
+       "kvsim: sweep: trace 2/2, layer 3/3, done in "},
+      {" search " + trace + " --policy snapkv --at-least 0.8 --out " + dir + "/s.json",
+       "kvsim: search: pass "},
+      {" verify hae --trace " + trace + " --rc-size 4 --out " + dir + "/v.json",
+       "kvsim: verify hae: layer 3/3, done"},
+      {" gpu-plan --trace " + trace + " --config " + exp + " --out-dir " + dir + "/plans",
+       "kvsim: gpu-plan: plan 33/33, layer 3/3, done in "}};
+  for (const auto& [cmd, line] : cmds) {
+    INFO(cmd);
+    REQUIRE(testing::RunCommand("env -u KVSIM_PROGRESS KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + cmd, &out) ==
+            0);
+    CHECK(Has(out, line));
+    CHECK(out.find('\r') == std::string::npos);
+    REQUIRE(testing::RunCommand("KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + cmd + " --quiet", &out) == 0);
+    CHECK_FALSE(Has(out, line));
+    REQUIRE(testing::RunCommand("KVSIM_PROGRESS=off KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + cmd, &out) == 0);
+    CHECK_FALSE(Has(out, line));
+    // The default interval (10 s): a run this short prints no progress at all.
+    REQUIRE(testing::RunCommand("env -u KVSIM_PROGRESS -u KVSIM_PROGRESS_INTERVAL " + Kvsim() + cmd, &out) ==
+            0);
+    CHECK_FALSE(Has(out, line));
+  }
+  // Streaming runs use the same reporter.
+  const std::string stream = dir + "/stream.h5";
+  REQUIRE(testing::RunCommand(Kvsim() + " synth --config " + testing::SourceDir() +
+                                  "/configs/synth/streaming_tiny.textproto --out " + stream,
+                              &out) == 0);
+  REQUIRE(testing::RunCommand("env -u KVSIM_PROGRESS KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + " run --trace " +
+                                  stream + " --policy rekv --out " + dir + "/sr.json",
+                              &out) == 0);
+  CHECK(Has(out, "kvsim: streaming run: layer 4/4, done in "));
+  CHECK(out.find('\r') == std::string::npos);
+  CHECK(testing::RunCommand("KVSIM_PROGRESS=maybe " + Kvsim() + cmds[0].first, &out) == 1);
+  CHECK(Has(out, "KVSIM_PROGRESS='maybe'"));
+  CHECK(testing::RunCommand("KVSIM_PROGRESS_INTERVAL=soon " + Kvsim() + cmds[0].first, &out) == 1);
+  CHECK(Has(out, "KVSIM_PROGRESS_INTERVAL='soon'"));
+  // A failing command prints its error alone: no "done" line before it.
+  CHECK(testing::RunCommand("KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + " sweep --config " + exp + " --trace " +
+                                trace + " --out " + dir + "/into_a_file/x --trace " + dir + "/missing.h5",
+                            &out) == 1);
+  CHECK(std::count(out.begin(), out.end(), '\n') == 1);
+}
+
 }  // namespace kvsim

@@ -6,11 +6,13 @@
 #include <fstream>
 #include <set>
 
+#include "policies/registry.h"
 #include "sim/attention.h"
+#include "sim/replay.h"
+#include "sim/rope.h"
 #include "sim/version.h"
 #include "tests/test_util.h"
 #include "traces/half.h"
-#include "sim/rope.h"
 
 namespace kvsim {
 namespace {
@@ -352,6 +354,35 @@ TEST_CASE("synth: shipped configs parse and describe valid traces", "[synth]") {
   CHECK(qwen->num_decode_steps == 64);
   CHECK(qwen->query_positions.size() == 64u + 64u);
   CHECK(qwen->has_prefill_column_sums);
+}
+
+TEST_CASE("synth: the tiny configs let the window policies run with their defaults and differ",
+          "[synth][friction]") {
+  // Issue 16: a prompt longer than the default observation window (32) and every query of that window
+  // stored, so snapkv, pyramidkv, adakv and madakv run with their defaults; above a 32-token budget they
+  // select differently and their numbers differ.
+  for (const char* name : {"tiny.textproto", "tiny_gqa.textproto"}) {
+    INFO(name);
+    MemoryTrace trace = Generate(LoadShipped(name), 2);
+    const TraceMeta& meta = trace.meta();
+    REQUIRE(meta.prefill_length > 32);
+    for (int p = meta.prefill_length - 32; p < meta.prefill_length; ++p) CHECK(meta.QueryIndex(p) >= 0);
+    std::vector<RunSpec> runs;
+    for (const char* policy : {"snapkv", "pyramidkv", "adakv", "madakv"}) {
+      auto created = PolicyRegistry::Default().Create(policy, {});
+      REQUIRE(created.ok());
+      runs.push_back(RunSpec{*created, policy, 0.5, 0, QuestionMode::kQueryAware});
+    }
+    ReplayOptions ro;
+    ro.threads = 2;
+    auto res = Replay(trace, runs, ro);
+    INFO(res.status().message());
+    REQUIRE(res.ok());
+    REQUIRE((*res)[0].budget_tokens() > 32);
+    std::set<double> retained;
+    for (const RunResult& r : *res) retained.insert(r.metrics().retained_mass_mean());
+    CHECK(retained.size() == runs.size());
+  }
 }
 
 }  // namespace kvsim
