@@ -532,7 +532,7 @@ class LayerPass {
   // is much wider than the steps' caches (a cache re-selected every step), a per-step gather is cheaper.
   void FinishRun(int u, int r, WorkerScratch& ws) {
     UnitWork& w = units_[u];
-    const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), d = m_.head_dim;
+    const int steps = meta_.num_decode_steps, d = m_.head_dim;
     const int group = m_.GroupSize();
     const float* values = w.ctx.values;
     const size_t rows = static_cast<size_t>(group) * steps;
