@@ -121,7 +121,7 @@ std::string RunsCsv(const std::vector<RunResult>& runs) {
      << kMetricHeader
      << ",latency_device,latency_model_shape,ms_per_output_token,ttft_ms,full_ms_per_output_token,"
         "full_ttft_ms,speedup_vs_full,attention_ms_per_token,policy_work_ms,floor_fraction,"
-        "ragged_attention_ratio,head_length_max_over_mean,decode_ms_total\n";
+        "ragged_attention_ratio,head_length_max_over_mean,decode_ms_total,warnings\n";
   for (size_t i = 0; i < runs.size(); ++i) {
     const RunResult& r = runs[i];
     RunKey(static_cast<int>(i), r, os);
@@ -142,7 +142,9 @@ std::string RunsCsv(const std::vector<RunResult>& runs) {
     } else {
       os << std::string(13, ',');
     }
-    os << '\n';
+    std::string warnings;  // DegenerateRunWarnings (analysis/sweep.h), joined
+    for (const std::string& w : r.warnings()) warnings += (warnings.empty() ? "" : "; ") + w;
+    os << ',' << CsvField(warnings) << '\n';
   }
   return os.str();
 }
@@ -236,6 +238,15 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
       }
       auto& b = best[r->budget_tokens()];
       if (!b || r->metrics().output_rel_error_mean() < b->metrics().output_rel_error_mean()) b = r;
+    }
+    bool warned = false;  // DegenerateRunWarnings (analysis/sweep.h), one line per run that has any
+    for (const RunResult* r : rows) {
+      if (r->warnings().empty()) continue;
+      if (!warned) os << "\n**Warnings** (runs that say little about their policy):\n\n";
+      warned = true;
+      os << "- " << r->label() << " at " << r->budget_tokens() << " tokens:";
+      for (int k = 0; k < r->warnings_size(); ++k) os << (k ? "; " : " ") << r->warnings(k);
+      os << "\n";
     }
     if (first->has_latency()) {
       const LatencyMetrics& l0 = first->latency();

@@ -93,6 +93,8 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
   ReplayOptions ro{options.threads, latency.get(), &progress, hash, std::max(0, options.prefill_chunk)};
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
   progress.Finish();
+  for (std::string& w : DegenerateRunWarnings(results[0], policy, sets))
+    results[0].add_warnings(std::move(w));
   return results[0];
 }
 
@@ -161,6 +163,7 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     return Status::InvalidArgument("no budgets; set 'budgets' (fractions) or 'budget_tokens'");
   // Policies × budgets, built and validated once.
   std::vector<RunSpec> runs;
+  std::vector<const config::PolicySpec*> run_policy;  // runs[i]'s policy, for its warnings
   for (const config::PolicySpec& ps : experiment.policies()) {
     const std::vector<std::string> sets(ps.set().begin(), ps.set().end());
     KVSIM_RETURN_IF_ERROR(CheckNotStreamingPolicy(ps.name()));
@@ -169,10 +172,11 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     const std::string label = ps.has_label() ? ps.label() : RunLabel(ps.name(), sets);
     if (!info->uses_budget) {
       runs.push_back(RunSpec{policy, label, 1.0, 0, mode});
-      continue;
+    } else {
+      for (double b : experiment.budgets()) runs.push_back(RunSpec{policy, label, b, 0, mode});
+      for (int b : experiment.budget_tokens()) runs.push_back(RunSpec{policy, label, 0, b, mode});
     }
-    for (double b : experiment.budgets()) runs.push_back(RunSpec{policy, label, b, 0, mode});
-    for (int b : experiment.budget_tokens()) runs.push_back(RunSpec{policy, label, 0, b, mode});
+    run_policy.resize(runs.size(), &ps);
   }
   const LatencySpec clock = ExperimentLatency(experiment, base_dir, options);
   // Open and check every trace (and its clock) before replaying anything.
@@ -198,7 +202,13 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(traces.size()));
     ReplayOptions ro{options.threads, latencies[i].get(), &progress, hash, chunk};
     KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*traces[i], runs, ro));
-    for (auto& r : results) *out.add_runs() = std::move(r);
+    for (size_t j = 0; j < results.size(); ++j) {
+      const config::PolicySpec& ps = *run_policy[j];
+      for (std::string& w : DegenerateRunWarnings(results[j], ps.name(),
+                                                  std::vector<std::string>(ps.set().begin(), ps.set().end())))
+        results[j].add_warnings(std::move(w));
+      *out.add_runs() = std::move(results[j]);
+    }
   }
   progress.Finish();
   return out;

@@ -38,7 +38,7 @@ struct RunOptions {
   std::string model;          // model shape for the device model; overrides the experiment's
 };
 
-// One policy on one trace at one budget (fraction > 0, or tokens > 0).
+// One policy on one trace at one budget (fraction > 0, or tokens > 0); its `warnings` filled.
 StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& policy,
                            const std::vector<std::string>& sets, double budget_fraction, int budget_tokens,
                            QuestionMode mode, const RunOptions& options);
@@ -46,7 +46,8 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
 // Why a finished run says little about its policy, one sentence each (empty when nothing is off): a policy
 // that ignores the budget, a budget at or below the policy's observation window (it then keeps only the last
 // B tokens, like every other window policy), prompt tokens kept over the budget (a floor-style variant).
-// `kvsim run` prints them as warnings.
+// RunOne and RunSweep store them in each RunResult's `warnings` (so results.json, runs.csv, summary.md and
+// the Python API carry them); `kvsim run` also prints them.
 std::vector<std::string> DegenerateRunWarnings(const RunResult& result, const std::string& policy,
                                                const std::vector<std::string>& sets);
 

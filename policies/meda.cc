@@ -8,6 +8,7 @@
 
 #include "policies/pieces.h"
 #include "sim/parallel.h"
+#include "sim/stats.h"
 
 namespace kvsim {
 namespace {
@@ -267,7 +268,7 @@ double MedaLayerEntropy(const LayerView& view, policy::MedaParams::Entropy mode,
     per_head[h] = MeanRowEntropy(tf, qt.data(), nt, kv.data(), nv, d) +  // -E_TV
                   MeanRowEntropy(tf, qv.data(), nv, kt.data(), nt, d);   // -E_VT
   });
-  return std::accumulate(per_head.begin(), per_head.end(), 0.0) / std::max(1, m.num_heads);
+  return Mean(per_head);  // over the num_heads heads
 }
 
 namespace {

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <vector>
 
+#include "sim/stats.h"
 #include "sim/text_proto.h"
 
 namespace kvsim {
@@ -80,11 +81,7 @@ double LatencyModel::UniformDecodeStepDuration(double mean_tokens, int num_layer
   return DecodeStepDuration(CacheLengths{tokens, num_layers, num_kv_heads});
 }
 
-double CacheLengths::Mean() const {
-  double sum = 0;
-  for (int t : tokens) sum += t;
-  return tokens.empty() ? 0 : sum / static_cast<double>(tokens.size());
-}
+double CacheLengths::Mean() const { return kvsim::Mean(tokens); }
 
 std::unique_ptr<LatencyModel> MakeDeviceLatencyModel(const DeviceProfile& device, const ModelShape& model) {
   return std::make_unique<DeviceModel>(device, model);

@@ -402,7 +402,7 @@ int CmdRun(int argc, char** argv) {
                "full -> %s\n",
                res->label().c_str(), res->budget_tokens(), m.retained_mass_mean(), m.output_rel_error_mean(),
                m.kv_memory_ratio(), out.c_str());
-  for (const std::string& w : DegenerateRunWarnings(*res, policy, sets))
+  for (const std::string& w : res->warnings())  // DegenerateRunWarnings, saved in the result too
     std::fprintf(stderr, "kvsim: warning: %s\n", w.c_str());
   if (res->has_latency()) {
     const LatencyMetrics& l = res->latency();

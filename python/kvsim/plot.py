@@ -28,6 +28,7 @@ import csv
 import json
 import math
 import os
+import statistics
 import shutil
 import sys
 from collections import OrderedDict, defaultdict
@@ -246,10 +247,10 @@ def plot_quality_vs_budget(res, plt, out_dir, written):
                 by_x[xof(r)].append(_num(r, col))
             xs = sorted(by_x)
             if rows[0]["policy"] == "full":  # no budget: the reference level
-                mean = sum(by_x[xs[0]]) / len(by_x[xs[0]])
+                mean = statistics.fmean(by_x[xs[0]])
                 ax.axhline(mean, color="0.4", linestyle=":", linewidth=1, label=f"{label} (no compression)")
                 continue
-            mean = [sum(by_x[x]) / len(by_x[x]) for x in xs]
+            mean = [statistics.fmean(by_x[x]) for x in xs]
             ls = "--" if rows[0]["policy"] == "oracle" else "-"
             (line,) = ax.plot(xs, mean, linestyle=ls, label=label, **_style(i, len(labels)))
             if several:

@@ -418,6 +418,27 @@ TEST_CASE("cli: run warns in one line when the run is degenerate", "[cli][fricti
     std::istringstream is(out);
     for (std::string line; std::getline(is, line);)
       if (line.rfind("kvsim: warning: ", 0) == 0) w.push_back(line);
+    // The same sentences are saved: result.json's `warnings`, runs.csv's `warnings` column ("; "-joined).
+    RunResult saved;
+    REQUIRE(google::protobuf::util::JsonStringToMessage(ReadAll(dir + "/r.json"), &saved).ok());
+    REQUIRE(saved.warnings_size() == static_cast<int>(w.size()));
+    std::string joined;
+    for (size_t i = 0; i < w.size(); ++i) {
+      CHECK(w[i] == "kvsim: warning: " + saved.warnings(static_cast<int>(i)));
+      joined += (i ? "; " : "") + saved.warnings(static_cast<int>(i));
+    }
+    std::istringstream csv(ReadAll(dir + "/r.runs.csv"));
+    std::string header, row;
+    std::getline(csv, header);
+    std::getline(csv, row);
+    CHECK(header.size() > 9);
+    CHECK(header.substr(header.size() - 9) == ",warnings");
+    if (joined.empty())
+      CHECK(row.back() == ',');
+    else if (joined.find(',') == std::string::npos)  // CSV quoting only when needed
+      CHECK(row.substr(row.size() - joined.size() - 1) == "," + joined);
+    else
+      CHECK(row.substr(row.size() - joined.size() - 3) == ",\"" + joined + "\"");
     return w;
   };
   auto full = warnings("--policy full --budget 0.2");
@@ -434,6 +455,71 @@ TEST_CASE("cli: run warns in one line when the run is degenerate", "[cli][fricti
   CHECK(warnings("--policy snapkv --budget 0.5").empty());
   CHECK(warnings("--policy snapkv --budget 0.2 --set window=8").empty());
   CHECK(warnings("--policy h2o --budget 0.1").empty());
+
+  // kvsim sweep saves each run's warnings the same way: results.json, runs.csv, a summary.md line per run.
+  const std::string exp = dir + "/exp.textproto";
+  std::ofstream(exp) << "traces: \"" << trace
+                     << "\"\npolicies { name: \"snapkv\" }\npolicies { name: \"full\" }\nbudgets: 0.2\n"
+                        "budgets: 0.5\n";
+  std::string log;
+  REQUIRE(testing::RunCommand(Kvsim() + " sweep -q --config " + exp + " --out " + dir + "/sw", &log) == 0);
+  SweepResult sweep;
+  REQUIRE(google::protobuf::util::JsonStringToMessage(ReadAll(dir + "/sw/results.json"), &sweep).ok());
+  REQUIRE(sweep.runs_size() == 3);
+  for (const RunResult& r : sweep.runs()) {
+    INFO(r.label() << " " << r.budget_tokens());
+    const std::string line = "- " + r.label() + " at " + std::to_string(r.budget_tokens()) + " tokens: ";
+    if (r.policy() == "snapkv" && r.budget_tokens() == 47) {
+      CHECK(r.warnings().empty());
+      CHECK_FALSE(Has(ReadAll(dir + "/sw/summary.md"), line));
+    } else {
+      REQUIRE(r.warnings_size() == 1);
+      CHECK(
+          Has(r.warnings(0), r.policy() == "full" ? "full ignores the budget" : "observation window of 32"));
+      CHECK(Has(ReadAll(dir + "/sw/summary.md"), line + r.warnings(0) + "\n"));
+      CHECK(Has(ReadAll(dir + "/sw/runs.csv"), r.warnings(0)));
+    }
+  }
+}
+
+TEST_CASE("cli: the README's small trace: snapkv, pyramidkv, adakv and madakv differ at budget 0.2",
+          "[cli][friction]") {
+  // Runs the README's own lines (synth + the loop over the four policies), with `kvsim` = this build.
+  const std::string readme = ReadAll(testing::SourceDir() + "/README.md");
+  auto line_with = [&](const std::string& start) {
+    const size_t at = readme.find(start);
+    REQUIRE(at != std::string::npos);
+    std::string line = readme.substr(at, readme.find('\n', at) - at);
+    return line.substr(0, line.find("   #"));  // without the comment
+  };
+  const std::string synth = line_with("kvsim synth --config configs/synth/small.textproto --out small.h5");
+  const std::string loop =
+      line_with("for p in snapkv pyramidkv adakv madakv; do kvsim run --trace small.h5 ");
+  CHECK(Has(loop, "--budget 0.2 --out $p.json; done"));
+  const std::string dir = testing::ScratchDir("cli_readme_small");
+  std::string log;
+  const int rc = testing::RunCommand("(cd " + dir + " && ln -sfn " + testing::SourceDir() +
+                                         "/configs configs && kvsim() { " + Kvsim() + " \"$@\"; } && " +
+                                         synth + " && " + loop + ")",
+                                     &log);
+  INFO(log);
+  REQUIRE(rc == 0);
+  CHECK_FALSE(Has(log, "warning"));  // no run is degenerate
+  std::vector<RunResult> runs;
+  for (const char* p : {"snapkv", "pyramidkv", "adakv", "madakv"}) {
+    RunResult r;
+    REQUIRE(google::protobuf::util::JsonStringToMessage(ReadAll(dir + "/" + p + ".json"), &r).ok());
+    CHECK(r.compressed_prompt_tokens() > 256);
+    CHECK(r.budget_tokens() > 32);  // above every default observation window
+    CHECK(r.warnings().empty());
+    runs.push_back(r);
+  }
+  for (size_t i = 0; i < runs.size(); ++i)
+    for (size_t j = i + 1; j < runs.size(); ++j) {
+      INFO(runs[i].policy() << " vs " << runs[j].policy());
+      CHECK(runs[i].metrics().retained_mass_mean() != runs[j].metrics().retained_mass_mean());
+      CHECK(runs[i].metrics().output_rel_error_mean() != runs[j].metrics().output_rel_error_mean());
+    }
 }
 
 TEST_CASE("cli: help texts show plain defaults, positional traces, merge variants, no internal options",

@@ -78,6 +78,37 @@ TEST_CASE("report: runs.csv has one row per run, layers.csv one per (run, layer)
   CheckRectangular(layers);
 }
 
+TEST_CASE("report: a run's warnings are runs.csv's last column and a summary line", "[report]") {
+  RunResult quiet;
+  quiet.set_policy("snapkv");
+  quiet.set_label("snapkv");
+  quiet.set_trace_path("t.h5");
+  quiet.set_budget_tokens(40);
+  RunResult warned = quiet;
+  warned.set_label("snapkv, small");
+  warned.set_budget_tokens(19);
+  warned.add_warnings("budget 19 tokens is at or below the window, raise it");
+  warned.add_warnings("second \"one\"");
+  const std::string runs = RunsCsv({quiet, warned});
+  std::istringstream in(runs);
+  std::string header, row0, row1;
+  std::getline(in, header);
+  std::getline(in, row0);
+  std::getline(in, row1);
+  CHECK(header.substr(header.size() - 9) == ",warnings");
+  CHECK(row0.back() == ',');  // no warnings: an empty field
+  // Joined with "; ", quoted as a CSV field.
+  const std::string field = "\"budget 19 tokens is at or below the window, raise it; second \"\"one\"\"\"";
+  CHECK(row1.substr(row1.size() - field.size() - 1) == "," + field);
+  CheckRectangular(runs);
+  const std::string md = SummaryMarkdown({quiet, warned}, "title");
+  CHECK(md.find("**Warnings**") != std::string::npos);
+  CHECK(md.find("- snapkv, small at 19 tokens: budget 19 tokens is at or below the window, raise it; second "
+                "\"one\"\n") != std::string::npos);
+  CHECK(md.find("- snapkv at 40 tokens") == std::string::npos);  // one line per run that has any
+  CHECK(SummaryMarkdown({quiet}, "title").find("Warnings") == std::string::npos);
+}
+
 TEST_CASE("report: CSV numbers read back exactly, in their shortest form", "[report]") {
   CHECK(CsvNumber(0.1) == "0.1");
   CHECK(CsvNumber(8.5) == "8.5");

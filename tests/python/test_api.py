@@ -118,6 +118,20 @@ def test_sweep_matches_cli(kvsim_bin, traces, tmp_path):
     assert some[0] == kvsim.run(traces["tiny"], "snapkv", 0.5, window=4)
 
 
+def test_degenerate_run_warnings_are_saved_like_the_cli(kvsim_bin, traces, tmp_path):
+    # tiny's prompt is 94 tokens: budget 0.2 = 19 tokens, at or below snapkv's 32-token window.
+    got = kvsim.run(traces["tiny"], "snapkv", 0.2)
+    assert got == cli_run(kvsim_bin, tmp_path, "--trace", traces["tiny"], "--policy", "snapkv", "--budget", "0.2")
+    assert len(got["warnings"]) == 1 and "observation window of 32 tokens" in got["warnings"][0]
+    assert "warnings" not in kvsim.run(traces["tiny"], "snapkv", 0.5)  # 47 tokens: nothing off
+    exp = tmp_path / "exp.textproto"
+    exp.write_text(EXPERIMENT.format(trace=traces["tiny"]))
+    warned = {(r["label"], r["budget_tokens"]): r.get("warnings", []) for r in kvsim.sweep(exp)}
+    assert "ignores the budget" in warned[("full", 94)][0]
+    assert "at or below snapkv's observation window" in warned[("snapkv", 19)][0]
+    assert warned[("snapkv", 47)] == [] and warned[("h2o half", 19)] == []
+
+
 def test_sweep_streaming_matches_cli(kvsim_bin, traces, tmp_path):
     exp = tmp_path / "stream.textproto"
     exp.write_text(f'traces: "{traces["stream"]}"\npolicies {{ name: "rekv" }}\npolicies {{ name: "stream_recent" }}\n'

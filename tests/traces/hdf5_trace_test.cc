@@ -398,6 +398,42 @@ TEST_CASE("scripts/read_trace_example.py reads a trace with h5py", "[hdf5]") {
   CHECK(out.find(want) != std::string::npos);
 }
 
+TEST_CASE("docs/trace-format.md's h5py snippet runs on traces of any layer count", "[hdf5]") {
+  const std::string python = testing::SourceDir() + "/.venv/bin/python";
+  if (testing::RunCommand(python + " -c 'import h5py, numpy'") != 0) {
+    WARN("skipped: " + python + " lacks h5py or numpy (run scripts/setup_python.sh)");
+    return;
+  }
+  // The snippet exactly as the page shows it (the first python block under "Reading with h5py").
+  const std::string doc = testing::ReadFile(testing::SourceDir() + "/docs/trace-format.md");
+  const size_t section = doc.find("## Reading with h5py");
+  REQUIRE(section != std::string::npos);
+  const size_t begin = doc.find("```python\n", section);
+  REQUIRE(begin != std::string::npos);
+  const size_t end = doc.find("```", begin + 10);
+  std::string snippet = doc.substr(begin + 10, end - begin - 10);
+  const std::string dir = testing::ScratchDir("hdf5_snippet");
+  for (int layers : {1, 4, 7}) {
+    INFO(layers << " layers");
+    const std::string trace = dir + "/t" + std::to_string(layers) + ".h5";
+    MemoryTrace tr = testing::MakeTinyTrace({.num_layers = layers});
+    REQUIRE(WriteTrace(tr, trace).ok());
+    std::string code = snippet;
+    const size_t at = code.find("\"trace.h5\"");
+    REQUIRE(at != std::string::npos);
+    code.replace(at, 10, "\"" + trace + "\"");
+    code += "print('last', last, 'keys', keys.shape, 'tokens', len(modality), 'names', names)\n";
+    std::ofstream(dir + "/snippet.py") << code;
+    std::string out;
+    const int rc = testing::RunCommand(python + " " + dir + "/snippet.py", &out);
+    INFO(out);
+    REQUIRE(rc == 0);
+    CHECK(out.find("last " + std::to_string(layers - 1) +
+                   " keys (30, 8) tokens 30 names ['text', 'image', "
+                   "'video', 'other']") != std::string::npos);
+  }
+}
+
 namespace {
 // The shipped tiny streaming config, synthesized in memory with the given storage dtype.
 MemoryTrace TinyStream(const std::string& dtype, bool video_queries = true) {
