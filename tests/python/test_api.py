@@ -123,10 +123,10 @@ def test_degenerate_run_warnings_are_saved_like_the_cli(kvsim_bin, traces, tmp_p
     got = kvsim.run(traces["tiny"], "snapkv", 0.2)
     assert got == cli_run(kvsim_bin, tmp_path, "--trace", traces["tiny"], "--policy", "snapkv", "--budget", "0.2")
     assert len(got["warnings"]) == 1 and "observation window of 32 tokens" in got["warnings"][0]
-    assert "warnings" not in kvsim.run(traces["tiny"], "snapkv", 0.5)  # 47 tokens: nothing off
+    assert kvsim.run(traces["tiny"], "snapkv", 0.5)["warnings"] == []  # 47 tokens: nothing off
     exp = tmp_path / "exp.textproto"
     exp.write_text(EXPERIMENT.format(trace=traces["tiny"]))
-    warned = {(r["label"], r["budget_tokens"]): r.get("warnings", []) for r in kvsim.sweep(exp)}
+    warned = {(r["label"], r["budget_tokens"]): r["warnings"] for r in kvsim.sweep(exp)}
     assert "ignores the budget" in warned[("full", 94)][0]
     assert "at or below snapkv's observation window" in warned[("snapkv", 19)][0]
     assert warned[("snapkv", 47)] == [] and warned[("h2o half", 19)] == []
