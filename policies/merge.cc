@@ -20,6 +20,24 @@ void NormalizeRows(const float* x, int rows, int d, float* out) {
   }
 }
 
+// Index of the first maximum of a finite row, as std::max_element returns it. Two passes: an 8-lane max
+// reduction (max is exact, so the lane order does not matter and it vectorises), then the first index equal
+// to it. std::max_element's compare-and-select chain was the profile's top line of merging (issue 14).
+int FirstMaxIndex(const float* row, int n) {
+  float lane[8];
+  for (int k = 0; k < 8; ++k) lane[k] = row[0];
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) lane[k] = lane[k] < row[i + k] ? row[i + k] : lane[k];
+  float mx = lane[0];
+  for (int k = 1; k < 8; ++k) mx = mx < lane[k] ? lane[k] : mx;
+  for (; i < n; ++i) mx = mx < row[i] ? row[i] : mx;
+  int j = 0;
+  while (j < n && !(row[j] == mx)) ++j;
+  if (j == n) return static_cast<int>(std::max_element(row, row + n) - row);  // a NaN: as before
+  return j;
+}
+
 const float* OriginalKey(const HeadContext& ctx, int32_t tok) {
   return ctx.keys + static_cast<size_t>(tok) * ctx.head_dim();
 }
@@ -46,7 +64,7 @@ void NearestByCosine(const float* queries, int num_queries, const float* targets
                 0.0f, sim.data(), num_targets);
     for (int r = 0; r < rows; ++r) {
       const float* row = sim.data() + static_cast<size_t>(r) * num_targets;
-      const int best = static_cast<int>(std::max_element(row, row + num_targets) - row);  // first maximum
+      const int best = FirstMaxIndex(row, num_targets);
       (*nearest)[b + r] = best;
       (*similarity)[b + r] = row[best];
     }

@@ -3,7 +3,9 @@
 
 #include "policies/merge.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <set>
 
 #include "policies/registry.h"
@@ -51,6 +53,37 @@ TEST_CASE("merge: nearest kept key by cosine, ties to the earliest target", "[me
   CHECK(sim[1] == Approx(1.0f));
   CHECK(sim[2] == Approx(0.70710678f));  // cos 45°, tie between both targets -> the first
   CHECK(sim[3] == 0.0f);                 // zero vectors are similar to nothing
+}
+
+TEST_CASE("merge: nearest by cosine matches std::max_element over many targets (8-lane search)", "[merge]") {
+  // 21 targets in 2-D at angles that repeat, so every query has tied maxima spread over several lanes and
+  // the tail; the first maximum must win, as std::max_element's does.
+  constexpr int kTargets = 21, kQueries = 7;
+  std::vector<float> t, q;
+  for (int i = 0; i < kTargets; ++i) {
+    const double a = 0.3 * (i % 6);
+    t.push_back(static_cast<float>(std::cos(a)));
+    t.push_back(static_cast<float>(std::sin(a)));
+  }
+  for (int i = 0; i < kQueries; ++i) {
+    const double a = 0.3 * i - 0.05;
+    q.push_back(static_cast<float>(std::cos(a)));
+    q.push_back(static_cast<float>(std::sin(a)));
+  }
+  std::vector<int> nearest;
+  std::vector<float> sim;
+  NearestByCosine(q.data(), kQueries, t.data(), kTargets, 2, &nearest, &sim);
+  for (int i = 0; i < kQueries; ++i) {
+    std::vector<float> row(kTargets);
+    for (int j = 0; j < kTargets; ++j) {
+      const double nt = std::hypot(t[2 * j], t[2 * j + 1]), nq = std::hypot(q[2 * i], q[2 * i + 1]);
+      row[j] =
+          static_cast<float>((t[2 * j] / nt) * (q[2 * i] / nq) + (t[2 * j + 1] / nt) * (q[2 * i + 1] / nq));
+    }
+    const int expect = std::min(i, 5);  // the nearest angle's first target (i = 6 is nearest to 5 * 0.3)
+    CHECK(nearest[i] == expect);
+    CHECK(sim[i] == Approx(row[expect]).margin(1e-6));
+  }
 }
 
 TEST_CASE("merge: average (MEDA Eq. 12) of keys and values with the key-based assignment", "[merge]") {
