@@ -228,6 +228,7 @@ StatusOr<std::vector<config::Sample>> LoadManifest(const std::string& path) {
       columns = static_cast<int>(fields.size());
       continue;
     }
+    if (columns == 3 && fields.size() == 2) fields.push_back("");  // tags are optional
     if (static_cast<int>(fields.size()) != columns)
       return Status::InvalidArgument(where + ": " + std::to_string(fields.size()) +
                                      " fields, the header has " + std::to_string(columns) +
