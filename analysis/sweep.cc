@@ -323,7 +323,9 @@ std::vector<Aggregate> AggregateRuns(const std::vector<RunResult>& runs, uint64_
   std::vector<Cell> cells;
   std::map<std::tuple<std::string, std::string, std::string, double, int>, size_t> index;
   for (const RunResult& r : runs) {
-    auto key = std::make_tuple(r.group(), r.policy(), r.label(), r.budget_fraction(), r.budget_tokens());
+    // A fractional budget is one cell whatever each sample's prompt length makes of it in tokens.
+    auto key = std::make_tuple(r.group(), r.policy(), r.label(), r.budget_fraction(),
+                               r.budget_fraction() > 0 ? 0 : r.budget_tokens());
     auto [it, fresh] = index.emplace(key, cells.size());
     if (fresh) cells.push_back(Cell{&r, {}});
     cells[it->second].runs.push_back(&r);
