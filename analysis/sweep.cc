@@ -499,7 +499,6 @@ std::string DatasetMarkdown(const SweepResult& result) {
           "leave them out.\n\n| sample | trace | reason |\n|---|---|---|\n";
     for (const FailedUnit& f : result.failed_units())
       os << "| " << f.sample_id() << " | `" << f.trace_path() << "` | " << f.error() << " |\n";
-    os << "\n";
   }
   std::set<std::string> samples;
   for (const RunResult& r : result.runs()) samples.insert(r.sample_id());
@@ -530,7 +529,6 @@ std::string DatasetMarkdown(const SweepResult& result) {
     }
     os << " |\n";
   }
-  os << "\n";
   return os.str();
 }
 

@@ -119,7 +119,11 @@ def test_sweep_matches_cli(kvsim_bin, traces, tmp_path):
     # Overriding a file's fields: only these budgets, only snapkv.
     some = kvsim.sweep(exp, policies=[("snapkv", {"window": 4})], budgets=[0.5], budget_tokens=[])
     assert [(r["label"], r["budget_fraction"]) for r in some] == [("snapkv window=4", 0.5)]
-    assert some[0] == kvsim.run(traces["tiny"], "snapkv", 0.5, window=4)
+    # A sweep's runs also name their sample and group (dataset sweeps); a single run has none.
+    assert (some[0]["sample_id"], some[0]["group"]) == ("tiny", "tiny-mha L=3 H=4 KV=4 D=32")
+    assert {k: v for k, v in some[0].items() if k not in ("sample_id", "sample_tags", "group")} == {
+        k: v for k, v in kvsim.run(traces["tiny"], "snapkv", 0.5, window=4).items()
+        if k not in ("sample_id", "sample_tags", "group")}
 
 
 def test_sweep_streaming_matches_cli(kvsim_bin, traces, tmp_path):
