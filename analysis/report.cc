@@ -121,7 +121,7 @@ std::string RunsCsv(const std::vector<RunResult>& runs) {
      << kMetricHeader
      << ",latency_device,latency_model_shape,ms_per_output_token,ttft_ms,full_ms_per_output_token,"
         "full_ttft_ms,speedup_vs_full,attention_ms_per_token,policy_work_ms,floor_fraction,"
-        "ragged_attention_ratio,head_length_max_over_mean,decode_ms_total,warnings\n";
+        "ragged_attention_ratio,head_length_max_over_mean,decode_ms_total,warnings,sample_id,tags,group\n";
   for (size_t i = 0; i < runs.size(); ++i) {
     const RunResult& r = runs[i];
     RunKey(static_cast<int>(i), r, os);
@@ -144,7 +144,10 @@ std::string RunsCsv(const std::vector<RunResult>& runs) {
     }
     std::string warnings;  // DegenerateRunWarnings (analysis/sweep.h), joined
     for (const std::string& w : r.warnings()) warnings += (warnings.empty() ? "" : "; ") + w;
-    os << ',' << CsvField(warnings) << '\n';
+    std::string tags;
+    for (const std::string& t : r.sample_tags()) tags += (tags.empty() ? "" : ";") + t;
+    os << ',' << CsvField(warnings) << ',' << CsvField(r.sample_id()) << ',' << CsvField(tags) << ','
+       << CsvField(r.group()) << '\n';
   }
   return os.str();
 }
@@ -167,6 +170,17 @@ std::string LayersCsv(const std::vector<RunResult>& runs) {
       os << '\n';
     }
   }
+  return os.str();
+}
+
+std::string AggregatesCsv(const std::vector<Aggregate>& aggregates) {
+  std::ostringstream os;
+  os << "group,policy,label,budget_fraction,budget_tokens,metric,n,mean,sd,ci95_low,ci95_high,resamples\n";
+  for (const Aggregate& a : aggregates)
+    os << CsvField(a.group()) << ',' << CsvField(a.policy()) << ',' << CsvField(a.label()) << ','
+       << CsvNumber(a.budget_fraction()) << ',' << a.budget_tokens() << ',' << a.metric() << ',' << a.n()
+       << ',' << CsvNumber(a.mean()) << ',' << CsvNumber(a.sd()) << ',' << CsvNumber(a.ci95_low()) << ','
+       << CsvNumber(a.ci95_high()) << ',' << a.resamples() << '\n';
   return os.str();
 }
 
@@ -332,6 +346,27 @@ Status WriteFilesAtomic(const std::vector<std::pair<std::string, std::string>>& 
   return Status::Ok();
 }
 
+Status CheckOutputFolder(const std::string& out_dir, const std::vector<std::string>& names) {
+  namespace fs = std::filesystem;
+  const fs::path final_dir(out_dir);
+  std::error_code ec;
+  if (fs::exists(final_dir, ec)) {
+    if (!fs::is_directory(final_dir, ec))
+      return Status::InvalidArgument(out_dir + ": exists and is not a folder; choose another --out");
+    for (const auto& entry : fs::directory_iterator(final_dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      // `kvsim plot` output of the earlier results (stale, replaced too), a sweep's units, and the combined
+      // table that kvsim wrote before runs.csv / layers.csv.
+      bool ours = name == kPlotsFolder || name == kUnitsFolder || name == "results.csv";
+      for (const auto& f : names) ours |= name == f;
+      if (!ours)
+        return Status::InvalidArgument(out_dir + ": folder holds '" + name +
+                                       "', which is not a kvsim sweep output; choose an empty or new --out");
+    }
+  }
+  return Status::Ok();
+}
+
 Status WriteOutputFolder(const std::string& out_dir_arg,
                          const std::vector<std::pair<std::string, std::string>>& files) {
   namespace fs = std::filesystem;
@@ -340,20 +375,9 @@ Status WriteOutputFolder(const std::string& out_dir_arg,
   while (out_dir.size() > 1 && out_dir.back() == '/') out_dir.pop_back();
   const fs::path final_dir(out_dir);
   std::error_code ec;
-  if (fs::exists(final_dir, ec)) {
-    if (!fs::is_directory(final_dir, ec))
-      return Status::InvalidArgument(out_dir + ": exists and is not a folder; choose another --out");
-    for (const auto& entry : fs::directory_iterator(final_dir, ec)) {
-      const std::string name = entry.path().filename().string();
-      // `kvsim plot` output of the earlier results (stale, replaced too), and the combined table that kvsim
-      // wrote before runs.csv / layers.csv.
-      bool ours = name == kPlotsFolder || name == "results.csv";
-      for (const auto& f : files) ours |= name == f.first;
-      if (!ours)
-        return Status::InvalidArgument(out_dir + ": folder holds '" + name +
-                                       "', which is not a kvsim sweep output; choose an empty or new --out");
-    }
-  }
+  std::vector<std::string> names;
+  for (const auto& f : files) names.push_back(f.first);
+  KVSIM_RETURN_IF_ERROR(CheckOutputFolder(out_dir, names));
   const fs::path tmp = fs::path(out_dir + ".tmp." + std::to_string(::getpid()));
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp, ec);
@@ -362,6 +386,11 @@ Status WriteOutputFolder(const std::string& out_dir_arg,
   for (const auto& [name, content] : files) {
     st = WriteFileAtomic((tmp / name).string(), content);
     if (!st.ok()) break;
+  }
+  // A sweep's finished units stay with its outputs (moved, not copied: same file system).
+  if (st.ok() && fs::is_directory(final_dir / kUnitsFolder, ec)) {
+    fs::rename(final_dir / kUnitsFolder, tmp / kUnitsFolder, ec);
+    if (ec) st = Status::InvalidArgument(out_dir + ": cannot keep its units folder: " + ec.message());
   }
   if (st.ok()) {
     fs::remove_all(final_dir, ec);

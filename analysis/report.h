@@ -19,6 +19,8 @@ std::string ToJson(const google::protobuf::Message& msg);
 // both start with the same key columns (run = the run's index in results.json).
 std::string RunsCsv(const std::vector<RunResult>& runs);
 std::string LayersCsv(const std::vector<RunResult>& runs);
+// aggregates.csv of a sweep: one row per (group, policy, label, budget, metric) (docs/cli.md).
+std::string AggregatesCsv(const std::vector<Aggregate>& aggregates);
 std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::string& title);
 
 // Writes `content` to `path` atomically (temp file + rename). Error names the path.
@@ -32,7 +34,12 @@ Status WriteFilesAtomic(const std::vector<std::pair<std::string, std::string>>& 
 // existing `out_dir` is replaced as a whole only if it holds nothing but files with these names, the
 // kPlotsFolder of `kvsim plot` and an older kvsim's results.csv (an earlier run's outputs); anything else
 // there is an error, never deleted.
+// (`kvsim sweep`'s units/ folder of finished units, docs/cli.md "Resume", is kept as it is.)
 inline constexpr const char kPlotsFolder[] = "plots";
+inline constexpr const char kUnitsFolder[] = "units";
+// The check WriteOutputFolder makes first, for commands that check before working: `out_dir` is new, or a
+// folder holding only these names, kPlotsFolder, kUnitsFolder and results.csv.
+Status CheckOutputFolder(const std::string& out_dir, const std::vector<std::string>& names);
 Status WriteOutputFolder(const std::string& out_dir,
                          const std::vector<std::pair<std::string, std::string>>& files);
 

@@ -1,13 +1,23 @@
 #include "analysis/sweep.h"
 
+#include <google/protobuf/util/json_util.h>
 #include <unistd.h>
 
+#include <cctype>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <tuple>
 
 #include "analysis/report.h"
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
+#include "sim/stats.h"
 #include "sim/text_proto.h"
+#include "sim/version.h"
 #include "traces/hdf5_trace.h"
 
 namespace kvsim {
@@ -154,13 +164,215 @@ StatusOr<config::Experiment> ParseExperiment(const std::string& text, const std:
   return e;
 }
 
+namespace {
+
+namespace fs = std::filesystem;
+
+bool ValidSampleId(const std::string& id) {
+  if (id.empty()) return false;
+  for (char c : id)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) return false;
+  return true;
+}
+
+// A sample id from a file name: its stem, other characters replaced by '_'.
+std::string StemId(const std::string& path) {
+  std::string id = fs::path(path).stem().string();
+  for (char& c : id)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) c = '_';
+  return id.empty() ? "trace" : id;
+}
+
+// 64-bit FNV-1a of a string, as 16 hex digits (names unit files; not a content hash of trace data).
+std::string HashText(const std::string& text) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+std::string Trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t\r");
+  if (a == std::string::npos) return "";
+  return s.substr(a, s.find_last_not_of(" \t\r") - a + 1);
+}
+
+}  // namespace
+
+StatusOr<std::vector<config::Sample>> LoadManifest(const std::string& path) {
+  std::ifstream in(path);
+  if (!in)
+    return Status::InvalidArgument(path +
+                                   ": cannot read the manifest (check --manifest: the file must exist)");
+  const fs::path base = fs::path(path).parent_path();
+  std::vector<config::Sample> out;
+  std::string line;
+  int lineno = 0, columns = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    const std::string t = Trim(line);
+    if (t.empty() || t[0] == '#') continue;
+    const std::string where = path + ":" + std::to_string(lineno);
+    if (t.find('"') != std::string::npos)
+      return Status::InvalidArgument(where +
+                                     ": quotes are not supported in a manifest; fields are plain "
+                                     "(id and path without commas, tags 'key=value;key=value')");
+    std::vector<std::string> fields;
+    std::istringstream is(t);
+    for (std::string f; std::getline(is, f, ',');) fields.push_back(Trim(f));
+    if (t.back() == ',') fields.push_back("");
+    if (columns == 0) {
+      if (!(fields.size() >= 2 && fields.size() <= 3 && fields[0] == "id" && fields[1] == "path" &&
+            (fields.size() == 2 || fields[2] == "tags")))
+        return Status::InvalidArgument(where +
+                                       ": the first line must be the header 'id,path' or 'id,path,tags'");
+      columns = static_cast<int>(fields.size());
+      continue;
+    }
+    if (columns == 3 && fields.size() == 2) fields.push_back("");  // tags are optional
+    if (static_cast<int>(fields.size()) != columns)
+      return Status::InvalidArgument(where + ": " + std::to_string(fields.size()) +
+                                     " fields, the header has " + std::to_string(columns) +
+                                     "; write 'id,path" + (columns == 3 ? ",tags'" : "'"));
+    config::Sample sample;
+    if (!ValidSampleId(fields[0]))
+      return Status::InvalidArgument(where + ": sample id '" + fields[0] +
+                                     "' must be non-empty letters, digits, '.', '_' or '-'");
+    if (fields[1].empty())
+      return Status::InvalidArgument(where + ": empty path; name the sample's trace file");
+    sample.set_id(fields[0]);
+    sample.set_path(ResolveExperimentPath(fields[1], base.empty() ? "." : base.string()));
+    if (columns == 3 && !fields[2].empty()) {
+      std::istringstream ts(fields[2]);
+      for (std::string tag; std::getline(ts, tag, ';');) {
+        tag = Trim(tag);
+        const size_t eq = tag.find('=');
+        if (eq == 0 || eq == std::string::npos)
+          return Status::InvalidArgument(where + ": tag '" + tag +
+                                         "' must be key=value (tags separated by ';')");
+        sample.add_tags(tag);
+      }
+    }
+    out.push_back(std::move(sample));
+  }
+  if (columns == 0 || out.empty())
+    return Status::InvalidArgument(path +
+                                   ": the manifest lists no samples; add lines 'id,path[,tags]' after "
+                                   "the header");
+  return out;
+}
+
+StatusOr<std::vector<config::Sample>> FolderSamples(const std::string& dir) {
+  std::error_code ec;
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().extension() == ".h5" && !e.is_directory()) files.push_back(e.path().string());
+  if (ec) return Status::InvalidArgument(dir + ": cannot list the folder: " + ec.message());
+  if (files.empty())
+    return Status::InvalidArgument(dir +
+                                   ": folder holds no traces (*.h5); give a folder of traces, trace "
+                                   "files or --manifest");
+  std::sort(files.begin(), files.end());
+  std::vector<config::Sample> out;
+  for (const auto& f : files) {
+    config::Sample s;
+    s.set_id(StemId(f));
+    s.set_path(f);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+StatusOr<std::vector<config::Sample>> ExperimentSamples(const config::Experiment& experiment,
+                                                        const std::string& base_dir) {
+  std::vector<config::Sample> out;
+  if (!experiment.samples().empty()) {
+    for (config::Sample s : experiment.samples()) {
+      if (!ValidSampleId(s.id()))
+        return Status::InvalidArgument("sample id '" + s.id() +
+                                       "' must be non-empty letters, digits, '.', '_' or '-'");
+      s.set_path(ResolveExperimentPath(s.path(), base_dir));
+      out.push_back(std::move(s));
+    }
+  } else {
+    std::set<std::string> taken;
+    for (const std::string& t : experiment.traces()) {
+      config::Sample s;
+      std::string id = StemId(t);
+      for (int k = 2; taken.count(id); ++k) id = StemId(t) + "-" + std::to_string(k);
+      taken.insert(id);
+      s.set_id(id);
+      s.set_path(ResolveExperimentPath(t, base_dir));
+      out.push_back(std::move(s));
+    }
+  }
+  std::map<std::string, std::string> seen;
+  for (const auto& s : out) {
+    auto [it, fresh] = seen.emplace(s.id(), s.path());
+    if (!fresh)
+      return Status::InvalidArgument("duplicate sample id '" + s.id() + "' (" + it->second + " and " +
+                                     s.path() + "); give every sample its own id");
+  }
+  return out;
+}
+
+std::vector<Aggregate> AggregateRuns(const std::vector<RunResult>& runs, uint64_t seed, int resamples) {
+  struct Cell {
+    const RunResult* first;
+    std::vector<const RunResult*> runs;
+  };
+  std::vector<Cell> cells;
+  std::map<std::tuple<std::string, std::string, std::string, double, int>, size_t> index;
+  for (const RunResult& r : runs) {
+    // A fractional budget is one cell whatever each sample's prompt length makes of it in tokens.
+    auto key = std::make_tuple(r.group(), r.policy(), r.label(), r.budget_fraction(),
+                               r.budget_fraction() > 0 ? 0 : r.budget_tokens());
+    auto [it, fresh] = index.emplace(key, cells.size());
+    if (fresh) cells.push_back(Cell{&r, {}});
+    cells[it->second].runs.push_back(&r);
+  }
+  using Getter = double (*)(const Metrics&);
+  const std::pair<const char*, Getter> metrics[] = {
+      {"retained_mass_mean", [](const Metrics& m) { return m.retained_mass_mean(); }},
+      {"output_rel_error_mean", [](const Metrics& m) { return m.output_rel_error_mean(); }},
+      {"regret_vs_oracle_mean", [](const Metrics& m) { return m.regret_vs_oracle_mean(); }},
+      {"kv_memory_ratio", [](const Metrics& m) { return m.kv_memory_ratio(); }}};
+  std::vector<Aggregate> out;
+  for (const Cell& c : cells) {
+    for (const auto& [name, get] : metrics) {
+      std::vector<double> v;
+      for (const RunResult* r : c.runs) v.push_back(get(r->metrics()));
+      const std::span<const double> sv(v);
+      const Interval ci = BootstrapMeanCi(sv, resamples, seed);
+      Aggregate a;
+      a.set_group(c.first->group());
+      a.set_policy(c.first->policy());
+      a.set_label(c.first->label());
+      a.set_budget_fraction(c.first->budget_fraction());
+      a.set_budget_tokens(c.first->budget_tokens());
+      a.set_metric(name);
+      a.set_n(static_cast<int>(v.size()));
+      a.set_mean(Mean(sv));
+      a.set_sd(StdDev(sv));
+      a.set_ci95_low(ci.low);
+      a.set_ci95_high(ci.high);
+      a.set_resamples(resamples);
+      out.push_back(std::move(a));
+    }
+  }
+  return out;
+}
+
 StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir,
-                               const RunOptions& options) {
+                               const RunOptions& options, SweepUnits* units) {
   const QuestionMode mode = experiment.question_mode() == config::QUERY_AGNOSTIC
                                 ? QuestionMode::kQueryAgnostic
                                 : QuestionMode::kQueryAware;
   if (experiment.budgets().empty() && experiment.budget_tokens().empty())
     return Status::InvalidArgument("no budgets; set 'budgets' (fractions) or 'budget_tokens'");
+  if (experiment.bootstrap_resamples() < 1)
+    return Status::InvalidArgument("field 'bootstrap_resamples' must be >= 1 (e.g. 2000)");
   // Policies × budgets, built and validated once.
   std::vector<RunSpec> runs;
   std::vector<const config::PolicySpec*> run_policy;  // runs[i]'s policy, for its warnings
@@ -179,47 +391,167 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     run_policy.resize(runs.size(), &ps);
   }
   const LatencySpec clock = ExperimentLatency(experiment, base_dir, options);
-  // Open and check every trace (and its clock) before replaying anything.
-  std::vector<std::string> paths;
-  std::vector<std::unique_ptr<TraceSource>> traces;
-  std::vector<std::unique_ptr<LatencyModel>> latencies;
-  for (const std::string& t : experiment.traces()) {
-    const std::string path = ResolveExperimentPath(t, base_dir);
-    KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
-    KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(path));
+  const int chunk = options.prefill_chunk >= 0 ? options.prefill_chunk : experiment.prefill_chunk_tokens();
+  KVSIM_ASSIGN_OR_RETURN(std::vector<config::Sample> samples, ExperimentSamples(experiment, base_dir));
+  // Open and check every trace (and its clock) before replaying anything; each unit opens its trace again.
+  std::vector<std::string> groups;
+  for (const config::Sample& s : samples) {
+    KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(s.path()));
+    KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(s.path()));
     auto latency = MakeLatencyModel(clock, trace->meta());
-    if (!latency.ok()) return latency.status().WithContext(path);
-    paths.push_back(path);
-    traces.push_back(std::move(trace));
-    latencies.push_back(std::move(*latency));
+    if (!latency.ok()) return latency.status().WithContext(s.path());
+    const ModelInfo& m = trace->meta().model;
+    groups.push_back(m.name + " L=" + std::to_string(m.num_layers) + " H=" + std::to_string(m.num_heads) +
+                     " KV=" + std::to_string(m.num_kv_heads) + " D=" + std::to_string(m.head_dim));
+  }
+  // What a unit's results depend on besides its trace: the experiment without its traces, the clock, the
+  // prefill chunk and the simulator's version.
+  config::Experiment definition = experiment;
+  definition.clear_traces();
+  definition.clear_samples();
+  std::string def_text = ToTextWithDefaults(definition) + "\nclock " + clock.file + "|" + clock.device + "|" +
+                         clock.model + "\nchunk " + std::to_string(chunk) + "\nversion " + kVersion + " " +
+                         kGitCommit;
+  if (!clock.file.empty()) {
+    KVSIM_ASSIGN_OR_RETURN(std::string h, HashFile(clock.file));
+    def_text += "\nclock_hash " + h;
+  }
+  const std::string def_hash = HashText(def_text);
+  if (units && !units->units_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(units->units_dir, ec);
+    if (ec)
+      return Status::InvalidArgument(units->units_dir + ": cannot create the units folder: " + ec.message());
   }
   SweepResult out;
   out.set_experiment(ToTextWithDefaults(experiment));
   Progress progress = Progress::FromEnv("sweep", options.progress);
-  for (size_t i = 0; i < traces.size(); ++i) {
-    KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(paths[i]));
-    const int chunk = options.prefill_chunk >= 0 ? options.prefill_chunk : experiment.prefill_chunk_tokens();
-    progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(traces.size()));
-    ReplayOptions ro{options.threads, latencies[i].get(), &progress, hash, chunk};
-    KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*traces[i], runs, ro));
-    for (size_t j = 0; j < results.size(); ++j) {
-      const config::PolicySpec& ps = *run_policy[j];
-      for (std::string& w : DegenerateRunWarnings(results[j], ps.name(),
-                                                  std::vector<std::string>(ps.set().begin(), ps.set().end())))
-        results[j].add_warnings(std::move(w));
-      *out.add_runs() = std::move(results[j]);
+  std::set<std::string> unit_files;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const config::Sample& s = samples[i];
+    progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(samples.size()));
+    const std::string unit_path =
+        units && !units->units_dir.empty()
+            ? (fs::path(units->units_dir) / (s.id() + "-" + def_hash + ".json")).string()
+            : "";
+    if (!unit_path.empty()) unit_files.insert(fs::path(unit_path).filename().string());
+    // A unit: hash the trace, reuse a matching finished unit, or replay all runs on the trace.
+    auto compute = [&]() -> StatusOr<SweepUnit> {
+      KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(s.path()));
+      if (units && units->resume && !unit_path.empty() && fs::exists(unit_path)) {
+        SweepUnit old;
+        std::ifstream in(unit_path, std::ios::binary);
+        std::stringstream ss;
+        ss << in.rdbuf();
+        if (google::protobuf::util::JsonStringToMessage(ss.str(), &old).ok() &&
+            old.definition_hash() == def_hash && old.trace_hash() == hash && old.sample_id() == s.id() &&
+            old.trace_path() == s.path() && old.runs_size() == static_cast<int>(runs.size())) {
+          ++units->reused;
+          return old;
+        }
+      }
+      KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(s.path()));
+      KVSIM_ASSIGN_OR_RETURN(auto latency, MakeLatencyModel(clock, trace->meta()));
+      ReplayOptions ro{options.threads, latency.get(), &progress, hash, chunk};
+      KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
+      SweepUnit unit;
+      unit.set_sample_id(s.id());
+      unit.set_trace_path(s.path());
+      unit.set_trace_hash(hash);
+      unit.set_definition_hash(def_hash);
+      for (size_t j = 0; j < results.size(); ++j) {
+        RunResult& r = results[j];
+        const config::PolicySpec& ps = *run_policy[j];
+        for (std::string& w :
+             DegenerateRunWarnings(r, ps.name(), std::vector<std::string>(ps.set().begin(), ps.set().end())))
+          r.add_warnings(std::move(w));
+        r.set_sample_id(s.id());
+        *r.mutable_sample_tags() = s.tags();
+        r.set_group(groups[i]);
+        *unit.add_runs() = std::move(r);
+      }
+      if (!unit_path.empty()) KVSIM_RETURN_IF_ERROR(WriteFileAtomic(unit_path, ToJson(unit)));
+      if (units) ++units->computed;
+      return unit;
+    };
+    auto unit = compute();
+    if (!unit.ok()) {
+      FailedUnit* f = out.add_failed_units();
+      f->set_sample_id(s.id());
+      f->set_trace_path(s.path());
+      f->set_error(unit.status().message());
+      continue;
     }
+    for (auto& r : *unit->mutable_runs()) *out.add_runs() = std::move(r);
   }
   progress.Finish();
+  // Unit files of other experiments or removed samples are stale: the folder holds this sweep's units only.
+  if (units && !units->units_dir.empty()) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(units->units_dir, ec))
+      if (!unit_files.count(e.path().filename().string())) fs::remove(e.path(), ec);
+  }
+  const std::vector<RunResult> all(out.runs().begin(), out.runs().end());
+  for (Aggregate& a : AggregateRuns(all, experiment.seed(), experiment.bootstrap_resamples()))
+    *out.add_aggregates() = std::move(a);
   return out;
 }
 
+namespace {
+
+// The dataset part of summary.md: failed units, and the aggregates when more than one sample was swept.
+std::string DatasetMarkdown(const SweepResult& result) {
+  std::ostringstream os;
+  if (result.failed_units_size() > 0) {
+    os << "\n## Failed units\n\nThese samples have no results (their trace could not be replayed); the "
+          "aggregates "
+          "leave them out.\n\n| sample | trace | reason |\n|---|---|---|\n";
+    for (const FailedUnit& f : result.failed_units())
+      os << "| " << f.sample_id() << " | `" << f.trace_path() << "` | " << f.error() << " |\n";
+  }
+  std::set<std::string> samples;
+  for (const RunResult& r : result.runs()) samples.insert(r.sample_id());
+  if (samples.size() < 2) return os.str();
+  os << "\n## Across samples\n\nMean over the samples of each group (model and shape; groups are never "
+        "mixed) "
+        "± standard deviation, with a percentile-bootstrap 95% interval of the mean in brackets ("
+     << (result.aggregates().empty() ? 0 : result.aggregates(0).resamples())
+     << " seeded resamples; docs/metrics.md). Computed from the per-sample results above; see "
+        "aggregates.csv.\n";
+  std::string group;
+  for (int i = 0; i + 3 < result.aggregates_size(); i += 4) {
+    const Aggregate& a = result.aggregates(i);
+    if (a.group() != group) {
+      group = a.group();
+      os << "\n### Group `" << group << "`\n\n"
+         << "| policy | budget | n | retained mass | out err mean | regret vs oracle | KV mem vs full |\n"
+         << "|---|---:|---:|---|---|---|---|\n";
+    }
+    std::string budget = a.policy() == "full"      ? std::string("-")
+                         : a.budget_fraction() > 0 ? FormatNumber(100 * a.budget_fraction(), 3) + "%"
+                                                   : std::to_string(a.budget_tokens()) + " tok";
+    os << "| " << a.label() << " | " << budget << " | " << a.n();
+    for (int k = 0; k < 4; ++k) {
+      const Aggregate& m = result.aggregates(i + k);
+      os << " | " << FormatNumber(m.mean(), 3) << " ± " << FormatNumber(m.sd(), 2) << " ["
+         << FormatNumber(m.ci95_low(), 3) << ", " << FormatNumber(m.ci95_high(), 3) << "]";
+    }
+    os << " |\n";
+  }
+  return os.str();
+}
+
+}  // namespace
+
 Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir) {
   const std::vector<RunResult> runs(result.runs().begin(), result.runs().end());
-  return WriteOutputFolder(out_dir, {{"results.json", ToJson(result)},
-                                     {"runs.csv", RunsCsv(runs)},
-                                     {"layers.csv", LayersCsv(runs)},
-                                     {"summary.md", SummaryMarkdown(runs, "kvsim sweep summary")}});
+  const std::vector<Aggregate> aggregates(result.aggregates().begin(), result.aggregates().end());
+  return WriteOutputFolder(
+      out_dir, {{"results.json", ToJson(result)},
+                {"runs.csv", RunsCsv(runs)},
+                {"layers.csv", LayersCsv(runs)},
+                {"aggregates.csv", AggregatesCsv(aggregates)},
+                {"summary.md", SummaryMarkdown(runs, "kvsim sweep summary") + DatasetMarkdown(result)}});
 }
 
 }  // namespace kvsim

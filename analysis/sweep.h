@@ -61,12 +61,39 @@ StatusOr<config::Experiment> ParseExperiment(const std::string& text, const std:
 LatencySpec ExperimentLatency(const config::Experiment& experiment, const std::string& base_dir,
                               const RunOptions& options);
 
-StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir,
-                               const RunOptions& options);
+// Where a sweep keeps its finished units (docs/cli.md "Resume"): each (sample, all runs) unit is written
+// atomically to units_dir/SAMPLE-DEFHASH.json as it completes; with `resume`, a unit file whose definition
+// hash (experiment minus its traces, clock, prefill chunk, kvsim version) and trace hash match is read back
+// instead of replayed. A unit is self-contained (one trace, the experiment) so it can run in another process.
+struct SweepUnits {
+  std::string units_dir;  // empty: keep nothing
+  bool resume = false;
+  int reused = 0, computed = 0;  // filled by RunSweep
+};
 
-// Writes results.json, runs.csv, layers.csv and summary.md into `out_dir` (created, or replaced as a whole if
-// it holds only an earlier sweep's outputs; any other existing file or folder is an error). The folder
-// appears only when everything is written.
+// The samples of an experiment: its 'samples', or one per trace (id = the file's stem, made unique). Paths
+// resolved against base_dir; ids checked (unique, [A-Za-z0-9._-]+).
+StatusOr<std::vector<config::Sample>> ExperimentSamples(const config::Experiment& experiment,
+                                                        const std::string& base_dir);
+// A dataset manifest (docs/cli.md "Manifest"): CSV with the header `id,path[,tags]`, '#' comments and blank
+// lines skipped, tags "key=value" separated by ';'. Relative paths resolve against the manifest's folder.
+// Errors name file:line.
+StatusOr<std::vector<config::Sample>> LoadManifest(const std::string& path);
+// Every *.h5 in a folder, sorted by name, ids = stems. Error when there is none.
+StatusOr<std::vector<config::Sample>> FolderSamples(const std::string& dir);
+
+// Runs every sample x policy x budget. Every trace is opened and checked before any replay starts; a trace
+// that fails later (unreadable data) becomes a failed unit in the result while the rest completes. Then the
+// per-(group, policy, budget) aggregates are computed.
+StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir,
+                               const RunOptions& options, SweepUnits* units = nullptr);
+// The aggregates of a sweep's runs (docs/metrics.md): per (group, policy, label, budget), in first-seen
+// order, for retained_mass_mean, output_rel_error_mean, regret_vs_oracle_mean, kv_memory_ratio.
+std::vector<Aggregate> AggregateRuns(const std::vector<RunResult>& runs, uint64_t seed, int resamples);
+
+// Writes results.json, runs.csv, layers.csv, aggregates.csv and summary.md into `out_dir` (created, or
+// replaced as a whole if it holds only an earlier sweep's outputs; any other existing file or folder is an
+// error). The folder appears only when everything is written; its units/ folder is kept.
 Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir);
 
 }  // namespace kvsim

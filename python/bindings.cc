@@ -185,7 +185,12 @@ std::pair<bool, std::string> Sweep(const std::string& config, const std::string&
   Status written;
   {
     nb::gil_scoped_release release;
-    res = RunSweep(exp, base, options);
+    // With an output folder, the same folder as `kvsim sweep`: the units are kept in out_dir/units.
+    written = out_dir.empty() ? Status::Ok()
+                              : CheckOutputFolder(out_dir, {"results.json", "runs.csv", "layers.csv",
+                                                            "aggregates.csv", "summary.md"});
+    SweepUnits units{out_dir.empty() ? "" : (std::filesystem::path(out_dir) / kUnitsFolder).string(), false};
+    res = written.ok() ? RunSweep(exp, base, options, &units) : StatusOr<SweepResult>(written);
     if (res.ok() && !out_dir.empty()) written = WriteSweepOutputs(*res, out_dir);
   }
   if (!res.ok()) Raise(res.status().WithContext(what));

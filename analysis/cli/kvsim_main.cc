@@ -43,6 +43,8 @@ namespace kvsim {
 namespace {
 
 constexpr int kExitOk = 0, kExitInput = 1, kExitUsage = 2, kExitMismatch = 3;
+// `kvsim sweep`: outputs written, but some (trace, runs) units failed (listed in the outputs).
+constexpr int kExitPartial = 4;
 constexpr const char* kPositionalTrace = "trace file (.h5); also as the first argument without --trace";
 constexpr const char* kPolicyHelp =
     "policy name (kvsim list-policies), or a merge variant NAME+average, NAME+pivot, NAME+weighted: NAME "
@@ -498,14 +500,19 @@ Status RemoveOnFailure(const Status& st, const std::string& written) {
 }
 
 int CmdSweep(int argc, char** argv) {
-  std::string config, out, latency, device, model, chrome_trace;
+  std::string config, out, latency, device, model, chrome_trace, manifest;
   std::vector<std::string> traces;
   int threads = 0, prefill_chunk = -1;
-  bool quiet = false;
+  bool quiet = false, resume = false;
   po::options_description opts("kvsim sweep options");
   opts.add_options()("config", po::value(&config)->required(),
                      "Experiment text proto (configs/experiments/)")(
-      "trace", po::value(&traces)->composing(), "trace file(s) replacing the config's traces (repeatable)")(
+      "trace", po::value(&traces)->composing(),
+      "trace file(s) or folder(s) of *.h5 traces replacing the config's traces (repeatable)")(
+      "manifest", po::value(&manifest),
+      "dataset manifest replacing the config's traces: CSV 'id,path[,tags]' (docs/cli.md \"Manifest\")")(
+      "resume", po::bool_switch(&resume),
+      "reuse the finished units in DIR/units whose trace and experiment are unchanged (docs/cli.md)")(
       "latency-model", po::value(&latency), "latency model file (overrides the config's)")(
       "device", po::value(&device),
       "modelled decode latency on this GPU as the clock (overrides the config's): a100-sxm, a100-pcie, "
@@ -536,7 +543,35 @@ int CmdSweep(int argc, char** argv) {
   auto exp = LoadExperiment(config);
   if (!exp.ok()) return Fail(exp.status());
   std::string base = std::filesystem::path(config).parent_path().string();
-  if (!traces.empty()) {
+  if (!manifest.empty() && !traces.empty())
+    return Fail(
+        Status::InvalidArgument("give --manifest or --trace, not both (list every sample in the manifest)"));
+  bool folder = false;
+  for (const auto& t : traces) folder |= std::filesystem::is_directory(t);
+  if (!manifest.empty() || folder) {
+    // A dataset: samples with ids (and tags), paths as given (a manifest's relative to its folder).
+    std::vector<config::Sample> samples;
+    if (!manifest.empty()) {
+      auto m = LoadManifest(manifest);
+      if (!m.ok()) return Fail(m.status());
+      samples = std::move(*m);
+    }
+    for (const auto& t : traces) {
+      if (std::filesystem::is_directory(t)) {
+        auto f = FolderSamples(t);
+        if (!f.ok()) return Fail(f.status());
+        samples.insert(samples.end(), f->begin(), f->end());
+      } else {
+        config::Sample s;
+        s.set_id(std::filesystem::path(t).stem().string());
+        s.set_path(t);
+        samples.push_back(std::move(s));
+      }
+    }
+    exp->clear_traces();
+    for (const auto& s : samples) *exp->add_samples() = s;
+    base = "";
+  } else if (!traces.empty()) {
     exp->clear_traces();
     for (const auto& t : traces) exp->add_traces(t);
     base = ".";
@@ -563,8 +598,13 @@ int CmdSweep(int argc, char** argv) {
                  sres->runs_size(), out.c_str());
     return kExitOk;
   }
+  if (Status st =
+          CheckOutputFolder(out, {"results.json", "runs.csv", "layers.csv", "aggregates.csv", "summary.md"});
+      !st.ok())
+    return Fail(st);
+  SweepUnits units{(std::filesystem::path(out) / kUnitsFolder).string(), resume};
   auto res = RunSweep(*exp, base.empty() ? "." : base,
-                      RunOptions{threads, !quiet, latency, prefill_chunk, device, model});
+                      RunOptions{threads, !quiet, latency, prefill_chunk, device, model}, &units);
   if (!res.ok()) return Fail(res.status().WithContext(config));
   Status st = Status::Ok();
   if (!chrome_trace.empty())
@@ -573,8 +613,14 @@ int CmdSweep(int argc, char** argv) {
   const bool trace_written = st.ok() && !chrome_trace.empty();
   if (st.ok()) st = WriteSweepOutputs(*res, out);
   if (!st.ok()) return Fail(RemoveOnFailure(st, trace_written ? chrome_trace : ""));
-  std::fprintf(stderr, "kvsim: %d runs -> %s/{results.json,runs.csv,layers.csv,summary.md}\n",
-               res->runs_size(), out.c_str());
+  std::fprintf(stderr,
+               "kvsim: %d runs (%d units computed, %d reused) -> "
+               "%s/{results.json,runs.csv,layers.csv,aggregates.csv,summary.md}\n",
+               res->runs_size(), units.computed, units.reused, out.c_str());
+  for (const FailedUnit& f : res->failed_units())
+    std::fprintf(stderr, "kvsim: error: sample '%s' failed, no results for it: %s\n", f.sample_id().c_str(),
+                 f.error().c_str());
+  if (res->failed_units_size() > 0) return kExitPartial;
   return kExitOk;
 }
 

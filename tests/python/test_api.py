@@ -101,7 +101,11 @@ def test_sweep_matches_cli(kvsim_bin, traces, tmp_path):
     runs = kvsim.sweep(exp, out=tmp_path / "py_out", threads=1)
     cli_files = sorted(p.name for p in (tmp_path / "cli_out").iterdir())
     assert cli_files == sorted(p.name for p in (tmp_path / "py_out").iterdir())
-    for name in cli_files:  # byte-identical outputs
+    for name in cli_files:  # byte-identical outputs (and unit files)
+        if name == "units":
+            assert sorted(p.name for p in (tmp_path / "cli_out" / "units").iterdir()) == sorted(
+                p.name for p in (tmp_path / "py_out" / "units").iterdir())
+            continue
         assert (tmp_path / "cli_out" / name).read_bytes() == (tmp_path / "py_out" / name).read_bytes(), name
     assert runs == json.loads((tmp_path / "cli_out" / "results.json").read_text())["runs"]
     assert len(runs) == 2 * 3 + 1  # full runs once
@@ -115,7 +119,11 @@ def test_sweep_matches_cli(kvsim_bin, traces, tmp_path):
     # Overriding a file's fields: only these budgets, only snapkv.
     some = kvsim.sweep(exp, policies=[("snapkv", {"window": 4})], budgets=[0.5], budget_tokens=[])
     assert [(r["label"], r["budget_fraction"]) for r in some] == [("snapkv window=4", 0.5)]
-    assert some[0] == kvsim.run(traces["tiny"], "snapkv", 0.5, window=4)
+    # A sweep's runs also name their sample and group (dataset sweeps); a single run has none.
+    assert (some[0]["sample_id"], some[0]["group"]) == ("tiny", "tiny-mha L=3 H=4 KV=4 D=32")
+    assert {k: v for k, v in some[0].items() if k not in ("sample_id", "sample_tags", "group")} == {
+        k: v for k, v in kvsim.run(traces["tiny"], "snapkv", 0.5, window=4).items()
+        if k not in ("sample_id", "sample_tags", "group")}
 
 
 def test_degenerate_run_warnings_are_saved_like_the_cli(kvsim_bin, traces, tmp_path):
