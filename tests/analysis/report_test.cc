@@ -78,7 +78,8 @@ TEST_CASE("report: runs.csv has one row per run, layers.csv one per (run, layer)
   CheckRectangular(layers);
 }
 
-TEST_CASE("report: a run's warnings are runs.csv's last column and a summary line", "[report]") {
+TEST_CASE("report: a run's warnings are a runs.csv column (before the dataset columns) and a summary line",
+          "[report]") {
   RunResult quiet;
   quiet.set_policy("snapkv");
   quiet.set_label("snapkv");
@@ -95,11 +96,12 @@ TEST_CASE("report: a run's warnings are runs.csv's last column and a summary lin
   std::getline(in, header);
   std::getline(in, row0);
   std::getline(in, row1);
-  CHECK(header.substr(header.size() - 9) == ",warnings");
-  CHECK(row0.back() == ',');  // no warnings: an empty field
-  // Joined with "; ", quoted as a CSV field.
+  const std::string tail = ",warnings,sample_id,tags,group";
+  CHECK(header.substr(header.size() - tail.size()) == tail);
+  CHECK(row0.substr(row0.size() - 4) == ",,,,");  // no warnings, no sample: empty fields
+  // Joined with "; ", quoted as a CSV field; then the (empty) sample_id, tags and group.
   const std::string field = "\"budget 19 tokens is at or below the window, raise it; second \"\"one\"\"\"";
-  CHECK(row1.substr(row1.size() - field.size() - 1) == "," + field);
+  CHECK(row1.substr(row1.size() - field.size() - 4) == "," + field + ",,,");
   CheckRectangular(runs);
   const std::string md = SummaryMarkdown({quiet, warned}, "title");
   CHECK(md.find("**Warnings**") != std::string::npos);
