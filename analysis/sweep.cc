@@ -243,6 +243,10 @@ StatusOr<std::vector<config::Sample>> LoadManifest(const std::string& path) {
       return Status::InvalidArgument(where + ": empty path; name the sample's trace file");
     sample.set_id(fields[0]);
     sample.set_path(ResolveExperimentPath(fields[1], base.empty() ? "." : base.string()));
+    if (std::error_code ec; !fs::exists(sample.path(), ec))
+      return Status::InvalidArgument(where + ": trace '" + fields[1] + "' not found (looked for " +
+                                     sample.path() +
+                                     "; a relative path is resolved against the manifest's folder)");
     if (columns == 3 && !fields[2].empty()) {
       std::istringstream ts(fields[2]);
       for (std::string tag; std::getline(ts, tag, ';');) {

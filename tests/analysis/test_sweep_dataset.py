@@ -153,7 +153,7 @@ def test_manifest_ids_tags_and_relative_paths(kvsim_bin, dataset, tmp_path):
 
 @pytest.mark.parametrize("manifest,message", [
     ("id,path\na,traces/s0.h5\na,traces/s1.h5\n", "duplicate sample id 'a'"),
-    ("id,path\na,traces/missing.h5\n", "missing.h5"),
+    ("id,path\na,traces/s0.h5\nb,traces/missing.h5\n", "manifest.csv:3: trace 'traces/missing.h5' not found"),
     ("id,path,tags\na,traces/s0.h5\nb\n", "manifest.csv:3: 1 fields"),
     ("id,path\na,traces/s0.h5,x=1\n", "manifest.csv:2: 3 fields"),
     ("id,path,tags\na,traces/s0.h5,novalue\n", "manifest.csv:2: tag 'novalue' must be key=value"),
