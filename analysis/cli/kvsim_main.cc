@@ -101,34 +101,35 @@ bool Parse(int argc, char** argv, const std::string& usage, po::options_descript
   return true;
 }
 
-// An output path that names one of the inputs would overwrite it: refused before any work.
-Status CheckNotAnInput(const std::string& out, std::initializer_list<std::string> inputs) {
+// The entry of `others` that names the same file as `out` (after resolving links and "..", for files that do
+// not exist yet too), or nullptr.
+const std::string* SameFileAs(const std::string& out, std::initializer_list<std::string> others) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path o = fs::weakly_canonical(fs::path(out), ec);
-  for (const std::string& in : inputs) {
-    if (in.empty()) continue;
+  if (ec) return nullptr;
+  for (const std::string& other : others) {
+    if (other.empty()) continue;
     std::error_code ec2;
-    const fs::path i = fs::weakly_canonical(fs::path(in), ec2);
-    if (!ec && !ec2 && o == i)
-      return Status::InvalidArgument("--out " + out + " is the input " + in +
-                                     "; writing there would overwrite it: choose another --out");
+    if (fs::weakly_canonical(fs::path(other), ec2) == o && !ec2) return &other;
   }
+  return nullptr;
+}
+
+// An output path that names one of the inputs would overwrite it: refused before any work.
+Status CheckNotAnInput(const std::string& out, std::initializer_list<std::string> inputs) {
+  if (const std::string* in = SameFileAs(out, inputs))
+    return Status::InvalidArgument("--out " + out + " is the input " + *in +
+                                   "; writing there would overwrite it: choose another --out");
   return Status::Ok();
 }
 
 // --chrome-trace must not name an input or another output of the same command.
 Status CheckChromeTracePath(const std::string& path, std::initializer_list<std::string> others) {
   if (path.empty()) return Status::Ok();
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::path p = fs::weakly_canonical(fs::path(path), ec);
-  for (const std::string& o : others) {
-    std::error_code ec2;
-    if (!o.empty() && !ec && fs::weakly_canonical(fs::path(o), ec2) == p && !ec2)
-      return Status::InvalidArgument("--chrome-trace " + path + " is also " + o +
-                                     "; writing there would overwrite it: choose another file");
-  }
+  if (const std::string* o = SameFileAs(path, others))
+    return Status::InvalidArgument("--chrome-trace " + path + " is also " + *o +
+                                   "; writing there would overwrite it: choose another file");
   return Status::Ok();
 }
 
