@@ -124,15 +124,6 @@ Status CheckNotAnInput(const std::string& out, std::initializer_list<std::string
   return Status::Ok();
 }
 
-// --chrome-trace must not name an input or another output of the same command.
-Status CheckChromeTracePath(const std::string& path, std::initializer_list<std::string> others) {
-  if (path.empty()) return Status::Ok();
-  if (const std::string* o = SameFileAs(path, others))
-    return Status::InvalidArgument("--chrome-trace " + path + " is also " + *o +
-                                   "; writing there would overwrite it: choose another file");
-  return Status::Ok();
-}
-
 // Output paths, normalised the same way for every command. A file output that ends in '/' or names an
 // existing folder gets the command's default file name in that folder ("--out results/" ->
 // results/result.json); its folder must exist (checked before any work). A folder output loses trailing
@@ -164,6 +155,17 @@ StatusOr<std::string> NormalizeOutputFolder(const std::string& flag, const std::
                                    "': give a new folder's name (it is replaced as a whole), e.g. " + flag +
                                    " results");
   return p;
+}
+
+// --chrome-trace, normalised like every output file (NormalizeOutputFile); it must not name an input or
+// another output of the same command.
+Status PrepareChromeTracePath(std::string* path, std::initializer_list<std::string> others) {
+  if (path->empty()) return Status::Ok();
+  KVSIM_ASSIGN_OR_RETURN(*path, NormalizeOutputFile("--chrome-trace", *path, "trace.json"));
+  if (const std::string* o = SameFileAs(*path, others))
+    return Status::InvalidArgument("--chrome-trace " + *path + " is also " + *o +
+                                   "; writing there would overwrite it: choose another file");
+  return Status::Ok();
 }
 
 int CmdSynth(int argc, char** argv) {
@@ -361,12 +363,7 @@ int CmdRun(int argc, char** argv) {
   if (!out_path.ok()) return Fail(out_path.status());
   out = *out_path;
   if (Status st = CheckNotAnInput(out, {trace}); !st.ok()) return Fail(st);
-  if (!chrome_trace.empty()) {
-    auto ct = NormalizeOutputFile("--chrome-trace", chrome_trace, "trace.json");
-    if (!ct.ok()) return Fail(ct.status());
-    chrome_trace = *ct;
-  }
-  if (Status st = CheckChromeTracePath(chrome_trace, {trace, out}); !st.ok()) return Fail(st);
+  if (Status st = PrepareChromeTracePath(&chrome_trace, {trace, out}); !st.ok()) return Fail(st);
   if (vm.count("budget-tokens") && budget_tokens < 1)
     return Fail(Status::InvalidArgument("--budget-tokens must be >= 1"));
   // Streaming traces go to the streaming engine. A missing trace is reported below, after the usage checks;
@@ -535,12 +532,7 @@ int CmdSweep(int argc, char** argv) {
   auto out_dir = NormalizeOutputFolder("--out", out);
   if (!out_dir.ok()) return Fail(out_dir.status());
   out = *out_dir;
-  if (!chrome_trace.empty()) {
-    auto ct = NormalizeOutputFile("--chrome-trace", chrome_trace, "trace.json");
-    if (!ct.ok()) return Fail(ct.status());
-    chrome_trace = *ct;
-  }
-  if (Status st = CheckChromeTracePath(chrome_trace, {config, out}); !st.ok()) return Fail(st);
+  if (Status st = PrepareChromeTracePath(&chrome_trace, {config, out}); !st.ok()) return Fail(st);
   auto exp = LoadExperiment(config);
   if (!exp.ok()) return Fail(exp.status());
   std::string base = std::filesystem::path(config).parent_path().string();
