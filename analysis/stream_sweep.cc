@@ -2,11 +2,14 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <iomanip>
 #include <map>
+#include <set>
 #include <sstream>
 
+#include "analysis/dataset.h"
 #include "analysis/report.h"
 #include "analysis/trace_stats.h"
 #include "policies/registry.h"
@@ -43,16 +46,18 @@ StatusOr<bool> IsStreamingTrace(const std::string& path) {
 }
 
 StatusOr<bool> ExperimentIsStreaming(const config::Experiment& experiment, const std::string& base_dir) {
-  int streaming = 0, plain = 0;
-  for (const std::string& t : experiment.traces()) {
-    KVSIM_ASSIGN_OR_RETURN(bool s, IsStreamingTrace(ResolveExperimentPath(t, base_dir)));
-    (s ? streaming : plain) += 1;
+  KVSIM_ASSIGN_OR_RETURN(std::vector<config::Sample> samples, ExperimentSamples(experiment, base_dir));
+  const config::Sample *streaming = nullptr, *plain = nullptr;
+  for (const config::Sample& s : samples) {
+    KVSIM_ASSIGN_OR_RETURN(bool is, IsStreamingTrace(s.path()));
+    (is ? streaming : plain) = &s;
+    if (streaming && plain)
+      return Status::InvalidArgument(
+          "the sweep mixes streaming and non-streaming traces (sample '" + streaming->id() + "', " +
+          streaming->path() + ", is a streaming trace; sample '" + plain->id() + "', " + plain->path() +
+          ", is not): streaming policies replay streaming traces only; split the dataset into two sweeps");
   }
-  if (streaming > 0 && plain > 0)
-    return Status::InvalidArgument(
-        "experiment mixes streaming and non-streaming traces; split it into two experiments (streaming "
-        "policies replay streaming traces only)");
-  return streaming > 0;
+  return streaming != nullptr;
 }
 
 StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std::string& policy,
@@ -75,7 +80,7 @@ StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std:
 }
 
 StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment, const std::string& base_dir,
-                                           const RunOptions& options) {
+                                           const RunOptions& options, SweepUnits* units) {
   if (!experiment.budgets().empty())
     return Status::InvalidArgument(
         "field 'budgets': streaming experiments take 'budget_tokens' (retrieved visual tokens per layer and "
@@ -94,31 +99,65 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
     for (int b : experiment.budget_tokens()) runs.push_back(StreamRunSpec{policy, label, b});
   }
   const LatencySpec clock = ExperimentLatency(experiment, base_dir, options);
-  std::vector<std::string> paths;
-  std::vector<std::unique_ptr<TraceSource>> traces;
-  std::vector<std::unique_ptr<LatencyModel>> latencies;
-  for (const std::string& t : experiment.traces()) {
-    const std::string path = ResolveExperimentPath(t, base_dir);
-    KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
-    KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(path));
+  if (experiment.bootstrap_resamples() < 1)
+    return Status::InvalidArgument("field 'bootstrap_resamples' must be >= 1 (e.g. 2000)");
+  KVSIM_ASSIGN_OR_RETURN(std::vector<config::Sample> samples, ExperimentSamples(experiment, base_dir));
+  // Open and check every trace (and its clock, and its declared group) before replaying anything.
+  std::vector<std::string> groups;
+  for (const config::Sample& s : samples) {
+    KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(s.path()));
+    KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(s.path()));
     auto latency = MakeLatencyModel(clock, trace->meta());
-    if (!latency.ok()) return latency.status().WithContext(path);
-    paths.push_back(path);
-    traces.push_back(std::move(trace));
-    latencies.push_back(std::move(*latency));
+    if (!latency.ok()) return latency.status().WithContext(s.path());
+    KVSIM_RETURN_IF_ERROR(CheckSampleGroup(s, trace->meta().model));
+    groups.push_back(TraceGroup(trace->meta().model));
   }
+  // Streaming replays have no prefill chunk: 0 in the definition hash.
+  KVSIM_ASSIGN_OR_RETURN(const std::string def_hash, UnitDefinitionHash(experiment, clock, 0));
   StreamSweepResult out;
   out.set_experiment(ToTextWithDefaults(experiment));
   Progress progress = Progress::FromEnv("streaming sweep", options.progress);
-  for (size_t i = 0; i < traces.size(); ++i) {
-    KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(paths[i]));
-    progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(traces.size()));
-    StreamReplayOptions ro{options.threads, latencies[i].get(), &progress, hash, paths[i]};
-    KVSIM_ASSIGN_OR_RETURN(auto results, ReplayStream(*traces[i], runs, ro));
-    for (auto& r : results) *out.add_runs() = std::move(r);
-  }
+  auto replay = [&](size_t i, const std::string& hash) -> StatusOr<std::vector<StreamRunResult>> {
+    const config::Sample& s = samples[i];
+    KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(s.path()));
+    KVSIM_ASSIGN_OR_RETURN(auto latency, MakeLatencyModel(clock, trace->meta()));
+    StreamReplayOptions ro{options.threads, latency.get(), &progress, hash, s.path()};
+    KVSIM_ASSIGN_OR_RETURN(auto results, ReplayStream(*trace, runs, ro));
+    for (StreamRunResult& r : results) {
+      r.set_sample_id(s.id());
+      *r.mutable_sample_tags() = s.tags();
+      r.set_group(groups[i]);
+    }
+    return results;
+  };
+  std::vector<StreamSweepUnit> done;
+  KVSIM_RETURN_IF_ERROR(RunUnits(samples, def_hash, static_cast<int>(runs.size()), units, progress, replay,
+                                 &done, out.mutable_failed_units()));
   progress.Finish();
+  for (StreamSweepUnit& u : done)
+    for (auto& r : *u.mutable_runs()) *out.add_runs() = std::move(r);
+  const std::vector<StreamRunResult> all(out.runs().begin(), out.runs().end());
+  for (Aggregate& a : AggregateStreamRuns(all, experiment.seed(), experiment.bootstrap_resamples()))
+    *out.add_aggregates() = std::move(a);
   return out;
+}
+
+std::vector<Aggregate> AggregateStreamRuns(const std::vector<StreamRunResult>& runs, uint64_t seed,
+                                           int resamples) {
+  std::vector<AggregateRow> rows;
+  for (const StreamRunResult& r : runs) {
+    const StreamQuestionResult& m = r.mean();
+    // Evidence recall is -1 on traces without ground-truth evidence frames: not defined, left out.
+    const double evidence = m.evidence_frame_recall() < 0 ? std::nan("") : m.evidence_frame_recall();
+    rows.push_back(AggregateRow{r.group(),
+                                r.policy(),
+                                r.label(),
+                                0,
+                                r.budget_tokens(),
+                                {m.retained_mass_mean(), m.output_rel_error_mean(), evidence,
+                                 m.oracle_frame_recall(), m.oracle_mass_recall(), r.gpu_bytes_peak()}});
+  }
+  return AggregateRows(rows, kStreamAggregateMetrics, seed, resamples);
 }
 
 std::string FormatStreamSummary(const TraceMeta& meta) {
@@ -217,7 +256,7 @@ std::string StreamRunsCsv(const std::vector<StreamRunResult>& runs) {
      << kQuestionHeader
      << ",approximate,cpu_bank_bytes_final,bank_tokens_final,bank_tokens_per_frame,gpu_bytes_peak,"
         "gpu_bytes_mean,encode_tokens,encode_passes_per_video_token,encode_busy_s,encode_lag_max_s,"
-        "decode_token_steps\n";
+        "decode_token_steps,sample_id,tags,group\n";
   for (size_t i = 0; i < runs.size(); ++i) {
     const StreamRunResult& r = runs[i];
     RunKey(i, r, os);
@@ -231,7 +270,9 @@ std::string StreamRunsCsv(const std::vector<StreamRunResult>& runs) {
           r.gpu_bytes_mean(), r.encode_tokens(), r.encode_passes_per_video_token(), r.encode_busy_s(),
           r.encode_lag_max_s(), r.decode_token_steps()})
       os << ',' << CsvNumber(x);
-    os << '\n';
+    std::string tags;
+    for (const std::string& t : r.sample_tags()) tags += (tags.empty() ? "" : ";") + t;
+    os << ',' << CsvField(r.sample_id()) << ',' << CsvField(tags) << ',' << CsvField(r.group()) << '\n';
   }
   return os.str();
 }
@@ -264,10 +305,10 @@ std::string StreamMemoryCsv(const std::vector<StreamRunResult>& runs) {
   return os.str();
 }
 
-std::string StreamSummaryMarkdown(const std::vector<StreamRunResult>& runs, const std::string& title) {
-  std::ostringstream os;
-  os << "# " << title << "\n\n";
-  if (runs.empty()) return os.str() + "No runs.\n";
+namespace {
+
+// The summary of one trace's runs: what the trace is, a table of the runs, policy statistics.
+void StreamTraceSummary(const std::vector<StreamRunResult>& runs, std::ostringstream& os) {
   os << "Trace: `" << runs[0].trace_path() << "` (" << runs[0].trace_model() << ", seed "
      << runs[0].trace_seed()
      << "). Streaming replay: every question sees only the frames that arrived before it. Means over "
@@ -303,18 +344,52 @@ std::string StreamSummaryMarkdown(const std::vector<StreamRunResult>& runs, cons
   if (approx)
     os << "\n(approx.): the trace lacks the per-granularity block encodings this policy stores; they were "
           "derived from the continuous run (docs/streaming.md).\n";
-  os << "\nOne row per run: runs.csv; per question: questions.csv; memory tiers over time: memory.csv.\n";
+}
+
+}  // namespace
+
+std::string StreamSummaryMarkdown(const std::vector<StreamRunResult>& runs, const std::string& title) {
+  std::ostringstream os;
+  os << "# " << title << "\n\n";
+  if (runs.empty()) return os.str() + "No runs.\n";
+  // The runs of each sample (trace), in first-seen order; one sample keeps the single-trace layout.
+  std::vector<std::vector<StreamRunResult>> by_trace;
+  std::map<std::pair<std::string, std::string>, size_t> index;
+  for (const StreamRunResult& r : runs) {
+    auto [it, fresh] = index.emplace(std::make_pair(r.sample_id(), r.trace_path()), by_trace.size());
+    if (fresh) by_trace.emplace_back();
+    by_trace[it->second].push_back(r);
+  }
+  for (const auto& trace_runs : by_trace) {
+    if (by_trace.size() > 1) os << "## Sample `" << trace_runs[0].sample_id() << "`\n\n";
+    StreamTraceSummary(trace_runs, os);
+    if (by_trace.size() > 1) os << "\n";
+  }
+  os << (by_trace.size() > 1 ? "" : "\n")
+     << "One row per run: runs.csv; per question: questions.csv; memory tiers over time: memory.csv.\n";
   return os.str();
 }
 
 Status WriteStreamSweepOutputs(const StreamSweepResult& result, const std::string& out_dir) {
   const std::vector<StreamRunResult> runs(result.runs().begin(), result.runs().end());
+  const std::vector<Aggregate> aggregates(result.aggregates().begin(), result.aggregates().end());
+  std::set<std::string> samples;
+  for (const StreamRunResult& r : runs) samples.insert(r.sample_id());
+  const std::vector<AggregateColumn> columns = {{"retained_mass_mean", "retained mass"},
+                                                {"output_rel_error_mean", "out err mean"},
+                                                {"evidence_frame_recall", "evidence frame recall"},
+                                                {"oracle_frame_recall", "oracle frame recall"},
+                                                {"oracle_mass_recall", "oracle mass recall"},
+                                                {"gpu_bytes_peak", "GPU peak MiB", 1.0 / (1024.0 * 1024.0)}};
   return WriteOutputFolder(out_dir,
                            {{"results.json", ToJson(result)},
                             {"runs.csv", StreamRunsCsv(runs)},
                             {"questions.csv", StreamQuestionsCsv(runs)},
                             {"memory.csv", StreamMemoryCsv(runs)},
-                            {"summary.md", StreamSummaryMarkdown(runs, "kvsim streaming sweep summary")}});
+                            {"aggregates.csv", AggregatesCsv(aggregates)},
+                            {"summary.md", StreamSummaryMarkdown(runs, "kvsim streaming sweep summary") +
+                                               DatasetMarkdown(aggregates, result.failed_units(),
+                                                               static_cast<int>(samples.size()), columns)}});
 }
 
 }  // namespace kvsim

@@ -25,10 +25,22 @@ StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std:
                                        const std::vector<std::string>& sets, int budget_tokens,
                                        const RunOptions& options);
 
-// Every trace x policy x budget_tokens (fractions are refused: the history grows, a fraction of it is not a
-// budget). Policies that do not use a budget run once.
+// Every sample x policy x budget_tokens (fractions are refused: the history grows, a fraction of it is not a
+// budget). Policies that do not use a budget run once. A dataset sweep like RunSweep, through the same code
+// (analysis/dataset.h): samples (ids, tags, groups, declared groups checked), every trace checked before any
+// replay, units in units->units_dir reused by --resume, a trace failing mid-sweep a failed unit, then the
+// per-(group, policy, budget) aggregates of kStreamAggregateMetrics.
 StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment, const std::string& base_dir,
-                                           const RunOptions& options);
+                                           const RunOptions& options, SweepUnits* units = nullptr);
+
+// The streaming metrics aggregated across samples (docs/metrics.md "Aggregates across samples"): the
+// runs.csv columns of the means over questions, and the GPU peak. evidence_frame_recall counts only samples
+// with ground-truth evidence (synthetic traces; -1 otherwise).
+inline const std::vector<std::string> kStreamAggregateMetrics = {
+    "retained_mass_mean",  "output_rel_error_mean", "evidence_frame_recall",
+    "oracle_frame_recall", "oracle_mass_recall",    "gpu_bytes_peak"};
+std::vector<Aggregate> AggregateStreamRuns(const std::vector<StreamRunResult>& runs, uint64_t seed,
+                                           int resamples);
 
 // `kvsim inspect` on a streaming trace: model, stream, questions (time, frames before, evidence) and block
 // encodings. (The decode-attention statistics of plain traces do not apply: each question attends over its
@@ -41,7 +53,9 @@ std::string StreamQuestionsCsv(const std::vector<StreamRunResult>& runs);
 std::string StreamMemoryCsv(const std::vector<StreamRunResult>& runs);
 std::string StreamSummaryMarkdown(const std::vector<StreamRunResult>& runs, const std::string& title);
 
-// Same folder contract as WriteSweepOutputs.
+// Same folder contract as WriteSweepOutputs: results.json, runs.csv (ending with sample_id, tags, group),
+// questions.csv, memory.csv, aggregates.csv and summary.md (a table per sample when there are several, then
+// "Failed units" and "Across samples" as the plain sweep's).
 Status WriteStreamSweepOutputs(const StreamSweepResult& result, const std::string& out_dir);
 
 }  // namespace kvsim

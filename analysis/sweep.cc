@@ -12,6 +12,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "analysis/dataset.h"
 #include "analysis/report.h"
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
@@ -183,15 +184,6 @@ std::string StemId(const std::string& path) {
   return id.empty() ? "trace" : id;
 }
 
-// 64-bit FNV-1a of a string, as 16 hex digits (names unit files; not a content hash of trace data).
-std::string HashText(const std::string& text) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
-  char buf[17];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h));
-  return buf;
-}
-
 std::string Trim(const std::string& s) {
   const size_t a = s.find_first_not_of(" \t\r");
   if (a == std::string::npos) return "";
@@ -208,7 +200,8 @@ StatusOr<std::vector<config::Sample>> LoadManifest(const std::string& path) {
   const fs::path base = fs::path(path).parent_path();
   std::vector<config::Sample> out;
   std::string line;
-  int lineno = 0, columns = 0;
+  int lineno = 0;
+  std::vector<std::string> header;
   while (std::getline(in, line)) {
     ++lineno;
     const std::string t = Trim(line);
@@ -222,19 +215,33 @@ StatusOr<std::vector<config::Sample>> LoadManifest(const std::string& path) {
     std::istringstream is(t);
     for (std::string f; std::getline(is, f, ',');) fields.push_back(Trim(f));
     if (t.back() == ',') fields.push_back("");
-    if (columns == 0) {
-      if (!(fields.size() >= 2 && fields.size() <= 3 && fields[0] == "id" && fields[1] == "path" &&
-            (fields.size() == 2 || fields[2] == "tags")))
-        return Status::InvalidArgument(where +
-                                       ": the first line must be the header 'id,path' or 'id,path,tags'");
-      columns = static_cast<int>(fields.size());
+    if (header.empty()) {
+      // id,path then the optional columns tags and group, in any order.
+      bool ok = fields.size() >= 2 && fields.size() <= 4 && fields[0] == "id" && fields[1] == "path";
+      for (size_t k = 2; ok && k < fields.size(); ++k) ok = fields[k] == "tags" || fields[k] == "group";
+      if (ok && fields.size() == 4) ok = fields[2] != fields[3];
+      if (!ok)
+        return Status::InvalidArgument(
+            where +
+            ": the first line must be the header 'id,path', optionally followed by "
+            "the columns 'tags' and/or 'group' (e.g. 'id,path,tags,group')");
+      header = fields;
       continue;
     }
-    if (columns == 3 && fields.size() == 2) fields.push_back("");  // tags are optional
-    if (static_cast<int>(fields.size()) != columns)
+    const size_t columns = header.size();
+    while (fields.size() > 2 && fields.size() < columns) fields.push_back("");  // optional columns
+    if (fields.size() != columns) {
+      std::string form;
+      for (const std::string& h : header) form += (form.empty() ? "" : ",") + h;
       return Status::InvalidArgument(where + ": " + std::to_string(fields.size()) +
-                                     " fields, the header has " + std::to_string(columns) +
-                                     "; write 'id,path" + (columns == 3 ? ",tags'" : "'"));
+                                     " fields, the header has " + std::to_string(columns) + "; write '" +
+                                     form + "'");
+    }
+    auto column = [&](const char* name) {
+      for (size_t k = 2; k < columns; ++k)
+        if (header[k] == name) return fields[k];
+      return std::string();
+    };
     config::Sample sample;
     if (!ValidSampleId(fields[0]))
       return Status::InvalidArgument(where + ": sample id '" + fields[0] +
@@ -242,13 +249,15 @@ StatusOr<std::vector<config::Sample>> LoadManifest(const std::string& path) {
     if (fields[1].empty())
       return Status::InvalidArgument(where + ": empty path; name the sample's trace file");
     sample.set_id(fields[0]);
-    sample.set_path(ResolveExperimentPath(fields[1], base.empty() ? "." : base.string()));
+    // Relative to the manifest's folder (a manifest in the working folder: the path as written).
+    sample.set_path(base.empty() ? fields[1] : ResolveExperimentPath(fields[1], base.string()));
+    sample.set_origin(where);
     if (std::error_code ec; !fs::exists(sample.path(), ec))
       return Status::InvalidArgument(where + ": trace '" + fields[1] + "' not found (looked for " +
                                      sample.path() +
                                      "; a relative path is resolved against the manifest's folder)");
-    if (columns == 3 && !fields[2].empty()) {
-      std::istringstream ts(fields[2]);
+    if (const std::string tags = column("tags"); !tags.empty()) {
+      std::istringstream ts(tags);
       for (std::string tag; std::getline(ts, tag, ';');) {
         tag = Trim(tag);
         const size_t eq = tag.find('=');
@@ -258,12 +267,18 @@ StatusOr<std::vector<config::Sample>> LoadManifest(const std::string& path) {
         sample.add_tags(tag);
       }
     }
+    if (const std::string group = column("group"); !group.empty()) {
+      if (auto g = ParseGroupSpec(group); !g.ok())
+        return Status::InvalidArgument(where + ": field 'group': " + g.status().message());
+      sample.set_group(group);
+    }
     out.push_back(std::move(sample));
   }
-  if (columns == 0 || out.empty())
-    return Status::InvalidArgument(path +
-                                   ": the manifest lists no samples; add lines 'id,path[,tags]' after "
-                                   "the header");
+  if (header.empty() || out.empty())
+    return Status::InvalidArgument(
+        path +
+        ": the manifest lists no samples; add lines 'id,path[,tags][,group]' after "
+        "the header");
   return out;
 }
 
@@ -322,50 +337,20 @@ StatusOr<std::vector<config::Sample>> ExperimentSamples(const config::Experiment
 }
 
 std::vector<Aggregate> AggregateRuns(const std::vector<RunResult>& runs, uint64_t seed, int resamples) {
-  struct Cell {
-    const RunResult* first;
-    std::vector<const RunResult*> runs;
-  };
-  std::vector<Cell> cells;
-  std::map<std::tuple<std::string, std::string, std::string, double, int>, size_t> index;
+  std::vector<AggregateRow> rows;
   for (const RunResult& r : runs) {
-    // A fractional budget is one cell whatever each sample's prompt length makes of it in tokens.
-    auto key = std::make_tuple(r.group(), r.policy(), r.label(), r.budget_fraction(),
-                               r.budget_fraction() > 0 ? 0 : r.budget_tokens());
-    auto [it, fresh] = index.emplace(key, cells.size());
-    if (fresh) cells.push_back(Cell{&r, {}});
-    cells[it->second].runs.push_back(&r);
+    const Metrics& m = r.metrics();
+    rows.push_back(AggregateRow{
+        r.group(),
+        r.policy(),
+        r.label(),
+        r.budget_fraction(),
+        r.budget_tokens(),
+        {m.retained_mass_mean(), m.output_rel_error_mean(), m.regret_vs_oracle_mean(), m.kv_memory_ratio()}});
   }
-  using Getter = double (*)(const Metrics&);
-  const std::pair<const char*, Getter> metrics[] = {
-      {"retained_mass_mean", [](const Metrics& m) { return m.retained_mass_mean(); }},
-      {"output_rel_error_mean", [](const Metrics& m) { return m.output_rel_error_mean(); }},
-      {"regret_vs_oracle_mean", [](const Metrics& m) { return m.regret_vs_oracle_mean(); }},
-      {"kv_memory_ratio", [](const Metrics& m) { return m.kv_memory_ratio(); }}};
-  std::vector<Aggregate> out;
-  for (const Cell& c : cells) {
-    for (const auto& [name, get] : metrics) {
-      std::vector<double> v;
-      for (const RunResult* r : c.runs) v.push_back(get(r->metrics()));
-      const std::span<const double> sv(v);
-      const Interval ci = BootstrapMeanCi(sv, resamples, seed);
-      Aggregate a;
-      a.set_group(c.first->group());
-      a.set_policy(c.first->policy());
-      a.set_label(c.first->label());
-      a.set_budget_fraction(c.first->budget_fraction());
-      a.set_budget_tokens(c.first->budget_tokens());
-      a.set_metric(name);
-      a.set_n(static_cast<int>(v.size()));
-      a.set_mean(Mean(sv));
-      a.set_sd(StdDev(sv));
-      a.set_ci95_low(ci.low);
-      a.set_ci95_high(ci.high);
-      a.set_resamples(resamples);
-      out.push_back(std::move(a));
-    }
-  }
-  return out;
+  return AggregateRows(
+      rows, {"retained_mass_mean", "output_rel_error_mean", "regret_vs_oracle_mean", "kv_memory_ratio"}, seed,
+      resamples);
 }
 
 StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir,
@@ -404,97 +389,38 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(s.path()));
     auto latency = MakeLatencyModel(clock, trace->meta());
     if (!latency.ok()) return latency.status().WithContext(s.path());
-    const ModelInfo& m = trace->meta().model;
-    groups.push_back(m.name + " L=" + std::to_string(m.num_layers) + " H=" + std::to_string(m.num_heads) +
-                     " KV=" + std::to_string(m.num_kv_heads) + " D=" + std::to_string(m.head_dim));
+    KVSIM_RETURN_IF_ERROR(CheckSampleGroup(s, trace->meta().model));
+    groups.push_back(TraceGroup(trace->meta().model));
   }
-  // What a unit's results depend on besides its trace: the experiment without its traces, the clock, the
-  // prefill chunk and the simulator's version.
-  config::Experiment definition = experiment;
-  definition.clear_traces();
-  definition.clear_samples();
-  std::string def_text = ToTextWithDefaults(definition) + "\nclock " + clock.file + "|" + clock.device + "|" +
-                         clock.model + "\nchunk " + std::to_string(chunk) + "\nversion " + kVersion + " " +
-                         kGitCommit;
-  if (!clock.file.empty()) {
-    KVSIM_ASSIGN_OR_RETURN(std::string h, HashFile(clock.file));
-    def_text += "\nclock_hash " + h;
-  }
-  const std::string def_hash = HashText(def_text);
-  if (units && !units->units_dir.empty()) {
-    std::error_code ec;
-    fs::create_directories(units->units_dir, ec);
-    if (ec)
-      return Status::InvalidArgument(units->units_dir + ": cannot create the units folder: " + ec.message());
-  }
+  KVSIM_ASSIGN_OR_RETURN(const std::string def_hash, UnitDefinitionHash(experiment, clock, chunk));
   SweepResult out;
   out.set_experiment(ToTextWithDefaults(experiment));
   Progress progress = Progress::FromEnv("sweep", options.progress);
-  std::set<std::string> unit_files;
-  for (size_t i = 0; i < samples.size(); ++i) {
+  // A unit: all runs on one sample's trace, in one streamed pass.
+  auto replay = [&](size_t i, const std::string& hash) -> StatusOr<std::vector<RunResult>> {
     const config::Sample& s = samples[i];
-    progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(samples.size()));
-    const std::string unit_path =
-        units && !units->units_dir.empty()
-            ? (fs::path(units->units_dir) / (s.id() + "-" + def_hash + ".json")).string()
-            : "";
-    if (!unit_path.empty()) unit_files.insert(fs::path(unit_path).filename().string());
-    // A unit: hash the trace, reuse a matching finished unit, or replay all runs on the trace.
-    auto compute = [&]() -> StatusOr<SweepUnit> {
-      KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(s.path()));
-      if (units && units->resume && !unit_path.empty() && fs::exists(unit_path)) {
-        SweepUnit old;
-        std::ifstream in(unit_path, std::ios::binary);
-        std::stringstream ss;
-        ss << in.rdbuf();
-        if (google::protobuf::util::JsonStringToMessage(ss.str(), &old).ok() &&
-            old.definition_hash() == def_hash && old.trace_hash() == hash && old.sample_id() == s.id() &&
-            old.trace_path() == s.path() && old.runs_size() == static_cast<int>(runs.size())) {
-          ++units->reused;
-          return old;
-        }
-      }
-      KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(s.path()));
-      KVSIM_ASSIGN_OR_RETURN(auto latency, MakeLatencyModel(clock, trace->meta()));
-      ReplayOptions ro{options.threads, latency.get(), &progress, hash, chunk};
-      KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
-      SweepUnit unit;
-      unit.set_sample_id(s.id());
-      unit.set_trace_path(s.path());
-      unit.set_trace_hash(hash);
-      unit.set_definition_hash(def_hash);
-      for (size_t j = 0; j < results.size(); ++j) {
-        RunResult& r = results[j];
-        const config::PolicySpec& ps = *run_policy[j];
-        for (std::string& w :
-             DegenerateRunWarnings(r, ps.name(), std::vector<std::string>(ps.set().begin(), ps.set().end())))
-          r.add_warnings(std::move(w));
-        r.set_sample_id(s.id());
-        *r.mutable_sample_tags() = s.tags();
-        r.set_group(groups[i]);
-        *unit.add_runs() = std::move(r);
-      }
-      if (!unit_path.empty()) KVSIM_RETURN_IF_ERROR(WriteFileAtomic(unit_path, ToJson(unit)));
-      if (units) ++units->computed;
-      return unit;
-    };
-    auto unit = compute();
-    if (!unit.ok()) {
-      FailedUnit* f = out.add_failed_units();
-      f->set_sample_id(s.id());
-      f->set_trace_path(s.path());
-      f->set_error(unit.status().message());
-      continue;
+    KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(s.path()));
+    KVSIM_ASSIGN_OR_RETURN(auto latency, MakeLatencyModel(clock, trace->meta()));
+    ReplayOptions ro{options.threads, latency.get(), &progress, hash, chunk};
+    KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
+    for (size_t j = 0; j < results.size(); ++j) {
+      RunResult& r = results[j];
+      const config::PolicySpec& ps = *run_policy[j];
+      for (std::string& w :
+           DegenerateRunWarnings(r, ps.name(), std::vector<std::string>(ps.set().begin(), ps.set().end())))
+        r.add_warnings(std::move(w));
+      r.set_sample_id(s.id());
+      *r.mutable_sample_tags() = s.tags();
+      r.set_group(groups[i]);
     }
-    for (auto& r : *unit->mutable_runs()) *out.add_runs() = std::move(r);
-  }
+    return results;
+  };
+  std::vector<SweepUnit> done;
+  KVSIM_RETURN_IF_ERROR(RunUnits(samples, def_hash, static_cast<int>(runs.size()), units, progress, replay,
+                                 &done, out.mutable_failed_units()));
   progress.Finish();
-  // Unit files of other experiments or removed samples are stale: the folder holds this sweep's units only.
-  if (units && !units->units_dir.empty()) {
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(units->units_dir, ec))
-      if (!unit_files.count(e.path().filename().string())) fs::remove(e.path(), ec);
-  }
+  for (SweepUnit& u : done)
+    for (auto& r : *u.mutable_runs()) *out.add_runs() = std::move(r);
   const std::vector<RunResult> all(out.runs().begin(), out.runs().end());
   for (Aggregate& a : AggregateRuns(all, experiment.seed(), experiment.bootstrap_resamples()))
     *out.add_aggregates() = std::move(a);
@@ -503,46 +429,16 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
 
 namespace {
 
-// The dataset part of summary.md: failed units, and the aggregates when more than one sample was swept.
-std::string DatasetMarkdown(const SweepResult& result) {
-  std::ostringstream os;
-  if (result.failed_units_size() > 0) {
-    os << "\n## Failed units\n\nThese samples have no results (their trace could not be replayed); the "
-          "aggregates "
-          "leave them out.\n\n| sample | trace | reason |\n|---|---|---|\n";
-    for (const FailedUnit& f : result.failed_units())
-      os << "| " << f.sample_id() << " | `" << f.trace_path() << "` | " << f.error() << " |\n";
-  }
+// The dataset part of summary.md (analysis/dataset.h): failed units, the aggregates over two or more samples.
+std::string SweepDatasetMarkdown(const SweepResult& result) {
   std::set<std::string> samples;
   for (const RunResult& r : result.runs()) samples.insert(r.sample_id());
-  if (samples.size() < 2) return os.str();
-  os << "\n## Across samples\n\nMean over the samples of each group (model and shape; groups are never "
-        "mixed) "
-        "± standard deviation, with a percentile-bootstrap 95% interval of the mean in brackets ("
-     << (result.aggregates().empty() ? 0 : result.aggregates(0).resamples())
-     << " seeded resamples; docs/metrics.md). Computed from the per-sample results above; see "
-        "aggregates.csv.\n";
-  std::string group;
-  for (int i = 0; i + 3 < result.aggregates_size(); i += 4) {
-    const Aggregate& a = result.aggregates(i);
-    if (a.group() != group) {
-      group = a.group();
-      os << "\n### Group `" << group << "`\n\n"
-         << "| policy | budget | n | retained mass | out err mean | regret vs oracle | KV mem vs full |\n"
-         << "|---|---:|---:|---|---|---|---|\n";
-    }
-    std::string budget = a.policy() == "full"      ? std::string("-")
-                         : a.budget_fraction() > 0 ? FormatNumber(100 * a.budget_fraction(), 3) + "%"
-                                                   : std::to_string(a.budget_tokens()) + " tok";
-    os << "| " << a.label() << " | " << budget << " | " << a.n();
-    for (int k = 0; k < 4; ++k) {
-      const Aggregate& m = result.aggregates(i + k);
-      os << " | " << FormatNumber(m.mean(), 3) << " ± " << FormatNumber(m.sd(), 2) << " ["
-         << FormatNumber(m.ci95_low(), 3) << ", " << FormatNumber(m.ci95_high(), 3) << "]";
-    }
-    os << " |\n";
-  }
-  return os.str();
+  return DatasetMarkdown(std::vector<Aggregate>(result.aggregates().begin(), result.aggregates().end()),
+                         result.failed_units(), static_cast<int>(samples.size()),
+                         {{"retained_mass_mean", "retained mass"},
+                          {"output_rel_error_mean", "out err mean"},
+                          {"regret_vs_oracle_mean", "regret vs oracle"},
+                          {"kv_memory_ratio", "KV mem vs full"}});
 }
 
 }  // namespace
@@ -555,7 +451,7 @@ Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir) 
                 {"runs.csv", RunsCsv(runs)},
                 {"layers.csv", LayersCsv(runs)},
                 {"aggregates.csv", AggregatesCsv(aggregates)},
-                {"summary.md", SummaryMarkdown(runs, "kvsim sweep summary") + DatasetMarkdown(result)}});
+                {"summary.md", SummaryMarkdown(runs, "kvsim sweep summary") + SweepDatasetMarkdown(result)}});
 }
 
 }  // namespace kvsim

@@ -520,8 +520,8 @@ int CmdSweep(int argc, char** argv) {
       "threads", po::value(&threads)->default_value(0), "worker threads (0 = all cores)")(
       "quiet,q", po::bool_switch(&quiet), kQuietHelp)(
       "out", po::value(&out)->required(),
-      "output folder (results.json, runs.csv, layers.csv, summary.md; streaming: runs.csv, questions.csv, "
-      "memory.csv)")(
+      "output folder (results.json, runs.csv, layers.csv, aggregates.csv, summary.md; streaming: runs.csv, "
+      "questions.csv, memory.csv, aggregates.csv)")(
       "chrome-trace", po::value(&chrome_trace),
       "also write the simulated runs as a Chrome trace (Perfetto, chrome://tracing) to this file");
   po::variables_map vm;
@@ -573,9 +573,24 @@ int CmdSweep(int argc, char** argv) {
     return Fail(Status::InvalidArgument("--prefill-chunk must be >= 0 (0 = whole prompt)"));
   auto streaming = ExperimentIsStreaming(*exp, base.empty() ? "." : base);
   if (!streaming.ok()) return Fail(streaming.status());
+  // Units of work and failed units are the same for both kinds (analysis/dataset.h).
+  SweepUnits units{(std::filesystem::path(out) / kUnitsFolder).string(), resume};
+  auto report_units = [&](int runs, const char* files,
+                          const google::protobuf::RepeatedPtrField<FailedUnit>& failed) {
+    std::fprintf(stderr, "kvsim: %d %sruns (%d units computed, %d reused) -> %s/{%s}\n", runs,
+                 *streaming ? "streaming " : "", units.computed, units.reused, out.c_str(), files);
+    for (const FailedUnit& f : failed)
+      std::fprintf(stderr, "kvsim: error: sample '%s' failed, no results for it: %s\n", f.sample_id().c_str(),
+                   f.error().c_str());
+    return failed.empty() ? kExitOk : kExitPartial;
+  };
   if (*streaming) {
+    if (Status st = CheckOutputFolder(
+            out, {"results.json", "runs.csv", "questions.csv", "memory.csv", "aggregates.csv", "summary.md"});
+        !st.ok())
+      return Fail(st);
     auto sres = RunStreamSweep(*exp, base.empty() ? "." : base,
-                               RunOptions{threads, !quiet, latency, 0, device, model});
+                               RunOptions{threads, !quiet, latency, 0, device, model}, &units);
     if (!sres.ok()) return Fail(sres.status().WithContext(config));
     Status st = Status::Ok();
     if (!chrome_trace.empty())
@@ -585,17 +600,14 @@ int CmdSweep(int argc, char** argv) {
     const bool trace_written = st.ok() && !chrome_trace.empty();
     if (st.ok()) st = WriteStreamSweepOutputs(*sres, out);
     if (!st.ok()) return Fail(RemoveOnFailure(st, trace_written ? chrome_trace : ""));
-    std::fprintf(stderr,
-                 "kvsim: %d streaming runs -> %s/{results.json,runs.csv,questions.csv,memory.csv,"
-                 "summary.md}\n",
-                 sres->runs_size(), out.c_str());
-    return kExitOk;
+    return report_units(sres->runs_size(),
+                        "results.json,runs.csv,questions.csv,memory.csv,aggregates.csv,summary.md",
+                        sres->failed_units());
   }
   if (Status st =
           CheckOutputFolder(out, {"results.json", "runs.csv", "layers.csv", "aggregates.csv", "summary.md"});
       !st.ok())
     return Fail(st);
-  SweepUnits units{(std::filesystem::path(out) / kUnitsFolder).string(), resume};
   auto res = RunSweep(*exp, base.empty() ? "." : base,
                       RunOptions{threads, !quiet, latency, prefill_chunk, device, model}, &units);
   if (!res.ok()) return Fail(res.status().WithContext(config));
@@ -606,15 +618,8 @@ int CmdSweep(int argc, char** argv) {
   const bool trace_written = st.ok() && !chrome_trace.empty();
   if (st.ok()) st = WriteSweepOutputs(*res, out);
   if (!st.ok()) return Fail(RemoveOnFailure(st, trace_written ? chrome_trace : ""));
-  std::fprintf(stderr,
-               "kvsim: %d runs (%d units computed, %d reused) -> "
-               "%s/{results.json,runs.csv,layers.csv,aggregates.csv,summary.md}\n",
-               res->runs_size(), units.computed, units.reused, out.c_str());
-  for (const FailedUnit& f : res->failed_units())
-    std::fprintf(stderr, "kvsim: error: sample '%s' failed, no results for it: %s\n", f.sample_id().c_str(),
-                 f.error().c_str());
-  if (res->failed_units_size() > 0) return kExitPartial;
-  return kExitOk;
+  return report_units(res->runs_size(), "results.json,runs.csv,layers.csv,aggregates.csv,summary.md",
+                      res->failed_units());
 }
 
 // `kvsim search`: the smallest budget per policy that meets a quality target (analysis/search.h).
