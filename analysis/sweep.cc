@@ -229,7 +229,7 @@ StatusOr<std::vector<config::Sample>> LoadManifest(const std::string& path) {
       continue;
     }
     const size_t columns = header.size();
-    while (fields.size() > 2 && fields.size() < columns) fields.push_back("");  // optional columns
+    while (fields.size() >= 2 && fields.size() < columns) fields.push_back("");  // optional columns
     if (fields.size() != columns) {
       std::string form;
       for (const std::string& h : header) form += (form.empty() ? "" : ",") + h;

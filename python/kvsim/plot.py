@@ -8,14 +8,21 @@ Reads the tables kvsim writes (docs/metrics.md "Tables"): ``runs.csv`` and ``lay
 C++ extension.
 
 Plots (each only when the results hold what it needs):
-  quality_vs_budget       retained mass, output error, regret vs oracle over the budget, one line per policy
-                          (mean over traces, a min-max band when there are several traces)
+  quality_vs_budget       retained mass, output error, regret vs oracle over the budget, one line per policy.
+                          A dataset sweep (a group with two or more samples; aggregates.csv): the mean over the
+                          group's samples with its seeded bootstrap 95% CI as a band. Otherwise the per-run
+                          values (mean over traces, a min-max band when there are several traces)
   memory_vs_quality       KV memory (time-weighted, relative to the full cache) against output error and
                           retained mass, with the Pareto front of the causal policies
   layer_budgets           per-layer budget allocation of the layer-allocating policies (pyramidkv, meda,
                           madakv, hae, ...) as heatmaps
   kv_memory_over_time     KV bytes held over the simulated clock (modelled with --device, else token steps)
-  streaming_recall_vs_budget, streaming_memory_over_time   for streaming sweeps
+  streaming_recall_vs_budget, streaming_memory_over_time   for streaming sweeps (recall: from aggregates.csv
+                          with CI bands on a dataset, like quality_vs_budget)
+
+Samples of different groups (model and shape) are never drawn into one line, band or front: with several
+groups, quality_vs_budget, memory_vs_quality and streaming_recall_vs_budget are drawn once per group
+(NAME_<group>.png, the group in the title).
 
 Every figure says what its data is: a synthetic trace (mechanics, not model behaviour) or a captured one, and
 whether time is modelled (--device) or simulated token steps.
@@ -28,6 +35,7 @@ import csv
 import json
 import math
 import os
+import re
 import statistics
 import shutil
 import sys
@@ -75,6 +83,30 @@ class Results:
         self.layers = []
         self.memory = []  # streaming memory.csv rows
         self.timelines = {}  # run key -> list of timeline points (results.json)
+        self.aggregates = []  # aggregates.csv rows of a dataset sweep (numbers as floats)
+        self.group = ""  # set on a per-group view (by_group)
+        self.several_groups = False
+
+    @property
+    def groups(self):
+        """The groups (model and shape) of the runs, in first-seen order ([""] for results without groups)."""
+        return list(OrderedDict.fromkeys(r.get("group") or "" for r in self.runs))
+
+    def samples_in(self, group):
+        return len({r.get("sample_id") or r.get("trace_hash") for r in self.runs if (r.get("group") or "") == group})
+
+    def view(self, group):
+        """The results of one group only (its runs, layers, memory points, timelines and aggregates)."""
+        sub = Results(self.dir)
+        sub.streaming = self.streaming
+        sub.group = group
+        sub.runs = [r for r in self.runs if (r.get("group") or "") == group]
+        keys = {r["_key"] for r in sub.runs}
+        sub.layers = [r for r in self.layers if r["_key"] in keys]
+        sub.memory = [r for r in self.memory if r["_key"] in keys]
+        sub.timelines = {k: v for k, v in self.timelines.items() if k in keys}
+        sub.aggregates = [a for a in self.aggregates if a["group"] == group]
+        return sub
 
     @property
     def trace_sources(self):
@@ -140,6 +172,14 @@ def load_results(directory):
                 res.timelines[(i, str(j))] = run.get("timeline", [])
     if not res.runs:
         raise PlotError(f"{directory}: runs.csv has no runs")
+    ap = os.path.join(directory, "aggregates.csv")
+    if len(stems) == 1 and stems[0][0] == "runs.csv" and os.path.exists(ap):
+        for a in _read_csv(ap):
+            if "metric" not in a or "ci95_low" not in a:
+                raise PlotError(f"{ap}: not a kvsim aggregates.csv (no 'metric'/'ci95_low' columns)")
+            for k in ("budget_fraction", "budget_tokens", "n", "mean", "sd", "ci95_low", "ci95_high", "resamples"):
+                a[k] = _num(a, k)
+            res.aggregates.append(a)
     return res
 
 
@@ -226,10 +266,67 @@ def _style(i, n=10):
     return {"marker": markers[i % len(markers)], "markersize": 4, "linewidth": 1.4, "color": cmap(i % cmap.N)}
 
 
+def _group_slug(group):
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", group).strip("_") or "group"
+
+
+def _by_group(res):
+    """[(file-name suffix, per-group view)]: one entry without a suffix when the runs form one group."""
+    groups = res.groups
+    if len(groups) == 1:
+        return [("", res.view(groups[0]) if groups[0] else res)]
+    views = [("_" + _group_slug(g), res.view(g)) for g in groups]
+    for _, v in views:
+        v.several_groups = True
+    return views
+
+
+def _group_title(res):
+    """" (group NAME)" in the title of a dataset's or of one of several groups' figure; "" otherwise (a
+    single-sample sweep keeps its figures)."""
+    return f" (group {res.group})" if res.group and (res.several_groups or _dataset(res)) else ""
+
+
+def _dataset(res):
+    """Whether the figures of this (per-group) view come from aggregates.csv: it has aggregates and the group
+    has two or more samples."""
+    return bool(res.aggregates) and res.samples_in(res.group) > 1
+
+
+def _band_label(res):
+    n = int(max(a["n"] for a in res.aggregates))
+    resamples = int(res.aggregates[0]["resamples"])
+    return f"mean over {n} samples, 95% bootstrap CI (seeded, {resamples} resamples)"
+
+
+def _plot_aggregates(ax, res, metric, xof, labels, unit=" tok"):
+    """Draws one metric from aggregates.csv: per label a mean line over the budget with its CI band (a
+    budget-independent label: a horizontal line with a horizontal band). Each band's gid is "ci95 LABEL"."""
+    for i, label in enumerate(labels):
+        cells = sorted((a for a in res.aggregates if a["label"] == label and a["metric"] == metric), key=xof)
+        if not cells:
+            continue
+        st = _style(i, len(labels))
+        if len({xof(a) for a in cells}) == 1:  # no budget (or one): a reference level
+            a = cells[0]
+            colour = "0.4" if a["policy"] == "full" else st["color"]
+            what = "no compression" if a["policy"] == "full" else "no budget" if xof(a) == 0 else f"{xof(a):g}{unit}"
+            ax.axhline(a["mean"], color=colour, linestyle=":", linewidth=1.1, label=f"{label} ({what})")
+            band = ax.axhspan(a["ci95_low"], a["ci95_high"], color=colour, alpha=0.12, linewidth=0)
+            band.set_gid(f"ci95 {label}")
+            continue
+        xs = [xof(a) for a in cells]
+        ls = "--" if cells[0]["policy"] == "oracle" else "-"
+        (line,) = ax.plot(xs, [a["mean"] for a in cells], linestyle=ls, label=label, **st)
+        band = ax.fill_between(xs, [a["ci95_low"] for a in cells], [a["ci95_high"] for a in cells],
+                               color=line.get_color(), alpha=0.18, linewidth=0)
+        band.set_gid(f"ci95 {label}")
+
+
 # ---- plain sweeps ---------------------------------------------------------------------------------------------
 
 
-def plot_quality_vs_budget(res, plt, out_dir, written):
+def plot_quality_vs_budget(res, plt, out_dir, written, name="quality_vs_budget"):
     xof, xlabel = _budget_axis(res.runs)
     metrics = [
         ("retained_mass_mean", "retained attention mass (mean, 0-1; higher is better)"),
@@ -239,8 +336,16 @@ def plot_quality_vs_budget(res, plt, out_dir, written):
     labels = list(OrderedDict.fromkeys(r["label"] for r in res.runs))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.8), layout="constrained")
     several = len({r.get("trace_hash") for r in res.runs}) > 1
+    dataset = _dataset(res)
+    fractions = xlabel.startswith("budget (%")
+
+    def agg_x(a):
+        return 100 * a["budget_fraction"] if fractions else a["budget_tokens"]
+
     for ax, (col, ylabel) in zip(axes, metrics):
-        for i, label in enumerate(labels):
+        if dataset:
+            _plot_aggregates(ax, res, col, agg_x, labels, "%" if fractions else " tok")
+        for i, label in enumerate(labels if not dataset else []):
             rows = [r for r in res.runs if r["label"] == label]
             by_x = defaultdict(list)
             for r in rows:
@@ -268,9 +373,13 @@ def plot_quality_vs_budget(res, plt, out_dir, written):
                 ax.minorticks_off()
     handles, lbls = axes[0].get_legend_handles_labels()
     fig.legend(handles, lbls, loc="outside right center", frameon=False)
-    band = "; lines: mean over traces, bands: min-max" if several else ""
-    fig.suptitle(f"Quality vs KV budget per policy\n{_provenance(res)}{band}", fontsize=10)
-    _save(fig, plt, out_dir, "quality_vs_budget", written)
+    if dataset:
+        band = "; lines and bands: " + _band_label(res)
+    else:
+        band = "; lines: mean over traces, bands: min-max" if several else ""
+    group = _group_title(res)
+    fig.suptitle(f"Quality vs KV budget per policy{group}\n{_provenance(res)}{band}", fontsize=10)
+    _save(fig, plt, out_dir, name, written)
 
 
 def _pareto(points):
@@ -284,7 +393,7 @@ def _pareto(points):
     return front
 
 
-def plot_memory_vs_quality(res, plt, out_dir, written):
+def plot_memory_vs_quality(res, plt, out_dir, written, name="memory_vs_quality"):
     labels = list(OrderedDict.fromkeys(r["label"] for r in res.runs))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), layout="constrained")
     panels = [
@@ -312,8 +421,9 @@ def plot_memory_vs_quality(res, plt, out_dir, written):
         ax.set_ylabel(ylabel)
     handles, lbls = axes[0].get_legend_handles_labels()
     fig.legend(handles, lbls, loc="outside right center", frameon=False)
-    fig.suptitle(f"KV memory vs quality (each point one run)\n{_provenance(res)}", fontsize=10)
-    _save(fig, plt, out_dir, "memory_vs_quality", written)
+    group = _group_title(res)
+    fig.suptitle(f"KV memory vs quality (each point one run){group}\n{_provenance(res)}", fontsize=10)
+    _save(fig, plt, out_dir, name, written)
 
 
 def plot_layer_budgets(res, plt, out_dir, written):
@@ -425,7 +535,7 @@ def plot_memory_over_time(res, plt, out_dir, written):
 # ---- streaming sweeps -----------------------------------------------------------------------------------------
 
 
-def plot_streaming_recall(res, plt, out_dir, written):
+def plot_streaming_recall(res, plt, out_dir, written, name="streaming_recall_vs_budget"):
     panels = [
         ("evidence_frame_recall", "evidence frame recall (0-1; synthetic ground truth)"),
         ("oracle_frame_recall", "oracle frame recall (0-1)"),
@@ -436,8 +546,11 @@ def plot_streaming_recall(res, plt, out_dir, written):
     labels = list(OrderedDict.fromkeys(r["label"] for r in res.runs))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 2.4, 4.6), layout="constrained",
                              squeeze=False)
+    dataset = _dataset(res)
     for ax, (col, ylabel) in zip(axes[0], panels):
-        for i, label in enumerate(labels):
+        if dataset:
+            _plot_aggregates(ax, res, col, lambda a: a["budget_tokens"], labels)
+        for i, label in enumerate(labels if not dataset else []):
             rows = sorted((r for r in res.runs if r["label"] == label), key=lambda r: _num(r, "budget_tokens"))
             xs = [_num(r, "budget_tokens") for r in rows]
             ys = [_num(r, col) for r in rows]
@@ -450,8 +563,11 @@ def plot_streaming_recall(res, plt, out_dir, written):
         ax.set_ylabel(ylabel)
     handles, lbls = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, lbls, loc="outside right center", frameon=False)
-    fig.suptitle(f"Streaming: recall vs retrieval budget (means over questions)\n{_provenance(res)}", fontsize=10)
-    _save(fig, plt, out_dir, "streaming_recall_vs_budget", written)
+    group = _group_title(res)
+    band = "; lines and bands: " + _band_label(res) if dataset else ""
+    fig.suptitle(f"Streaming: recall vs retrieval budget (means over questions){group}\n{_provenance(res)}{band}",
+                 fontsize=10)
+    _save(fig, plt, out_dir, name, written)
 
 
 def plot_streaming_memory(res, plt, out_dir, written):
@@ -461,7 +577,11 @@ def plot_streaming_memory(res, plt, out_dir, written):
     for m in res.memory:
         by_run[m["_key"]].append(m)
     runs = [r for r in res.runs if r["_key"] in by_run]
-    # One run per label: its largest budget.
+    if not runs:
+        return
+    first_trace = (runs[0].get("sample_id"), runs[0].get("trace_hash"))
+    runs = [r for r in runs if (r.get("sample_id"), r.get("trace_hash")) == first_trace]
+    # One run per label: its largest budget (of the first trace).
     pick = OrderedDict()
     for r in runs:
         if r["label"] not in pick or _num(r, "budget_tokens") > _num(pick[r["label"]], "budget_tokens"):
@@ -484,7 +604,8 @@ def plot_streaming_memory(res, plt, out_dir, written):
     fig.legend(handles, lbls, loc="outside right center", frameon=False)
     fig.suptitle(
         "Streaming: KV memory per tier over time (each policy at its largest budget; lines overlap where equal)\n"
-        + _provenance(res, clock=True),
+        + _provenance(res, clock=True)
+        + (f"; sample {first_trace[0]}" if len(res.groups) > 1 or res.samples_in(res.groups[0]) > 1 else ""),
         fontsize=10,
     )
     _save(fig, plt, out_dir, "streaming_memory_over_time", written)
@@ -522,12 +643,16 @@ def make_plots(directory):
     os.makedirs(tmp)
     written = []
     try:
+        groups = _by_group(res)
         if res.streaming:
-            plot_streaming_recall(res, plt, tmp, written)
+            for suffix, g in groups:
+                plot_streaming_recall(g, plt, tmp, written, "streaming_recall_vs_budget" + suffix)
             plot_streaming_memory(res, plt, tmp, written)
         else:
-            plot_quality_vs_budget(res, plt, tmp, written)
-            plot_memory_vs_quality(res, plt, tmp, written)
+            for suffix, g in groups:
+                plot_quality_vs_budget(g, plt, tmp, written, "quality_vs_budget" + suffix)
+            for suffix, g in groups:
+                plot_memory_vs_quality(g, plt, tmp, written, "memory_vs_quality" + suffix)
             plot_layer_budgets(res, plt, tmp, written)
             plot_memory_over_time(res, plt, tmp, written)
         shutil.rmtree(final, ignore_errors=True)

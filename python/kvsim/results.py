@@ -14,9 +14,11 @@ from typing import Any, Dict, Iterable, List, Mapping, Union
 
 from .errors import KvsimError
 
-# Levels of a plain (prefill + decode) result and of a streaming one.
+# Levels of a plain (prefill + decode) result and of a streaming one; a sweep's results (plain or streaming)
+# also have the level "aggregate" (its aggregates across samples: one row per group, policy, budget, metric).
 PLAIN_LEVELS = ("run", "layer", "head", "timeline")
 STREAM_LEVELS = ("run", "question", "memory")
+AGGREGATE_LEVEL = "aggregate"
 # Columns that identify a run in the finer levels' rows.
 _KEYS = ("trace_path", "trace_hash", "trace_model", "policy", "label", "parameters", "question_mode",
          "budget_fraction", "budget_tokens")
@@ -51,6 +53,12 @@ def _run_row(run: Mapping[str, Any]) -> Dict[str, Any]:
     for k in _UNSIGNED:
         if isinstance(row.get(k), str):
             row[k] = int(row[k])
+    if "sample_tags" in run:  # a dataset sample's tags: "k=v;k=v" (as runs.csv) and one column tag_<k> each
+        tags = list(run["sample_tags"])
+        row["sample_tags"] = ";".join(tags)
+        for t in tags:
+            k, _, v = t.partition("=")
+            row[f"tag_{k}"] = v
     if _is_streaming(run):
         _flatten(run.get("mean", {}), "", row)  # means over questions, unprefixed (as in runs.csv)
     else:
@@ -111,10 +119,24 @@ def to_frame(results: Union[Mapping[str, Any], Iterable[Mapping[str, Any]]], lev
 
     level: "run" (one row per run), "layer" (per run and layer), "head" (per run, layer and KV head: the
     ragged caches), "timeline" (per run and timeline event); streaming results: "run", "question" (per run
-    and question), "memory" (per run and memory event).
+    and question), "memory" (per run and memory event); a sweep's results (plain or streaming) also
+    "aggregate": its aggregates across samples, one row per (group, policy, label, budget, metric) with n,
+    mean, sd, ci95_low, ci95_high, resamples (as aggregates.csv; docs/metrics.md).
     """
     import pandas as pd
 
+    if level == AGGREGATE_LEVEL:
+        if not isinstance(results, Mapping) or "runs" not in results:
+            raise KvsimError('level="aggregate": give a sweep\'s results (results.json of kvsim sweep, or the '
+                             "dict kvsim.sweep returns); a single run has no aggregates")
+        columns = ["group", "policy", "label", "budget_fraction", "budget_tokens", "metric", "n", "mean", "sd",
+                   "ci95_low", "ci95_high", "resamples"]
+        frame = pd.DataFrame([{c: a.get(c) for c in columns} for a in results.get("aggregates", [])],
+                             columns=columns)
+        if len(frame):
+            for col in ("budget_tokens", "n", "resamples"):
+                frame[col] = frame[col].astype("int64")
+        return frame
     if isinstance(results, Mapping):
         results = results["runs"] if "runs" in results else [results]
     rows: List[Dict[str, Any]] = []

@@ -229,3 +229,164 @@ def test_chrome_trace_of_a_streaming_sweep_and_modelled_clock(work):
     assert len(prefill) > 1 and all("A100" in e["args"]["clock"] for e in prefill)
     compression = [e for e in events if e.get("cat") == "compression"]
     assert len(compression) == 1 and compression[0]["args"]["policy_work_ms"] >= 0
+
+
+# ---- dataset sweeps: means with bootstrap CI bands from aggregates.csv, one figure per group ------------------
+
+
+def read_csv(path):
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def dataset(work):
+    """A plain dataset of two groups (3 tiny-mha samples, 2 tiny-gqa samples), a streaming dataset of 3
+    samples, and a one-trace sweep."""
+    d = work / "dataset"
+    (d / "plain").mkdir(parents=True)
+    (d / "stream").mkdir()
+    for i in range(3):
+        run([KVSIM, "synth", "--config", os.path.join(SRC, "configs", "synth", "tiny.textproto"), "--out",
+             str(d / "plain" / f"mha{i}.h5"), "--seed", str(200 + i), "--threads", "1"])
+        run([KVSIM, "synth", "--config", os.path.join(SRC, "configs", "synth", "streaming_tiny.textproto"), "--out",
+             str(d / "stream" / f"clip{i}.h5"), "--seed", str(300 + i), "--threads", "1"])
+    for i in range(2):
+        run([KVSIM, "synth", "--config", os.path.join(SRC, "configs", "synth", "tiny_gqa.textproto"), "--out",
+             str(d / "plain" / f"gqa{i}.h5"), "--seed", str(400 + i), "--threads", "1"])
+    (d / "exp.textproto").write_text(
+        'traces: "unused.h5"\npolicies { name: "full" }\npolicies { name: "snapkv" }\npolicies { name: "h2o" }\n'
+        "budgets: 0.2\nbudgets: 0.4\nbudgets: 0.7\nseed: 11\n")
+    (d / "sexp.textproto").write_text(
+        'traces: "unused.h5"\npolicies { name: "stream_full" }\npolicies { name: "rekv" }\n'
+        "budget_tokens: 16\nbudget_tokens: 48\nseed: 11\n")
+    run([KVSIM, "sweep", "--config", str(d / "exp.textproto"), "--trace", str(d / "plain"), "--out", str(d / "pout"),
+         "-q"])
+    run([KVSIM, "sweep", "--config", str(d / "sexp.textproto"), "--trace", str(d / "stream"), "--out",
+         str(d / "sout"), "-q"])
+    run([KVSIM, "sweep", "--config", str(d / "exp.textproto"), "--trace", str(d / "plain" / "mha0.h5"), "--out",
+         str(d / "one"), "-q"])
+    return d
+
+
+def draw(folder, monkeypatch):
+    """make_plots, keeping each figure (name -> Figure) as it is saved."""
+    figures = {}
+    save = plot._save
+
+    def keep(fig, plt, out_dir, name, written):
+        figures[name] = fig
+        save(fig, plt, out_dir, name, written)
+
+    monkeypatch.setattr(plot, "_save", keep)
+    plot.make_plots(str(folder))
+    return figures
+
+
+def bands(ax):
+    """The CI bands by label: fill_between polygons, and axhspan rectangles for budget-independent labels."""
+    return {c.get_gid()[len("ci95 "):]: c for c in list(ax.collections) + list(ax.patches)
+            if (c.get_gid() or "").startswith("ci95 ")}
+
+
+def check_band(band, xs, lows, highs):
+    """The band's polygon: at each budget x, exactly the CSV's interval ends (no other y)."""
+    verts = band.get_paths()[0].vertices
+    assert sorted({float(x) for x in verts[:, 0]}) == pytest.approx(sorted(xs))
+    for x, lo, hi in zip(xs, lows, highs):
+        ys = sorted({float(y) for vx, y in verts if abs(vx - x) < 1e-9})
+        assert ys == pytest.approx(sorted({lo, hi}), rel=1e-12, abs=1e-15), (x, ys, lo, hi)
+
+
+def test_dataset_quality_bands_are_the_csv_intervals_one_figure_per_group(dataset, monkeypatch):
+    out = dataset / "pout"
+    figures = draw(out, monkeypatch)
+    aggs = read_csv(out / "aggregates.csv")
+    groups = {"tiny-mha L=3 H=4 KV=4 D=32": ("tiny-mha_L_3_H_4_KV_4_D_32", 3),
+              "tiny-gqa L=3 H=4 KV=2 D=32": ("tiny-gqa_L_3_H_4_KV_2_D_32", 2)}
+    assert sorted(figures) == sorted([f"{k}_{slug}" for slug, _ in groups.values()
+                                      for k in ("quality_vs_budget", "memory_vs_quality")] + ["kv_memory_over_time"])
+    metrics = ["retained_mass_mean", "output_rel_error_mean", "regret_vs_oracle_mean"]
+    for group, (slug, n) in groups.items():
+        fig = figures[f"quality_vs_budget_{slug}"]
+        title = fig._suptitle.get_text()
+        assert f"group {group}" in title
+        assert f"mean over {n} samples, 95% bootstrap CI (seeded" in title
+        other = [g for g in groups if g != group][0]
+        assert other not in title
+        for ax, metric in zip(fig.axes, metrics):
+            b = bands(ax)
+            assert sorted(b) == ["full", "h2o", "snapkv"]
+            for label in ("snapkv", "h2o"):
+                cells = sorted((a for a in aggs if a["group"] == group and a["label"] == label
+                                and a["metric"] == metric), key=lambda a: float(a["budget_fraction"]))
+                assert [int(a["n"]) for a in cells] == [n] * 3
+                xs = [100 * float(a["budget_fraction"]) for a in cells]
+                check_band(b[label], xs, [float(a["ci95_low"]) for a in cells], [float(a["ci95_high"]) for a in cells])
+                # The line is the group's means, and only this group's: no other group's values are drawn.
+                (line,) = [ln for ln in ax.get_lines() if ln.get_label() == label]
+                assert list(line.get_xdata()) == pytest.approx(xs)
+                assert list(line.get_ydata()) == pytest.approx([float(a["mean"]) for a in cells], rel=1e-12)
+                theirs = [float(a["mean"]) for a in aggs if a["group"] == other and a["label"] == label
+                          and a["metric"] == metric]
+                assert not set(line.get_ydata()) & set(theirs)
+            # full (no budget): a level with its interval as a horizontal band.
+            (full,) = [a for a in aggs if a["group"] == group and a["label"] == "full" and a["metric"] == metric]
+            ys = sorted({float(y) for _, y in b["full"].get_corners()})
+            assert ys == pytest.approx(sorted({float(full["ci95_low"]), float(full["ci95_high"])}), abs=1e-15)
+        # memory_vs_quality of a group holds that group's runs only.
+        runs = [r for r in read_csv(out / "runs.csv") if r["group"] == group]
+        points = sum(len(c.get_offsets()) for ax in figures[f"memory_vs_quality_{slug}"].axes[:1]
+                     for c in ax.collections)
+        assert points == len(runs)
+    check_plots(out, sorted(figures))
+
+
+def test_streaming_dataset_recall_bands(dataset, monkeypatch):
+    out = dataset / "sout"
+    figures = draw(out, monkeypatch)
+    assert sorted(figures) == ["streaming_memory_over_time", "streaming_recall_vs_budget"]
+    fig = figures["streaming_recall_vs_budget"]
+    assert "mean over 3 samples, 95% bootstrap CI (seeded" in fig._suptitle.get_text()
+    aggs = read_csv(out / "aggregates.csv")
+    panels = ["evidence_frame_recall", "oracle_frame_recall", "retained_mass_mean"]
+    for ax, metric in zip(fig.axes, panels):
+        cells = sorted((a for a in aggs if a["label"] == "rekv" and a["metric"] == metric),
+                       key=lambda a: int(a["budget_tokens"]))
+        assert [int(a["budget_tokens"]) for a in cells] == [16, 48] and {a["n"] for a in cells} == {"3"}
+        check_band(bands(ax)["rekv"], [16, 48], [float(a["ci95_low"]) for a in cells],
+                   [float(a["ci95_high"]) for a in cells])
+    # The memory figure draws one sample's runs (never a mix of traces), and says which.
+    assert "sample clip0" in figures["streaming_memory_over_time"]._suptitle.get_text()
+
+
+def test_single_sample_sweep_keeps_per_run_figures(dataset, monkeypatch):
+    figures = draw(dataset / "one", monkeypatch)
+    fig = figures["quality_vs_budget"]
+    assert "bootstrap" not in fig._suptitle.get_text() and "group" not in fig._suptitle.get_text()
+    for ax in fig.axes:
+        assert not bands(ax) and not ax.collections  # one trace: no CI band, no min-max band either
+
+
+def test_load_results_aggregate_level(dataset):
+    import kvsim.results as results
+
+    frame = results.load_results(str(dataset / "pout"), level="aggregate")
+    csv_rows = read_csv(dataset / "pout" / "aggregates.csv")
+    assert len(frame) == len(csv_rows)
+    assert list(frame.columns) == list(csv_rows[0])
+    assert list(frame["mean"]) == [float(r["mean"]) for r in csv_rows]  # exact: the JSON round-trips doubles
+    assert list(frame["ci95_low"]) == [float(r["ci95_low"]) for r in csv_rows]
+    assert frame["n"].dtype.kind == "i" and set(frame["group"]) == {r["group"] for r in csv_rows}
+    runs = results.load_results(str(dataset / "sout"))
+    assert set(runs["sample_id"]) == {"clip0", "clip1", "clip2"}
+    assert set(runs["group"]) == {"tiny-stream L=4 H=4 KV=2 D=16"}
+    sagg = results.load_results(str(dataset / "sout"), level="aggregate")
+    assert set(sagg["metric"]) == {"retained_mass_mean", "output_rel_error_mean", "evidence_frame_recall",
+                                   "oracle_frame_recall", "oracle_mass_recall", "gpu_bytes_peak"}
+    from kvsim.errors import KvsimError
+
+    with pytest.raises(KvsimError, match="a single run has no aggregates"):
+        results.to_frame({"policy": "x", "metrics": {}}, level="aggregate")
