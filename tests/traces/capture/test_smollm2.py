@@ -273,3 +273,61 @@ class PasskeyPrompt(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class SmolLM2Dataset(unittest.TestCase):
+    """The capture tool's dataset mode: many prompts, one model load, a manifest kvsim sweep reads."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="kvsim_dataset_")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_dataset_writes_traces_and_a_manifest_kvsim_sweeps(self):
+        items = os.path.join(self.tmp, "items.jsonl")
+        with open(items, "w") as f:
+            f.write('{"id": "q1", "prompt": "What is the capital of France?", "tags": {"task": "qa"}}\n'
+                    "# a comment\n"
+                    '{"id": "q2", "prompt": "Name three colours of the rainbow, please.", "tags": ["task=list"],'
+                    ' "max_new_tokens": 3}\n')
+        out = os.path.join(self.tmp, "ds")
+        r = capture_cli("dataset", "--model", "smollm2", "--items", items, "--out", out, "--max-new-tokens", "5",
+                        "--all-queries")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "manifest.csv")) as f:
+            lines = [ln for ln in f.read().splitlines() if not ln.startswith("#")]
+        with h5py.File(os.path.join(out, "q1.h5")) as f:
+            name = attr_str(f.attrs["model_name"])
+        self.assertTrue(name.startswith("SmolLM2-135M-Instruct"), name)
+        group = name + " L=30 H=9 KV=3 D=64"
+        self.assertEqual(lines, ["id,path,tags,group", "q1,q1.h5,task=qa," + group, "q2,q2.h5,task=list," + group])
+        with h5py.File(os.path.join(out, "q2.h5")) as f:
+            self.assertEqual(int(f.attrs["num_decode_steps"]), 2)  # 3 new tokens: 2 decode steps recorded
+        exp = os.path.join(self.tmp, "exp.textproto")
+        with open(exp, "w") as f:
+            f.write('traces: "unused.h5"\npolicies { name: "snapkv" }\nbudgets: 0.5\n')
+        sweep = os.path.join(self.tmp, "sweep")
+        r = kvsim("sweep", "--config", exp, "--manifest", os.path.join(out, "manifest.csv"), "--out", sweep, "-q")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(sweep, "runs.csv")) as f:
+            rows = f.read().splitlines()
+        self.assertTrue(rows[1].endswith(",q1,task=qa," + group), rows[1])
+        self.assertTrue(rows[2].endswith(",q2,task=list," + group), rows[2])
+
+    def test_bad_items_are_refused_before_loading_the_model(self):
+        items = os.path.join(self.tmp, "items.jsonl")
+        out = os.path.join(self.tmp, "ds")
+        for text, words in [('{"id": "a b", "prompt": "x"}\n', "id 'a b'"),
+                            ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "duplicate id 'a'"),
+                            ('{"id": "a", "prompt": "x", "tags": {"k": "v,w"}}\n', "tag 'k=v,w'"),
+                            ('{"id": "a"}\n', "no 'prompt'"),
+                            ('{"id": "a", "prompt": "x"}\nnot json\n', "items.jsonl:2: not JSON")]:
+            with open(items, "w") as f:
+                f.write(text)
+            # A model that does not exist: the items are refused first.
+            r = capture_cli("dataset", "--model", os.path.join(self.tmp, "nope"), "--items", items, "--out", out)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertEqual(r.stderr.count("\n"), 1, r.stderr)
+            self.assertIn(words, r.stderr)
+            self.assertFalse(os.path.exists(out))

@@ -1,6 +1,8 @@
-"""Command line: python3 -m kvsim_capture --model DIR --image a.jpg --prompt "..." --out trace.h5 (docs/capture.md).
-Exit codes: 0 ok, 1 capture error (one line on stderr), 2 usage error."""
+"""Command line: python3 -m kvsim_capture --model DIR --image a.jpg --prompt "..." --out trace.h5 (docs/capture.md);
+python3 -m kvsim_capture dataset --model DIR --items items.jsonl --out DIR (many prompts, one model load, a
+manifest for kvsim sweep --manifest). Exit codes: 0 ok, 1 capture error (one line on stderr), 2 usage error."""
 import argparse
+import json
 import os
 import sys
 import time
@@ -102,10 +104,93 @@ def main_closed_loop(argv):
     return 0
 
 
+def build_dataset_parser():
+    p = argparse.ArgumentParser(prog="kvsim-capture dataset",
+                                description="Capture many prompts with one model load into OUT/<id>.h5 and write "
+                                "OUT/manifest.csv (id,path,tags,group) for kvsim sweep --manifest.")
+    p.add_argument("--model", required=True, help="as for a single capture")
+    p.add_argument("--items", required=True, help="JSON lines, one object per prompt: id, prompt and optional "
+                   "images, video, fps, max_new_tokens, system_prompt, tags ({\"k\": \"v\"}); relative media paths "
+                   "resolve against the file's folder")
+    p.add_argument("--out", required=True, help="output folder (created): the traces and manifest.csv")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="default for items that do not set it")
+    p.add_argument("--layers", type=parse_indices, help="layer subset, e.g. 0-7,31 (default all)")
+    p.add_argument("--kv-heads", type=parse_indices, help="KV head subset (their query heads come along)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage dtype of Q/K/V")
+    p.add_argument("--model-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
+    p.add_argument("--device", help="torch device (default cuda when available)")
+    p.add_argument("--attn", default="sdpa", help="attention implementation the capture wraps: sdpa or eager")
+    p.add_argument("--query-window", type=int, default=64, help="store queries of the last W prompt tokens")
+    p.add_argument("--all-queries", action="store_true", help="store every prompt query")
+    p.add_argument("--no-column-sums", action="store_true", help="do not record prefill column sums")
+    return p
+
+
+def read_items(path):
+    """The items of a JSON-lines file; a line that is not a JSON object is an error naming FILE:LINE."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise CaptureError("--items %s: cannot read (%s)" % (path, e.strerror)) from None
+    base = os.path.dirname(os.path.abspath(path))
+    items = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise CaptureError("%s:%d: not JSON (%s)" % (path, n, e)) from None
+        if not isinstance(item, dict):
+            raise CaptureError("%s:%d: expected a JSON object {\"id\": ..., \"prompt\": ...}" % (path, n))
+        for k in ("images", "video"):
+            if k in item:
+                v = item[k]
+                item[k] = ([os.path.join(base, x) for x in v] if isinstance(v, list) else os.path.join(base, v))
+        items.append(item)
+    if not items:
+        raise CaptureError("%s: no items; write one JSON object per line" % path)
+    return items
+
+
+def main_dataset(argv):
+    args = build_dataset_parser().parse_args(argv)
+    opts = CaptureOptions(layers=args.layers, kv_heads=args.kv_heads, storage_dtype=args.dtype,
+                          query_window=args.query_window, all_queries=args.all_queries,
+                          column_sums=not args.no_column_sums, scratch_dir=None)
+    n = 0
+    try:
+        opts.validate()
+        if args.max_new_tokens < 1:
+            raise CaptureError("--max-new-tokens must be >= 1")
+        items = read_items(args.items)
+        from . import dataset, hf  # noqa: PLC0415
+        dataset.check_items(items)  # before loading the model
+        os.makedirs(args.out, exist_ok=True)
+        check_output_path(os.path.join(args.out, "x.h5"))
+        for res in hf.capture_dataset(args.model, items, args.out, model_dtype=args.model_dtype, device=args.device,
+                                      options=opts, max_new_tokens=args.max_new_tokens, inner=args.attn):
+            n += 1
+            print("kvsim_capture: %d/%d %s: %d prompt tokens + %d decode steps"
+                  % (n, len(items), res.path, res.prompt_tokens, res.decode_steps), file=sys.stderr)
+    except CaptureError as e:
+        print("kvsim_capture: error: %s" % one_line(e), file=sys.stderr)
+        return 1
+    except OSError as e:
+        print("kvsim_capture: error: %s" % one_line(e), file=sys.stderr)
+        return 1
+    print("kvsim_capture: %d traces -> %s/ and %s" % (n, args.out, os.path.join(args.out, "manifest.csv")),
+          file=sys.stderr)
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "closed-loop":
         return main_closed_loop(argv[1:])
+    if argv and argv[0] == "dataset":
+        return main_dataset(argv[1:])
     args = build_parser().parse_args(argv)
     opts = CaptureOptions(layers=args.layers, kv_heads=args.kv_heads, storage_dtype=args.dtype,
                           query_window=args.query_window, all_queries=args.all_queries,

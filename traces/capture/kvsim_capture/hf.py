@@ -550,17 +550,27 @@ def _rope_theta(tcfg):
 
 
 def capture_dataset(model_dir, items: Iterable[dict], out_dir, model_dtype="auto", device=None, **kwargs):
-    """Batch capture: loads the model once, then captures each item (a dict with 'id', 'prompt' and optional
-    'images', 'video', 'fps', 'max_new_tokens', 'system_prompt') to out_dir/<id>.h5. Yields CaptureResult;
-    an item that fails raises (earlier traces stay complete)."""
+    """Batch capture (the capture tool's dataset mode): checks every item first (ids, tags; dataset.py), loads
+    the model once, then captures each item (a dict with 'id', 'prompt' and optional 'images', 'video', 'fps',
+    'max_new_tokens', 'system_prompt', 'tags' ({"k": "v"} or ["k=v"])) to out_dir/<id>.h5, and after each
+    trace rewrites out_dir/manifest.csv (id,path,tags,group) for `kvsim sweep --manifest`. Yields
+    CaptureResult; an item that fails raises (earlier traces and their manifest lines stay complete)."""
+    from . import dataset  # noqa: PLC0415
+
+    items = list(items)
+    dataset.check_items(items)
     model, processor = load(model_dir, model_dtype, device)
     os.makedirs(out_dir, exist_ok=True)
+    rows = []
     for item in items:
         kw = dict(kwargs)
         for k in ("images", "video", "fps", "max_new_tokens", "system_prompt"):
             if k in item:
                 kw[k] = item[k]
-        yield capture(model, processor, os.path.join(out_dir, "%s.h5" % item["id"]), item["prompt"], **kw)
+        res = capture(model, processor, os.path.join(out_dir, "%s.h5" % item["id"]), item["prompt"], **kw)
+        rows.append((item["id"], res.path, dataset.item_tags(item), dataset.trace_group(res.path)))
+        dataset.write_manifest(out_dir, rows)
+        yield res
 
 
 def capture_passkey(model, processor, out, prompt_tokens=2048, depth=0.5, seed=0, max_new_tokens=33,
