@@ -1,6 +1,9 @@
-"""`kvsim sweep` over datasets (analysis/sweep.cc; docs/cli.md "Datasets", "Resume"): folders and manifests,
-aggregates, a real SIGKILL in the middle then --resume (byte-identical outputs), a changed trace recomputed
-alone, a trace that turns bad mid-sweep (failed unit, exit 4), and the one-line errors before any work."""
+"""`kvsim sweep` over datasets (analysis/sweep.cc, analysis/dataset.cc; docs/cli.md "Datasets", "Resume"):
+folders and manifests, aggregates, a real SIGKILL in the middle then --resume (byte-identical outputs), a
+changed trace recomputed alone, a trace that turns bad mid-sweep (failed unit, exit 4), and the one-line errors
+before any work; samples of one shape with different prompt lengths (one cell per fractional budget); the
+manifest's declared groups; streaming datasets (analysis/stream_sweep.cc: rows, aggregates, units, --resume,
+failed units) and streaming + plain traces refused."""
 import json
 import os
 import shutil
