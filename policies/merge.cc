@@ -168,6 +168,11 @@ void Merger::Reconcile(const HeadContext& ctx, std::span<const int32_t> before, 
   MergeTokens(ctx, originals, cache);
 }
 
+void Merger::Release() {
+  std::unordered_map<int32_t, Sums>().swap(sums_);
+  std::vector<char>().swap(mark_);
+}
+
 // ---- wrapper ----
 namespace {
 
