@@ -137,6 +137,25 @@ TEST_CASE("merge: average (MEDA Eq. 12) of keys and values with the key-based as
   CHECK(cache.merged(0).members[0].second == 1.0f);
 }
 
+TEST_CASE("merge: Release frees the running sums but leaves the merged slots as they are", "[merge]") {
+  // MEDA / LOOK-M merge once and then Release: the cache keeps its merges; a later batch starts afresh.
+  HandHead h;
+  HeadCache cache(2);
+  Merger m(policy::AVERAGE, policy::MERGE_ALL);
+  m.KeepAndMerge(h.ctx, std::vector<int32_t>{0, 1}, std::vector<int32_t>{2, 3}, &cache);
+  const std::vector<float> key0 = cache.merged(0).key, value1 = cache.merged(1).value;
+  m.Release();
+  REQUIRE(cache.size() == 2);
+  CHECK(Members(cache, 0) == std::vector<int32_t>{2});
+  CHECK(Members(cache, 1) == std::vector<int32_t>{3});
+  CHECK(cache.merged(0).key == key0);
+  CHECK(cache.merged(1).value == value1);
+  // Without the sums, token 4 (nearest: slot 0) merges into slot 0 as if slot 0 were its plain anchor
+  // merged with nothing: the slot's members are {4} only, its key (k0 + k4) / 2 from the anchor's original.
+  m.MergeTokens(h.ctx, std::vector<int32_t>{4}, &cache);
+  CHECK(Members(cache, 0) == std::vector<int32_t>{4});
+}
+
 TEST_CASE("merge: pivot (LOOK-M) averages each evicted token with its pivot first", "[merge]") {
   HandHead h;
   HeadCache cache(2);
