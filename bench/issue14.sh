@@ -4,7 +4,8 @@
 #   1. kvsim vs the NumPy baseline (bench/numpy_replay.py), full + streaming_llm + snapkv x 5/10/20/50% on
 #      the demo trace, side by side in one run, alternating, agreement checked to 1e-5;
 #   2. kvsim_bench --suite issue14: fixed per-trace cost and per-run cost vs their floors, CPU use, all
-#      12 text policies x 4 budgets (wall, peak RSS);
+#      12 text policies x 4 budgets (wall, CPU-s, peak RSS), then each text policy x 4 budgets in its own
+#      process beside `full` alone (its cost = the difference; wall, CPU-s, peak RSS);
 #   3. the cost-growth study: synthetic traces (2 layers, 8/2 heads, d 64, window-only queries, no recorded
 #      aggregates) with prompts of 1K/4K/16K/64K tokens x 32/128/512 decode steps; full + streaming_llm +
 #      snapkv x 4 budgets, wall and peak RSS per trace.

@@ -162,6 +162,7 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
   for (const char* name : {"streaming_llm", "snapkv"})
     for (double b : budgets) nine.push_back(RunSpec{make(name), name, b, 0, QuestionMode::kQueryAware});
   std::vector<RunSpec> all = full_only;
+  std::vector<std::pair<std::string, std::vector<RunSpec>>> per_policy;  // each policy x 4 budgets alone
   const std::vector<std::pair<const char*, std::vector<std::string>>> text_policies{
       {"streaming_llm", {}},
       {"h2o", {}},
@@ -176,7 +177,13 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
       {"hae", {"mode=BUDGET"}}};
   for (const auto& [name, sets] : text_policies) {
     auto p = make(name, sets);
-    for (double b : budgets) all.push_back(RunSpec{p, name, b, 0, QuestionMode::kQueryAware});
+    std::string label = name;
+    for (const std::string& set : sets) label += " " + set;
+    per_policy.emplace_back(label, std::vector<RunSpec>{});
+    for (double b : budgets) {
+      all.push_back(RunSpec{p, name, b, 0, QuestionMode::kQueryAware});
+      per_policy.back().second.push_back(all.back());
+    }
   }
   auto replay = [&](const std::vector<RunSpec>& rs) {
     return [&]() -> double {
@@ -217,10 +224,11 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
     return 1;
   }
   std::printf("issue 14: %d threads; floors are measured on this machine in this run\n\n", threads);
-  std::printf("| what | wall s | CPU %% | peak RSS MB | RSS / trace |\n|---|---:|---:|---:|---:|\n");
+  std::printf(
+      "| what | wall s | CPU s | CPU %% | peak RSS MB | RSS / trace |\n|---|---:|---:|---:|---:|---:|\n");
   auto row = [&](const std::string& what, const Measure& m) {
-    std::printf("| %s | %.2f | %.0f | %.0f | %.3f |\n", what.c_str(), m.seconds, m.cpu_percent(),
-                m.peak_rss_mb, m.peak_rss_mb * 1048576.0 / trace_bytes);
+    std::printf("| %s | %.2f | %.2f | %.0f | %.0f | %.3f |\n", what.c_str(), m.seconds, m.cpu_seconds,
+                m.cpu_percent(), m.peak_rss_mb, m.peak_rss_mb * 1048576.0 / trace_bytes);
   };
   row("floor: read every layer only (I/O + fp16 -> fp32)", io);
   row("floor: BLAS of the reference products (logits + output, every query head)", ref_floor);
@@ -228,6 +236,40 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
   row("kvsim: full alone (= the fixed per-trace cost)", full);
   row("kvsim: full + streaming_llm + snapkv x 5/10/20/50% (9 runs)", sweep9);
   row("kvsim: all 12 text policies x 5/10/20/50% (45 runs)", sweep45);
+  std::fflush(stdout);
+  // Per-policy cost: each policy x 4 budgets in its own child process (no `full` run in it: the reference
+  // and the read are computed by every replay anyway), minus `full` alone. Wall and CPU seconds (user +
+  // system) are measured; "cost" is the difference to `full` alone, so it is the policy's own work: its
+  // first pass, prompt scores, selection, merges, per-step hooks, and its runs' per-step metrics and
+  // output products. On a loaded machine compare the CPU columns.
+  std::printf(
+      "\nper policy (4 runs: budgets 5/10/20/50%%, each line its own child process; cost = that process - "
+      "full alone)\n\n| policy x 4 budgets | wall s | CPU s | CPU %% | cost wall s | cost CPU s | peak RSS "
+      "MB | "
+      "RSS / trace |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  auto policy_row = [&](const std::string& what, const Measure& m) {
+    std::printf("| %s | %.2f | %.2f | %.0f | %.2f | %.2f | %.0f | %.3f |\n", what.c_str(), m.seconds,
+                m.cpu_seconds, m.cpu_percent(), m.seconds - full.seconds, m.cpu_seconds - full.cpu_seconds,
+                m.peak_rss_mb, m.peak_rss_mb * 1048576.0 / trace_bytes);
+    std::fflush(stdout);
+  };
+  policy_row("full alone (reference)", full);
+  double cost_wall = 0, cost_cpu = 0;
+  for (const auto& [label, rs] : per_policy) {
+    const Measure m = InChild(replay(rs));
+    if (!m.ok) {
+      std::cerr << "kvsim_bench: " << label << " failed\n";
+      return 1;
+    }
+    policy_row(label, m);
+    cost_wall += m.seconds - full.seconds;
+    cost_cpu += m.cpu_seconds - full.cpu_seconds;
+  }
+  std::printf(
+      "\nsum of the policies' costs: wall %.2f s, CPU %.2f s; the 45-run sweep beyond full alone: wall %.2f "
+      "s, "
+      "CPU %.2f s\n",
+      cost_wall, cost_cpu, sweep45.seconds - full.seconds, sweep45.cpu_seconds - full.cpu_seconds);
   const double fixed_floor = io.seconds + ref_floor.seconds;
   const double per_run = (sweep9.seconds - full.seconds) / 8, per_run_floor = runs_floor.seconds / 8;
   std::printf("\nfixed per-trace cost %.2f s vs floor %.2f s (read-only pass + reference BLAS): %.2fx\n",

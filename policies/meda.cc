@@ -61,7 +61,8 @@ struct TextPriorMerge {
 // Compresses [0, compress_end) of a cache that holds it as plain slots (plus anything after it), keeping
 // `keep` and merging the rest of [0, compress_end) into the kept compressible slots only: tokens after
 // compress_end (a query-agnostic run's question, the first decode token) are kept as they are and never
-// absorb context.
+// absorb context. MEDA and LOOK-M compress once: the merger's running sums are freed afterwards (the merged
+// slots hold the result), which halves the merging runs' per-head state while the layer replays.
 void CompressAndMerge(const HeadContext& ctx, std::span<const int32_t> keep, Merger* merger,
                       HeadCache* cache) {
   const int ce = ctx.compress_end;
@@ -73,6 +74,7 @@ void CompressAndMerge(const HeadContext& ctx, std::span<const int32_t> keep, Mer
   for (int32_t tok : cache->tokens())
     if (tok >= ce) tail.push_back(tok);
   merger->KeepAndMerge(ctx, keep, evicted, cache);
+  merger->Release();
   for (int32_t tok : tail) cache->Append(tok);
 }
 

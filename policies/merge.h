@@ -46,6 +46,10 @@ class Merger {
   // merge the change dropped (e.g. HeadCache::Assign) get it back.
   void Reconcile(const HeadContext& ctx, std::span<const int32_t> before, HeadCache* cache);
 
+  // Frees the running sums (as much memory again as the merged slots themselves) for a policy that merges
+  // once and never again (MEDA, LOOK-M): after it, MergeTokens / Reconcile start from no merges.
+  void Release();
+
  private:
   struct Sums {
     std::vector<float> k, v;  // Σ coefficient * original key/value of the members

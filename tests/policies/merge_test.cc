@@ -86,6 +86,34 @@ TEST_CASE("merge: nearest by cosine matches std::max_element over many targets (
   }
 }
 
+TEST_CASE("merge: nearest by cosine does not depend on where a row falls in the 8-row normalisation blocks",
+          "[merge]") {
+  // Rows are normalised eight at a time (interleaved sums) with a row-at-a-time tail; each row's result must
+  // not depend on which path it took: the same query rows shifted by 3 give the same nearest targets and
+  // cosines. (Not compared bit for bit: the BLAS product itself may round a row differently at another
+  // position in the block; that the engine's results did not change is checked with
+  // bench/compare_sweeps.py on whole sweeps.)
+  constexpr int kTargets = 23, kQueries = 19, kD = 37;
+  std::vector<float> t(kTargets * kD), q(kQueries * kD);
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<float>(std::sin(0.37 * i + 0.1) * (1 + i % 5));
+  for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(std::cos(0.53 * i - 0.2) * (1 + i % 3));
+  std::vector<int> n_all, n_shift;
+  std::vector<float> s_all, s_shift;
+  NearestByCosine(q.data(), kQueries, t.data(), kTargets, kD, &n_all, &s_all);
+  NearestByCosine(q.data() + 3 * kD, kQueries - 3, t.data(), kTargets, kD, &n_shift, &s_shift);
+  for (int i = 3; i < kQueries; ++i) {
+    CHECK(n_all[i] == n_shift[i - 3]);
+    CHECK(s_all[i] == Approx(s_shift[i - 3]).epsilon(1e-6));
+    double dot = 0, nq = 0, nt = 0;  // and it is the cosine
+    for (int k = 0; k < kD; ++k) {
+      dot += static_cast<double>(q[i * kD + k]) * t[n_all[i] * kD + k];
+      nq += static_cast<double>(q[i * kD + k]) * q[i * kD + k];
+      nt += static_cast<double>(t[n_all[i] * kD + k]) * t[n_all[i] * kD + k];
+    }
+    CHECK(s_all[i] == Approx(dot / std::sqrt(nq * nt)).margin(1e-5));
+  }
+}
+
 TEST_CASE("merge: average (MEDA Eq. 12) of keys and values with the key-based assignment", "[merge]") {
   HandHead h;
   HeadCache cache(2);
@@ -107,6 +135,25 @@ TEST_CASE("merge: average (MEDA Eq. 12) of keys and values with the key-based as
   CHECK(cache.merged(1).value[0] == Approx(5.0));
   CHECK(cache.merged(1).value[1] == Approx(6.0));
   CHECK(cache.merged(0).members[0].second == 1.0f);
+}
+
+TEST_CASE("merge: Release frees the running sums but leaves the merged slots as they are", "[merge]") {
+  // MEDA / LOOK-M merge once and then Release: the cache keeps its merges; a later batch starts afresh.
+  HandHead h;
+  HeadCache cache(2);
+  Merger m(policy::AVERAGE, policy::MERGE_ALL);
+  m.KeepAndMerge(h.ctx, std::vector<int32_t>{0, 1}, std::vector<int32_t>{2, 3}, &cache);
+  const std::vector<float> key0 = cache.merged(0).key, value1 = cache.merged(1).value;
+  m.Release();
+  REQUIRE(cache.size() == 2);
+  CHECK(Members(cache, 0) == std::vector<int32_t>{2});
+  CHECK(Members(cache, 1) == std::vector<int32_t>{3});
+  CHECK(cache.merged(0).key == key0);
+  CHECK(cache.merged(1).value == value1);
+  // Without the sums, token 4 (nearest: slot 0) merges into slot 0 as if slot 0 were its plain anchor
+  // merged with nothing: the slot's members are {4} only, its key (k0 + k4) / 2 from the anchor's original.
+  m.MergeTokens(h.ctx, std::vector<int32_t>{4}, &cache);
+  CHECK(Members(cache, 0) == std::vector<int32_t>{4});
 }
 
 TEST_CASE("merge: pivot (LOOK-M) averages each evicted token with its pivot first", "[merge]") {
