@@ -525,6 +525,7 @@ StatusOr<SweepUnit> ComputeSweepUnit(const SweepPlan& plan, size_t i, int thread
     for (std::string& w :
          DegenerateRunWarnings(r, ps.name(), std::vector<std::string>(ps.set().begin(), ps.set().end())))
       r.add_warnings(std::move(w));
+    if (!read_path.empty() && r.trace_path() == read_path) r.set_trace_path(s.path());  // not the copy's
     r.set_sample_id(s.id());
     *r.mutable_sample_tags() = s.tags();
     r.set_group(group);

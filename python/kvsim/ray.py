@@ -44,9 +44,20 @@ def _ray():
     return ray
 
 
+_GCS_PROBE = """
+import sys, ray._raylet as r
+try:
+    r.GcsClient(address=sys.argv[1]).internal_kv_get(b"kvsim-ray-probe", None, timeout=float(sys.argv[2]))
+except Exception as e:
+    print(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, end="")
+    sys.exit(1)
+"""
+
+
 def check_address(address: str, timeout: float = 3.0) -> None:
-    """Fails fast (a TCP connect with a timeout) when nothing listens at a cluster address HOST:PORT or
-    ray://HOST:PORT, instead of Ray's long wait. "auto" (Ray's own lookup of a local cluster) is not checked."""
+    """Fails fast (seconds, not Ray's long wait) when no Ray head answers at HOST:PORT or ray://HOST:PORT: a TCP
+    connect with a timeout, then (HOST:PORT) one call to the cluster's GCS in a subprocess with a deadline (a
+    proxy or firewall may accept any connection). "auto" (Ray's own lookup) is not checked."""
     if address == "auto":
         return
     hostport = address.split("://", 1)[1] if "://" in address else address
@@ -54,13 +65,26 @@ def check_address(address: str, timeout: float = 3.0) -> None:
     if not host or not port.isdigit():
         raise KvsimError(f"--address '{address}': expected HOST:PORT (the head node's GCS port, 6379 by "
                          "default) or ray://HOST:PORT (Ray client, 10001)")
+    fix = (f"start one with `ray start --head --port {port}` on {host}, or leave out --address to start a local "
+           "cluster")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as e:
         reason = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e))
         raise KvsimError(f"--address {address}: no Ray cluster answers there ({reason} after at most "
-                         f"{timeout:g} s); start one with `ray start --head --port {port}` on {host}, or leave "
-                         "out --address to start a local cluster") from None
+                         f"{timeout:g} s); {fix}") from None
+    if "://" in address:
+        return
+    import subprocess  # noqa: PLC0415
+
+    try:
+        res = subprocess.run([sys.executable, "-c", _GCS_PROBE, address, str(timeout)], capture_output=True,
+                             text=True, timeout=5 * timeout + 10)
+        reason = res.stdout.strip() if res.returncode else ""
+    except subprocess.TimeoutExpired:
+        reason = f"its GCS did not answer within {5 * timeout + 10:g} s"
+    if reason:
+        raise KvsimError(f"--address {address}: no Ray cluster answers there ({reason}); {fix}")
 
 
 def _progress(quiet: bool, done: int, total: int, what: str) -> None:
@@ -110,13 +134,18 @@ def run_unit(spec: Dict[str, Any], trace: Optional[bytes] = None) -> Dict[str, A
                                             "(--ship-traces never: traces must be on shared storage; use "
                                             "--ship-traces auto)")
                 return dict(info, need_trace=True)
-            text = plan.compute(spec["index"], spec["threads"], spec["read_path"])
+            # The sample's own path when it names the same file here (messages then match kvsim sweep's).
+            same = os.path.abspath(spec["path"]) == spec["read_path"]
+            text = plan.compute(spec["index"], spec["threads"], "" if same else spec["read_path"])
         else:
             with tempfile.TemporaryDirectory(prefix="kvsim-ray-") as d:
                 local = os.path.join(d, os.path.basename(spec["read_path"]) or "trace.h5")
                 with open(local, "wb") as f:
                     f.write(trace)
-                text = plan.compute(spec["index"], spec["threads"], local)
+                try:
+                    text = plan.compute(spec["index"], spec["threads"], local)
+                except KvsimError as e:
+                    raise KvsimError(str(e).replace(local, spec["path"])) from None
         return dict(info, json=text, seconds=time.perf_counter() - t0)
     except KvsimError as e:
         return dict(info, error=str(e))
@@ -226,7 +255,7 @@ def _run_tasks(ray, plan, todo: List[int], entries, threads: int, max_retries: i
     def spec(i: int) -> Dict[str, Any]:
         path = os.path.abspath(samples[i][1])
         return {"experiment": experiment, "base_dir": plan.base_dir, "clock": clock, "index": i,
-                "read_path": path, "size": os.path.getsize(path), "threads": threads, "ship": ship,
+                "path": samples[i][1], "read_path": path, "size": os.path.getsize(path), "threads": threads, "ship": ship,
                 "cwd": os.getcwd()}
 
     def submit(i: int, shipped: bool) -> None:
