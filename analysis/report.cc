@@ -346,6 +346,17 @@ Status WriteFilesAtomic(const std::vector<std::pair<std::string, std::string>>& 
   return Status::Ok();
 }
 
+StatusOr<std::string> NormalizeOutputFolder(const std::string& flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::string p = fs::path(path).lexically_normal().string();
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  if (p.empty() || p == "." || p == ".." || p == "/" || p.ends_with("/.."))
+    return Status::InvalidArgument(flag + " '" + path +
+                                   "': give a new folder's name (it is replaced as a whole), e.g. " + flag +
+                                   " results");
+  return p;
+}
+
 Status CheckOutputFolder(const std::string& out_dir, const std::vector<std::string>& names) {
   namespace fs = std::filesystem;
   const fs::path final_dir(out_dir);

@@ -42,6 +42,15 @@ inline constexpr const char kUnitsFolder[] = "units";
 Status CheckOutputFolder(const std::string& out_dir, const std::vector<std::string>& names);
 Status WriteOutputFolder(const std::string& out_dir,
                          const std::vector<std::pair<std::string, std::string>>& files);
+// A folder output (`flag` names it in errors) without trailing slashes and "." parts ("results//" ->
+// results); refused when it is the current folder, its parent or the root (it is replaced as a whole).
+StatusOr<std::string> NormalizeOutputFolder(const std::string& flag, const std::string& path);
+// The outputs `kvsim sweep` writes into its folder (WriteSweepOutputs), for CheckOutputFolder.
+inline const std::vector<std::string> kSweepOutputNames = {"results.json", "runs.csv", "layers.csv",
+                                                           "aggregates.csv", "summary.md"};
+// The same for a streaming sweep (WriteStreamSweepOutputs).
+inline const std::vector<std::string> kStreamSweepOutputNames = {
+    "results.json", "runs.csv", "questions.csv", "memory.csv", "aggregates.csv", "summary.md"};
 
 // Shared by the report writers: a number with `prec` significant digits (for reading), a number in a CSV
 // table (the shortest form that reads back as the same double: every CSV kvsim writes uses it), and a CSV

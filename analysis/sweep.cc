@@ -353,8 +353,50 @@ std::vector<Aggregate> AggregateRuns(const std::vector<RunResult>& runs, uint64_
       resamples);
 }
 
-StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir,
-                               const RunOptions& options, SweepUnits* units) {
+StatusOr<SweepInput> LoadSweepInput(const std::string& config, const std::vector<std::string>& traces,
+                                    const std::string& manifest) {
+  KVSIM_ASSIGN_OR_RETURN(config::Experiment exp, LoadExperiment(config));
+  std::string base = fs::path(config).parent_path().string();
+  if (!manifest.empty() && !traces.empty())
+    return Status::InvalidArgument(
+        "give --manifest or --trace, not both (list every sample in the manifest)");
+  bool folder = false;
+  for (const auto& t : traces) folder |= fs::is_directory(t);
+  if (!manifest.empty() || folder) {
+    // A dataset: samples with ids (and tags), paths as given (a manifest's relative to its folder).
+    std::vector<config::Sample> samples;
+    if (!manifest.empty()) {
+      KVSIM_ASSIGN_OR_RETURN(samples, LoadManifest(manifest));
+    }
+    for (const auto& t : traces) {
+      if (fs::is_directory(t)) {
+        KVSIM_ASSIGN_OR_RETURN(auto f, FolderSamples(t));
+        samples.insert(samples.end(), f.begin(), f.end());
+      } else {
+        config::Sample s;
+        s.set_id(fs::path(t).stem().string());
+        s.set_path(t);
+        samples.push_back(std::move(s));
+      }
+    }
+    exp.clear_traces();
+    for (const auto& s : samples) *exp.add_samples() = s;
+    base = "";
+  } else if (!traces.empty()) {
+    exp.clear_traces();
+    for (const auto& t : traces) exp.add_traces(t);
+    base = ".";
+  }
+  return SweepInput{std::move(exp), base.empty() ? "." : base};
+}
+
+std::string SweepPlan::UnitFile(size_t i) const { return samples[i].id() + "-" + definition_hash + ".json"; }
+
+StatusOr<SweepPlan> PlanSweep(const config::Experiment& experiment, const std::string& base_dir,
+                              const RunOptions& options, bool check_traces) {
+  SweepPlan plan;
+  plan.experiment = experiment;
+  plan.base_dir = base_dir;
   const QuestionMode mode = experiment.question_mode() == config::QUERY_AGNOSTIC
                                 ? QuestionMode::kQueryAgnostic
                                 : QuestionMode::kQueryAware;
@@ -363,8 +405,6 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
   if (experiment.bootstrap_resamples() < 1)
     return Status::InvalidArgument("field 'bootstrap_resamples' must be >= 1 (e.g. 2000)");
   // Policies × budgets, built and validated once.
-  std::vector<RunSpec> runs;
-  std::vector<const config::PolicySpec*> run_policy;  // runs[i]'s policy, for its warnings
   for (const config::PolicySpec& ps : experiment.policies()) {
     const std::vector<std::string> sets(ps.set().begin(), ps.set().end());
     KVSIM_RETURN_IF_ERROR(CheckNotStreamingPolicy(ps.name()));
@@ -372,59 +412,150 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
     const PolicyInfo* info = PolicyRegistry::Default().Find(ps.name());
     const std::string label = ps.has_label() ? ps.label() : RunLabel(ps.name(), sets);
     if (!info->uses_budget) {
-      runs.push_back(RunSpec{policy, label, 1.0, 0, mode});
+      plan.runs.push_back(RunSpec{policy, label, 1.0, 0, mode});
     } else {
-      for (double b : experiment.budgets()) runs.push_back(RunSpec{policy, label, b, 0, mode});
-      for (int b : experiment.budget_tokens()) runs.push_back(RunSpec{policy, label, 0, b, mode});
+      for (double b : experiment.budgets()) plan.runs.push_back(RunSpec{policy, label, b, 0, mode});
+      for (int b : experiment.budget_tokens()) plan.runs.push_back(RunSpec{policy, label, 0, b, mode});
     }
-    run_policy.resize(runs.size(), &ps);
+    plan.run_policy.resize(plan.runs.size(), ps);
   }
-  const LatencySpec clock = ExperimentLatency(experiment, base_dir, options);
-  const int chunk = options.prefill_chunk >= 0 ? options.prefill_chunk : experiment.prefill_chunk_tokens();
-  KVSIM_ASSIGN_OR_RETURN(std::vector<config::Sample> samples, ExperimentSamples(experiment, base_dir));
+  plan.clock = ExperimentLatency(experiment, base_dir, options);
+  plan.chunk = options.prefill_chunk >= 0 ? options.prefill_chunk : experiment.prefill_chunk_tokens();
+  KVSIM_ASSIGN_OR_RETURN(plan.samples, ExperimentSamples(experiment, base_dir));
   // Open and check every trace (and its clock) before replaying anything; each unit opens its trace again.
-  std::vector<std::string> groups;
-  for (const config::Sample& s : samples) {
-    KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(s.path()));
-    KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(s.path()));
-    auto latency = MakeLatencyModel(clock, trace->meta());
-    if (!latency.ok()) return latency.status().WithContext(s.path());
-    KVSIM_RETURN_IF_ERROR(CheckSampleGroup(s, trace->meta().model));
-    groups.push_back(TraceGroup(trace->meta().model));
-  }
-  KVSIM_ASSIGN_OR_RETURN(const std::string def_hash, UnitDefinitionHash(experiment, clock, chunk));
-  SweepResult out;
-  out.set_experiment(ToTextWithDefaults(experiment));
-  Progress progress = Progress::FromEnv("sweep", options.progress);
-  // A unit: all runs on one sample's trace, in one streamed pass.
-  auto replay = [&](size_t i, const std::string& hash) -> StatusOr<std::vector<RunResult>> {
-    const config::Sample& s = samples[i];
-    KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(s.path()));
-    KVSIM_ASSIGN_OR_RETURN(auto latency, MakeLatencyModel(clock, trace->meta()));
-    ReplayOptions ro{options.threads, latency.get(), &progress, hash, chunk};
-    KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
-    for (size_t j = 0; j < results.size(); ++j) {
-      RunResult& r = results[j];
-      const config::PolicySpec& ps = *run_policy[j];
-      for (std::string& w :
-           DegenerateRunWarnings(r, ps.name(), std::vector<std::string>(ps.set().begin(), ps.set().end())))
-        r.add_warnings(std::move(w));
-      r.set_sample_id(s.id());
-      *r.mutable_sample_tags() = s.tags();
-      r.set_group(groups[i]);
+  if (check_traces)
+    for (const config::Sample& s : plan.samples) {
+      KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(s.path()));
+      KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), plan.runs).WithContext(s.path()));
+      auto latency = MakeLatencyModel(plan.clock, trace->meta());
+      if (!latency.ok()) return latency.status().WithContext(s.path());
+      KVSIM_RETURN_IF_ERROR(CheckSampleGroup(s, trace->meta().model));
     }
-    return results;
-  };
-  std::vector<SweepUnit> done;
-  KVSIM_RETURN_IF_ERROR(RunUnits(samples, def_hash, static_cast<int>(runs.size()), units, progress, replay,
-                                 &done, out.mutable_failed_units()));
-  progress.Finish();
-  for (SweepUnit& u : done)
-    for (auto& r : *u.mutable_runs()) *out.add_runs() = std::move(r);
+  KVSIM_ASSIGN_OR_RETURN(plan.definition_hash, UnitDefinitionHash(experiment, plan.clock, plan.chunk));
+  return plan;
+}
+
+StatusOr<SweepUnit> ParseSweepUnit(const SweepPlan& plan, size_t i, const std::string& json) {
+  SweepUnit unit;
+  const config::Sample& s = plan.samples.at(i);
+  if (!google::protobuf::util::JsonStringToMessage(json, &unit).ok())
+    return Status::DataLoss("unit of sample '" + s.id() + "': not a unit's JSON");
+  if (unit.definition_hash() != plan.definition_hash)
+    return Status::FailedPrecondition("unit of sample '" + s.id() + "' has definition hash " +
+                                      unit.definition_hash() + ", the sweep " + plan.definition_hash +
+                                      " (another experiment or kvsim build; use the same kvsim everywhere)");
+  if (unit.sample_id() != s.id() || unit.trace_path() != s.path() ||
+      unit.runs_size() != static_cast<int>(plan.runs.size()))
+    return Status::FailedPrecondition("unit of sample '" + s.id() + "' does not match the sweep's sample (" +
+                                      unit.sample_id() + ", " + unit.trace_path() + ", " +
+                                      std::to_string(unit.runs_size()) + " runs)");
+  return unit;
+}
+
+std::optional<SweepUnit> ReusableUnit(const SweepPlan& plan, size_t i, const std::string& units_dir,
+                                      const std::string& trace_hash) {
+  const fs::path path = fs::path(units_dir) / plan.UnitFile(i);
+  std::error_code ec;
+  if (units_dir.empty() || !fs::exists(path, ec)) return std::nullopt;
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto unit = ParseSweepUnit(plan, i, ss.str());
+  if (!unit.ok() || unit->trace_hash() != trace_hash) return std::nullopt;
+  return std::move(*unit);
+}
+
+StatusOr<SweepUnit> ComputeSweepUnit(const SweepPlan& plan, size_t i, int threads, Progress* progress,
+                                     const std::string& read_path) {
+  const config::Sample& s = plan.samples.at(i);
+  const std::string& path = read_path.empty() ? s.path() : read_path;
+  KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(path));
+  KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
+  KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), plan.runs).WithContext(s.path()));
+  KVSIM_ASSIGN_OR_RETURN(auto latency, MakeLatencyModel(plan.clock, trace->meta()));
+  ReplayOptions ro{threads, latency.get(), progress, hash, plan.chunk};
+  KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, plan.runs, ro));
+  const std::string group = TraceGroup(trace->meta().model);
+  SweepUnit unit;
+  unit.set_sample_id(s.id());
+  unit.set_trace_path(s.path());
+  unit.set_trace_hash(hash);
+  unit.set_definition_hash(plan.definition_hash);
+  for (size_t j = 0; j < results.size(); ++j) {
+    RunResult& r = results[j];
+    const config::PolicySpec& ps = plan.run_policy[j];
+    for (std::string& w :
+         DegenerateRunWarnings(r, ps.name(), std::vector<std::string>(ps.set().begin(), ps.set().end())))
+      r.add_warnings(std::move(w));
+    if (!read_path.empty() && r.trace_path() == read_path) r.set_trace_path(s.path());  // not the copy's
+    r.set_sample_id(s.id());
+    *r.mutable_sample_tags() = s.tags();
+    r.set_group(group);
+    *unit.add_runs() = std::move(r);
+  }
+  return unit;
+}
+
+SweepResult AssembleSweep(const SweepPlan& plan, std::vector<StatusOr<SweepUnit>> units,
+                          const std::string& units_dir) {
+  SweepResult out;
+  out.set_experiment(ToTextWithDefaults(plan.experiment));
+  for (size_t i = 0; i < units.size() && i < plan.samples.size(); ++i) {
+    if (!units[i].ok()) {
+      FailedUnit* f = out.add_failed_units();
+      f->set_sample_id(plan.samples[i].id());
+      f->set_trace_path(plan.samples[i].path());
+      f->set_error(units[i].status().message());
+      continue;
+    }
+    for (auto& r : *units[i]->mutable_runs()) *out.add_runs() = std::move(r);
+  }
+  // Unit files of other experiments or removed samples are stale: the folder holds this sweep's units only.
+  if (!units_dir.empty()) {
+    std::set<std::string> unit_files;
+    for (size_t i = 0; i < plan.samples.size(); ++i) unit_files.insert(plan.UnitFile(i));
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(units_dir, ec))
+      if (!unit_files.count(e.path().filename().string())) fs::remove(e.path(), ec);
+  }
   const std::vector<RunResult> all(out.runs().begin(), out.runs().end());
-  for (Aggregate& a : AggregateRuns(all, experiment.seed(), experiment.bootstrap_resamples()))
+  for (Aggregate& a : AggregateRuns(all, plan.experiment.seed(), plan.experiment.bootstrap_resamples()))
     *out.add_aggregates() = std::move(a);
   return out;
+}
+
+StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::string& base_dir,
+                               const RunOptions& options, SweepUnits* units) {
+  KVSIM_ASSIGN_OR_RETURN(SweepPlan plan, PlanSweep(experiment, base_dir, options));
+  const std::string units_dir = units ? units->units_dir : "";
+  if (!units_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(units_dir, ec);
+    if (ec) return Status::InvalidArgument(units_dir + ": cannot create the units folder: " + ec.message());
+  }
+  Progress progress = Progress::FromEnv("sweep", options.progress);
+  std::vector<StatusOr<SweepUnit>> done;
+  for (size_t i = 0; i < plan.samples.size(); ++i) {
+    progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(plan.samples.size()));
+    // A unit: hash the trace, reuse a matching finished unit, or replay all runs on the trace.
+    auto unit = [&]() -> StatusOr<SweepUnit> {
+      KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(plan.samples[i].path()));
+      if (units && units->resume)
+        if (auto old = ReusableUnit(plan, i, units_dir, hash)) {
+          ++units->reused;
+          return std::move(*old);
+        }
+      KVSIM_ASSIGN_OR_RETURN(SweepUnit unit, ComputeSweepUnit(plan, i, options.threads, &progress));
+      if (!units_dir.empty())
+        KVSIM_RETURN_IF_ERROR(
+            WriteFileAtomic((fs::path(units_dir) / plan.UnitFile(i)).string(), ToJson(unit)));
+      if (units) ++units->computed;
+      return unit;
+    }();
+    done.push_back(std::move(unit));
+  }
+  progress.Finish();
+  return AssembleSweep(plan, std::move(done), units_dir);
 }
 
 namespace {

@@ -3,6 +3,7 @@
 // streamed pass per trace shares the full-attention reference across all runs), and write results.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,53 @@ StatusOr<std::vector<config::Sample>> ExperimentSamples(const config::Experiment
 StatusOr<std::vector<config::Sample>> LoadManifest(const std::string& path);
 // Every *.h5 in a folder, sorted by name, ids = stems. Error when there is none.
 StatusOr<std::vector<config::Sample>> FolderSamples(const std::string& dir);
+
+// `kvsim sweep`'s inputs (also kvsim-ray's, docs/cluster.md): the experiment file `config` with its traces
+// replaced by `traces` (files and/or folders of *.h5; relative to the working directory) or by `manifest`
+// (docs/cli.md "Manifest"), and the folder its relative paths resolve against. Errors name the file/flag.
+struct SweepInput {
+  config::Experiment experiment;
+  std::string base_dir;
+};
+StatusOr<SweepInput> LoadSweepInput(const std::string& config, const std::vector<std::string>& traces,
+                                    const std::string& manifest);
+
+// A sweep split into units (RunSweep; kvsim.ray runs the units as Ray tasks, docs/cluster.md): the runs
+// (policies x budgets, built and checked once), the clock, the samples and the definition hash that names
+// the unit files. Self-contained: a plan made in another process from the same experiment, base folder and
+// options (PlanSweep with check_traces=false) computes byte-identical units.
+struct SweepPlan {
+  config::Experiment experiment;
+  std::string base_dir;
+  std::vector<RunSpec> runs;
+  std::vector<config::PolicySpec> run_policy;  // runs[i]'s policy, for its warnings
+  LatencySpec clock;
+  int chunk = 0;
+  std::vector<config::Sample> samples;  // paths resolved against base_dir
+  std::string definition_hash;
+  // units/ID-DEFHASH.json of samples[i].
+  std::string UnitFile(size_t i) const;
+};
+// check_traces: open every trace and check it against the runs and the clock (what a sweep does before any
+// replay); false for a process that computes single units (their trace is checked when it is opened).
+StatusOr<SweepPlan> PlanSweep(const config::Experiment& experiment, const std::string& base_dir,
+                              const RunOptions& options, bool check_traces = true);
+// The finished unit of samples[i] in units_dir (docs/cli.md "Resume"), when its definition hash, sample,
+// trace path, run count and trace hash match; nullopt otherwise.
+std::optional<SweepUnit> ReusableUnit(const SweepPlan& plan, size_t i, const std::string& units_dir,
+                                      const std::string& trace_hash);
+// A unit read from JSON (a file, or another process's result) that belongs to samples[i] of this plan.
+StatusOr<SweepUnit> ParseSweepUnit(const SweepPlan& plan, size_t i, const std::string& json);
+// Replays every run on samples[i]: the shared per-trace work (read, full-attention reference, scores) once.
+// The trace is read from `read_path` when it is set (a shipped copy of the same bytes); the unit records
+// the sample's own path either way.
+StatusOr<SweepUnit> ComputeSweepUnit(const SweepPlan& plan, size_t i, int threads, Progress* progress,
+                                     const std::string& read_path = "");
+// The result of a sweep from its units, one per sample in order (a failed one's status gives its reason):
+// runs, failed units and aggregates. With units_dir, unit files of other experiments or removed samples are
+// deleted (the folder holds this sweep's units only). RunSweep and kvsim.ray both end here.
+SweepResult AssembleSweep(const SweepPlan& plan, std::vector<StatusOr<SweepUnit>> units,
+                          const std::string& units_dir);
 
 // Runs every sample x policy x budget. Every trace is opened and checked before any replay starts; a trace
 // that fails later (unreadable data) becomes a failed unit in the result while the rest completes. Then the

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -138,7 +139,7 @@ std::pair<bool, std::string> Sweep(const std::string& config, const std::string&
                                    const std::vector<std::string>& replace, int threads,
                                    const std::string& latency_model, const std::string& device,
                                    const std::string& model, int prefill_chunk, bool progress,
-                                   const std::string& out_dir) {
+                                   const std::string& out_dir, bool resume) {
   config::Experiment exp;
   std::string base = ".";
   const config::Experiment fields = ExperimentFromJson(experiment_json);
@@ -174,7 +175,15 @@ std::pair<bool, std::string> Sweep(const std::string& config, const std::string&
     Status written;
     {
       nb::gil_scoped_release release;
-      res = RunStreamSweep(exp, base, RunOptions{threads, progress, latency_model, 0, device, model});
+      // With an output folder, the same folder as `kvsim sweep` (units kept in out_dir/units).
+      written = out_dir.empty() ? Status::Ok() : CheckOutputFolder(out_dir, kStreamSweepOutputNames);
+      SweepUnits units{out_dir.empty() ? "" : (std::filesystem::path(out_dir) / kUnitsFolder).string(),
+                       resume};
+      if (written.ok())
+        res =
+            RunStreamSweep(exp, base, RunOptions{threads, progress, latency_model, 0, device, model}, &units);
+      else
+        res = written;
       if (res.ok() && !out_dir.empty()) written = WriteStreamSweepOutputs(*res, out_dir);
     }
     if (!res.ok()) Raise(res.status().WithContext(what));
@@ -186,10 +195,8 @@ std::pair<bool, std::string> Sweep(const std::string& config, const std::string&
   {
     nb::gil_scoped_release release;
     // With an output folder, the same folder as `kvsim sweep`: the units are kept in out_dir/units.
-    written = out_dir.empty() ? Status::Ok()
-                              : CheckOutputFolder(out_dir, {"results.json", "runs.csv", "layers.csv",
-                                                            "aggregates.csv", "summary.md"});
-    SweepUnits units{out_dir.empty() ? "" : (std::filesystem::path(out_dir) / kUnitsFolder).string(), false};
+    written = out_dir.empty() ? Status::Ok() : CheckOutputFolder(out_dir, kSweepOutputNames);
+    SweepUnits units{out_dir.empty() ? "" : (std::filesystem::path(out_dir) / kUnitsFolder).string(), resume};
     res = written.ok() ? RunSweep(exp, base, options, &units) : StatusOr<SweepResult>(written);
     if (res.ok() && !out_dir.empty()) written = WriteSweepOutputs(*res, out_dir);
   }
@@ -383,6 +390,151 @@ class PyTrace {
   std::mutex mu_;
 };
 
+// ---- Sweeps in units (kvsim.ray, docs/cluster.md)
+// ------------------------------------------------------------------------------------
+
+// A `kvsim sweep` split into units: made in the driver from kvsim sweep's arguments (every check the CLI
+// makes, nothing written), or in a Ray task from the driver's plan (experiment bytes, base folder, clock
+// options; no trace opened). Units are computed here in-process and returned as the JSON a unit file holds;
+// the driver writes them and assembles the outputs with AssembleSweep, the code a resumed `kvsim sweep`
+// ends in, so the outputs are byte-identical.
+class PySweepPlan {
+ public:
+  PySweepPlan(SweepPlan plan, std::string out_dir) : plan_(std::move(plan)), out_dir_(std::move(out_dir)) {}
+
+  static PySweepPlan FromArgs(const std::string& config, const std::vector<std::string>& traces,
+                              const std::string& manifest, const std::string& latency_model,
+                              const std::string& device, const std::string& model, int prefill_chunk,
+                              const std::string& out) {
+    StatusOr<SweepPlan> plan = Status::Internal("not planned");
+    std::string out_dir;
+    {
+      nb::gil_scoped_release release;
+      plan = [&]() -> StatusOr<SweepPlan> {
+        KVSIM_ASSIGN_OR_RETURN(out_dir, NormalizeOutputFolder("--out", out));
+        KVSIM_ASSIGN_OR_RETURN(SweepInput input, LoadSweepInput(config, traces, manifest));
+        if (prefill_chunk < -1)
+          return Status::InvalidArgument("--prefill-chunk must be >= 0 (0 = whole prompt)");
+        KVSIM_ASSIGN_OR_RETURN(bool streaming, ExperimentIsStreaming(input.experiment, input.base_dir));
+        if (streaming)
+          return Status::InvalidArgument(
+              config +
+              ": a streaming experiment; streaming sweeps run in one process (kvsim sweep), not on Ray yet");
+        KVSIM_RETURN_IF_ERROR(CheckOutputFolder(out_dir, kSweepOutputNames));
+        const RunOptions options{0, false, latency_model, prefill_chunk, device, model};
+        auto p = PlanSweep(input.experiment, input.base_dir, options, /*check_traces=*/true);
+        if (!p.ok()) return p.status().WithContext(config);
+        return p;
+      }();
+    }
+    return PySweepPlan(ValueOrRaise(std::move(plan)), out_dir);
+  }
+
+  static PySweepPlan FromBytes(const nb::bytes& experiment, const std::string& base_dir,
+                               const std::string& latency_model, const std::string& device,
+                               const std::string& model, int prefill_chunk) {
+    config::Experiment e;
+    if (!e.ParseFromString(std::string(experiment.c_str(), experiment.size())))
+      Raise(Status::InvalidArgument("a sweep plan's experiment does not parse (another kvsim build?)"));
+    const RunOptions options{0, false, latency_model, prefill_chunk, device, model};
+    return PySweepPlan(ValueOrRaise(PlanSweep(e, base_dir, options, /*check_traces=*/false)), "");
+  }
+
+  nb::bytes ExperimentBytes() const {
+    const std::string b = plan_.experiment.SerializeAsString();
+    return nb::bytes(b.data(), b.size());
+  }
+  const std::string& BaseDir() const { return plan_.base_dir; }
+  const std::string& DefinitionHash() const { return plan_.definition_hash; }
+  const std::string& OutDir() const { return out_dir_; }
+  std::string UnitsDir() const { return (std::filesystem::path(out_dir_) / kUnitsFolder).string(); }
+  int NumRuns() const { return static_cast<int>(plan_.runs.size()); }
+
+  // [(id, path as recorded in the results)], in sweep order.
+  std::vector<std::pair<std::string, std::string>> Samples() const {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const config::Sample& s : plan_.samples) out.emplace_back(s.id(), s.path());
+    return out;
+  }
+  std::string UnitFile(size_t i) const {
+    CheckIndex(i);
+    return plan_.UnitFile(i);
+  }
+
+  // --resume: the finished unit file of sample i (its trace hashed here), or None.
+  nb::object Reusable(size_t i) const {
+    CheckIndex(i);
+    std::optional<SweepUnit> unit;
+    {
+      nb::gil_scoped_release release;
+      auto hash = HashFile(plan_.samples[i].path());
+      if (hash.ok()) unit = ReusableUnit(plan_, i, UnitsDir(), *hash);
+    }
+    if (!unit) return nb::none();
+    return nb::str(ToJson(*unit).c_str());
+  }
+
+  // Sample i's unit, all runs, as the JSON of its unit file; the trace read from read_path when set.
+  std::string Compute(size_t i, int threads, const std::string& read_path) const {
+    CheckIndex(i);
+    StatusOr<SweepUnit> unit = Status::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      unit = ComputeSweepUnit(plan_, i, threads, nullptr, read_path);
+    }
+    return ToJson(ValueOrRaise(std::move(unit)));
+  }
+
+  // Checks a unit's JSON against sample i (definition hash, sample, runs) and writes it atomically to
+  // OUT/units/ (created). Raises when it does not belong to this sweep.
+  void WriteUnit(size_t i, const std::string& json) const {
+    CheckIndex(i);
+    ValueOrRaise(ParseSweepUnit(plan_, i, json));
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      std::error_code ec;
+      std::filesystem::create_directories(UnitsDir(), ec);
+      st = ec ? Status::InvalidArgument(UnitsDir() + ": cannot create the units folder: " + ec.message())
+              : WriteFileAtomic((std::filesystem::path(UnitsDir()) / plan_.UnitFile(i)).string(), json);
+    }
+    RaiseIfError(st);
+  }
+
+  // The outputs from one entry per sample: a unit's JSON, or the reason it failed (failed=True). Writes
+  // OUT (results.json, runs.csv, layers.csv, aggregates.csv, summary.md) like `kvsim sweep`; returns the
+  // SweepResult JSON.
+  std::string Finish(const std::vector<std::pair<bool, std::string>>& entries) const {
+    if (entries.size() != plan_.samples.size())
+      Raise(Status::InvalidArgument("finish: " + std::to_string(entries.size()) + " entries for " +
+                                    std::to_string(plan_.samples.size()) + " samples"));
+    std::vector<StatusOr<SweepUnit>> units;
+    for (size_t i = 0; i < entries.size(); ++i)
+      units.push_back(entries[i].first ? StatusOr<SweepUnit>(Status::InvalidArgument(entries[i].second))
+                                       : ParseSweepUnit(plan_, i, entries[i].second));
+    StatusOr<SweepResult> res = Status::Internal("not assembled");
+    Status written;
+    {
+      nb::gil_scoped_release release;
+      std::error_code ec;
+      const bool have_units = std::filesystem::is_directory(UnitsDir(), ec);
+      res = AssembleSweep(plan_, std::move(units), have_units ? UnitsDir() : "");
+      written = WriteSweepOutputs(*res, out_dir_);
+    }
+    RaiseIfError(written);
+    return ToJson(*res);
+  }
+
+ private:
+  void CheckIndex(size_t i) const {
+    if (i >= plan_.samples.size())
+      Raise(Status::InvalidArgument("sample index " + std::to_string(i) + " out of range [0, " +
+                                    std::to_string(plan_.samples.size()) + ")"));
+  }
+  SweepPlan plan_;
+  std::string out_dir_;
+};
+
 nb::list Policies() {
   nb::list out;
   for (const PolicyInfo& p : PolicyRegistry::Default().List()) {
@@ -425,8 +577,26 @@ NB_MODULE(_core, m) {
         nb::arg("device"), nb::arg("model"), nb::arg("prefill_chunk"), nb::arg("progress"));
   m.def("sweep", &Sweep, nb::arg("config"), nb::arg("experiment_json"), nb::arg("replace"),
         nb::arg("threads"), nb::arg("latency_model"), nb::arg("device"), nb::arg("model"),
-        nb::arg("prefill_chunk"), nb::arg("progress"), nb::arg("out_dir"));
+        nb::arg("prefill_chunk"), nb::arg("progress"), nb::arg("out_dir"), nb::arg("resume") = false);
   m.def("policies", &Policies);
+  nb::class_<PySweepPlan>(m, "SweepPlan")
+      .def_static("from_args", &PySweepPlan::FromArgs, nb::arg("config"), nb::arg("traces"),
+                  nb::arg("manifest"), nb::arg("latency_model"), nb::arg("device"), nb::arg("model"),
+                  nb::arg("prefill_chunk"), nb::arg("out"))
+      .def_static("from_bytes", &PySweepPlan::FromBytes, nb::arg("experiment"), nb::arg("base_dir"),
+                  nb::arg("latency_model"), nb::arg("device"), nb::arg("model"), nb::arg("prefill_chunk"))
+      .def("experiment_bytes", &PySweepPlan::ExperimentBytes)
+      .def_prop_ro("base_dir", &PySweepPlan::BaseDir)
+      .def_prop_ro("definition_hash", &PySweepPlan::DefinitionHash)
+      .def_prop_ro("out_dir", &PySweepPlan::OutDir)
+      .def_prop_ro("units_dir", &PySweepPlan::UnitsDir)
+      .def_prop_ro("num_runs", &PySweepPlan::NumRuns)
+      .def("samples", &PySweepPlan::Samples)
+      .def("unit_file", &PySweepPlan::UnitFile, nb::arg("i"))
+      .def("reusable", &PySweepPlan::Reusable, nb::arg("i"))
+      .def("compute", &PySweepPlan::Compute, nb::arg("i"), nb::arg("threads"), nb::arg("read_path"))
+      .def("write_unit", &PySweepPlan::WriteUnit, nb::arg("i"), nb::arg("json"))
+      .def("finish", &PySweepPlan::Finish, nb::arg("entries"));
   nb::class_<PyTrace>(m, "Trace")
       .def(nb::init<const std::string&>(), nb::arg("path"))
       .def_prop_ro("path", &PyTrace::path)

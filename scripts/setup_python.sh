@@ -59,7 +59,10 @@ printf '%s\n%s\n' "$root/python" "$root/build/python" >"$site/kvsim_checkout.pth
 # `kvsim` on .venv/bin/: the package's console script, as pip writes it for pyproject.toml's [project.scripts].
 printf '#!%s\nimport sys\nfrom kvsim.cli import main\nsys.exit(main())\n' "$venv/bin/python" >"$venv/bin/kvsim"
 chmod +x "$venv/bin/kvsim"
+# `kvsim-ray` likewise (kvsim sweep on a Ray cluster, docs/cluster.md).
+printf '#!%s\nimport sys\nfrom kvsim.ray import main\nsys.exit(main())\n' "$venv/bin/python" >"$venv/bin/kvsim-ray"
+chmod +x "$venv/bin/kvsim-ray"
 # Fail here, not in a test, if the lock is inconsistent.
-"$venv/bin/python" -c 'import torch, transformers, gguf, tokenizers, safetensors, numpy, h5py, matplotlib, pytest, pandas, kvsim_capture, kvsim, kvsim.api; from kvsim_capture import models; models.smollm2_gguf()'
+"$venv/bin/python" -c 'import torch, transformers, gguf, tokenizers, safetensors, numpy, h5py, matplotlib, pytest, pandas, ray, kvsim_capture, kvsim, kvsim.api; from kvsim_capture import models; models.smollm2_gguf()'
 echo "$stamp_value" >"$stamp"
 echo "setup_python: ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1) ($venv)" >&2

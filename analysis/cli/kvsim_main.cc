@@ -146,17 +146,6 @@ StatusOr<std::string> NormalizeOutputFile(const std::string& flag, const std::st
   return p.string();
 }
 
-StatusOr<std::string> NormalizeOutputFolder(const std::string& flag, const std::string& path) {
-  namespace fs = std::filesystem;
-  std::string p = fs::path(path).lexically_normal().string();
-  while (p.size() > 1 && p.back() == '/') p.pop_back();
-  if (p.empty() || p == "." || p == ".." || p == "/" || p.ends_with("/.."))
-    return Status::InvalidArgument(flag + " '" + path +
-                                   "': give a new folder's name (it is replaced as a whole), e.g. " + flag +
-                                   " results");
-  return p;
-}
-
 // --chrome-trace, normalised like every output file (NormalizeOutputFile); it must not name an input or
 // another output of the same command.
 Status PrepareChromeTracePath(std::string* path, std::initializer_list<std::string> others) {
@@ -533,45 +522,13 @@ int CmdSweep(int argc, char** argv) {
   if (!out_dir.ok()) return Fail(out_dir.status());
   out = *out_dir;
   if (Status st = PrepareChromeTracePath(&chrome_trace, {config, out}); !st.ok()) return Fail(st);
-  auto exp = LoadExperiment(config);
-  if (!exp.ok()) return Fail(exp.status());
-  std::string base = std::filesystem::path(config).parent_path().string();
-  if (!manifest.empty() && !traces.empty())
-    return Fail(
-        Status::InvalidArgument("give --manifest or --trace, not both (list every sample in the manifest)"));
-  bool folder = false;
-  for (const auto& t : traces) folder |= std::filesystem::is_directory(t);
-  if (!manifest.empty() || folder) {
-    // A dataset: samples with ids (and tags), paths as given (a manifest's relative to its folder).
-    std::vector<config::Sample> samples;
-    if (!manifest.empty()) {
-      auto m = LoadManifest(manifest);
-      if (!m.ok()) return Fail(m.status());
-      samples = std::move(*m);
-    }
-    for (const auto& t : traces) {
-      if (std::filesystem::is_directory(t)) {
-        auto f = FolderSamples(t);
-        if (!f.ok()) return Fail(f.status());
-        samples.insert(samples.end(), f->begin(), f->end());
-      } else {
-        config::Sample s;
-        s.set_id(std::filesystem::path(t).stem().string());
-        s.set_path(t);
-        samples.push_back(std::move(s));
-      }
-    }
-    exp->clear_traces();
-    for (const auto& s : samples) *exp->add_samples() = s;
-    base = "";
-  } else if (!traces.empty()) {
-    exp->clear_traces();
-    for (const auto& t : traces) exp->add_traces(t);
-    base = ".";
-  }
+  auto input = LoadSweepInput(config, traces, manifest);
+  if (!input.ok()) return Fail(input.status());
+  config::Experiment* exp = &input->experiment;
+  const std::string base = input->base_dir;
   if (vm.count("prefill-chunk") && prefill_chunk < 0)
     return Fail(Status::InvalidArgument("--prefill-chunk must be >= 0 (0 = whole prompt)"));
-  auto streaming = ExperimentIsStreaming(*exp, base.empty() ? "." : base);
+  auto streaming = ExperimentIsStreaming(*exp, base);
   if (!streaming.ok()) return Fail(streaming.status());
   // Units of work and failed units are the same for both kinds (analysis/dataset.h).
   SweepUnits units{(std::filesystem::path(out) / kUnitsFolder).string(), resume};
@@ -585,12 +542,8 @@ int CmdSweep(int argc, char** argv) {
     return failed.empty() ? kExitOk : kExitPartial;
   };
   if (*streaming) {
-    if (Status st = CheckOutputFolder(
-            out, {"results.json", "runs.csv", "questions.csv", "memory.csv", "aggregates.csv", "summary.md"});
-        !st.ok())
-      return Fail(st);
-    auto sres = RunStreamSweep(*exp, base.empty() ? "." : base,
-                               RunOptions{threads, !quiet, latency, 0, device, model}, &units);
+    if (Status st = CheckOutputFolder(out, kStreamSweepOutputNames); !st.ok()) return Fail(st);
+    auto sres = RunStreamSweep(*exp, base, RunOptions{threads, !quiet, latency, 0, device, model}, &units);
     if (!sres.ok()) return Fail(sres.status().WithContext(config));
     Status st = Status::Ok();
     if (!chrome_trace.empty())
@@ -604,12 +557,8 @@ int CmdSweep(int argc, char** argv) {
                         "results.json,runs.csv,questions.csv,memory.csv,aggregates.csv,summary.md",
                         sres->failed_units());
   }
-  if (Status st =
-          CheckOutputFolder(out, {"results.json", "runs.csv", "layers.csv", "aggregates.csv", "summary.md"});
-      !st.ok())
-    return Fail(st);
-  auto res = RunSweep(*exp, base.empty() ? "." : base,
-                      RunOptions{threads, !quiet, latency, prefill_chunk, device, model}, &units);
+  if (Status st = CheckOutputFolder(out, kSweepOutputNames); !st.ok()) return Fail(st);
+  auto res = RunSweep(*exp, base, RunOptions{threads, !quiet, latency, prefill_chunk, device, model}, &units);
   if (!res.ok()) return Fail(res.status().WithContext(config));
   Status st = Status::Ok();
   if (!chrome_trace.empty())

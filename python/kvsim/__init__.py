@@ -25,9 +25,10 @@ _LAZY = {
     "load_results": "results", "to_frame": "results",
     "Trace": "trace", "Layer": "trace",
 }
-_SUBMODULES = ("api", "results", "trace", "capture", "cli", "plot")
+_SUBMODULES = ("api", "results", "trace", "capture", "cli", "plot", "ray")
 
-__all__ = ["KvsimError", "Layer", "Trace", "capture", "load_results", "policies", "run", "sweep", "to_frame"]
+__all__ = ["KvsimError", "Layer", "Trace", "capture", "load_results", "policies", "ray", "run", "sweep",
+           "to_frame"]
 
 
 def __getattr__(name):

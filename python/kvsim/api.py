@@ -129,7 +129,7 @@ def sweep(config: Union[PathLike, Mapping[str, Any], None] = None, *, traces: Op
           budget_tokens: Optional[Sequence[int]] = None, question_mode: Optional[str] = None,
           device: Optional[str] = None, model: Optional[str] = None, latency_model: Optional[PathLike] = None,
           prefill_chunk: Optional[int] = None, threads: int = 0, progress: bool = False,
-          out: Optional[PathLike] = None) -> List[Dict]:
+          out: Optional[PathLike] = None, resume: bool = False) -> List[Dict]:
     """Traces x policies x budgets: `kvsim sweep` in-process; returns the list of run results (results.json's
     "runs"), and with out=DIR also writes the CLI's output folder (results.json, runs.csv, layers.csv, summary.md, ...).
 
@@ -139,6 +139,9 @@ def sweep(config: Union[PathLike, Mapping[str, Any], None] = None, *, traces: Op
     budget_tokens / question_mode replace the experiment's fields of the same name; device / model /
     latency_model / prefill_chunk override its clock, as the CLI's options do. Every trace and policy is
     checked before any replay starts; each trace is read once for all its runs.
+    resume=True (with out=): reuse the finished units in out/units whose trace and experiment are unchanged,
+    as `kvsim sweep --resume` (docs/cli.md "Resume"); the outputs are byte-identical to a sweep from scratch.
+    The same sweep on a Ray cluster: kvsim.ray.sweep (docs/cluster.md).
     """
     threads, chunk, device, model, latency_model = _options(threads, prefill_chunk, device, model,
                                                              latency_model)
@@ -177,8 +180,10 @@ def sweep(config: Union[PathLike, Mapping[str, Any], None] = None, *, traces: Op
         experiment = overrides
     if out is not None:
         out = _path(out, "out")
-    _, text = core().sweep(config_path, json.dumps(experiment), list(overrides), threads, latency_model, device, model, chunk,
-                           bool(progress), out or "")
+    check(isinstance(resume, bool), f"resume={resume!r}: expected True or False")
+    check(not resume or out is not None, "resume=True reuses the finished units of an output folder: give out=")
+    _, text = core().sweep(config_path, json.dumps(experiment), list(overrides), threads, latency_model, device,
+                           model, chunk, bool(progress), out or "", resume)
     return json.loads(text)["runs"]
 
 

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -126,6 +127,38 @@ def test_sweep_matches_cli(kvsim_bin, traces, tmp_path):
         if k not in ("sample_id", "sample_tags", "group")}
 
 
+def test_sweep_resume_reuses_units_byte_identical(kvsim_bin, traces, tmp_path):
+    """kvsim.sweep(resume=True) is `kvsim sweep --resume`: finished units are read back, not replayed, and the
+    outputs are byte-identical; a changed trace is recomputed."""
+    t = tmp_path / "t"
+    t.mkdir()
+    shutil.copy(traces["tiny"], t / "a.h5")
+    shutil.copy(traces["gqa"], t / "b.h5")
+    exp = tmp_path / "exp.textproto"
+    exp.write_text(EXPERIMENT.format(trace=t / "a.h5") + f'traces: "{t / "b.h5"}"\n')
+    out = tmp_path / "out"
+    first = kvsim.sweep(exp, out=out, threads=1)
+    files = {f: (out / f).read_bytes() for f in ("results.json", "runs.csv", "aggregates.csv", "summary.md")}
+    unit_files = sorted((out / "units").iterdir())
+    assert len(unit_files) == 2
+    stamps = [u.stat().st_mtime_ns for u in unit_files]
+    time.sleep(0.01)
+    again = kvsim.sweep(exp, out=out, threads=1, resume=True)
+    assert again == first
+    assert [u.stat().st_mtime_ns for u in unit_files] == stamps  # read back, not rewritten
+    assert {f: (out / f).read_bytes() for f in files} == files
+    # A changed trace: its unit alone is recomputed (b's unit file untouched).
+    shutil.copy(traces["tiny"], t / "b.h5")
+    changed = kvsim.sweep(exp, out=out, threads=1, resume=True)
+    assert unit_files[0].stat().st_mtime_ns == stamps[0] and unit_files[1].stat().st_mtime_ns != stamps[1]
+    assert changed == kvsim.sweep(exp, threads=1)
+    # Without --resume every unit is replayed; resume needs an output folder.
+    kvsim.sweep(exp, out=out, threads=1)
+    assert unit_files[0].stat().st_mtime_ns != stamps[0]
+    with pytest.raises(kvsim.KvsimError, match="resume=True reuses the finished units of an output folder"):
+        kvsim.sweep(exp, resume=True)
+
+
 def test_degenerate_run_warnings_are_saved_like_the_cli(kvsim_bin, traces, tmp_path):
     # tiny's prompt is 94 tokens: budget 0.2 = 19 tokens, at or below snapkv's 32-token window.
     got = kvsim.run(traces["tiny"], "snapkv", 0.2)
@@ -147,9 +180,10 @@ def test_sweep_streaming_matches_cli(kvsim_bin, traces, tmp_path):
     cli(kvsim_bin, "sweep", "--config", exp, "--out", tmp_path / "cli_out")
     runs = kvsim.sweep(exp, out=tmp_path / "py_out")
     for p in (tmp_path / "cli_out").iterdir():
-        if p.name == "units":
-            # `kvsim sweep` keeps a streaming sweep's units (docs/cli.md "Resume"); kvsim.sweep(out=...) does
-            # not yet for streaming traces (python/bindings.cc passes no SweepUnits to RunStreamSweep).
+        if p.name == "units":  # both keep the streaming sweep's units, the same files
+            for u in p.iterdir():
+                assert u.read_bytes() == (tmp_path / "py_out" / "units" / u.name).read_bytes(), u.name
+            assert len(list((tmp_path / "py_out" / "units").iterdir())) == len(list(p.iterdir()))
             continue
         assert p.read_bytes() == (tmp_path / "py_out" / p.name).read_bytes(), p.name
     assert runs == json.loads((tmp_path / "cli_out" / "results.json").read_text())["runs"]
