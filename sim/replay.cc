@@ -185,18 +185,31 @@ class LayerPass {
   // (shared by every run) and every run's compression hook (runs share the head's prompt scores). Decode:
   // per (KV head, run), every decode step in event order, then the outputs of all steps at once. Each item
   // writes only its own accumulator slots, so results never depend on the thread count or on scheduling.
+  //
+  // The KV heads go through both phases in chunks of a few heads (twice the workers), and a chunk's
+  // reference, policies and caches are freed before the next chunk starts: what is resident is O(chunk)
+  // units' state, not every unit's state of every run at once (a 45-run sweep held 32 heads x 45 runs of
+  // caches over a whole layer before).
   void Run() {
     const int hkv = m_.num_kv_heads, runs = static_cast<int>(plans_.size());
+    const int workers = threads_ > 0 ? threads_ : DefaultThreads();
+    const int chunk = std::min(hkv, 2 * workers);
     units_.resize(hkv);
-    ParallelFor(hkv, threads_, [this](int u) { Prefill(u); });
-    scratch_.resize(std::max(1, std::min(threads_ > 0 ? threads_ : DefaultThreads(), hkv * runs)));
-    ParallelForWorkers(hkv * runs, threads_, [this, runs](int item, int worker) {
-      const int u = item / runs, r = item % runs;
-      WorkerScratch& ws = scratch_[worker];
-      BeginRun(ws);
-      for (int t = 0; t < meta_.num_decode_steps; ++t) Step(u, r, t, ws);
-      FinishRun(u, r, ws);
-    });
+    scratch_.resize(std::max(1, std::min(workers, chunk * runs)));
+    for (int u0 = 0; u0 < hkv; u0 += chunk) {
+      const int nu = std::min(chunk, hkv - u0);
+      ParallelFor(nu, threads_, [this, u0](int i) { Prefill(u0 + i); });
+      ParallelForWorkers(nu * runs, threads_, [this, runs, u0](int item, int worker) {
+        const int u = u0 + item / runs, r = item % runs;
+        WorkerScratch& ws = scratch_[worker];
+        BeginRun(ws);
+        for (int t = 0; t < meta_.num_decode_steps; ++t) Step(u, r, t, ws);
+        FinishRun(u, r, ws);
+        units_[u].policies[r].reset();  // the run is done on this head: its state goes now
+        units_[u].caches[r] = HeadCache(m_.head_dim);
+      });
+      for (int u = u0; u < u0 + nu; ++u) units_[u] = UnitWork{};
+    }
   }
 
  private:
