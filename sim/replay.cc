@@ -283,16 +283,33 @@ class LayerPass {
           std::copy_n(fm[b], 4, &w.full_mod[(static_cast<size_t>(g) * steps + t0 + b) * 4]);
       }
     }
+    // ‖v_j‖, 8 keys at a time: each key's sum is still added over k in order, but the 8 chains are
+    // independent (one serial chain per key kept the core waiting on the adder).
     std::vector<float> vnorm(t_all);
-    for (int j = 0; j < t_all; ++j) {
-      double s = 0;
-      for (int k = 0; k < d; ++k) s += static_cast<double>(values[j * d + k]) * values[j * d + k];
-      vnorm[j] = static_cast<float>(std::sqrt(s));
+    int j = 0;
+    for (; j + 8 <= t_all; j += 8) {
+      double s8[8] = {};
+      for (int k = 0; k < d; ++k)
+        for (int b = 0; b < 8; ++b) {
+          const float v = values[static_cast<size_t>(j + b) * d + k];
+          s8[b] += static_cast<double>(v) * v;
+        }
+      for (int b = 0; b < 8; ++b) vnorm[j + b] = static_cast<float>(std::sqrt(s8[b]));
     }
+    for (; j < t_all; ++j) {
+      double s1 = 0;
+      for (int k = 0; k < d; ++k) s1 += static_cast<double>(values[j * d + k]) * values[j * d + k];
+      vnorm[j] = static_cast<float>(std::sqrt(s1));
+    }
+    // max over the visible keys [first, n + t]: a running maximum while the window starts at 0 (a maximum
+    // is exact, so this equals the search over the whole range).
     w.max_vnorm.resize(steps);
     for (int t = 0; t < steps; ++t) {
       const int first = w.refs.empty() ? 0 : w.refs[0].first[t];
-      w.max_vnorm[t] = *std::max_element(vnorm.begin() + first, vnorm.begin() + n + t + 1);
+      const int prev_first = t > 0 && !w.refs.empty() ? w.refs[0].first[t - 1] : -1;
+      w.max_vnorm[t] = first == 0 && prev_first == 0
+                           ? std::max(w.max_vnorm[t - 1], vnorm[n + t])
+                           : *std::max_element(vnorm.begin() + first, vnorm.begin() + n + t + 1);
     }
     // Compression hook of every run.
     WorkerScratch check;  // CheckCache's marker for the prefill checks (few per unit)
