@@ -136,8 +136,9 @@ struct RunAccum {
 struct UnitWork {
   HeadContext ctx;
   std::unique_ptr<UnitScores> scores;
-  std::vector<DecodeReference> refs;                  // per group member
-  std::vector<float> sorted;                          // [g][t][T]: the step's probabilities, descending
+  std::vector<DecodeReference> refs;  // per group member
+  std::vector<float> sorted;    // [g][t][T]: the step's probabilities, descending (only for future_attention)
+  std::vector<double> top_sum;  // [g][t][T + 1]: top_sum[k] = Σ of the k largest, added in descending order
   std::vector<float> max_vnorm;                       // [t]
   std::vector<double> full_mod;                       // [g][t][4]
   std::vector<std::unique_ptr<HeadPolicy>> policies;  // per run
@@ -185,18 +186,31 @@ class LayerPass {
   // (shared by every run) and every run's compression hook (runs share the head's prompt scores). Decode:
   // per (KV head, run), every decode step in event order, then the outputs of all steps at once. Each item
   // writes only its own accumulator slots, so results never depend on the thread count or on scheduling.
+  //
+  // The KV heads go through both phases in chunks of a few heads (twice the workers), and a chunk's
+  // reference, policies and caches are freed before the next chunk starts: what is resident is O(chunk)
+  // units' state, not every unit's state of every run at once (a 45-run sweep held 32 heads x 45 runs of
+  // caches over a whole layer before).
   void Run() {
     const int hkv = m_.num_kv_heads, runs = static_cast<int>(plans_.size());
+    const int workers = threads_ > 0 ? threads_ : DefaultThreads();
+    const int chunk = std::min(hkv, 2 * workers);
     units_.resize(hkv);
-    ParallelFor(hkv, threads_, [this](int u) { Prefill(u); });
-    scratch_.resize(std::max(1, std::min(threads_ > 0 ? threads_ : DefaultThreads(), hkv * runs)));
-    ParallelForWorkers(hkv * runs, threads_, [this, runs](int item, int worker) {
-      const int u = item / runs, r = item % runs;
-      WorkerScratch& ws = scratch_[worker];
-      BeginRun(ws);
-      for (int t = 0; t < meta_.num_decode_steps; ++t) Step(u, r, t, ws);
-      FinishRun(u, r, ws);
-    });
+    scratch_.resize(std::max(1, std::min(workers, chunk * runs)));
+    for (int u0 = 0; u0 < hkv; u0 += chunk) {
+      const int nu = std::min(chunk, hkv - u0);
+      ParallelFor(nu, threads_, [this, u0](int i) { Prefill(u0 + i); });
+      ParallelForWorkers(nu * runs, threads_, [this, runs, u0](int item, int worker) {
+        const int u = u0 + item / runs, r = item % runs;
+        WorkerScratch& ws = scratch_[worker];
+        BeginRun(ws);
+        for (int t = 0; t < meta_.num_decode_steps; ++t) Step(u, r, t, ws);
+        FinishRun(u, r, ws);
+        units_[u].policies[r].reset();  // the run is done on this head: its state goes now
+        units_[u].caches[r] = HeadCache(m_.head_dim);
+      });
+      for (int u = u0; u < u0 + nu; ++u) units_[u] = UnitWork{};
+    }
   }
 
  private:
@@ -218,31 +232,84 @@ class LayerPass {
     const float* values = layer_.values.data() + static_cast<size_t>(u) * t_all * d;
     // Full-attention reference, shared by every run.
     w.refs.resize(group);
-    w.sorted.assign(static_cast<size_t>(group) * steps * t_all, 0.0f);
+    bool keep_sorted = false;  // a run's policy reads the sorted rows (the oracle)
+    for (const RunPlan& plan : plans_) keep_sorted |= plan.req.future_attention;
+    if (keep_sorted) w.sorted.assign(static_cast<size_t>(group) * steps * t_all, 0.0f);
+    w.top_sum.resize(static_cast<size_t>(group) * steps * (t_all + 1));
     w.full_mod.assign(static_cast<size_t>(group) * steps * 4, 0.0);
-    std::vector<float> sorted;
+    // Rows are handled kBlock steps at a time: each row's sums are still added in its own order (the
+    // prefix sums in descending order, the modality sums in key order), but the blocks' rows are
+    // independent dependency chains the core overlaps. A row is zero outside its visible keys (and its
+    // sorted copy is padded with zeros), and adding +0 to a non-negative sum changes no bit.
+    constexpr int kBlock = 8;
+    std::vector<float> sorted, block(static_cast<size_t>(kBlock) * t_all);
+    const Modality* mod = meta_.tokens.modality.data();
     for (int g = 0; g < group; ++g) {
       const int qh = u * group + g;
       ComputeDecodeReference(m_, n, steps, DecodeQuery(qh, 0), keys, values, &w.refs[g]);
-      for (int t = 0; t < steps; ++t) {
-        const float* row = w.refs[g].row(t);
-        const int first = w.refs[g].first[t], last = w.refs[g].last(t);
-        SortDescendingNonNegative({row + first, static_cast<size_t>(last - first + 1)}, &sorted);
-        std::copy(sorted.begin(), sorted.end(), &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all]);
-        double* fm = &w.full_mod[(static_cast<size_t>(g) * steps + t) * 4];
-        for (int j = first; j <= last; ++j) fm[static_cast<int>(meta_.tokens.modality[j])] += row[j];
+      const DecodeReference& ref = w.refs[g];
+      for (int t0 = 0; t0 < steps; t0 += kBlock) {
+        const int nb = std::min(kBlock, steps - t0);
+        int len = 0, lo = t_all, hi = 0;
+        for (int b = 0; b < nb; ++b) {
+          const int t = t0 + b, first = ref.first[t], last = ref.last(t);
+          const float* row = ref.row(t);
+          SortDescendingNonNegative({row + first, static_cast<size_t>(last - first + 1)}, &sorted);
+          float* dst = &block[static_cast<size_t>(b) * t_all];
+          std::copy(sorted.begin(), sorted.end(), dst);
+          std::fill(dst + sorted.size(), dst + t_all, 0.0f);
+          if (keep_sorted)
+            std::copy(sorted.begin(), sorted.end(), &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all]);
+          len = std::max(len, last - first + 1);
+          lo = std::min(lo, first);
+          hi = std::max(hi, last);
+        }
+        double acc[kBlock] = {}, fm[kBlock][4] = {};
+        double* pre[kBlock];
+        for (int b = 0; b < nb; ++b) {
+          pre[b] = &w.top_sum[(static_cast<size_t>(g) * steps + t0 + b) * (t_all + 1)];
+          pre[b][0] = 0;
+        }
+        for (int i = 0; i < len; ++i)
+          for (int b = 0; b < nb; ++b) {
+            acc[b] += block[static_cast<size_t>(b) * t_all + i];
+            pre[b][i + 1] = acc[b];
+          }
+        for (int j = lo; j <= hi; ++j) {
+          const int mo = static_cast<int>(mod[j]);
+          for (int b = 0; b < nb; ++b) fm[b][mo] += ref.row(t0 + b)[j];
+        }
+        for (int b = 0; b < nb; ++b)
+          std::copy_n(fm[b], 4, &w.full_mod[(static_cast<size_t>(g) * steps + t0 + b) * 4]);
       }
     }
+    // ‖v_j‖, 8 keys at a time: each key's sum is still added over k in order, but the 8 chains are
+    // independent (one serial chain per key kept the core waiting on the adder).
     std::vector<float> vnorm(t_all);
-    for (int j = 0; j < t_all; ++j) {
-      double s = 0;
-      for (int k = 0; k < d; ++k) s += static_cast<double>(values[j * d + k]) * values[j * d + k];
-      vnorm[j] = static_cast<float>(std::sqrt(s));
+    int j = 0;
+    for (; j + 8 <= t_all; j += 8) {
+      double s8[8] = {};
+      for (int k = 0; k < d; ++k)
+        for (int b = 0; b < 8; ++b) {
+          const float v = values[static_cast<size_t>(j + b) * d + k];
+          s8[b] += static_cast<double>(v) * v;
+        }
+      for (int b = 0; b < 8; ++b) vnorm[j + b] = static_cast<float>(std::sqrt(s8[b]));
     }
+    for (; j < t_all; ++j) {
+      double s1 = 0;
+      for (int k = 0; k < d; ++k) s1 += static_cast<double>(values[j * d + k]) * values[j * d + k];
+      vnorm[j] = static_cast<float>(std::sqrt(s1));
+    }
+    // max over the visible keys [first, n + t]: a running maximum while the window starts at 0 (a maximum
+    // is exact, so this equals the search over the whole range).
     w.max_vnorm.resize(steps);
     for (int t = 0; t < steps; ++t) {
       const int first = w.refs.empty() ? 0 : w.refs[0].first[t];
-      w.max_vnorm[t] = *std::max_element(vnorm.begin() + first, vnorm.begin() + n + t + 1);
+      const int prev_first = t > 0 && !w.refs.empty() ? w.refs[0].first[t - 1] : -1;
+      w.max_vnorm[t] = first == 0 && prev_first == 0
+                           ? std::max(w.max_vnorm[t - 1], vnorm[n + t])
+                           : *std::max_element(vnorm.begin() + first, vnorm.begin() + n + t + 1);
     }
     // Compression hook of every run.
     WorkerScratch check;  // CheckCache's marker for the prefill checks (few per unit)
@@ -374,7 +441,7 @@ class LayerPass {
     std::vector<const float*> full(group), full_sorted(group);
     for (int g = 0; g < group; ++g) {
       full[g] = w.refs[g].row(t);
-      full_sorted[g] = &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all];
+      if (!w.sorted.empty()) full_sorted[g] = &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all];
     }
     const RunPlan& plan = plans_[r];
     HeadCache& cache = w.caches[r];
@@ -494,9 +561,7 @@ class LayerPass {
       a.anchor[si] = static_cast<float>(anchor);
       a.covered[si] = static_cast<float>(covered);
       // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
-      const float* best = &w.sorted[gt * t_all];
-      double top = 0;
-      for (int i = 0, k = std::min(visible, pos - first + 1); i < k; ++i) top += best[i];
+      const double top = w.top_sum[gt * (t_all + 1) + std::min(visible, pos - first + 1)];
       a.regret[si] = static_cast<float>(top - retained);
       double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
       double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];

@@ -47,20 +47,28 @@ std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int
 
 void SortDescendingNonNegative(std::span<const float> values, std::vector<float>* out) {
   // Non-negative IEEE floats order like their bit patterns; sort ~bits ascending = values descending.
+  // LSD radix sort, 3 passes of 11 bits; the three digits' histograms are counted in one pass, and the
+  // keys' buffers are per thread (the engine calls this once per attention row).
   const size_t n = values.size();
-  std::vector<uint32_t> a(n), b(n);
+  thread_local std::vector<uint32_t> a, b;
+  a.resize(n);
+  b.resize(n);
+  constexpr int kBits = 11, kBuckets = 1 << kBits, kPasses = 3;
+  size_t count[kPasses][kBuckets + 1] = {};
   for (size_t i = 0; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, &values[i], 4);
     KVSIM_CHECK((u >> 31) == 0 || u == 0x80000000u);
-    a[i] = ~(u & 0x7fffffffu);
+    const uint32_t key = ~(u & 0x7fffffffu);
+    a[i] = key;
+    for (int p = 0; p < kPasses; ++p) ++count[p][((key >> (p * kBits)) & (kBuckets - 1)) + 1];
   }
-  constexpr int kBits = 11, kBuckets = 1 << kBits;
-  for (int shift = 0; shift < 32; shift += kBits) {
-    size_t count[kBuckets + 1] = {0};
-    for (size_t i = 0; i < n; ++i) ++count[((a[i] >> shift) & (kBuckets - 1)) + 1];
-    for (int k = 0; k < kBuckets; ++k) count[k + 1] += count[k];
-    for (size_t i = 0; i < n; ++i) b[count[(a[i] >> shift) & (kBuckets - 1)]++] = a[i];
+  for (int p = 0; p < kPasses; ++p) {
+    size_t* c = count[p];
+    if (c[((a.empty() ? 0 : a[0]) >> (p * kBits) & (kBuckets - 1)) + 1] == n) continue;  // one bucket
+    for (int k = 0; k < kBuckets; ++k) c[k + 1] += c[k];
+    const int shift = p * kBits;
+    for (size_t i = 0; i < n; ++i) b[c[(a[i] >> shift) & (kBuckets - 1)]++] = a[i];
     a.swap(b);
   }
   out->resize(n);
