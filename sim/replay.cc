@@ -168,6 +168,19 @@ struct WorkerScratch {
   std::vector<int32_t> col;       // [T] column of a token in the compact product, -1 if unused
   std::vector<int32_t> used;      // columns' tokens, ascending
   std::vector<float> a, vu, out;  // the compact product: [g*S][|U|] x [|U|][d] = [g*S][d]
+  // Merged slots in bulk (see MergedBlock): while the cache's version is unchanged, its merged slots (keys,
+  // values, slot indices) are too, so the dots of steps [mt0, S) with them are one product per group member
+  // and their values' output contribution another, added to `extra` when the block ends.
+  uint64_t prev_version = 0;  // the cache's version at the previous step's attention
+  uint64_t mversion = 0;      // the version the block was built for
+  int mt0 = -1;               // first step of the block; -1: no block
+  int mt_end = -1;            // one past the last step the block's weights were written for
+  int mrows = 0;              // steps the block covers: [mt0, mt0 + mrows)
+  int mlen = 0;               // steps the next block covers at most (adapts to how long blocks last)
+  std::vector<int32_t> mcol;  // [slot] the merged slot's column, -1 for plain slots
+  std::vector<float> mk, mv;  // [M][d] the merged keys / values, in slot order
+  std::vector<float> mdot;    // [g][mrows][M] q_t . k_m
+  std::vector<float> mw;      // [g][mrows][M] the steps' merged weights (0 when not visible)
 };
 
 class LayerPass {
@@ -204,6 +217,7 @@ class LayerPass {
         const int u = u0 + item / runs, r = item % runs;
         WorkerScratch& ws = scratch_[worker];
         BeginRun(ws);
+        ws.prev_version = units_[u].caches[r].version();  // the cache as the prefill left it
         for (int t = 0; t < meta_.num_decode_steps; ++t) Step(u, r, t, ws);
         FinishRun(u, r, ws);
         units_[u].policies[r].reset();  // the run is done on this head: its state goes now
@@ -428,6 +442,64 @@ class LayerPass {
     ws.checked.assign(steps, 0);
     ws.has_extra.assign(steps, 0);
     ws.extra.clear();
+    ws.mt0 = ws.mt_end = -1;
+    ws.mlen = steps;
+  }
+
+  // Starts a block of merged-slot work at step t for a cache whose version did not change since the
+  // previous step (a policy that merges once, like MEDA and LOOK-M, keeps it for every later step; one that
+  // merges at every step never gets here and keeps the per-step dots below, in Dot's order). The dots of
+  // the steps' queries with the merged keys come from one GEMM per group member: their sums are added in
+  // BLAS's order instead of Dot's, which moves merging runs' metrics in the last bits (docs/performance.md,
+  // "Round 4"). A block covers the remaining steps at first; a block the cache outlived by changing is
+  // followed by blocks of twice the steps it lasted (at least 4), so a policy that changes its merges every
+  // few steps does not pay for dots it never uses. The blocks depend only on the cache's history, never on
+  // threads or scheduling.
+  void BeginMergedBlock(int u, int t, const HeadCache& cache, WorkerScratch& ws) {
+    FlushMergedBlock(ws);
+    const int steps = meta_.num_decode_steps, d = m_.head_dim, group = m_.GroupSize();
+    const int slots = cache.size(), mm = cache.num_merged_slots(), rows = std::min(steps - t, ws.mlen);
+    ws.mcol.assign(slots, -1);
+    ws.mk.resize(static_cast<size_t>(mm) * d);
+    ws.mv.resize(static_cast<size_t>(mm) * d);
+    int c = 0;
+    for (int s = 0; s < slots; ++s) {
+      if (!cache.is_merged(s)) continue;
+      const MergedSlot& ms = cache.merged(s);
+      std::copy_n(ms.key.data(), d, ws.mk.data() + static_cast<size_t>(c) * d);
+      std::copy_n(ms.value.data(), d, ws.mv.data() + static_cast<size_t>(c) * d);
+      ws.mcol[s] = c++;
+    }
+    KVSIM_CHECK(c == mm);
+    ws.mdot.resize(static_cast<size_t>(group) * rows * mm);
+    ws.mw.assign(ws.mdot.size(), 0.0f);
+    EnsureSingleThreadedBlas();
+    for (int g = 0; g < group; ++g)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, mm, d, 1.0f, DecodeQuery(u * group + g, t),
+                  d, ws.mk.data(), d, 0.0f, ws.mdot.data() + static_cast<size_t>(g) * rows * mm, mm);
+    ws.mversion = cache.version();
+    ws.mt0 = t;
+    ws.mt_end = t;
+    ws.mrows = rows;
+  }
+
+  // Adds the block's merged values, weighted by its steps' weights, to those steps' `extra` (one GEMM per
+  // group member over the steps [mt0, mt_end) it was used for), and ends the block.
+  void FlushMergedBlock(WorkerScratch& ws) const {
+    if (ws.mt0 < 0) return;
+    const int steps = meta_.num_decode_steps, d = m_.head_dim, group = m_.GroupSize();
+    const int rows = ws.mrows, used = ws.mt_end - ws.mt0;
+    const int mm = static_cast<int>(ws.mk.size() / d);
+    if (used > 0 && mm > 0) {
+      if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
+      EnsureSingleThreadedBlas();
+      for (int g = 0; g < group; ++g)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, used, d, mm, 1.0f,
+                    ws.mw.data() + static_cast<size_t>(g) * rows * mm, mm, ws.mv.data(), d, 1.0f,
+                    ws.extra.data() + (static_cast<size_t>(g) * steps + ws.mt0) * d, d);
+    }
+    ws.mlen = used < rows ? std::max(4, 2 * used) : 2 * rows;
+    ws.mt0 = ws.mt_end = -1;
   }
 
   // One decode step of run r on KV head u: the policy's hooks, the cache checks and every metric of the
@@ -481,6 +553,26 @@ class LayerPass {
         if (tokens[s] >= first0 && !cache.is_merged(s)) ws.plain.push_back(tokens[s]);
     ws.step_begin.push_back(ws.plain.size());
     ws.checked[t] = !cache.has_merges();
+    // Merged slots in bulk while the cache is unchanged since the previous step (else per step, below).
+    const uint64_t version = cache.version();
+    bool bulk = false;
+    if (cache.has_merges()) {
+      if (ws.mt0 >= 0 && ws.mversion == version && t < ws.mt0 + ws.mrows) {
+        bulk = true;
+      } else if (version == ws.prev_version) {
+        BeginMergedBlock(u, t, cache, ws);
+        bulk = true;
+      } else {
+        FlushMergedBlock(ws);
+      }
+    } else {
+      FlushMergedBlock(ws);
+    }
+    ws.prev_version = version;
+    const int mm = bulk ? static_cast<int>(ws.mk.size() / d) : 0;
+    const size_t mrow0 = bulk ? static_cast<size_t>(t - ws.mt0) * mm : 0;
+    const size_t mrows = bulk ? static_cast<size_t>(ws.mrows) * mm : 0;
+    if (bulk) ws.mt_end = t + 1;
     for (int g = 0; g < group; ++g) {
       const int qh = u * group + g;
       const DecodeReference& ref = w.refs[g];
@@ -521,8 +613,9 @@ class LayerPass {
           covered += pt;
         } else {
           const MergedSlot& ms = cache.merged(s);
-          wgt = static_cast<float>(
-              std::exp(static_cast<double>(tf(Dot(DecodeQuery(qh, t), ms.key.data(), d))) - lse));
+          const float dot =
+              bulk ? ws.mdot[g * mrows + mrow0 + ws.mcol[s]] : Dot(DecodeQuery(qh, t), ms.key.data(), d);
+          wgt = static_cast<float>(std::exp(static_cast<double>(tf(dot)) - lse));
           anchor += pt;  // its key and value were replaced: covered, not retained
           covered += pt;
           // Four independent partial sums in registers: no serial dependency chain over the members.
@@ -541,14 +634,19 @@ class LayerPass {
           covered += members;
           merged_w += wgt;
           merged_mass += pt + members;
-          // The merged value is no original row: its contribution is added to the step's output here.
+          // The merged value is no original row: its contribution is added to the step's output here (in
+          // a block: its weight is kept, and FlushMergedBlock adds all steps' contributions at once).
           if (!ws.has_extra[t]) {
             if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
             ws.has_extra[t] = 1;
           }
-          float* ex = &ws.extra[(static_cast<size_t>(g) * steps + t) * d];
-          const float* v = ms.value.data();
-          for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
+          if (bulk) {
+            ws.mw[g * mrows + mrow0 + ws.mcol[s]] = wgt;
+          } else {
+            float* ex = &ws.extra[(static_cast<size_t>(g) * steps + t) * d];
+            const float* v = ms.value.data();
+            for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
+          }
         }
         cp[s] = wgt;
         wsum += wgt;
@@ -596,6 +694,7 @@ class LayerPass {
   // V[U] (a run whose every step kept every visible token is the reference product itself). When the union
   // is much wider than the steps' caches (a cache re-selected every step), a per-step gather is cheaper.
   void FinishRun(int u, int r, WorkerScratch& ws) {
+    FlushMergedBlock(ws);
     UnitWork& w = units_[u];
     const int steps = meta_.num_decode_steps, d = m_.head_dim;
     const int group = m_.GroupSize();

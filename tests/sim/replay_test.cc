@@ -1,5 +1,6 @@
 #include "sim/replay.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <numeric>
@@ -742,6 +743,114 @@ TEST_CASE("replay: KV heads replayed in chunks give the same results as one chun
   }
   // The regret of the full cache is zero up to rounding (it keeps the best tokens: all of them).
   CHECK(std::abs((*one)[0].metrics().regret_vs_oracle_mean()) < 1e-6);
+}
+
+// Merges pairs of compressible tokens once at prefill (each even token's slot holds the pair's averaged key
+// and value); `touch_steps` lists decode steps before which the policy sets slot 0's merge again to the same
+// content, which changes the cache's version without changing what attention sees.
+class PairMergePolicy final : public Policy {
+ public:
+  explicit PairMergePolicy(std::vector<int> touch_steps) : touch_(std::move(touch_steps)) {}
+  std::string name() const override { return "pair_merge"; }
+  std::string ParamsText() const override { return ""; }
+  PolicyRequirements requirements() const override { return {.decode_attention = true}; }
+  bool evicts_during_decode() const override { return false; }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+    class Head final : public HeadPolicy {
+     public:
+      explicit Head(std::vector<int> touch) : touch_(std::move(touch)) {}
+      void OnPrefill(const HeadContext& ctx, int, HeadCache* cache) override {
+        const int d = ctx.head_dim(), ce = ctx.compress_end;
+        std::vector<int32_t> even;
+        for (int32_t j = 0; j < ce; j += 2) even.push_back(j);
+        cache->Assign(even);
+        for (int s = 0; s < static_cast<int>(even.size()); ++s) {
+          const int32_t j = even[s];
+          if (j + 1 >= ce) continue;
+          MergedSlot m;
+          m.key.resize(d);
+          m.value.resize(d);
+          for (int c = 0; c < d; ++c) {
+            m.key[c] = 0.5f * (ctx.keys[j * d + c] + ctx.keys[(j + 1) * d + c]);
+            m.value[c] = 0.5f * (ctx.values[j * d + c] + ctx.values[(j + 1) * d + c]);
+          }
+          m.members = {{j + 1, 0.5f}};
+          cache->SetMerge(s, std::move(m));
+        }
+      }
+      void BeforeStep(const HeadContext&, const StepAttention& att, int, HeadCache* cache) override {
+        if (std::find(touch_.begin(), touch_.end(), att.step) == touch_.end()) return;
+        REQUIRE(cache->is_merged(0));
+        MergedSlot same = cache->merged(0);
+        cache->SetMerge(0, std::move(same));
+      }
+
+     private:
+      std::vector<int> touch_;
+    };
+    return std::make_unique<Head>(touch_);
+  }
+
+ private:
+  std::vector<int> touch_;
+};
+
+// The engine computes a merged slot's dots and value contribution for all steps at once while the cache's
+// version is unchanged since the previous step (one product instead of one Dot per step), and per step
+// otherwise. The same merged content gives the same metrics both ways up to float rounding (the products
+// sum in another order), whichever steps break the blocks (a block's first step, a block cut short, a block
+// that runs out and is renewed), with GQA and a sliding window, and bit-identically at any thread count.
+TEST_CASE("replay: merged slots in bulk match the per-step path up to rounding", "[replay][merge]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 6;
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 40;
+  spec.decode_steps = 23;
+  spec.image_end = 30;
+  spec.seed = 41;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  std::vector<int> every(spec.decode_steps);
+  std::iota(every.begin(), every.end(), 0);
+  const std::vector<std::vector<int>> touches = {
+      every,        // a new version at every step: always the per-step path (the reference here)
+      {},           // merged once: one block from step 0
+      {3, 4, 9},    // blocks cut short, a per-step stretch, then blocks of 6, 12 ... renewed when used up
+      {1, 2, 3, 5}  // alternating
+  };
+  for (int window : {0, 17}) {
+    TraceMeta meta = trace.meta();
+    meta.model.sliding_window = window;
+    std::vector<LayerData> layers;
+    for (int l = 0; l < meta.model.num_layers; ++l) {
+      LayerData d;
+      REQUIRE(trace.ReadLayer(l, &d).ok());
+      d.layer = l;
+      layers.push_back(d);
+    }
+    MemoryTrace t2(meta, layers);
+    std::vector<RunSpec> runs;
+    for (const auto& touch : touches)
+      runs.push_back(RunSpec{std::make_shared<PairMergePolicy>(touch), "", 0, 30, QuestionMode::kQueryAware});
+    auto a = Replay(t2, runs, ReplayOptions{.threads = 1});
+    auto b = Replay(t2, runs, ReplayOptions{.threads = 3});
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    const Metrics& ref = (*a)[0].metrics();
+    REQUIRE(ref.merged_weight_over_mass_mean() > 0);
+    REQUIRE(ref.output_rel_error_mean() > 1e-3);
+    for (size_t i = 0; i < runs.size(); ++i) {
+      INFO("touch variant " << i << " window " << window);
+      CHECK((*a)[i].SerializeAsString() == (*b)[i].SerializeAsString());
+      const Metrics& m = (*a)[i].metrics();
+      CHECK(m.output_rel_error_mean() == Approx(ref.output_rel_error_mean()).epsilon(1e-5));
+      CHECK(m.merged_weight_over_mass_mean() == Approx(ref.merged_weight_over_mass_mean()).epsilon(1e-5));
+      CHECK(m.retained_mass_mean() == ref.retained_mass_mean());
+      CHECK(m.covered_mass_mean() == ref.covered_mass_mean());
+      for (int l = 0; l < meta.model.num_layers; ++l)
+        CHECK((*a)[i].layers(l).metrics().output_rel_error_mean() ==
+              Approx((*a)[0].layers(l).metrics().output_rel_error_mean()).epsilon(1e-5));
+    }
+  }
 }
 
 }  // namespace
