@@ -168,9 +168,9 @@ struct WorkerScratch {
   std::vector<int32_t> col;       // [T] column of a token in the compact product, -1 if unused
   std::vector<int32_t> used;      // columns' tokens, ascending
   std::vector<float> a, vu, out;  // the compact product: [g*S][|U|] x [|U|][d] = [g*S][d]
-  // Merged slots in bulk (see MergedBlock): while the cache's version is unchanged, its merged slots (keys,
-  // values, slot indices) are too, so the dots of steps [mt0, S) with them are one product per group member
-  // and their values' output contribution another, added to `extra` when the block ends.
+  // Merged slots in bulk (see BeginMergedBlock): while the cache's version is unchanged, its merged slots
+  // (keys, values, slot indices) are too, so the dots of steps [mt0, mt0 + mrows) with them are one product
+  // per group member and their values' output contribution another, added to `extra` when the block ends.
   uint64_t prev_version = 0;  // the cache's version at the previous step's attention
   uint64_t mversion = 0;      // the version the block was built for
   int mt0 = -1;               // first step of the block; -1: no block
