@@ -466,10 +466,13 @@ std::optional<SweepUnit> ReusableUnit(const SweepPlan& plan, size_t i, const std
 }
 
 StatusOr<SweepUnit> ComputeSweepUnit(const SweepPlan& plan, size_t i, int threads, Progress* progress,
-                                     const std::string& read_path) {
+                                     const std::string& read_path, const std::string& trace_hash) {
   const config::Sample& s = plan.samples.at(i);
   const std::string& path = read_path.empty() ? s.path() : read_path;
-  KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(path));
+  std::string hash = trace_hash;
+  if (hash.empty()) {
+    KVSIM_ASSIGN_OR_RETURN(hash, HashFile(path));
+  }
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), plan.runs).WithContext(s.path()));
   KVSIM_ASSIGN_OR_RETURN(auto latency, MakeLatencyModel(plan.clock, trace->meta()));
@@ -545,7 +548,7 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
           ++units->reused;
           return std::move(*old);
         }
-      KVSIM_ASSIGN_OR_RETURN(SweepUnit unit, ComputeSweepUnit(plan, i, options.threads, &progress));
+      KVSIM_ASSIGN_OR_RETURN(SweepUnit unit, ComputeSweepUnit(plan, i, options.threads, &progress, "", hash));
       if (!units_dir.empty())
         KVSIM_RETURN_IF_ERROR(
             WriteFileAtomic((fs::path(units_dir) / plan.UnitFile(i)).string(), ToJson(unit)));
