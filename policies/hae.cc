@@ -216,6 +216,10 @@ std::unique_ptr<PolicyPlan> HAEPolicy::NewPlan(const TraceMeta& meta, int) const
   return plan;
 }
 
+std::vector<int> HAEPolicy::FirstPassLayers(const TraceMeta& meta, int) const {
+  return {std::min(params_.dap_layer(), meta.model.num_layers - 1)};  // NewPlan's dap_layer
+}
+
 void HAEPolicy::ObserveLayer(const LayerView& view, PolicyPlan* plan) const {
   auto* p = static_cast<HAEPlan*>(plan);
   if (view.layer == p->dap_layer) p->scores = ComputeDapScores(view);

@@ -47,6 +47,7 @@ class HAEPolicy final : public TypedPolicy<policy::HAEParams> {
   int decode_headroom() const override { return evicts_during_decode() ? params_.rc_size() : 0; }
   std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const override;
   std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int compress_len) const override;
+  std::vector<int> FirstPassLayers(const TraceMeta& meta, int compress_len) const override;
   void ObserveLayer(const LayerView& layer, PolicyPlan* plan) const override;
   std::vector<int> PlannedLayerBudgets(const TraceMeta& meta, int budget, int compress_len,
                                        const PolicyPlan& plan) const override;

@@ -296,6 +296,9 @@ class MergeWrappedPolicy final : public Policy {
   std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int compress_len) const override {
     return base_->NewPlan(meta, compress_len);
   }
+  std::vector<int> FirstPassLayers(const TraceMeta& meta, int compress_len) const override {
+    return base_->FirstPassLayers(meta, compress_len);
+  }
   void ObserveLayer(const LayerView& layer, PolicyPlan* plan) const override {
     base_->ObserveLayer(layer, plan);
   }

@@ -6,6 +6,12 @@ std::vector<int> Policy::LayerBudgets(const TraceMeta& meta, int budget, int com
   return std::vector<int>(meta.model.num_layers, std::min(budget, compress_len));
 }
 
+std::vector<int> Policy::FirstPassLayers(const TraceMeta& meta, int) const {
+  std::vector<int> all(meta.model.num_layers);
+  for (int l = 0; l < meta.model.num_layers; ++l) all[l] = l;
+  return all;
+}
+
 PolicyGpuWork Policy::gpu_work() const {
   const PolicyRequirements r = requirements();
   PolicyGpuWork w;

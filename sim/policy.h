@@ -49,7 +49,7 @@ class PolicyPlan {
 // One layer as the first pass sees it (fp32 tensors of every head; see LayerData for layouts).
 struct LayerView {
   const TraceMeta* meta = nullptr;
-  const LayerData* data = nullptr;
+  const LayerData* data = nullptr;  // null in the first pass for layers not in Policy::FirstPassLayers
   int layer = 0;
   int compress_end = 0;
   int threads = 1;  // a policy may parallelise its per-layer statistics with ParallelFor
@@ -141,7 +141,7 @@ class Policy {
   virtual std::vector<int> LayerBudgets(const TraceMeta& meta, int budget, int compress_len) const;
   virtual std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const = 0;
 
-  // First pass (requirements().first_pass): the engine streams every layer once, in order, before any
+  // First pass (requirements().first_pass): the engine visits every layer once, in order, before any
   // compression: plan = NewPlan(...); ObserveLayer(view, plan) for each layer; FinishPlan(plan). One plan
   // serves every run of this policy object with the same compressible region (every budget of a sweep).
   // Per-layer budgets then come from PlannedLayerBudgets, and the plan reaches every HeadPolicy
@@ -149,6 +149,11 @@ class Policy {
   virtual std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int compress_len) const {
     return std::make_unique<PolicyPlan>();
   }
+  // The layers whose tensors ObserveLayer needs for a plan over [0, compress_len) (ascending, distinct, in
+  // [0, num_layers)). The engine reads only these (the next one prefetched while one is observed) but still
+  // calls ObserveLayer for every layer in order: for a layer not listed, LayerView::data is null. Empty: no
+  // layer is read (e.g. MEDA on a trace with recorded prompt entropies). Default: every layer.
+  virtual std::vector<int> FirstPassLayers(const TraceMeta& meta, int compress_len) const;
   virtual void ObserveLayer(const LayerView& layer, PolicyPlan* plan) const {}
   virtual void FinishPlan(const TraceMeta& meta, PolicyPlan* plan) const {}
   // Per-layer budgets of a first-pass policy (each in [0, compress_len]); the total may differ from

@@ -1103,12 +1103,47 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
       p.policy_plan = plan;
     }
   if (!shared_plans.empty()) {
-    LayerData layer;
+    // Only the layers some plan needs are read (Policy::FirstPassLayers), the next one in the background
+    // while one is observed; every plan still observes every layer in order (data null where not needed).
+    std::vector<std::vector<char>> wants;  // per shared plan, per layer
+    std::vector<int> needed;               // ascending union
+    std::vector<char> any(num_layers, 0);
+    for (auto& [key, plan] : shared_plans) {
+      std::vector<char>& w = wants.emplace_back(num_layers, 0);
+      int prev = -1;
+      for (int l : key.first->FirstPassLayers(meta, key.second)) {
+        if (l <= prev || l >= num_layers)
+          return Status::Internal(key.first->name() +
+                                  ": FirstPassLayers must be ascending, distinct and in [0, num_layers)");
+        w[l] = any[l] = 1;
+        prev = l;
+      }
+    }
+    for (int l = 0; l < num_layers; ++l)
+      if (any[l]) needed.push_back(l);
+    LayerData layer, next_layer;
+    size_t k = 0;  // next entry of `needed` to read
+    Status read_status = needed.empty() ? Status::Ok() : trace.ReadLayer(needed[0], &layer);
+    std::future<Status> prefetch;
     for (int l = 0; l < num_layers; ++l) {
-      KVSIM_RETURN_IF_ERROR(trace.ReadLayer(l, &layer));
-      layer.layer = l;
-      for (auto& [key, plan] : shared_plans)
-        key.first->ObserveLayer(LayerView{&meta, &layer, l, key.second, options.threads}, plan.get());
+      const bool have = k < needed.size() && needed[k] == l;
+      if (have) {
+        if (prefetch.valid()) {
+          read_status = prefetch.get();
+          std::swap(layer, next_layer);
+        }
+        KVSIM_RETURN_IF_ERROR(read_status);
+        layer.layer = l;
+        if (++k < needed.size())
+          prefetch = std::async(std::launch::async, [&trace, &next_layer, l = needed[k]] {
+            return trace.ReadLayer(l, &next_layer);
+          });
+      }
+      size_t i = 0;
+      for (auto& [key, plan] : shared_plans) {
+        const LayerData* data = wants[i++][l] && have ? &layer : nullptr;
+        key.first->ObserveLayer(LayerView{&meta, data, l, key.second, options.threads}, plan.get());
+      }
     }
     for (auto& [key, plan] : shared_plans) {
       key.first->FinishPlan(meta, plan.get());

@@ -40,4 +40,20 @@ std::string WriteFile(const std::string& path, const std::string& text);
 // Runs a shell command, returns its exit status; stdout+stderr captured into *output if given.
 int RunCommand(const std::string& cmd, std::string* output = nullptr);
 
+// A TraceSource over another that records which layers ReadLayer was asked for (in call order).
+class CountingTrace final : public TraceSource {
+ public:
+  explicit CountingTrace(TraceSource& base) : base_(base) {}
+  const TraceMeta& meta() const override { return base_.meta(); }
+  Status ReadLayer(int layer, LayerData* out) override {
+    reads.push_back(layer);
+    return base_.ReadLayer(layer, out);
+  }
+  std::string Describe() const override { return base_.Describe(); }
+  std::vector<int> reads;
+
+ private:
+  TraceSource& base_;
+};
+
 }  // namespace kvsim::testing

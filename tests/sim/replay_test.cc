@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -578,10 +579,18 @@ class FirstPassPolicy final : public Policy {
     auto* p = static_cast<ObservedPlan*>(plan);
     CHECK_FALSE(p->finished);
     p->order.push_back(v.layer);
-    double s = 0;
-    for (float x : v.data->keys) s += x;
+    double s = -1;  // no data: a layer not in FirstPassLayers
+    if (v.data) {
+      CHECK(v.data->layer == v.layer);
+      s = 0;
+      for (float x : v.data->keys) s += x;
+    }
     p->key_sums.push_back(s);
   }
+  std::vector<int> FirstPassLayers(const TraceMeta& meta, int compress_len) const override {
+    return layers ? *layers : Policy::FirstPassLayers(meta, compress_len);
+  }
+  std::optional<std::vector<int>> layers;  // FirstPassLayers (default: every layer)
   void FinishPlan(const TraceMeta& meta, PolicyPlan* plan) const override {
     auto* p = static_cast<ObservedPlan*>(plan);
     p->finished = true;
@@ -640,6 +649,70 @@ TEST_CASE("replay: first pass sees every layer in order before any compression",
         6);
   CHECK(r.layers(0).metrics().prompt_kept_tokens_mean() == 6);
   CHECK(r.layers(0).metrics().prompt_kept_over_budget() == 1);
+}
+
+TEST_CASE("replay: the first pass reads only the layers its policies need", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 4;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  // Reference: every layer observed with its data.
+  auto all = std::make_shared<FirstPassPolicy>();
+  std::vector<RunSpec> ref_runs{RunSpec{all, "fp", 0, 5, QuestionMode::kQueryAware}};
+  auto ref = Replay(trace, ref_runs, ReplayOptions{.threads = 2});
+  REQUIRE(ref.ok());
+  std::vector<double> ref_sums;
+  for (const auto& l : (*ref)[0].layers()) ref_sums.push_back(l.policy_stats(0).value());
+  struct Case {
+    std::vector<int> layers, second;  // FirstPassLayers of two policies
+    std::vector<int> reads;           // expected ReadLayer calls: the first pass's, then the replay's
+  };
+  for (const Case& c :
+       {Case{{2}, {2}, {2, 0, 1, 2, 3}}, Case{{}, {}, {0, 1, 2, 3}}, Case{{1, 3}, {0}, {0, 1, 3, 0, 1, 2, 3}},
+        Case{{0, 1, 2, 3}, {}, {0, 1, 2, 3, 0, 1, 2, 3}}}) {
+    auto a = std::make_shared<FirstPassPolicy>(), b = std::make_shared<FirstPassPolicy>();
+    a->layers = c.layers;
+    b->layers = c.second;
+    testing::CountingTrace counted(trace);
+    std::vector<RunSpec> runs{RunSpec{a, "a", 0, 5, QuestionMode::kQueryAware},
+                              RunSpec{b, "b", 0, 5, QuestionMode::kQueryAware}};
+    for (int threads : {1, 3}) {
+      counted.reads.clear();
+      auto res = Replay(counted, runs, ReplayOptions{.threads = threads});
+      REQUIRE(res.ok());
+      CHECK(counted.reads == c.reads);
+      // Each plan saw every layer in order, with data exactly for its own layers.
+      for (int r = 0; r < 2; ++r) {
+        const std::vector<int>& want = r == 0 ? c.layers : c.second;
+        for (int l = 0; l < 4; ++l) {
+          const bool has = std::find(want.begin(), want.end(), l) != want.end();
+          CHECK((*res)[r].layers(l).policy_stats(0).value() == (has ? ref_sums[l] : -1));
+        }
+      }
+    }
+  }
+  // A policy listing layers out of order or out of range is an internal error, not a crash.
+  for (std::vector<int> bad : {std::vector<int>{2, 1}, std::vector<int>{1, 1}, std::vector<int>{4}}) {
+    auto p = std::make_shared<FirstPassPolicy>();
+    p->layers = bad;
+    std::vector<RunSpec> runs{RunSpec{p, "p", 0, 5, QuestionMode::kQueryAware}};
+    auto res = Replay(trace, runs, ReplayOptions{.threads = 1});
+    REQUIRE_FALSE(res.ok());
+    CHECK(res.status().message().find("FirstPassLayers must be ascending") != std::string::npos);
+  }
+}
+
+TEST_CASE("replay: HAE's first pass reads only its DAP layer", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 4;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  for (auto [dap, want] : {std::pair{1, 1}, std::pair{0, 0}, std::pair{9, 3}}) {  // clamped to the last
+    auto p = PolicyRegistry::Default().Create("hae", {"dap_layer=" + std::to_string(dap)});
+    REQUIRE(p.ok());
+    testing::CountingTrace counted(trace);
+    std::vector<RunSpec> runs{RunSpec{*p, "hae", 0.5, 0}};
+    REQUIRE(Replay(counted, runs, ReplayOptions{.threads = 2}).ok());
+    CHECK(counted.reads == std::vector<int>{want, 0, 1, 2, 3});
+  }
 }
 
 TEST_CASE("replay: one first-pass plan serves every budget of a policy object", "[replay]") {
