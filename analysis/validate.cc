@@ -16,6 +16,8 @@ StatusOr<ValidationReport> ValidateTrace(TraceSource& trace, int threads) {
   rep.integrity = trace.integrity();
   rep.aggregates_present = meta.has_prefill_column_sums;
   rep.aggregates_checked = meta.has_prefill_column_sums && meta.HasAllPromptQueries();
+  rep.entropies_present = !meta.prompt_entropy_regions.empty();
+  rep.entropies_checked = rep.entropies_present && meta.HasAllPromptQueries();
   const ModelInfo& m = meta.model;
   const int n = meta.prefill_length, t_all = meta.total_tokens(), d = m.head_dim;
   LayerData layer;
@@ -53,6 +55,34 @@ StatusOr<ValidationReport> ValidateTrace(TraceSource& trace, int threads) {
           rep.decode_worst_layer = l, rep.decode_worst_head = h;
           rep.decode_worst_step = worst[h] / t_all, rep.decode_worst_key = worst[h] % t_all;
         }
+    }
+    if (rep.entropies_checked) {
+      const int regions = static_cast<int>(meta.prompt_entropy_regions.size()), H = m.num_heads;
+      const double* rec = meta.RecordedPromptEntropies(l, meta.prompt_entropy_regions[0]);
+      KVSIM_CHECK(rec != nullptr);
+      std::vector<double> got(static_cast<size_t>(regions) * kNumPromptEntropyKinds * H);
+      ParallelFor(H, threads, [&](int h) {  // queries of every token are stored: row = position
+        const float* q = layer.queries.data() + static_cast<size_t>(h) * meta.query_positions.size() * d;
+        const float* k = layer.keys.data() + static_cast<size_t>(h / m.GroupSize()) * t_all * d;
+        for (int r = 0; r < regions; ++r) {
+          const int ce = meta.prompt_entropy_regions[r];
+          double e[kNumPromptEntropyKinds];
+          HeadPromptEntropies(m, std::span(meta.tokens.modality).first(ce), q, k, ce, true, true, e);
+          for (int kind = 0; kind < kNumPromptEntropyKinds; ++kind)
+            got[(static_cast<size_t>(r) * kNumPromptEntropyKinds + kind) * H + h] = e[kind];
+        }
+      });
+      for (size_t i = 0; i < got.size(); ++i) {
+        ++rep.entropies_compared;
+        rep.entropies_differing += got[i] != rec[i];
+        const double dev = std::fabs(got[i] - rec[i]);
+        if (dev > rep.entropy_max_abs_deviation) {
+          rep.entropy_max_abs_deviation = dev;
+          rep.entropy_worst_layer = l, rep.entropy_worst_head = static_cast<int>(i % H);
+          rep.entropy_worst_kind = static_cast<int>(i / H % kNumPromptEntropyKinds);
+          rep.entropy_worst_region = static_cast<int>(i / H / kNumPromptEntropyKinds);
+        }
+      }
     }
     if (!rep.aggregates_checked) continue;
     std::vector<double> abs_dev(m.num_heads, 0), rel_dev(m.num_heads, 0);
@@ -101,6 +131,21 @@ std::string ValidationReport::Text(const TraceMeta& meta, double tolerance) cons
       os << " (layer " << worst_layer << ", head " << worst_head << ", key " << worst_key << ")";
     os << ", max abs deviation " << max_abs_deviation << " -> "
        << (max_rel_deviation <= tolerance ? "ok" : "MISMATCH") << " (tolerance " << tolerance << ")\n";
+  }
+  if (entropies_present && !entropies_checked) {
+    os << "aggregates: prompt_entropies recorded but not checkable: the trace stores queries of only the "
+          "last "
+       << meta.query_positions.size() - meta.num_decode_steps << " prompt tokens\n";
+  } else if (entropies_checked) {
+    os << "aggregates: prompt_entropies vs recomputed from Q/K (HeadPromptEntropies): " << entropies_differing
+       << " of " << entropies_compared << " values differ, max abs deviation " << entropy_max_abs_deviation
+       << " nats";
+    if (entropy_worst_layer >= 0)
+      os << " (layer " << entropy_worst_layer
+         << ", region ce=" << meta.prompt_entropy_regions[entropy_worst_region] << ", kind "
+         << entropy_worst_kind << ", head " << entropy_worst_head << ")";
+    os << " -> " << (entropy_max_abs_deviation <= tolerance ? "ok" : "MISMATCH") << " (tolerance "
+       << tolerance << ")\n";
   }
   if (decode_rows_present) {
     os << "aggregates: decode attention rows (" << decode_rows_layers

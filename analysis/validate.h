@@ -2,6 +2,7 @@
 // `kvsim validate`: reads every layer (shapes, dtypes, NaN/Inf, metadata consistency) and, where the trace
 // records attention aggregates, recomputes them from Q and K and reports the deviation.
 
+#include <cstdint>
 #include <string>
 
 #include "sim/trace.h"
@@ -24,10 +25,19 @@ struct ValidationReport {
   int decode_rows_layers = 0;
   double decode_max_abs_deviation = 0;
   int decode_worst_layer = -1, decode_worst_head = -1, decode_worst_step = -1, decode_worst_key = -1;
+  // Recorded prompt entropies (aggregates/layer_XXX/prompt_entropies) vs recomputed with
+  // HeadPromptEntropies from the stored Q/K (needs every prompt query): values that differ in any bit, and
+  // the largest absolute difference (nats) and where it is.
+  bool entropies_present = false;
+  bool entropies_checked = false;
+  int64_t entropies_compared = 0, entropies_differing = 0;
+  double entropy_max_abs_deviation = 0;
+  int entropy_worst_layer = -1, entropy_worst_region = -1, entropy_worst_kind = -1, entropy_worst_head = -1;
   // Whether anything checked exceeds the tolerance.
   bool Mismatch(double tolerance) const {
     return (aggregates_checked && max_rel_deviation > tolerance) ||
-           (decode_rows_present && decode_max_abs_deviation > tolerance);
+           (decode_rows_present && decode_max_abs_deviation > tolerance) ||
+           (entropies_checked && entropy_max_abs_deviation > tolerance);
   }
   std::string Text(const TraceMeta& meta, double tolerance) const;
 };

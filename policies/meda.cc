@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 
 #include "policies/pieces.h"
 #include "sim/parallel.h"
@@ -12,8 +13,6 @@
 
 namespace kvsim {
 namespace {
-
-constexpr int kEntropyRows = 128;  // query rows per GEMM block
 
 // Gathers rows `idx` of a [*][d] matrix.
 std::vector<float> Gather(const float* src, std::span<const int32_t> idx, int d) {
@@ -132,88 +131,6 @@ class LookMHead final : public HeadPolicy {
 
 }  // namespace
 
-double MeanRowEntropy(const LogitTransform& tf, const float* q, int rows, const float* k, int cols, int d) {
-  if (rows == 0 || cols == 0) return 0;
-  EnsureSingleThreadedBlas();
-  std::vector<float> block(static_cast<size_t>(kEntropyRows) * cols);
-  double sum = 0;
-  for (int b = 0; b < rows; b += kEntropyRows) {
-    const int r = std::min(kEntropyRows, rows - b);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, cols, d, tf.scale, q + static_cast<size_t>(b) * d,
-                d, k, d, 0.0f, block.data(), cols);
-    for (int i = 0; i < r; ++i) {
-      float* row = block.data() + static_cast<size_t>(i) * cols;
-      SoftCap(row, cols, tf.softcap);
-      sum += SoftmaxEntropy(row, cols);
-    }
-  }
-  return sum / rows;
-}
-
-double MeanCausalRowEntropy(const ModelInfo& m, const float* q, const float* k, int n) {
-  if (n == 0) return 0;
-  EnsureSingleThreadedBlas();
-  const int d = m.head_dim;
-  std::vector<float> block;
-  double sum = 0;
-  for (int b0 = 0; b0 < n; b0 += kEntropyRows) {
-    const int b1 = std::min(n, b0 + kEntropyRows), rows = b1 - b0;
-    const int kmin = FirstVisibleKey(m, b0), width = b1 - kmin;
-    block.resize(static_cast<size_t>(rows) * width);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, width, d, static_cast<float>(m.softmax_scale),
-                q + static_cast<size_t>(b0) * d, d, k + static_cast<size_t>(kmin) * d, d, 0.0f, block.data(),
-                width);
-    for (int i = 0; i < rows; ++i) {
-      const int pos = b0 + i, lo = FirstVisibleKey(m, pos) - kmin, hi = pos + 1 - kmin;
-      float* row = block.data() + static_cast<size_t>(i) * width + lo;
-      SoftCap(row, hi - lo, static_cast<float>(m.logit_softcap));
-      sum += SoftmaxEntropy(row, hi - lo);
-    }
-  }
-  return sum / n;
-}
-
-double MeanRowEntropyOfHeadMean(const ModelInfo& m, std::span<const float* const> q,
-                                std::span<const float* const> k, int rows, int cols, bool causal,
-                                int threads) {
-  KVSIM_CHECK(q.size() == k.size());
-  const int H = static_cast<int>(q.size()), d = m.head_dim;
-  if (rows == 0 || cols == 0 || H == 0) return 0;
-  EnsureSingleThreadedBlas();
-  const float scale = static_cast<float>(m.softmax_scale), cap = static_cast<float>(m.logit_softcap);
-  const int blocks = (rows + kEntropyRows - 1) / kEntropyRows;
-  std::vector<double> part(blocks, 0.0);  // per row block, summed in block order: any thread count
-  ParallelFor(blocks, threads, [&](int b) {
-    const int r0 = b * kEntropyRows, r1 = std::min(rows, r0 + kEntropyRows), nr = r1 - r0;
-    const int kmin = causal ? FirstVisibleKey(m, r0) : 0, width = (causal ? r1 : cols) - kmin;
-    auto lo = [&](int i) { return causal ? FirstVisibleKey(m, r0 + i) - kmin : 0; };
-    auto hi = [&](int i) { return causal ? r0 + i + 1 - kmin : width; };
-    std::vector<float> block(static_cast<size_t>(nr) * width), mean(block.size(), 0.0f);
-    for (int h = 0; h < H; ++h) {  // heads in a fixed order
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, width, d, scale,
-                  q[h] + static_cast<size_t>(r0) * d, d, k[h] + static_cast<size_t>(kmin) * d, d, 0.0f,
-                  block.data(), width);
-      for (int i = 0; i < nr; ++i) {
-        float* row = block.data() + static_cast<size_t>(i) * width;
-        float* acc = mean.data() + static_cast<size_t>(i) * width;
-        SoftCap(row + lo(i), hi(i) - lo(i), cap);
-        SoftmaxInPlace(row + lo(i), hi(i) - lo(i));
-        for (int j = lo(i); j < hi(i); ++j) acc[j] += row[j];
-      }
-    }
-    double sum = 0;
-    for (int i = 0; i < nr; ++i) {
-      const float* acc = mean.data() + static_cast<size_t>(i) * width;
-      for (int j = lo(i); j < hi(i); ++j) {
-        const double p = static_cast<double>(acc[j]) / H;
-        if (p > 0) sum -= p * std::log(p);
-      }
-    }
-    part[b] = sum;
-  });
-  return std::accumulate(part.begin(), part.end(), 0.0) / rows;
-}
-
 double MedaLayerEntropy(const LayerView& view, policy::MedaParams::Entropy mode,
                         policy::MedaParams::HeadAveraging averaging) {
   const TraceMeta& meta = *view.meta;
@@ -255,22 +172,31 @@ double MedaLayerEntropy(const LayerView& view, policy::MedaParams::Entropy mode,
     if (text.empty() || visual.empty()) return 0;
     return entropy(text, visual, false) + entropy(visual, text, false);  // -E_TV - E_VT
   }
+  const bool self = mode == policy::MedaParams::FULL_SELF;
   std::vector<double> per_head(m.num_heads, 0.0);
   ParallelFor(m.num_heads, view.threads, [&](int h) {
-    const float* keys = head_keys(h);
-    auto query_rows = [&](std::span<const int32_t> pos) { return head_query_rows(h, pos); };
-    if (mode == policy::MedaParams::FULL_SELF) {
-      per_head[h] = MeanCausalRowEntropy(m, query_rows(all).data(), keys, ce);
-      return;
-    }
-    const LogitTransform tf(m);
-    const std::vector<float> qt = query_rows(text), qv = query_rows(visual);
-    const std::vector<float> kt = Gather(keys, text, d), kv = Gather(keys, visual, d);
-    const int nt = static_cast<int>(text.size()), nv = static_cast<int>(visual.size());
-    per_head[h] = MeanRowEntropy(tf, qt.data(), nt, kv.data(), nv, d) +  // -E_TV
-                  MeanRowEntropy(tf, qv.data(), nv, kt.data(), nt, d);   // -E_VT
+    double e[kNumPromptEntropyKinds];
+    HeadPromptEntropies(m, std::span(meta.tokens.modality).first(ce), head_query_rows(h, all).data(),
+                        head_keys(h), ce, self, !self, e);
+    per_head[h] = self ? e[kSelfEntropy] : e[kTextToVisualEntropy] + e[kVisualToTextEntropy];  // -E_TV - E_VT
   });
   return Mean(per_head);  // over the num_heads heads
+}
+
+std::optional<double> MedaRecordedLayerEntropy(const TraceMeta& meta, int layer, int compress_end,
+                                               policy::MedaParams::Entropy mode,
+                                               policy::MedaParams::HeadAveraging averaging) {
+  if (averaging != policy::MedaParams::MEAN_OF_HEAD_ENTROPIES) return std::nullopt;
+  const double* rec = meta.RecordedPromptEntropies(layer, compress_end);
+  if (!rec) return std::nullopt;
+  const int heads = meta.model.num_heads;
+  auto kind = [&](PromptEntropyKind k, int h) { return rec[static_cast<size_t>(k) * heads + h]; };
+  std::vector<double> per_head(heads);  // exactly as MedaLayerEntropy combines the computed values
+  for (int h = 0; h < heads; ++h)
+    per_head[h] = mode == policy::MedaParams::FULL_SELF
+                      ? kind(kSelfEntropy, h)
+                      : kind(kTextToVisualEntropy, h) + kind(kVisualToTextEntropy, h);
+  return Mean(per_head);
 }
 
 namespace {
@@ -357,9 +283,18 @@ std::unique_ptr<PolicyPlan> MedaPolicy::NewPlan(const TraceMeta&, int) const {
   return std::make_unique<MedaPlan>();
 }
 
+std::vector<int> MedaPolicy::FirstPassLayers(const TraceMeta& meta, int compress_len) const {
+  if (meta.RecordedPromptEntropies(0, compress_len) &&
+      params_.head_averaging() == policy::MedaParams::MEAN_OF_HEAD_ENTROPIES)
+    return {};  // every layer's entropy is recorded (RecordedPromptEntropies covers all layers or none)
+  return Policy::FirstPassLayers(meta, compress_len);
+}
+
 void MedaPolicy::ObserveLayer(const LayerView& layer, PolicyPlan* plan) const {
+  const std::optional<double> recorded = MedaRecordedLayerEntropy(
+      *layer.meta, layer.layer, layer.compress_end, params_.entropy(), params_.head_averaging());
   static_cast<MedaPlan*>(plan)->entropy.push_back(
-      MedaLayerEntropy(layer, params_.entropy(), params_.head_averaging()));
+      recorded ? *recorded : MedaLayerEntropy(layer, params_.entropy(), params_.head_averaging()));
 }
 
 void MedaPolicy::FinishPlan(const TraceMeta& meta, PolicyPlan* plan) const {

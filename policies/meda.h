@@ -3,6 +3,7 @@
 // with a 3:1 recent:important split, and average merging of every evicted token. Prefill-only.
 // Paper equations, options and the official-code variant: docs/policies/meda.md.
 
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -13,21 +14,6 @@
 
 namespace kvsim {
 
-// Mean over the rows of q ([rows][d]) of the entropy of softmax_j(tf(q_i . k_j)) over keys [cols][d]
-// (no mask). 0 when rows or cols is 0.
-double MeanRowEntropy(const LogitTransform& tf, const float* q, int rows, const float* k, int cols, int d);
-
-// Mean over rows i in [0, n) of the entropy of the causal self-attention row i (keys
-// [FirstVisibleKey(i), i]); q and k are [n][d] at positions 0..n-1.
-double MeanCausalRowEntropy(const ModelInfo& m, const float* q, const float* k, int n);
-
-// Mean over rows i in [0, rows) of the entropy of the head-averaged attention row
-// (1/H) Σ_h softmax(tf(q_h[i] . k_h[j])), H = q.size(); q[h]: [rows][d], k[h]: [cols][d]. causal: rows and
-// cols are positions 0..rows-1 and row i sees keys [FirstVisibleKey(i), i]; else every row sees every key.
-double MeanRowEntropyOfHeadMean(const ModelInfo& m, std::span<const float* const> q,
-                                std::span<const float* const> k, int rows, int cols, bool causal,
-                                int threads);
-
 // The layer entropy over the compressible prompt [0, view.compress_end):
 //   CROSS_MODAL (Eqs. 4-6): E_CM = H(softmax(Q_T K_V^T)) + H(softmax(Q_V K_T^T)), mean row entropies,
 //                           T = text-like tokens, V = image and video tokens;
@@ -36,6 +22,14 @@ double MeanRowEntropyOfHeadMean(const ModelInfo& m, std::span<const float* const
 // entropies of the head-averaged attention.
 double MedaLayerEntropy(
     const LayerView& view, policy::MedaParams::Entropy mode,
+    policy::MedaParams::HeadAveraging averaging = policy::MedaParams::MEAN_OF_HEAD_ENTROPIES);
+
+// The same layer entropy from the trace's recorded per-head prompt entropies
+// (TraceMeta::RecordedPromptEntropies; docs/policies/meda.md "Recorded entropies"), bit-identical to
+// MedaLayerEntropy on that trace; nullopt when the trace has none for (layer, compress_end) or for
+// ENTROPY_OF_MEAN_ATTENTION (not recorded: computed from the layer).
+std::optional<double> MedaRecordedLayerEntropy(
+    const TraceMeta& meta, int layer, int compress_end, policy::MedaParams::Entropy mode,
     policy::MedaParams::HeadAveraging averaging = policy::MedaParams::MEAN_OF_HEAD_ENTROPIES);
 
 // Eq. 7: α_l = softmax_l(E) * L * ρ with ρ = budget / compress_len, S_l = α_l * compress_len:
@@ -60,6 +54,7 @@ class MedaPolicy final : public TypedPolicy<policy::MedaParams> {
   int compression_step() const override;
   std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const override;
   std::unique_ptr<PolicyPlan> NewPlan(const TraceMeta& meta, int compress_len) const override;
+  std::vector<int> FirstPassLayers(const TraceMeta& meta, int compress_len) const override;
   void ObserveLayer(const LayerView& layer, PolicyPlan* plan) const override;
   void FinishPlan(const TraceMeta& meta, PolicyPlan* plan) const override;
   std::vector<int> PlannedLayerBudgets(const TraceMeta& meta, int budget, int compress_len,

@@ -7,6 +7,9 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <numeric>
+
+#include "sim/parallel.h"
 
 namespace kvsim {
 namespace {
@@ -175,6 +178,121 @@ float SoftmaxEntropy(const float* x, int n) {
   for (; i < n; ++i) z[0] += e[i], zy[0] += e[i] * y[i];
   const double sz = (z[0] + z[1]) + (z[2] + z[3]), szy = (zy[0] + zy[1]) + (zy[2] + zy[3]);
   return static_cast<float>(std::max(0.0, std::log(sz) - szy / sz));
+}
+
+namespace {
+
+constexpr int kEntropyRows = 128;  // query rows per GEMM block (prompt entropies)
+
+// Gathers rows `idx` of a [*][d] matrix.
+std::vector<float> GatherRows(const float* src, std::span<const int32_t> idx, int d) {
+  std::vector<float> out(idx.size() * static_cast<size_t>(d));
+  for (size_t i = 0; i < idx.size(); ++i)
+    std::copy(src + static_cast<size_t>(idx[i]) * d, src + static_cast<size_t>(idx[i] + 1) * d,
+              out.begin() + i * d);
+  return out;
+}
+
+}  // namespace
+
+double MeanRowEntropy(const LogitTransform& tf, const float* q, int rows, const float* k, int cols, int d) {
+  if (rows == 0 || cols == 0) return 0;
+  EnsureSingleThreadedBlas();
+  std::vector<float> block(static_cast<size_t>(kEntropyRows) * cols);
+  double sum = 0;
+  for (int b = 0; b < rows; b += kEntropyRows) {
+    const int r = std::min(kEntropyRows, rows - b);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, cols, d, tf.scale, q + static_cast<size_t>(b) * d,
+                d, k, d, 0.0f, block.data(), cols);
+    for (int i = 0; i < r; ++i) {
+      float* row = block.data() + static_cast<size_t>(i) * cols;
+      SoftCap(row, cols, tf.softcap);
+      sum += SoftmaxEntropy(row, cols);
+    }
+  }
+  return sum / rows;
+}
+
+double MeanCausalRowEntropy(const ModelInfo& m, const float* q, const float* k, int n) {
+  if (n == 0) return 0;
+  EnsureSingleThreadedBlas();
+  const int d = m.head_dim;
+  std::vector<float> block;
+  double sum = 0;
+  for (int b0 = 0; b0 < n; b0 += kEntropyRows) {
+    const int b1 = std::min(n, b0 + kEntropyRows), rows = b1 - b0;
+    const int kmin = FirstVisibleKey(m, b0), width = b1 - kmin;
+    block.resize(static_cast<size_t>(rows) * width);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, width, d, static_cast<float>(m.softmax_scale),
+                q + static_cast<size_t>(b0) * d, d, k + static_cast<size_t>(kmin) * d, d, 0.0f, block.data(),
+                width);
+    for (int i = 0; i < rows; ++i) {
+      const int pos = b0 + i, lo = FirstVisibleKey(m, pos) - kmin, hi = pos + 1 - kmin;
+      float* row = block.data() + static_cast<size_t>(i) * width + lo;
+      SoftCap(row, hi - lo, static_cast<float>(m.logit_softcap));
+      sum += SoftmaxEntropy(row, hi - lo);
+    }
+  }
+  return sum / n;
+}
+
+double MeanRowEntropyOfHeadMean(const ModelInfo& m, std::span<const float* const> q,
+                                std::span<const float* const> k, int rows, int cols, bool causal,
+                                int threads) {
+  KVSIM_CHECK(q.size() == k.size());
+  const int H = static_cast<int>(q.size()), d = m.head_dim;
+  if (rows == 0 || cols == 0 || H == 0) return 0;
+  EnsureSingleThreadedBlas();
+  const float scale = static_cast<float>(m.softmax_scale), cap = static_cast<float>(m.logit_softcap);
+  const int blocks = (rows + kEntropyRows - 1) / kEntropyRows;
+  std::vector<double> part(blocks, 0.0);  // per row block, summed in block order: any thread count
+  ParallelFor(blocks, threads, [&](int b) {
+    const int r0 = b * kEntropyRows, r1 = std::min(rows, r0 + kEntropyRows), nr = r1 - r0;
+    const int kmin = causal ? FirstVisibleKey(m, r0) : 0, width = (causal ? r1 : cols) - kmin;
+    auto lo = [&](int i) { return causal ? FirstVisibleKey(m, r0 + i) - kmin : 0; };
+    auto hi = [&](int i) { return causal ? r0 + i + 1 - kmin : width; };
+    std::vector<float> block(static_cast<size_t>(nr) * width), mean(block.size(), 0.0f);
+    for (int h = 0; h < H; ++h) {  // heads in a fixed order
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, width, d, scale,
+                  q[h] + static_cast<size_t>(r0) * d, d, k[h] + static_cast<size_t>(kmin) * d, d, 0.0f,
+                  block.data(), width);
+      for (int i = 0; i < nr; ++i) {
+        float* row = block.data() + static_cast<size_t>(i) * width;
+        float* acc = mean.data() + static_cast<size_t>(i) * width;
+        SoftCap(row + lo(i), hi(i) - lo(i), cap);
+        SoftmaxInPlace(row + lo(i), hi(i) - lo(i));
+        for (int j = lo(i); j < hi(i); ++j) acc[j] += row[j];
+      }
+    }
+    double sum = 0;
+    for (int i = 0; i < nr; ++i) {
+      const float* acc = mean.data() + static_cast<size_t>(i) * width;
+      for (int j = lo(i); j < hi(i); ++j) {
+        const double p = static_cast<double>(acc[j]) / H;
+        if (p > 0) sum -= p * std::log(p);
+      }
+    }
+    part[b] = sum;
+  });
+  return std::accumulate(part.begin(), part.end(), 0.0) / rows;
+}
+
+void HeadPromptEntropies(const ModelInfo& m, std::span<const Modality> modality, const float* q,
+                         const float* k, int ce, bool self, bool cross, double out[kNumPromptEntropyKinds]) {
+  KVSIM_CHECK(static_cast<int>(modality.size()) >= ce);
+  const int d = m.head_dim;
+  out[kSelfEntropy] = self ? MeanCausalRowEntropy(m, q, k, ce) : 0;
+  out[kTextToVisualEntropy] = out[kVisualToTextEntropy] = 0;
+  if (!cross) return;
+  std::vector<int32_t> text, visual;
+  for (int j = 0; j < ce; ++j)
+    (modality[j] == Modality::kImage || modality[j] == Modality::kVideo ? visual : text).push_back(j);
+  const LogitTransform tf(m);
+  const std::vector<float> qt = GatherRows(q, text, d), qv = GatherRows(q, visual, d);
+  const std::vector<float> kt = GatherRows(k, text, d), kv = GatherRows(k, visual, d);
+  const int nt = static_cast<int>(text.size()), nv = static_cast<int>(visual.size());
+  out[kTextToVisualEntropy] = MeanRowEntropy(tf, qt.data(), nt, kv.data(), nv, d);
+  out[kVisualToTextEntropy] = MeanRowEntropy(tf, qv.data(), nv, kt.data(), nt, d);
 }
 
 }  // namespace kvsim

@@ -69,6 +69,38 @@ float SoftmaxEntropy(const float* logits, int n);
 // Gemma-style logit soft-cap in place: x = cap * tanh(x / cap); cap <= 0 leaves x unchanged.
 void SoftCap(float* x, int n, float cap);
 
+// Prompt attention entropies (MEDA, policies/meda.cc; recorded in traces as
+// aggregates/layer_XXX/prompt_entropies, docs/trace-format.md). Computed in row blocks of one GEMM each;
+// the sums run in a fixed order, so results do not depend on the thread count.
+// Mean over the rows of q ([rows][d]) of the entropy of softmax_j(tf(q_i . k_j)) over keys [cols][d]
+// (no mask). 0 when rows or cols is 0.
+double MeanRowEntropy(const LogitTransform& tf, const float* q, int rows, const float* k, int cols, int d);
+
+// Mean over rows i in [0, n) of the entropy of the causal self-attention row i (keys
+// [FirstVisibleKey(i), i]); q and k are [n][d] at positions 0..n-1.
+double MeanCausalRowEntropy(const ModelInfo& m, const float* q, const float* k, int n);
+
+// Mean over rows i in [0, rows) of the entropy of the head-averaged attention row
+// (1/H) Σ_h softmax(tf(q_h[i] . k_h[j])), H = q.size(); q[h]: [rows][d], k[h]: [cols][d]. causal: rows and
+// cols are positions 0..rows-1 and row i sees keys [FirstVisibleKey(i), i]; else every row sees every key.
+double MeanRowEntropyOfHeadMean(const ModelInfo& m, std::span<const float* const> q,
+                                std::span<const float* const> k, int rows, int cols, bool causal,
+                                int threads);
+
+// The per-head prompt entropies over the compressible prompt [0, ce) that MEDA's MEAN_OF_HEAD_ENTROPIES
+// modes average over heads, in this order:
+//   kSelfEntropy         MeanCausalRowEntropy of the causal self-attention (FULL_SELF);
+//   kTextToVisualEntropy MeanRowEntropy of the text-like queries over the visual keys (CROSS_MODAL's -E_TV);
+//   kVisualToTextEntropy MeanRowEntropy of the visual queries over the text-like keys (-E_VT).
+// Visual = image and video tokens, text-like = every other token of [0, ce).
+// (PromptEntropyKind and kNumPromptEntropyKinds: sim/trace.h.)
+// q: this head's queries of positions [0, ce) ([ce][d]); k: its KV head's keys, row = position (>= ce rows);
+// modality: of positions [0, ce). Fills out[kSelfEntropy] when `self`, the two cross-modal entries when
+// `cross` (the others are set to 0). The one implementation MEDA and the trace writers (kvsim synth) use,
+// so a recorded value is bit-identical to a computed one.
+void HeadPromptEntropies(const ModelInfo& m, std::span<const Modality> modality, const float* q,
+                         const float* k, int ce, bool self, bool cross, double out[kNumPromptEntropyKinds]);
+
 // BLAS runs single-threaded: kvsim parallelises over heads itself, which also keeps every product's
 // reduction order independent of the thread count. Call before the first BLAS product of a code path.
 void EnsureSingleThreadedBlas();

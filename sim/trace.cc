@@ -63,6 +63,18 @@ int TraceMeta::QueryIndex(int32_t pos) const {
   return static_cast<int>(it - query_positions.begin());
 }
 
+const double* TraceMeta::RecordedPromptEntropies(int layer, int compress_end) const {
+  const auto it =
+      std::lower_bound(prompt_entropy_regions.begin(), prompt_entropy_regions.end(), compress_end);
+  if (it == prompt_entropy_regions.end() || *it != compress_end || prompt_entropies.empty() || layer < 0 ||
+      layer >= model.num_layers)
+    return nullptr;
+  const size_t per_region = static_cast<size_t>(kNumPromptEntropyKinds) * model.num_heads;
+  const size_t r = it - prompt_entropy_regions.begin();
+  return prompt_entropies.data() +
+         (static_cast<size_t>(layer) * prompt_entropy_regions.size() + r) * per_region;
+}
+
 const BlockEncodingInfo* StreamInfo::FindBlocks(int granularity) const {
   for (const BlockEncodingInfo& b : block_encodings)
     if (b.granularity == granularity) return &b;
@@ -285,11 +297,25 @@ Status TraceMeta::Validate() const {
   if (m.logit_softcap < 0 || !std::isfinite(m.logit_softcap))
     return Bad("logit_softcap", "must be >= 0 (0 = none)");
   if (m.model_dtype != "float16" && m.model_dtype != "bfloat16" && m.model_dtype != "float32")
-    return Bad("model_dtype", "must be float16, bfloat16 or float32, got '" + ForMessage(m.model_dtype) + "'");
+    return Bad("model_dtype",
+               "must be float16, bfloat16 or float32, got '" + ForMessage(m.model_dtype) + "'");
   if (prefill_length <= 0) return Bad("prefill_length", "must be > 0");
   if (num_decode_steps < 0) return Bad("num_decode_steps", "must be >= 0");
   if (source != "synthetic" && source != "captured")
     return Bad("source", "must be 'synthetic' or 'captured', got '" + ForMessage(source) + "'");
+  for (size_t i = 0; i < prompt_entropy_regions.size(); ++i) {
+    const int32_t ce = prompt_entropy_regions[i];
+    if (ce < 1 || ce > prefill_length || (i > 0 && ce <= prompt_entropy_regions[i - 1]))
+      return Bad("aggregates/prompt_entropy_regions",
+                 "must be ascending, distinct and in [1, prefill_length = " + std::to_string(prefill_length) +
+                     "], got " + std::to_string(ce) + " at index " + std::to_string(i));
+  }
+  if (!prompt_entropies.empty() && prompt_entropies.size() != static_cast<size_t>(m.num_layers) *
+                                                                  prompt_entropy_regions.size() *
+                                                                  kNumPromptEntropyKinds * m.num_heads)
+    return Bad("prompt_entropies", "must hold num_layers x regions x " +
+                                       std::to_string(kNumPromptEntropyKinds) +
+                                       " x num_heads values, or none");
   const int64_t t = total_tokens();
   const TokenTable& tk = tokens;
   auto check_len = [&](const char* name, size_t n) -> Status {
@@ -353,6 +379,14 @@ Status TraceMeta::Validate() const {
   return Status::Ok();
 }
 
+MemoryTrace::MemoryTrace(TraceMeta meta, std::vector<LayerData> layers)
+    : meta_(std::move(meta)), layers_(std::move(layers)) {
+  if (meta_.prompt_entropies.empty() && !meta_.prompt_entropy_regions.empty())
+    for (const LayerData& l : layers_)
+      meta_.prompt_entropies.insert(meta_.prompt_entropies.end(), l.prompt_entropies.begin(),
+                                    l.prompt_entropies.end());
+}
+
 Status MemoryTrace::ReadLayer(int layer, LayerData* out) {
   if (layer < 0 || layer >= static_cast<int>(layers_.size()))
     return Status::NotFound("<memory>: layer " + std::to_string(layer) + " not present");
@@ -362,6 +396,7 @@ Status MemoryTrace::ReadLayer(int layer, LayerData* out) {
   out->values = src.values;
   out->queries = src.queries;
   out->prefill_column_sums = src.prefill_column_sums;
+  out->prompt_entropies = src.prompt_entropies;
   out->blocks.clear();  // block encodings are read with ReadBlockLayer
   return ValidateLayer(meta_, *out, "<memory>");
 }
@@ -401,6 +436,7 @@ Status MemoryTrace::ReadBlockLayer(int granularity, int layer, BlockLayerData* o
 Status MemoryTrace::Begin(const TraceMeta& meta) {
   KVSIM_RETURN_IF_ERROR(meta.Validate());
   meta_ = meta;
+  meta_.prompt_entropies.clear();  // filled layer by layer (WriteLayer)
   layers_.clear();
   return Status::Ok();
 }
@@ -411,7 +447,10 @@ Status MemoryTrace::WriteLayer(const LayerData& layer) {
                                    std::to_string(layer.layer));
   KVSIM_RETURN_IF_ERROR(ValidateLayer(meta_, layer, "<memory>"));
   KVSIM_RETURN_IF_ERROR(ValidateLayerBlocks(meta_, layer, "<memory>"));
+  KVSIM_RETURN_IF_ERROR(CheckLayerPromptEntropies(meta_, layer, "<memory>"));
   layers_.push_back(layer);
+  meta_.prompt_entropies.insert(meta_.prompt_entropies.end(), layer.prompt_entropies.begin(),
+                                layer.prompt_entropies.end());
   return Status::Ok();
 }
 
@@ -513,6 +552,8 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
     KVSIM_RETURN_IF_ERROR(shape("prefill_column_sums", layer.prefill_column_sums.size(),
                                 static_cast<size_t>(m.num_heads) * meta.prefill_length,
                                 "[num_heads, prefill_length]"));
+  if (!layer.prompt_entropies.empty())
+    KVSIM_RETURN_IF_ERROR(ValidatePromptEntropies(meta, layer.prompt_entropies, where));
   auto finite = [&](const char* name, const std::vector<float>& v) { return CheckFinite(where, name, v); };
   KVSIM_RETURN_IF_ERROR(finite("keys", layer.keys));
   KVSIM_RETURN_IF_ERROR(finite("values", layer.values));
@@ -533,6 +574,40 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
           "] (a sum of attention probabilities over the prompt queries that see the "
           "key); re-capture the trace or write it without aggregates");
   }
+  return Status::Ok();
+}
+
+Status ValidatePromptEntropies(const TraceMeta& meta, std::span<const double> v, const std::string& where) {
+  const ModelInfo& m = meta.model;
+  const size_t regions = meta.prompt_entropy_regions.size();
+  const size_t per_region = static_cast<size_t>(kNumPromptEntropyKinds) * m.num_heads;
+  if (v.size() != regions * per_region)
+    return Status::InvalidArgument(where + " dataset 'prompt_entropies' has " + std::to_string(v.size()) +
+                                   " elements, expected [regions=" + std::to_string(regions) +
+                                   ", kinds=" + std::to_string(kNumPromptEntropyKinds) +
+                                   ", num_heads=" + std::to_string(m.num_heads) +
+                                   "] = " + std::to_string(regions * per_region));
+  // A mean of softmax entropies over at most compress_end keys: in [0, log(compress_end)].
+  for (size_t i = 0; i < v.size(); ++i) {
+    const double most = std::log(static_cast<double>(meta.prompt_entropy_regions[i / per_region]));
+    if (!(v[i] >= 0 && v[i] <= most * (1 + 1e-5) + 1e-6))
+      return Status::InvalidArgument(
+          where + " dataset 'prompt_entropies' holds " + std::to_string(v[i]) + " at region " +
+          std::to_string(i / per_region) + ", kind " + std::to_string(i % per_region / m.num_heads) +
+          ", head " + std::to_string(i % m.num_heads) +
+          ": outside [0, log(compress_end) = " + std::to_string(most) +
+          "] (a mean attention entropy); re-capture the trace or write it without aggregates");
+  }
+  return Status::Ok();
+}
+
+Status CheckLayerPromptEntropies(const TraceMeta& meta, const LayerData& layer, const std::string& what) {
+  const bool want = !meta.prompt_entropy_regions.empty();
+  if (layer.prompt_entropies.empty() == want)
+    return Status::InvalidArgument(
+        what + ": layer " + std::to_string(layer.layer) + (want ? " lacks" : " has") +
+        " prompt_entropies but meta.prompt_entropy_regions " + (want ? "lists regions" : "is empty") +
+        "; every layer must have them, or none, as the meta passed to Begin() says");
   return Status::Ok();
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,12 @@ inline constexpr int kNumRoles = 4;
 const char* ModalityName(Modality m);  // "text", "image", "video", "other"
 const char* PhaseName(Phase p);        // "prefill", "decode"
 const char* RoleName(Role r);          // "system", "context", "question", "generated"
+
+// The per-(layer, query head) prompt attention entropies a trace may record (computed by HeadPromptEntropies,
+// sim/attention.h): the causal self-attention's mean row entropy, and the text->visual and visual->text
+// mean row entropies (MEDA's FULL_SELF and CROSS_MODAL quantities).
+enum PromptEntropyKind { kSelfEntropy = 0, kTextToVisualEntropy = 1, kVisualToTextEntropy = 2 };
+inline constexpr int kNumPromptEntropyKinds = 3;
 
 // Storage dtype of Q/K/V in the file. The simulator always computes in fp32.
 enum class StorageDtype : uint8_t { kFloat16 = 0, kFloat32 = 1 };
@@ -127,6 +134,14 @@ struct TraceMeta {
   // tokens and every decode token.
   std::vector<int32_t> query_positions;
   bool has_prefill_column_sums = false;  // aggregates/layer_XXX/prefill_column_sums [H, n]
+  // Recorded prompt attention entropies (docs/trace-format.md "Aggregates"): the compressible-region ends
+  // (compress_end: the prompt, and the context before the question) they were recorded for, ascending and
+  // distinct, in [1, prefill_length]; empty = none recorded.
+  std::vector<int32_t> prompt_entropy_regions;
+  // Every layer's recorded values, [num_layers][regions][kNumPromptEntropyKinds][num_heads], filled by
+  // sources (readers); empty or complete. Sinks ignore it: writers take each layer's
+  // LayerData::prompt_entropies.
+  std::vector<double> prompt_entropies;
   TokenTable tokens;
   std::string config_text;           // optional: the generator config (e.g. synth textproto) for provenance
   std::optional<StreamInfo> stream;  // set for streaming traces (group /streaming in the file)
@@ -137,6 +152,9 @@ struct TraceMeta {
   bool HasAllPromptQueries() const;
   // Index into query_positions of `pos`, or -1.
   int QueryIndex(int32_t pos) const;
+  // The recorded [kNumPromptEntropyKinds][num_heads] prompt entropies of `layer` over [0, compress_end), or
+  // null when the trace has none for that region.
+  const double* RecordedPromptEntropies(int layer, int compress_end) const;
   // Checks the invariants between fields (shapes, ranges, enums). Message names the field and the fix.
   Status Validate() const;
 };
@@ -162,6 +180,9 @@ struct LayerData {
   std::vector<float> values;
   std::vector<float> queries;
   std::vector<float> prefill_column_sums;
+  // Recorded prompt entropies of this layer (empty if absent): [regions][kNumPromptEntropyKinds][num_heads]
+  // for meta.prompt_entropy_regions. Writers require them exactly when the meta lists regions.
+  std::vector<double> prompt_entropies;
   // Streaming traces with block encodings: one entry per meta.stream->block_encodings, same order. Filled by
   // writers' callers (TraceSink::WriteLayer writes them); ReadLayer leaves it empty (use ReadBlockLayer).
   std::vector<BlockLayerData> blocks;
@@ -218,8 +239,8 @@ class TraceSink {
 class MemoryTrace : public TraceSource, public TraceSink {
  public:
   MemoryTrace() = default;
-  MemoryTrace(TraceMeta meta, std::vector<LayerData> layers)
-      : meta_(std::move(meta)), layers_(std::move(layers)) {}
+  // meta.prompt_entropies is filled from the layers' when empty.
+  MemoryTrace(TraceMeta meta, std::vector<LayerData> layers);
   const TraceMeta& meta() const override { return meta_; }
   Status ReadLayer(int layer, LayerData* out) override;
   std::string Describe() const override { return "<memory>"; }
@@ -244,5 +265,11 @@ Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData
 // Checks layer.blocks against meta.stream->block_encodings (one entry per granularity, same order; none for
 // non-streaming traces), each with ValidateBlockLayer. Used by sinks' WriteLayer.
 Status ValidateLayerBlocks(const TraceMeta& meta, const LayerData& layer, const std::string& what);
+// Checks one layer's recorded prompt entropies ([regions][kinds][num_heads]) against the meta: shape, and
+// every value in [0, log(compress_end)] (NaN refused). `where` names the layer for messages.
+Status ValidatePromptEntropies(const TraceMeta& meta, std::span<const double> v, const std::string& where);
+// Checks that layer.prompt_entropies is present exactly when meta.prompt_entropy_regions is non-empty (sinks'
+// WriteLayer; ValidateLayer checks their shape and range).
+Status CheckLayerPromptEntropies(const TraceMeta& meta, const LayerData& layer, const std::string& what);
 
 }  // namespace kvsim

@@ -543,6 +543,46 @@ Status ReadStream(hid_t file, TraceMeta* m) {
   return Status::Ok();
 }
 
+// The optional recorded prompt entropies (docs/trace-format.md "Aggregates"): the region list, then every
+// layer's [regions, kinds, num_heads] float dataset, checked like a layer's (ValidatePromptEntropies).
+Status ReadPromptEntropies(hid_t file, TraceMeta* m) {
+  const char* rname = "/aggregates/prompt_entropy_regions";
+  KVSIM_ASSIGN_OR_RETURN(const bool has, LinkExists(file, rname));
+  if (!has) return Status::Ok();
+  Hid rds(H5Dopen2(file, rname, H5P_DEFAULT), H5Dclose);
+  Hid rspace(rds.ok() ? H5Dget_space(rds) : -1, H5Sclose);
+  hsize_t regions = 0;
+  if (!rspace.ok() || H5Sget_simple_extent_ndims(rspace) != 1 ||
+      H5Sget_simple_extent_dims(rspace, &regions, nullptr) < 0 || regions == 0 || regions > 64)
+    return Status::InvalidArgument(std::string("dataset '") + rname +
+                                   "' must be 1-D int32 [regions] with 1 to 64 entries (" + kSeeDocs + ")");
+  m->prompt_entropy_regions.resize(regions);
+  KVSIM_RETURN_IF_ERROR(
+      ReadIntegers(file, rname, regions, H5T_NATIVE_INT32, m->prompt_entropy_regions.data()));
+  KVSIM_RETURN_IF_ERROR(m->Validate());  // the region list
+  const ModelInfo& mi = m->model;
+  const hsize_t h = mi.num_heads, kinds = kNumPromptEntropyKinds;
+  const size_t per_layer = regions * kinds * h;
+  m->prompt_entropies.resize(per_layer * mi.num_layers);
+  for (int l = 0; l < mi.num_layers; ++l) {
+    const std::string name = LayerName("/aggregates", l) + "/prompt_entropies";
+    Hid ds;
+    KVSIM_RETURN_IF_ERROR(OpenDataset(file, name, {regions, kinds, h},
+                                      "[regions=" + std::to_string(regions) + ", kinds=" +
+                                          std::to_string(kinds) + ", num_heads=" + std::to_string(h) + "]",
+                                      &ds));
+    Hid type(H5Dget_type(ds), H5Tclose);
+    if (!type.ok() || H5Tget_class(type) != H5T_FLOAT)
+      return Status::InvalidArgument("dataset '" + name + "' must have a float dtype (" + kSeeDocs + ")");
+    double* dst = m->prompt_entropies.data() + per_layer * l;
+    if (H5Dread(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
+      return ReadError("dataset '" + name + "'");
+    KVSIM_RETURN_IF_ERROR(
+        ValidatePromptEntropies(*m, std::span<const double>(dst, per_layer), "layer " + std::to_string(l)));
+  }
+  return Status::Ok();
+}
+
 Status ReadMeta(hid_t file, TraceMeta* m) {
   std::string format, storage, query_mode;
   KVSIM_RETURN_IF_ERROR(ReadAttr(file, "format", &format));
@@ -634,6 +674,7 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   if (has_stream) KVSIM_RETURN_IF_ERROR(ReadStream(file, m));
 
   KVSIM_RETURN_IF_ERROR(m->Validate());
+  KVSIM_RETURN_IF_ERROR(ReadPromptEntropies(file, m));
   const char* want_mode = tq == static_cast<hsize_t>(t) ? "all" : "window_and_decode";
   if (query_mode != want_mode)
     return Status::InvalidArgument("root attribute 'query_mode' is '" + ForMessage(query_mode) + "' but " +
@@ -850,10 +891,14 @@ Status WriteMeta(hid_t file, const TraceMeta& m) {
     Hid g(H5Gcreate2(file, group, H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT), H5Gclose);
     if (!g.ok()) return WriteError(std::string("group '") + group + "'");
   }
-  if (m.has_prefill_column_sums) {
+  if (m.has_prefill_column_sums || !m.prompt_entropy_regions.empty()) {
     Hid g(H5Gcreate2(file, "/aggregates", H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT), H5Gclose);
     if (!g.ok()) return WriteError("group '/aggregates'");
   }
+  if (!m.prompt_entropy_regions.empty())
+    KVSIM_RETURN_IF_ERROR(WriteDataset(file, "/aggregates/prompt_entropy_regions", H5T_STD_I32LE,
+                                       H5T_NATIVE_INT32, {m.prompt_entropy_regions.size()},
+                                       m.prompt_entropy_regions.data()));
   KVSIM_RETURN_IF_ERROR(
       WriteDataset(file, "/tokens/modality", H5T_STD_U8LE, H5T_NATIVE_UINT8, {t}, tk.modality.data()));
   KVSIM_RETURN_IF_ERROR(WriteNamesAttr(file, "/tokens/modality", kModalityNames));
@@ -1224,6 +1269,11 @@ Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out) {
     st = ReadFloats(file_, LayerName("/aggregates", layer) + "/prefill_column_sums", {h, n},
                     "[num_heads=" + std::to_string(h) + ", prefill_length=" + std::to_string(n) + "]",
                     StorageDtype::kFloat32, &scratch_, &out->prefill_column_sums);
+  out->prompt_entropies.clear();
+  if (const double* e = meta_.RecordedPromptEntropies(
+          layer, meta_.prompt_entropy_regions.empty() ? -1 : meta_.prompt_entropy_regions[0]))
+    out->prompt_entropies.assign(
+        e, e + meta_.prompt_entropy_regions.size() * kNumPromptEntropyKinds * static_cast<size_t>(h));
   if (!st.ok()) return st.WithContext(path_);
   return ValidateLayer(meta_, *out, path_);
 }
@@ -1348,6 +1398,7 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
         " prefill_column_sums but meta.has_prefill_column_sums is " +
         (meta_.has_prefill_column_sums ? "true" : "false") +
         "; every layer must have them, or none, as the meta passed to Begin() says");
+  KVSIM_RETURN_IF_ERROR(CheckLayerPromptEntropies(meta_, layer, path_));
   const hsize_t kvh = mi.num_kv_heads, h = mi.num_heads, d = mi.head_dim, t = meta_.total_tokens(),
                 tq = meta_.query_positions.size();
   const bool half = meta_.storage_dtype == StorageDtype::kFloat16;
@@ -1397,13 +1448,18 @@ Status Hdf5TraceWriter::WriteLayer(const LayerData& layer) {
   Status st = write_tensor("keys", kvh, t, layer.keys);
   if (st.ok()) st = write_tensor("values", kvh, t, layer.values);
   if (st.ok()) st = write_tensor("queries", h, tq, layer.queries);
-  if (st.ok() && meta_.has_prefill_column_sums) {
+  const bool entropies = !meta_.prompt_entropy_regions.empty();
+  if (st.ok() && (meta_.has_prefill_column_sums || entropies)) {
     const std::string agg = LayerName("/aggregates", layer.layer);
     Hid ag(H5Gcreate2(file_, agg.c_str(), H5P_DEFAULT, UntimedGroupCreation(), H5P_DEFAULT), H5Gclose);
-    st = ag.ok()
-             ? WriteDataset(ag, "prefill_column_sums", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT,
-                            {h, static_cast<hsize_t>(meta_.prefill_length)}, layer.prefill_column_sums.data())
-             : WriteError("group '" + agg + "'");
+    if (!ag.ok()) st = WriteError("group '" + agg + "'");
+    if (st.ok() && meta_.has_prefill_column_sums)
+      st = WriteDataset(ag, "prefill_column_sums", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT,
+                        {h, static_cast<hsize_t>(meta_.prefill_length)}, layer.prefill_column_sums.data());
+    if (st.ok() && entropies)
+      st = WriteDataset(ag, "prompt_entropies", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE,
+                        {meta_.prompt_entropy_regions.size(), hsize_t{kNumPromptEntropyKinds}, h},
+                        layer.prompt_entropies.data());
   }
   for (size_t i = 0; st.ok() && i < layer.blocks.size(); ++i) {
     const BlockLayerData& b = layer.blocks[i];

@@ -15,6 +15,7 @@
 
 #include "sim/attention.h"
 #include "sim/parallel.h"
+#include "sim/replay.h"
 #include "sim/resources.h"
 #include "sim/rope.h"
 #include "sim/text_proto.h"
@@ -538,6 +539,8 @@ class Generator {
     out->queries.assign(static_cast<size_t>(heads) * tq * d_, 0.0f);
     out->prefill_column_sums.assign(meta_.has_prefill_column_sums ? static_cast<size_t>(heads) * n_ : 0,
                                     0.0f);
+    const std::vector<int32_t>& regions = meta_.prompt_entropy_regions;
+    out->prompt_entropies.assign(regions.size() * kNumPromptEntropyKinds * heads, 0.0);
 
     const LayerGroup lg = GroupOf(layer);
     Rng layer_rng(config_.seed(), Purpose::kLayer, layer);
@@ -576,6 +579,14 @@ class Generator {
         for (int i = 0; i < n_; ++i) pos[i] = i;
         AccumulateColumnSums(m, q.data(), pos.data(), n_, out->keys.data() + static_cast<size_t>(g) * t_ * d_,
                              n_, out->prefill_column_sums.data() + static_cast<size_t>(h) * n_);
+      }
+      // The entropies MEDA would compute from the stored (already rounded) queries and keys: same function.
+      for (size_t r = 0; r < regions.size(); ++r) {
+        double e[kNumPromptEntropyKinds];
+        HeadPromptEntropies(m, std::span(meta_.tokens.modality).first(regions[r]), q.data(),
+                            out->keys.data() + static_cast<size_t>(g) * t_ * d_, regions[r], true, true, e);
+        for (int k = 0; k < kNumPromptEntropyKinds; ++k)
+          out->prompt_entropies[(r * kNumPromptEntropyKinds + k) * heads + h] = e[k];
       }
     });
   }
@@ -859,6 +870,12 @@ Status Synthesize(const synth::SynthConfig& config, TraceSink* sink, int threads
   if (config.has_streaming()) return SynthesizeStreaming(config, sink, threads);
   KVSIM_RETURN_IF_ERROR(CheckSynthMemory(config));
   TokenLayout layout = BuildLayout(config);
+  if (config.storage().record_prompt_entropies()) {  // the regions of both question modes (replay.cc)
+    std::vector<int32_t>& regions = layout.meta.prompt_entropy_regions;
+    for (QuestionMode mode : {QuestionMode::kQueryAgnostic, QuestionMode::kQueryAware})
+      if (const int ce = CompressEnd(layout.meta, mode); ce >= 1 && (regions.empty() || regions.back() < ce))
+        regions.push_back(ce);
+  }
   KVSIM_RETURN_IF_ERROR(layout.meta.Validate().WithContext("synth config produced invalid trace metadata"));
   KVSIM_RETURN_IF_ERROR(sink->Begin(layout.meta));
   Generator gen(config, std::move(layout));

@@ -227,6 +227,45 @@ TEST_CASE("cli: validate reports recorded aggregates that disagree with Q/K (exi
   CHECK(out.find("MISMATCH") != std::string::npos);
 }
 
+TEST_CASE("cli: validate recomputes recorded prompt entropies: synth's are exact, wrong ones exit 3",
+          "[cli]") {
+  const std::string dir = testing::ScratchDir("cli_validate_entropies");
+  std::string cfg = testing::ReadFile(testing::SourceDir() + "/configs/synth/tiny.textproto");
+  const std::string flag = "record_prefill_column_sums: true";
+  REQUIRE(cfg.find(flag) != std::string::npos);
+  cfg.replace(cfg.find(flag), flag.size(), flag + " record_prompt_entropies: true");
+  testing::WriteFile(dir + "/e.textproto", cfg);
+  std::string out;
+  REQUIRE(testing::RunCommand(Kvsim() + " synth --config " + dir + "/e.textproto --out " + dir + "/e.h5",
+                              &out) == 0);
+  REQUIRE(testing::RunCommand(Kvsim() + " validate " + dir + "/e.h5", &out) == 0);
+  // tiny: 3 layers x 2 regions (before the question, the prompt) x 3 kinds x 4 heads, every bit equal.
+  CHECK(out.find(
+            "prompt_entropies vs recomputed from Q/K (HeadPromptEntropies): 0 of 72 values differ, max abs "
+            "deviation 0 nats -> ok") != std::string::npos);
+  // The same trace with one value off by 0.5 nats (still within [0, log ce]).
+  auto r = Hdf5TraceReader::Open(dir + "/e.h5");
+  REQUIRE(r.ok());
+  TraceMeta m = (*r)->meta();
+  auto w = Hdf5TraceWriter::Create(dir + "/wrong.h5");
+  REQUIRE(w.ok());
+  REQUIRE((*w)->Begin(m).ok());
+  for (int l = 0; l < m.model.num_layers; ++l) {
+    LayerData layer;
+    REQUIRE((*r)->ReadLayer(l, &layer).ok());
+    if (l == 2) {  // region 0, kind 1, head 1
+      double& v = layer.prompt_entropies[5];
+      v = v > 1 ? v - 0.5 : v + 0.5;
+    }
+    REQUIRE((*w)->WriteLayer(layer).ok());
+  }
+  REQUIRE((*w)->Finish().ok());
+  CHECK(testing::RunCommand(Kvsim() + " validate " + dir + "/wrong.h5", &out) == 3);
+  CHECK(out.find("1 of 72 values differ") != std::string::npos);
+  CHECK(out.find("(layer 2, region ce=") != std::string::npos);
+  CHECK(out.find("kind 1, head 1) -> MISMATCH") != std::string::npos);
+}
+
 }  // namespace kvsim
 
 namespace kvsim {

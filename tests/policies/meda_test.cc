@@ -4,8 +4,11 @@
 
 #include "policies/meda.h"
 
+#include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <numeric>
+#include <optional>
 
 #include "policies/registry.h"
 #include "sim/replay.h"
@@ -363,30 +366,31 @@ TEST_CASE("look_m: text prior, pivot merge by default, and the non-text family",
 namespace {
 
 // A scaled-down LLaVA-1.5-shaped trace (system + two 8x8 images with text between + context + question).
-MemoryTrace MiniLlava() {
-  auto config =
-      ParseSynthConfig(R"pb(
-                         model {
-                           name: "llava-mini"
-                           family: "llama"
-                           num_layers: 6
-                           num_heads: 4
-                           num_kv_heads: 4
-                           head_dim: 32
-                           rope_theta: 10000
-                         }
-                         layout {
-                           segments { kind: TEXT role: SYSTEM tokens: 12 }
-                           segments { kind: IMAGE role: CONTEXT rows: 8 cols: 8 repeat: 2 text_between: 10 }
-                           segments { kind: TEXT role: CONTEXT tokens: 20 }
-                           segments { kind: TEXT role: QUESTION tokens: 10 }
-                           decode_steps: 16
-                         }
-                         storage { query_storage: ALL dtype: "float32" record_prefill_column_sums: true }
-                         profile { num_sinks: 4 dense_layers: 2 }
-                         seed: 3
-                       )pb",
-                       "mini llava");
+// entropies: record the prompt entropies (storage.record_prompt_entropies).
+MemoryTrace MiniLlava(bool entropies = false, const std::string& dtype = "float32", int kv_heads = 4,
+                      int sliding_window = 0) {
+  auto config = ParseSynthConfig(
+      R"pb(
+            model { name: "llava-mini" family: "llama" num_layers: 6 num_heads: 4 num_kv_heads:)pb" +
+          std::to_string(kv_heads) + " sliding_window: " + std::to_string(sliding_window) + R"pb(
+          head_dim: 32
+          rope_theta: 10000
+        }
+                      layout {
+          segments { kind: TEXT role: SYSTEM tokens: 12 }
+          segments { kind: IMAGE role: CONTEXT rows: 8 cols: 8 repeat: 2 text_between: 10 }
+          segments { kind: TEXT role: CONTEXT tokens: 20 }
+          segments { kind: TEXT role: QUESTION tokens: 10 }
+          decode_steps: 16
+        }
+        storage { query_storage: ALL dtype: ")pb" +
+          dtype +
+          "\" record_prefill_column_sums: true record_prompt_entropies: " + (entropies ? "true" : "false") +
+          R"pb(}
+               profile { num_sinks: 4 dense_layers: 2 }
+        seed: 3
+      )pb",
+      "mini llava");
   INFO(config.status().message());
   REQUIRE(config.ok());
   MemoryTrace trace;
@@ -440,6 +444,78 @@ TEST_CASE("meda on a LLaVA-shaped trace: budgets follow the entropy profile; mer
     CHECK(with.merged_tokens_mean() > 0);
     CHECK(without.merged_tokens_mean() == 0);
   }
+}
+
+}  // namespace kvsim
+
+namespace kvsim {
+
+TEST_CASE("meda: recorded prompt entropies are bit-identical to the computed ones", "[meda][synth]") {
+  using P = policy::MedaParams;
+  for (const char* dtype : {"float32", "float16"})
+    for (int kv_heads : {4, 2})
+      for (int window : {0, 40}) {
+        INFO(dtype << " kv_heads " << kv_heads << " sliding_window " << window);
+        MemoryTrace trace = MiniLlava(true, dtype, kv_heads, window);
+        const TraceMeta& meta = trace.meta();
+        const int n = meta.prefill_length;
+        // Both question modes' compressible regions: the context before the question, and the prompt.
+        REQUIRE(meta.prompt_entropy_regions == std::vector<int32_t>{n - 10, n});
+        REQUIRE(meta.prompt_entropies.size() == 6u * 2 * kNumPromptEntropyKinds * 4);
+        for (int l = 0; l < meta.model.num_layers; ++l) {
+          LayerData layer;
+          REQUIRE(trace.ReadLayer(l, &layer).ok());
+          for (int ce : meta.prompt_entropy_regions)
+            for (auto mode : {P::CROSS_MODAL, P::FULL_SELF}) {
+              const double computed = MedaLayerEntropy(LayerView{&meta, &layer, l, ce, 2}, mode);
+              const std::optional<double> recorded = MedaRecordedLayerEntropy(meta, l, ce, mode);
+              REQUIRE(recorded.has_value());
+              CHECK(std::bit_cast<uint64_t>(*recorded) == std::bit_cast<uint64_t>(computed));
+              CHECK(computed > 0);
+            }
+          // Not recorded: the entropy of the head-averaged attention, and any other region.
+          CHECK_FALSE(MedaRecordedLayerEntropy(meta, l, n, P::FULL_SELF, P::ENTROPY_OF_MEAN_ATTENTION));
+          CHECK_FALSE(MedaRecordedLayerEntropy(meta, l, n - 1, P::FULL_SELF));
+        }
+      }
+  // Without the storage flag nothing is recorded.
+  const MemoryTrace plain = MiniLlava(false);
+  CHECK(plain.meta().prompt_entropy_regions.empty());
+  CHECK(plain.meta().RecordedPromptEntropies(0, plain.meta().prefill_length) == nullptr);
+}
+
+TEST_CASE("meda: a replay with recorded entropies equals one computing them and reads no layer twice",
+          "[meda][synth]") {
+  MemoryTrace with = MiniLlava(true), without = MiniLlava(false);
+  std::vector<RunSpec> runs;
+  for (QuestionMode mode : {QuestionMode::kQueryAware, QuestionMode::kQueryAgnostic})
+    for (double b : {0.1, 0.3}) {
+      runs.push_back(RunSpec{Make("meda"), "meda", b, 0, mode});
+      runs.push_back(RunSpec{Make("meda", {"variant=OFFICIAL_CODE"}), "meda-code", b, 0, mode});
+      runs.push_back(RunSpec{Make("meda", {"entropy=FULL_SELF"}), "meda-self", b, 0, mode});
+    }
+  const int L = with.meta().model.num_layers;
+  testing::CountingTrace counted_with(with), counted_without(without);
+  auto a = Replay(counted_with, runs, ReplayOptions{.threads = 2});
+  auto b = Replay(counted_without, runs, ReplayOptions{.threads = 1});
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  REQUIRE(a->size() == b->size());
+  for (size_t r = 0; r < a->size(); ++r) {
+    INFO(runs[r].label << " " << QuestionModeName(runs[r].question_mode) << " " << runs[r].budget_fraction);
+    CHECK((*a)[r].SerializeAsString() == (*b)[r].SerializeAsString());
+  }
+  std::vector<int> once(L), twice;
+  std::iota(once.begin(), once.end(), 0);
+  twice = once;
+  twice.insert(twice.end(), once.begin(), once.end());
+  CHECK(counted_with.reads == once);      // the replay only: the first pass read nothing
+  CHECK(counted_without.reads == twice);  // the first pass, then the replay
+  // ENTROPY_OF_MEAN_ATTENTION is not recorded: it still reads every layer.
+  testing::CountingTrace mean_of(with);
+  std::vector<RunSpec> eom{RunSpec{Make("meda", {"head_averaging=ENTROPY_OF_MEAN_ATTENTION"}), "m", 0.2, 0}};
+  REQUIRE(Replay(mean_of, eom, ReplayOptions{.threads = 2}).ok());
+  CHECK(mean_of.reads == twice);
 }
 
 }  // namespace kvsim

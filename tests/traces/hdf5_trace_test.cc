@@ -54,6 +54,7 @@ void CheckMetaEqual(const TraceMeta& a, const TraceMeta& b) {
   CHECK(a.storage_dtype == b.storage_dtype);
   CHECK(a.query_positions == b.query_positions);
   CHECK(a.has_prefill_column_sums == b.has_prefill_column_sums);
+  CHECK(a.prompt_entropy_regions == b.prompt_entropy_regions);
   CHECK(a.config_text == b.config_text);
   CHECK(a.tokens.modality == b.tokens.modality);
   CHECK(a.tokens.segment_id == b.tokens.segment_id);
@@ -89,6 +90,7 @@ void RoundTrip(MemoryTrace& tr, const std::string& path, Hdf5WriteOptions option
     CHECK(got.values == expect(want.values));
     CHECK(got.queries == expect(want.queries));
     CHECK(got.prefill_column_sums == want.prefill_column_sums);  // always fp32
+    CHECK(got.prompt_entropies == want.prompt_entropies);        // always fp64, exact
     if (half)
       for (size_t i = 0; i < want.keys.size(); ++i)
         REQUIRE(std::fabs(got.keys[i] - want.keys[i]) <= std::ldexp(std::fabs(want.keys[i]), -11) + 0x1p-25f);
@@ -167,6 +169,57 @@ TEST_CASE("hdf5 trace: GQA shapes, window-only queries, aggregates, text", "[hdf
     Status st = WriteTrace(tr, dir + "/sums_bad.h5");
     CHECK(Contains(st, "prefill_column_sums"));
     CHECK_FALSE(fs::exists(dir + "/sums_bad.h5"));
+  }
+  SECTION("prompt entropies") {
+    MemoryTrace tr = testing::MakeTinyTrace();
+    tr.mutable_meta().prompt_entropy_regions = {20, 24};  // [regions=2, kinds=3, heads=2] per layer
+    for (LayerData& l : tr.layers()) {
+      l.prompt_entropies.resize(2 * kNumPromptEntropyKinds * 2);
+      for (size_t j = 0; j < l.prompt_entropies.size(); ++j)
+        l.prompt_entropies[j] = std::log(20.0) * (j + 1) / 13 + 1e-3 * l.layer;  // within [0, log 20]
+    }
+    RoundTrip(tr, dir + "/entropies.h5");
+    auto r = Hdf5TraceReader::Open(dir + "/entropies.h5");
+    REQUIRE(r.ok());
+    const TraceMeta& m = (*r)->meta();
+    for (int l = 0; l < 2; ++l)
+      for (int reg = 0; reg < 2; ++reg) {
+        const double* e = m.RecordedPromptEntropies(l, m.prompt_entropy_regions[reg]);
+        REQUIRE(e != nullptr);
+        CHECK(std::vector<double>(e, e + 6) ==
+              std::vector<double>(tr.layers()[l].prompt_entropies.begin() + 6 * reg,
+                                  tr.layers()[l].prompt_entropies.begin() + 6 * (reg + 1)));
+      }
+    CHECK(m.RecordedPromptEntropies(0, 23) == nullptr);
+    // Impossible values (negative, above log(compress_end), NaN) and wrong shapes are refused, no file left.
+    for (double bad : {-0.5, std::log(20.0) + 0.1, std::nan("")}) {
+      MemoryTrace t2 = tr;
+      t2.layers()[1].prompt_entropies[1] = bad;  // region 0 (ce 20), kind 0, head 1
+      Status st2 = WriteTrace(t2, dir + "/ent_impossible.h5");
+      CHECK(Contains(st2, "dataset 'prompt_entropies' holds"));
+      CHECK(Contains(st2, "region 0, kind 0, head 1: outside [0, log(compress_end)"));
+      CHECK_FALSE(fs::exists(dir + "/ent_impossible.h5"));
+    }
+    {
+      MemoryTrace t2 = tr;
+      t2.layers()[0].prompt_entropies.pop_back();
+      Status st2 = WriteTrace(t2, dir + "/ent_shape.h5");
+      CHECK(Contains(st2,
+                     "'prompt_entropies' has 11 elements, expected [regions=2, kinds=3, num_heads=2] = 12"));
+      CHECK_FALSE(fs::exists(dir + "/ent_shape.h5"));
+    }
+    {
+      MemoryTrace t2 = tr;
+      t2.mutable_meta().prompt_entropy_regions = {24, 20};
+      Status st2 = WriteTrace(t2, dir + "/ent_regions.h5");
+      CHECK(Contains(st2, "prompt_entropy_regions"));
+      CHECK(Contains(st2, "ascending, distinct and in [1, prefill_length = 24]"));
+    }
+    // Layers must match the meta: all or none.
+    tr.layers()[1].prompt_entropies.clear();
+    Status st = WriteTrace(tr, dir + "/ent_bad.h5");
+    CHECK(Contains(st, "layer 1 lacks prompt_entropies"));
+    CHECK_FALSE(fs::exists(dir + "/ent_bad.h5"));
   }
   SECTION("token text") {
     MemoryTrace tr = testing::MakeTinyTrace();
@@ -819,6 +872,78 @@ TEST_CASE("hdf5 trace: the guarded open", "[hdf5][integrity]") {
     for (int l = 0; bad.ok() && st.ok() && l < tr.meta().model.num_layers; ++l)
       st = (*bad)->ReadLayer(l, &ld);
     CHECK_FALSE(st.ok());
+  }
+}
+
+}  // namespace kvsim
+
+namespace kvsim {
+namespace {
+
+// A tiny trace with recorded prompt entropies for regions {20, 24}, written to `path`.
+MemoryTrace WriteEntropyTrace(const std::string& path) {
+  MemoryTrace tr = testing::MakeTinyTrace();
+  tr.mutable_meta().prompt_entropy_regions = {20, 24};
+  for (LayerData& l : tr.layers()) l.prompt_entropies.assign(2 * kNumPromptEntropyKinds * 2, 1.5);
+  REQUIRE(WriteTrace(tr, path).ok());
+  return tr;
+}
+
+}  // namespace
+
+TEST_CASE("hdf5 trace: damaged recorded prompt entropies are refused when the trace is opened", "[hdf5]") {
+  const std::string dir = testing::ScratchDir("hdf5_entropies");
+  const std::string path = dir + "/e.h5";
+  WriteEntropyTrace(path);
+  const std::string agg = "/aggregates/layer_001/prompt_entropies";
+  SECTION("wrong shape") {
+    {
+      RawFile f(path);
+      REQUIRE(H5Ldelete(f.id, agg.c_str(), H5P_DEFAULT) >= 0);
+      const hsize_t dims[3] = {2, 3, 3};
+      std::vector<double> v(18, 1.0);
+      hid_t space = H5Screate_simple(3, dims, nullptr);
+      hid_t ds = H5Dcreate2(f.id, agg.c_str(), H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+      REQUIRE(H5Dwrite(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0);
+      H5Dclose(ds);
+      H5Sclose(space);
+    }
+    Status st = Hdf5TraceReader::Open(path).status();
+    CHECK(Contains(st, path + ": dataset '" + agg +
+                           "' has shape [2, 3, 3], expected [regions=2, kinds=3, num_heads=2]"));
+  }
+  SECTION("impossible value") {
+    {
+      RawFile f(path);
+      hid_t ds = H5Dopen2(f.id, agg.c_str(), H5P_DEFAULT);
+      std::vector<double> v(12, 1.5);
+      v[7] = -1;  // region 1, kind 0, head 1
+      REQUIRE(H5Dwrite(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0);
+      H5Dclose(ds);
+    }
+    Status st = Hdf5TraceReader::Open(path).status();
+    CHECK(Contains(
+        st, path + ": layer 1 dataset 'prompt_entropies' holds -1.000000 at region 1, kind 0, head 1"));
+  }
+  SECTION("missing layer") {
+    {
+      RawFile f(path);
+      REQUIRE(H5Ldelete(f.id, agg.c_str(), H5P_DEFAULT) >= 0);
+    }
+    Status st = Hdf5TraceReader::Open(path).status();
+    CHECK(Contains(st, path + ": missing dataset '" + agg + "'"));
+  }
+  SECTION("bad region list") {
+    {
+      RawFile f(path);
+      hid_t ds = H5Dopen2(f.id, "/aggregates/prompt_entropy_regions", H5P_DEFAULT);
+      const int32_t v[2] = {20, 25};  // beyond the prompt
+      REQUIRE(H5Dwrite(ds, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, v) >= 0);
+      H5Dclose(ds);
+    }
+    Status st = Hdf5TraceReader::Open(path).status();
+    CHECK(Contains(st, "prompt_entropy_regions"));
+    CHECK(Contains(st, "got 25 at index 1"));
   }
 }
 
