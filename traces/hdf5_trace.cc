@@ -563,7 +563,7 @@ Status ReadPromptEntropies(hid_t file, TraceMeta* m) {
   const ModelInfo& mi = m->model;
   const hsize_t h = mi.num_heads, kinds = kNumPromptEntropyKinds;
   const size_t per_layer = regions * kinds * h;
-  m->prompt_entropies.resize(per_layer * mi.num_layers);
+  std::vector<double> all;  // grown layer by layer: sized only from datasets that exist (damaged files)
   for (int l = 0; l < mi.num_layers; ++l) {
     const std::string name = LayerName("/aggregates", l) + "/prompt_entropies";
     Hid ds;
@@ -574,12 +574,14 @@ Status ReadPromptEntropies(hid_t file, TraceMeta* m) {
     Hid type(H5Dget_type(ds), H5Tclose);
     if (!type.ok() || H5Tget_class(type) != H5T_FLOAT)
       return Status::InvalidArgument("dataset '" + name + "' must have a float dtype (" + kSeeDocs + ")");
-    double* dst = m->prompt_entropies.data() + per_layer * l;
+    all.resize(per_layer * (l + 1));
+    double* dst = all.data() + per_layer * l;
     if (H5Dread(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
       return ReadError("dataset '" + name + "'");
     KVSIM_RETURN_IF_ERROR(
         ValidatePromptEntropies(*m, std::span<const double>(dst, per_layer), "layer " + std::to_string(l)));
   }
+  m->prompt_entropies = std::move(all);
   return Status::Ok();
 }
 

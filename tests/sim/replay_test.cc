@@ -706,10 +706,9 @@ TEST_CASE("replay: HAE's first pass reads only its DAP layer", "[replay]") {
   spec.num_layers = 4;
   MemoryTrace trace = testing::MakeTinyTrace(spec);
   for (auto [dap, want] : {std::pair{1, 1}, std::pair{0, 0}, std::pair{9, 3}}) {  // clamped to the last
-    auto p = PolicyRegistry::Default().Create("hae", {"dap_layer=" + std::to_string(dap)});
-    REQUIRE(p.ok());
     testing::CountingTrace counted(trace);
-    std::vector<RunSpec> runs{RunSpec{*p, "hae", 0.5, 0}};
+    std::vector<RunSpec> runs{
+        RunSpec{Registered("hae", {"dap_layer=" + std::to_string(dap)}), "hae", 0.5, 0}};
     REQUIRE(Replay(counted, runs, ReplayOptions{.threads = 2}).ok());
     CHECK(counted.reads == std::vector<int>{want, 0, 1, 2, 3});
   }
