@@ -367,7 +367,10 @@ std::string FormatTraceStats(const TraceMeta& meta, const TraceStats& stats) {
   out << "sequence: " << meta.prefill_length << " prompt tokens + " << meta.num_decode_steps
       << " decode steps; " << meta.query_positions.size() << " stored queries; storage "
       << StorageDtypeName(meta.storage_dtype) << "; prefill column sums "
-      << (meta.has_prefill_column_sums ? "yes" : "no") << "\n";
+      << (meta.has_prefill_column_sums ? "yes" : "no");
+  for (size_t r = 0; r < meta.prompt_entropy_regions.size(); ++r)
+    out << (r ? ", " : "; prompt entropies for compress_end ") << meta.prompt_entropy_regions[r];
+  out << "\n";
   out << "source: " << meta.source;
   if (!meta.generator.empty()) out << " (" << meta.generator << " " << meta.generator_version << ")";
   out << ", seed " << meta.seed << "\n";

@@ -238,6 +238,8 @@ TEST_CASE("cli: validate recomputes recorded prompt entropies: synth's are exact
   std::string out;
   REQUIRE(testing::RunCommand(Kvsim() + " synth --config " + dir + "/e.textproto --out " + dir + "/e.h5",
                               &out) == 0);
+  REQUIRE(testing::RunCommand(Kvsim() + " inspect " + dir + "/e.h5", &out) == 0);
+  CHECK(out.find("prefill column sums yes; prompt entropies for compress_end 84, 94\n") != std::string::npos);
   REQUIRE(testing::RunCommand(Kvsim() + " validate " + dir + "/e.h5", &out) == 0);
   // tiny: 3 layers x 2 regions (before the question, the prompt) x 3 kinds x 4 heads, every bit equal.
   CHECK(out.find(
