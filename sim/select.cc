@@ -30,19 +30,24 @@ std::vector<int32_t> TopKIndices(std::span<const float> scores, int k) {
 std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int k, float tau) {
   const int n = static_cast<int>(scores.size());
   k = std::clamp(k, 0, n);
-  std::vector<int32_t> idx;
-  idx.reserve(k);
   int above = 0;
   for (float s : scores) above += s > tau;
   int ties = k - above;
-  for (int32_t j = 0; j < n; ++j) {
-    if (scores[j] > tau) {
-      idx.push_back(j);
-    } else if (scores[j] == tau && ties > 0) {
-      idx.push_back(j);
-      --ties;
-    }
+  // One in-order scan without branches (whether a score is taken is data-dependent and unpredictable):
+  // every index is written at the next free place, which advances only when the index is taken; one
+  // spare element takes the last write. Takes every score above tau and the first `ties` equal to it
+  // (more than k if tau is below the k-th largest, as before).
+  const int most = std::max(k, above);
+  std::vector<int32_t> idx(static_cast<size_t>(most) + 1);
+  int m = 0;
+  for (int32_t j = 0; j < n && m < most; ++j) {
+    const float s = scores[j];
+    const int tie = (s == tau) & (ties > 0);
+    idx[m] = j;
+    m += (s > tau) | tie;
+    ties -= tie;
   }
+  idx.resize(m);
   return idx;
 }
 

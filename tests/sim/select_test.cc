@@ -208,4 +208,33 @@ TEST_CASE("SortForDescendingSums: the small values' order matters and is kept", 
   CHECK(CheckDescendingSums(v) == 3000);  // every small value is in the tail
 }
 
+TEST_CASE("TopKIndicesWithThreshold equals the plain two-branch scan, for any threshold", "[select]") {
+  // The reference: every score above tau, then the lowest-indexed ties while k is not reached.
+  auto reference = [](const std::vector<float>& s, int k, float tau) {
+    int above = 0;
+    for (float x : s) above += x > tau;
+    int ties = k - above;
+    std::vector<int32_t> idx;
+    for (int32_t j = 0; j < static_cast<int32_t>(s.size()); ++j)
+      if (s[j] > tau || (s[j] == tau && ties-- > 0)) idx.push_back(j);
+    return idx;
+  };
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> level(0, 12);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int n = 1 + trial * 37;
+    std::vector<float> s(n);
+    for (float& x : s) x = 0.25f * static_cast<float>(level(rng));
+    std::vector<float> sorted = s;
+    std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+    for (int k : {0, 1, n / 4, n / 2, n}) {
+      // The k-th largest (the intended use), and thresholds above and below it (more or fewer taken).
+      for (float tau : {k > 0 ? sorted[k - 1] : sorted[0], 0.0f, 1.5f, 3.0f, 10.0f}) {
+        INFO("n " << n << " k " << k << " tau " << tau);
+        CHECK(TopKIndicesWithThreshold(s, k, tau) == reference(s, k, tau));
+      }
+    }
+  }
+}
+
 }  // namespace kvsim
