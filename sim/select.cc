@@ -116,23 +116,37 @@ void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<
     tail->clear();
     return;
   }
-  // Pass 1: the keys, the histogram of their top digit (for the k largest) and an upper bound of the sum.
+  // Pass 1: an upper bound of the sum, the sign check and, when k > 0, the histogram of the keys' top
+  // digit (for the k largest). No key is stored: pass 2 recomputes them (cheaper than a store and a load).
   constexpr int kTop = 2 * kBits;  // the top digit: key bits [22, 32)
   size_t top[kBuckets] = {};
   double s4[4] = {};
+  uint32_t negative = 0;  // any value below -0
   size_t i = 0;
-  for (; i + 4 <= n; i += 4)
-    for (int l = 0; l < 4; ++l) {
-      const uint32_t key = DescendingKey(values[i + l]);
-      a[i + l] = key;
-      ++top[key >> kTop];
-      s4[l] += values[i + l];
+  if (k > 0) {
+    for (; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &values[i], 4);
+      negative |= u > 0x80000000u;
+      ++top[(~(u & 0x7fffffffu)) >> kTop];
+      s4[i & 3] += values[i];
     }
-  for (; i < n; ++i) {
-    a[i] = DescendingKey(values[i]);
-    ++top[a[i] >> kTop];
-    s4[0] += values[i];
+  } else {
+    for (; i + 4 <= n; i += 4)
+      for (int l = 0; l < 4; ++l) {
+        uint32_t u;
+        std::memcpy(&u, &values[i + l], 4);
+        negative |= u > 0x80000000u;
+        s4[l] += values[i + l];
+      }
+    for (; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &values[i], 4);
+      negative |= u > 0x80000000u;
+      s4[0] += values[i];
+    }
   }
+  KVSIM_CHECK_MSG(!negative, "SortForDescendingSums: values must be non-negative");
   const double sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
   KVSIM_CHECK_MSG(std::isfinite(sum), "SortForDescendingSums: values must be finite");
   // The computed sum is within n * 2^-53 (relative) of the true one: 2^-20 of headroom covers n < 2^30.
@@ -152,7 +166,9 @@ void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<
   size_t m = 0;
   const uint32_t zero_key = ~0u;
   for (i = 0; i < n; ++i) {
-    const uint32_t key = a[i];
+    uint32_t u;
+    std::memcpy(&u, &values[i], 4);
+    const uint32_t key = ~(u & 0x7fffffffu);
     const bool is_big = key <= big_key;
     e4[i & 3] += is_big ? static_cast<double>(values[i]) : 0.0;
     b[m] = key;
