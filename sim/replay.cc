@@ -138,7 +138,9 @@ struct UnitWork {
   std::unique_ptr<UnitScores> scores;
   std::vector<DecodeReference> refs;  // per group member
   std::vector<float> sorted;    // [g][t][T]: the step's probabilities, descending (only for future_attention)
-  std::vector<double> top_sum;  // [g][t][T + 1]: top_sum[k] = Σ of the k largest, added in descending order
+  int kpre = 0;                 // top_sum's largest k (see RegretSums)
+  std::vector<double> top_sum;  // [g][t][kpre + 1]: Σ of the k largest, added in descending order
+  std::vector<double> top_all;  // [g][t]: Σ of every visible probability, added in descending order
   std::vector<float> max_vnorm;                       // [t]
   std::vector<double> full_mod;                       // [g][t][4]
   std::vector<std::unique_ptr<HeadPolicy>> policies;  // per run
@@ -157,6 +159,7 @@ struct WorkerScratch {
   std::vector<uint32_t> stamp;  // [T] for CheckCache
   uint32_t epoch = 0;
   std::vector<float> cache_probs;  // [g][slots] of the current step
+  std::vector<float> sorted;       // TopSum's sorted row
   // The steps' plain visible slots (token positions), step t's in [step_begin[t], step_begin[t + 1]).
   std::vector<int32_t> plain;
   std::vector<size_t> step_begin;
@@ -246,57 +249,8 @@ class LayerPass {
     const float* values = layer_.values.data() + static_cast<size_t>(u) * t_all * d;
     // Full-attention reference, shared by every run.
     w.refs.resize(group);
-    bool keep_sorted = false;  // a run's policy reads the sorted rows (the oracle)
-    for (const RunPlan& plan : plans_) keep_sorted |= plan.req.future_attention;
-    if (keep_sorted) w.sorted.assign(static_cast<size_t>(group) * steps * t_all, 0.0f);
-    w.top_sum.resize(static_cast<size_t>(group) * steps * (t_all + 1));
-    w.full_mod.assign(static_cast<size_t>(group) * steps * 4, 0.0);
-    // Rows are handled kBlock steps at a time: each row's sums are still added in its own order (the
-    // prefix sums in descending order, the modality sums in key order), but the blocks' rows are
-    // independent dependency chains the core overlaps. A row is zero outside its visible keys (and its
-    // sorted copy is padded with zeros), and adding +0 to a non-negative sum changes no bit.
-    constexpr int kBlock = 8;
-    std::vector<float> sorted, block(static_cast<size_t>(kBlock) * t_all);
-    const Modality* mod = meta_.tokens.modality.data();
-    for (int g = 0; g < group; ++g) {
-      const int qh = u * group + g;
-      ComputeDecodeReference(m_, n, steps, DecodeQuery(qh, 0), keys, values, &w.refs[g]);
-      const DecodeReference& ref = w.refs[g];
-      for (int t0 = 0; t0 < steps; t0 += kBlock) {
-        const int nb = std::min(kBlock, steps - t0);
-        int len = 0, lo = t_all, hi = 0;
-        for (int b = 0; b < nb; ++b) {
-          const int t = t0 + b, first = ref.first[t], last = ref.last(t);
-          const float* row = ref.row(t);
-          SortDescendingNonNegative({row + first, static_cast<size_t>(last - first + 1)}, &sorted);
-          float* dst = &block[static_cast<size_t>(b) * t_all];
-          std::copy(sorted.begin(), sorted.end(), dst);
-          std::fill(dst + sorted.size(), dst + t_all, 0.0f);
-          if (keep_sorted)
-            std::copy(sorted.begin(), sorted.end(), &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all]);
-          len = std::max(len, last - first + 1);
-          lo = std::min(lo, first);
-          hi = std::max(hi, last);
-        }
-        double acc[kBlock] = {}, fm[kBlock][4] = {};
-        double* pre[kBlock];
-        for (int b = 0; b < nb; ++b) {
-          pre[b] = &w.top_sum[(static_cast<size_t>(g) * steps + t0 + b) * (t_all + 1)];
-          pre[b][0] = 0;
-        }
-        for (int i = 0; i < len; ++i)
-          for (int b = 0; b < nb; ++b) {
-            acc[b] += block[static_cast<size_t>(b) * t_all + i];
-            pre[b][i + 1] = acc[b];
-          }
-        for (int j = lo; j <= hi; ++j) {
-          const int mo = static_cast<int>(mod[j]);
-          for (int b = 0; b < nb; ++b) fm[b][mo] += ref.row(t0 + b)[j];
-        }
-        for (int b = 0; b < nb; ++b)
-          std::copy_n(fm[b], 4, &w.full_mod[(static_cast<size_t>(g) * steps + t0 + b) * 4]);
-      }
-    }
+    for (int g = 0; g < group; ++g)
+      ComputeDecodeReference(m_, n, steps, DecodeQuery(u * group + g, 0), keys, values, &w.refs[g]);
     // ‖v_j‖, 8 keys at a time: each key's sum is still added over k in order, but the 8 chains are
     // independent (one serial chain per key kept the core waiting on the adder).
     std::vector<float> vnorm(t_all);
@@ -362,6 +316,107 @@ class LayerPass {
       a.tokens[UnitIndex(u) * (steps + 1)] = cache.size();
     }
     w.scores.reset();  // prompt scores are a prefill-time facility
+    RegretSums(u);
+  }
+
+  // What each step's regret needs from the full-attention rows (the mass of the k best visible tokens,
+  // added in descending order: `top_sum`, `top_all`), and the full-attention modality sums.
+  //
+  // A run's k is min(its visible slots, the visible tokens). Step's checks bound a run's cache size (and so
+  // its visible slots) by its cap, so the prefix sums are kept up to `kpre`, the largest bound below T of
+  // any run; a run whose bound is T or more (`full`) reads `top_all` when it sees every visible token and
+  // sorts the row itself otherwise (TopSum). Only the kpre largest values and the ones too small to be added
+  // exactly are sorted (SortForDescendingSums): every value is bit-identical to a full sort's prefix sum.
+  // With an oracle (future_attention) every row is sorted in full, as it reads the sorted rows.
+  void RegretSums(int u) {
+    UnitWork& w = units_[u];
+    const int n = meta_.prefill_length, steps = meta_.num_decode_steps;
+    const int t_all = meta_.total_tokens(), group = m_.GroupSize();
+    bool keep_sorted = false;  // a run's policy reads the sorted rows (the oracle)
+    int kpre = 0;
+    for (size_t r = 0; r < plans_.size(); ++r) {
+      const RunPlan& plan = plans_[r];
+      keep_sorted |= plan.req.future_attention;
+      const int cap = plan.head_budgets[UnitIndex(u)] + (n - plan.compress_end);
+      const int64_t limit = (plan.may_exceed ? std::max(cap, w.prefill_size[r]) : cap) + plan.headroom;
+      const int64_t bound = plan.evicts ? limit : limit + steps;  // Step's check of the cache size
+      if (bound < t_all) kpre = std::max(kpre, static_cast<int>(bound));
+    }
+    if (keep_sorted) {
+      kpre = t_all;
+      w.sorted.assign(static_cast<size_t>(group) * steps * t_all, 0.0f);
+    }
+    w.kpre = kpre;
+    w.top_sum.resize(static_cast<size_t>(group) * steps * (kpre + 1));
+    w.top_all.resize(static_cast<size_t>(group) * steps);
+    w.full_mod.assign(static_cast<size_t>(group) * steps * 4, 0.0);
+    // Rows are handled kBlock steps at a time: each row's sums are still added in its own order (the
+    // prefix sums in descending order, the modality sums in key order), but the blocks' rows are
+    // independent dependency chains the core overlaps. The blocks are padded with zeros, and adding +0 to a
+    // non-negative sum changes no bit.
+    constexpr int kBlock = 8;
+    std::vector<float> head, tails[kBlock];
+    std::vector<float> hblock(static_cast<size_t>(kBlock) * kpre), tblock;
+    const Modality* mod = meta_.tokens.modality.data();
+    for (int g = 0; g < group; ++g) {
+      const DecodeReference& ref = w.refs[g];
+      for (int t0 = 0; t0 < steps; t0 += kBlock) {
+        const int nb = std::min(kBlock, steps - t0);
+        int hlen = 0, tlen = 0, lo = t_all, hi = 0;
+        double acc[kBlock] = {}, tot[kBlock] = {}, fm[kBlock][4] = {};
+        for (int b = 0; b < nb; ++b) {
+          const int t = t0 + b, first = ref.first[t], last = ref.last(t);
+          SortForDescendingSums({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kpre, &head,
+                                &tot[b], &tails[b]);
+          float* dst = hblock.data() + static_cast<size_t>(b) * kpre;
+          std::copy(head.begin(), head.end(), dst);
+          std::fill(dst + head.size(), dst + kpre, 0.0f);
+          if (keep_sorted)
+            std::copy(head.begin(), head.end(), &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all]);
+          hlen = std::max(hlen, static_cast<int>(head.size()));
+          tlen = std::max(tlen, static_cast<int>(tails[b].size()));
+          lo = std::min(lo, first);
+          hi = std::max(hi, last);
+        }
+        tblock.assign(static_cast<size_t>(nb) * tlen, 0.0f);
+        for (int b = 0; b < nb; ++b)
+          std::copy(tails[b].begin(), tails[b].end(), tblock.data() + static_cast<size_t>(b) * tlen);
+        double* pre[kBlock];
+        for (int b = 0; b < nb; ++b) {
+          pre[b] = &w.top_sum[(static_cast<size_t>(g) * steps + t0 + b) * (kpre + 1)];
+          pre[b][0] = 0;
+        }
+        for (int i = 0; i < hlen; ++i)
+          for (int b = 0; b < nb; ++b) {
+            acc[b] += hblock[static_cast<size_t>(b) * kpre + i];
+            pre[b][i + 1] = acc[b];
+          }
+        for (int i = 0; i < tlen; ++i)
+          for (int b = 0; b < nb; ++b) tot[b] += tblock[static_cast<size_t>(b) * tlen + i];
+        for (int b = 0; b < nb; ++b) {  // a row sorted in full: its sum is the last prefix sum
+          const int len = ref.last(t0 + b) - ref.first[t0 + b] + 1;
+          if (len <= kpre) tot[b] = pre[b][len];
+        }
+        for (int j = lo; j <= hi; ++j) {
+          const int mo = static_cast<int>(mod[j]);
+          for (int b = 0; b < nb; ++b) fm[b][mo] += ref.row(t0 + b)[j];
+        }
+        for (int b = 0; b < nb; ++b) {
+          w.top_all[static_cast<size_t>(g) * steps + t0 + b] = tot[b];
+          std::copy_n(fm[b], 4, &w.full_mod[(static_cast<size_t>(g) * steps + t0 + b) * 4]);
+        }
+      }
+    }
+  }
+
+  // The regret's top-k sum of step t's row of group member g for a k above the unit's kpre (a run with no
+  // cap below T): the row sorted here, the same additions in the same order as the prefix sums.
+  static double TopSum(const DecodeReference& ref, int t, int k, WorkerScratch& ws) {
+    const int first = ref.first[t];
+    SortDescendingNonNegative({ref.row(t) + first, static_cast<size_t>(ref.last(t) - first + 1)}, &ws.sorted);
+    double acc = 0;
+    for (int i = 0; i < k; ++i) acc += ws.sorted[i];
+    return acc;
   }
 
   // Kept-token statistics right after the compression event.
@@ -659,7 +714,10 @@ class LayerPass {
       a.anchor[si] = static_cast<float>(anchor);
       a.covered[si] = static_cast<float>(covered);
       // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
-      const double top = w.top_sum[gt * (t_all + 1) + std::min(visible, pos - first + 1)];
+      const int len = pos - first + 1, k = std::min(visible, len);
+      const double top = k == len      ? w.top_all[gt]
+                         : k <= w.kpre ? w.top_sum[gt * (w.kpre + 1) + k]
+                                       : TopSum(ref, t, k, ws);
       a.regret[si] = static_cast<float>(top - retained);
       double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
       double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];

@@ -1,6 +1,7 @@
 #include "sim/select.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -29,53 +30,158 @@ std::vector<int32_t> TopKIndices(std::span<const float> scores, int k) {
 std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int k, float tau) {
   const int n = static_cast<int>(scores.size());
   k = std::clamp(k, 0, n);
-  std::vector<int32_t> idx;
-  idx.reserve(k);
   int above = 0;
   for (float s : scores) above += s > tau;
   int ties = k - above;
-  for (int32_t j = 0; j < n; ++j) {
-    if (scores[j] > tau) {
-      idx.push_back(j);
-    } else if (scores[j] == tau && ties > 0) {
-      idx.push_back(j);
-      --ties;
-    }
+  // One in-order scan without branches (whether a score is taken is data-dependent and unpredictable):
+  // every index is written at the next free place, which advances only when the index is taken; one
+  // spare element takes the last write. Takes every score above tau and the first `ties` equal to it
+  // (more than k if tau is below the k-th largest, as before).
+  const int most = std::max(k, above);
+  std::vector<int32_t> idx(static_cast<size_t>(most) + 1);
+  int m = 0;
+  for (int32_t j = 0; j < n && m < most; ++j) {
+    const float s = scores[j];
+    const int tie = (s == tau) & (ties > 0);
+    idx[m] = j;
+    m += (s > tau) | tie;
+    ties -= tie;
   }
+  idx.resize(m);
   return idx;
 }
 
-void SortDescendingNonNegative(std::span<const float> values, std::vector<float>* out) {
-  // Non-negative IEEE floats order like their bit patterns; sort ~bits ascending = values descending.
-  // LSD radix sort, 3 passes of 11 bits; the three digits' histograms are counted in one pass, and the
-  // keys' buffers are per thread (the engine calls this once per attention row).
-  const size_t n = values.size();
-  thread_local std::vector<uint32_t> a, b;
-  a.resize(n);
-  b.resize(n);
-  constexpr int kBits = 11, kBuckets = 1 << kBits, kPasses = 3;
+namespace {
+
+constexpr int kBits = 11, kBuckets = 1 << kBits, kPasses = 3;
+
+// Sorts the keys a[0, n) ascending (LSD radix, 3 passes of 11 bits; the three digits' histograms are
+// counted in one pass, and a digit shared by every key skips its pass). `b` is scratch of size >= n.
+void RadixSortKeys(std::vector<uint32_t>& a, std::vector<uint32_t>& b, size_t n) {
   size_t count[kPasses][kBuckets + 1] = {};
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &values[i], 4);
-    KVSIM_CHECK((u >> 31) == 0 || u == 0x80000000u);
-    const uint32_t key = ~(u & 0x7fffffffu);
-    a[i] = key;
-    for (int p = 0; p < kPasses; ++p) ++count[p][((key >> (p * kBits)) & (kBuckets - 1)) + 1];
-  }
+  for (size_t i = 0; i < n; ++i)
+    for (int p = 0; p < kPasses; ++p) ++count[p][((a[i] >> (p * kBits)) & (kBuckets - 1)) + 1];
   for (int p = 0; p < kPasses; ++p) {
     size_t* c = count[p];
-    if (c[((a.empty() ? 0 : a[0]) >> (p * kBits) & (kBuckets - 1)) + 1] == n) continue;  // one bucket
+    if (c[((n == 0 ? 0 : a[0]) >> (p * kBits) & (kBuckets - 1)) + 1] == n) continue;  // one bucket
     for (int k = 0; k < kBuckets; ++k) c[k + 1] += c[k];
     const int shift = p * kBits;
     for (size_t i = 0; i < n; ++i) b[c[(a[i] >> shift) & (kBuckets - 1)]++] = a[i];
     a.swap(b);
   }
+}
+
+// Non-negative IEEE floats order like their bit patterns; ~bits ascending = values descending.
+uint32_t DescendingKey(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  KVSIM_CHECK((u >> 31) == 0 || u == 0x80000000u);
+  return ~(u & 0x7fffffffu);
+}
+
+float KeyValue(uint32_t key) {
+  const uint32_t u = ~key;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+}  // namespace
+
+void SortDescendingNonNegative(std::span<const float> values, std::vector<float>* out) {
+  // The keys' buffers are per thread (the engine calls this once per attention row).
+  const size_t n = values.size();
+  thread_local std::vector<uint32_t> a, b;
+  a.resize(n);
+  b.resize(n);
+  for (size_t i = 0; i < n; ++i) a[i] = DescendingKey(values[i]);
+  RadixSortKeys(a, b, n);
   out->resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    const uint32_t u = ~a[i];
-    std::memcpy(&(*out)[i], &u, 4);
+  for (size_t i = 0; i < n; ++i) (*out)[i] = KeyValue(a[i]);
+}
+
+void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<float>* head,
+                           double* exact_sum, std::vector<float>* tail) {
+  const size_t n = values.size();
+  const size_t k = static_cast<size_t>(std::clamp<int64_t>(kmax, 0, static_cast<int64_t>(n)));
+  thread_local std::vector<uint32_t> a, b;
+  a.resize(n);
+  b.resize(n);
+  if (k == n) {  // everything is sorted anyway: S[n] is head's running sum
+    for (size_t i = 0; i < n; ++i) a[i] = DescendingKey(values[i]);
+    RadixSortKeys(a, b, n);
+    head->resize(n);
+    for (size_t i = 0; i < n; ++i) (*head)[i] = KeyValue(a[i]);
+    *exact_sum = 0;
+    tail->clear();
+    return;
   }
+  // Pass 1: an upper bound of the sum, the sign check and, when k > 0, the histogram of the keys' top
+  // digit (for the k largest). No key is stored: pass 2 recomputes them (cheaper than a store and a load).
+  constexpr int kTop = 2 * kBits;  // the top digit: key bits [22, 32)
+  size_t top[kBuckets] = {};
+  double s4[4] = {};
+  uint32_t negative = 0;  // any value below -0
+  size_t i = 0;
+  if (k > 0) {
+    for (; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &values[i], 4);
+      negative |= u > 0x80000000u;
+      ++top[(~(u & 0x7fffffffu)) >> kTop];
+      s4[i & 3] += values[i];
+    }
+  } else {
+    for (; i + 4 <= n; i += 4)
+      for (int l = 0; l < 4; ++l) {
+        uint32_t u;
+        std::memcpy(&u, &values[i + l], 4);
+        negative |= u > 0x80000000u;
+        s4[l] += values[i + l];
+      }
+    for (; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &values[i], 4);
+      negative |= u > 0x80000000u;
+      s4[0] += values[i];
+    }
+  }
+  KVSIM_CHECK_MSG(!negative, "SortForDescendingSums: values must be non-negative");
+  const double sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+  KVSIM_CHECK_MSG(std::isfinite(sum), "SortForDescendingSums: values must be finite");
+  // The computed sum is within n * 2^-53 (relative) of the true one: 2^-20 of headroom covers n < 2^30.
+  int e = 0;
+  std::frexp(sum * (1.0 + 0x1p-20), &e);        // sum * (1 + 2^-20) < 2^e
+  const float big = std::ldexp(1.0f, e - 30);   // 2^L; 0 when L is below the smallest subnormal
+  const uint32_t big_key = DescendingKey(big);  // values >= big: keys <= big_key
+  // The k largest values all have a top digit of at most `cut`, the bucket that holds the k-th largest.
+  int cut = -1;
+  for (size_t c = 0, seen = 0; seen < k; ++c) {
+    seen += top[c];
+    cut = static_cast<int>(c);
+  }
+  // Pass 2: gather the keys to sort (the top digits up to `cut`, and the nonzero values below 2^L) and
+  // sum the values >= 2^L (exact: any order).
+  double e4[4] = {};
+  size_t m = 0;
+  const uint32_t zero_key = ~0u;
+  for (i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &values[i], 4);
+    const uint32_t key = ~(u & 0x7fffffffu);
+    const bool is_big = key <= big_key;
+    e4[i & 3] += is_big ? static_cast<double>(values[i]) : 0.0;
+    b[m] = key;
+    m += static_cast<int>(key >> kTop) <= cut || (!is_big && key != zero_key);
+  }
+  *exact_sum = (e4[0] + e4[1]) + (e4[2] + e4[3]);
+  a.swap(b);
+  RadixSortKeys(a, b, m);
+  head->resize(k);
+  for (size_t j = 0; j < k; ++j) (*head)[j] = KeyValue(a[j]);
+  tail->clear();
+  for (size_t j = 0; j < m; ++j)
+    if (a[j] > big_key && a[j] != zero_key) tail->push_back(KeyValue(a[j]));
 }
 
 }  // namespace kvsim

@@ -254,6 +254,31 @@ TEST_CASE("replay: metrics of a fixed token set on the hand trace", "[replay]") 
   CHECK(r.layers(0).metrics().SerializeAsString() == m.SerializeAsString());
 }
 
+TEST_CASE("replay: the regret's top-k sums agree whichever way the engine gets them", "[replay]") {
+  // The engine keeps each row's descending prefix sums up to the largest cache size any run's cap allows
+  // (below T), the sum of the whole row for runs that see every visible token, and sorts a row itself for
+  // a run allowed T slots or more that keeps fewer. The same cache {0, 2} (+ decode tokens) with budget 2
+  // (bound 2 + 2 steps = 4 < T = 6: the prefix sums) and budget 4 (bound 6: the run's own sort) must give
+  // the same regret, bit for bit, and the hand values of "metrics of a fixed token set".
+  MemoryTrace tr = MakeHandTrace();
+  auto fixed = std::make_shared<FixedSetPolicy>(std::vector<int32_t>{0, 2});
+  std::vector<RunSpec> prefix{Spec(fixed, 2)}, own{Spec(fixed, 4)}, full{Spec(Registered("full"), 4)};
+  auto a = Replay(tr, prefix, Options());
+  auto b = Replay(tr, own, Options());
+  auto c = Replay(tr, full, Options());
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  REQUIRE(c.ok());
+  const Metrics& ma = (*a)[0].metrics();
+  const Metrics& mb = (*b)[0].metrics();
+  CHECK(ma.regret_vs_oracle_mean() == Approx(0.0625).margin(1e-6));
+  CHECK(ma.regret_vs_oracle_p95() == Approx(0.125).margin(1e-6));
+  CHECK(mb.regret_vs_oracle_mean() == ma.regret_vs_oracle_mean());
+  CHECK(mb.regret_vs_oracle_p95() == ma.regret_vs_oracle_p95());
+  // `full` sees every visible token: the whole row's sum, which is its retained mass up to rounding.
+  CHECK(std::abs((*c)[0].metrics().regret_vs_oracle_mean()) < 1e-7);
+}
+
 TEST_CASE("replay: timeline and memory with a linear latency model", "[replay]") {
   MemoryTrace tr = MakeHandTrace();
   LatencyModelProto lp;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <random>
@@ -94,6 +95,145 @@ TEST_CASE("SortDescendingNonNegative matches std::sort, with zeros, denormals an
     SortDescendingNonNegative(v, &got);
     REQUIRE(got.size() == want.size());
     for (int i = 0; i < n; ++i) REQUIRE(got[i] == want[i]);  // -0.0 == 0.0
+  }
+}
+
+namespace {
+
+// The reference: a full descending sort, then S[k] = (((0 + x_1) + x_2) + ... + x_k) in double.
+std::vector<double> DescendingPrefix(std::vector<float> v) {
+  std::sort(v.begin(), v.end(), std::greater<float>());
+  std::vector<double> pre(v.size() + 1, 0.0);
+  for (size_t i = 0; i < v.size(); ++i) pre[i + 1] = pre[i] + v[i];
+  return pre;
+}
+
+// Checks SortForDescendingSums against the reference for several kmax; returns the tail's size at kmax 0.
+size_t CheckDescendingSums(const std::vector<float>& v) {
+  const std::vector<double> want = DescendingPrefix(v);
+  const int n = static_cast<int>(v.size());
+  size_t tail_size = 0;
+  for (int kmax : {0, 1, n / 7, n / 2, n - 1, n, n + 3}) {
+    std::vector<float> head, tail;
+    double exact = -1;
+    SortForDescendingSums(v, kmax, &head, &exact, &tail);
+    const int k = std::clamp(kmax, 0, n);
+    REQUIRE(static_cast<int>(head.size()) == k);
+    double acc = 0;
+    for (int i = 0; i < k; ++i) {
+      acc += head[i];
+      REQUIRE(acc == want[i + 1]);  // bit for bit
+    }
+    if (kmax >= n) {  // every value in head, S[n] its running sum
+      REQUIRE(exact == 0);
+      REQUIRE(tail.empty());
+      continue;
+    }
+    double total = exact;
+    for (size_t i = 0; i < tail.size(); ++i) {
+      REQUIRE(tail[i] > 0.0f);
+      if (i > 0) REQUIRE(tail[i] <= tail[i - 1]);
+      total += tail[i];
+    }
+    REQUIRE(total == want[n]);  // bit for bit
+    if (kmax == 0) tail_size = tail.size();
+  }
+  return tail_size;
+}
+
+}  // namespace
+
+TEST_CASE("SortForDescendingSums: prefix sums and the total equal a full sort's, bit for bit", "[select]") {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> logit(0.0f, 4.0f);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::uniform_int_distribution<int> kind(0, 9);
+  const float denorm = std::numeric_limits<float>::denorm_min();
+  CheckDescendingSums({});
+  CheckDescendingSums({0.0f});
+  CheckDescendingSums({0.0f, -0.0f, 0.0f});
+  CheckDescendingSums({0.5f});
+  CheckDescendingSums({denorm, denorm, 3 * denorm});  // a sum far below 2^-126: every value is "big"
+  for (int trial = 0; trial < 12; ++trial) {
+    const int n = 1 + trial * 311;
+    // Softmax-like rows over a wide range (exp of N(0, 4^2) logits, normalised in float), with zeros,
+    // subnormals and ties mixed in.
+    std::vector<float> v(n);
+    double z = 0;
+    for (float& x : v) {
+      x = std::exp(logit(rng) * (trial % 3 == 0 ? 3.0f : 1.0f));
+      z += x;
+    }
+    for (float& x : v) {
+      x = static_cast<float>(x / z);
+      switch (kind(rng)) {
+        case 0:
+          x = 0.0f;
+          break;
+        case 1:
+          x = denorm * static_cast<float>(1 + static_cast<int>(u(rng) * 1000));
+          break;
+        case 2:
+          x = 1e-3f;  // ties
+          break;
+        default:
+          break;
+      }
+    }
+    CheckDescendingSums(v);
+  }
+  // Sums far from 1: values up to 1e30, and values around 1e-35.
+  for (float scale : {1e30f, 1e-35f}) {
+    std::vector<float> v(2000);
+    for (float& x : v) x = scale * std::exp(logit(rng) / 2.0f) * 1e-6f;
+    CheckDescendingSums(v);
+  }
+}
+
+TEST_CASE("SortForDescendingSums: the small values' order matters and is kept", "[select]") {
+  // One value of 1 and many of 2^-60 .. 2^-40: each small one is below half an ulp of the running sum
+  // only in some orders, so the ascending and the descending sums differ; the function must give the
+  // descending one, which needs the small values (all in the tail) sorted.
+  std::vector<float> v{1.0f};
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<int> ex(-60, -40);
+  for (int i = 0; i < 3000; ++i) v.push_back(std::ldexp(1.0f + static_cast<float>(i % 7) / 8, ex(rng)));
+  std::shuffle(v.begin(), v.end(), rng);
+  std::vector<float> asc = v;
+  std::sort(asc.begin(), asc.end());
+  double ascending = 0;
+  for (float x : asc) ascending += x;
+  const std::vector<double> want = DescendingPrefix(v);
+  REQUIRE(ascending != want.back());      // the data is order-sensitive
+  CHECK(CheckDescendingSums(v) == 3000);  // every small value is in the tail
+}
+
+TEST_CASE("TopKIndicesWithThreshold equals the plain two-branch scan, for any threshold", "[select]") {
+  // The reference: every score above tau, then the lowest-indexed ties while k is not reached.
+  auto reference = [](const std::vector<float>& s, int k, float tau) {
+    int above = 0;
+    for (float x : s) above += x > tau;
+    int ties = k - above;
+    std::vector<int32_t> idx;
+    for (int32_t j = 0; j < static_cast<int32_t>(s.size()); ++j)
+      if (s[j] > tau || (s[j] == tau && ties-- > 0)) idx.push_back(j);
+    return idx;
+  };
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> level(0, 12);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int n = 1 + trial * 37;
+    std::vector<float> s(n);
+    for (float& x : s) x = 0.25f * static_cast<float>(level(rng));
+    std::vector<float> sorted = s;
+    std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+    for (int k : {0, 1, n / 4, n / 2, n}) {
+      // The k-th largest (the intended use), and thresholds above and below it (more or fewer taken).
+      for (float tau : {k > 0 ? sorted[k - 1] : sorted[0], 0.0f, 1.5f, 3.0f, 10.0f}) {
+        INFO("n " << n << " k " << k << " tau " << tau);
+        CHECK(TopKIndicesWithThreshold(s, k, tau) == reference(s, k, tau));
+      }
+    }
   }
 }
 
