@@ -671,29 +671,42 @@ struct DirectReadState {
 };
 
 uint32_t HdfFletcher32(const void* data_in, size_t size) {
-  // H5_checksum_fletcher32 (H5checksum.c): sums of big-endian 16-bit words, folded every 360 words.
-  const uint8_t* data = static_cast<const uint8_t*>(data_in);
-  size_t len = size / 2;
-  uint32_t sum1 = 0, sum2 = 0;
-  while (len) {
-    size_t tlen = len > 360 ? 360 : len;
-    len -= tlen;
-    do {
-      sum1 += static_cast<uint32_t>(data[0]) << 8 | static_cast<uint32_t>(data[1]);
-      data += 2;
-      sum2 += sum1;
-    } while (--tlen);
-    sum1 = (sum1 & 0xffff) + (sum1 >> 16);
-    sum2 = (sum2 & 0xffff) + (sum2 >> 16);
+  // HDF5's H5_checksum_fletcher32 (H5checksum.c) adds the big-endian 16-bit words w_0..w_{N-1} (an odd last
+  // byte is one more word, shifted up) into sum1 and each running sum1 into sum2, folding with end-around
+  // carry (x -> (x & 0xffff) + (x >> 16)) every 360 words and at the end. A fold keeps the value mod 65535
+  // and keeps it positive, and the final value is <= 0xffff, so the result is: sum1 = S1 mod 65535 and
+  // sum2 = S2 mod 65535 with S1 = sum w_j, S2 = sum (N - j) w_j, a residue 0 written 0xffff unless the sum
+  // is 0 (every word zero). Computed that way in blocks (vectorizable 32-bit lanes), bit-identical.
+  const uint8_t* p = static_cast<const uint8_t*>(data_in);
+  const uint64_t n = size / 2 + size % 2;  // words, the odd tail byte included
+  constexpr uint64_t kMod = 65535;
+  constexpr size_t kBlock = 256;  // sum (kBlock - k) * 0xffff < 2^32
+  uint64_t s1 = 0, s2 = 0;
+  uint32_t any = 0;
+  uint64_t i = 0;
+  for (; i + kBlock <= size / 2; i += kBlock) {
+    const uint8_t* q = p + 2 * i;
+    uint32_t a = 0, b = 0;
+    for (uint32_t k = 0; k < kBlock; ++k) {
+      const uint32_t w = static_cast<uint32_t>(q[2 * k]) << 8 | q[2 * k + 1];
+      a += w;
+      b += (static_cast<uint32_t>(kBlock) - k) * w;
+    }
+    any |= a;
+    // The block's words j = i + k weigh n - j = (n - i - kBlock) + (kBlock - k).
+    s1 = (s1 + a) % kMod;
+    s2 = (s2 + b % kMod + ((n - i - kBlock) % kMod) * (a % kMod)) % kMod;
   }
-  if (size % 2) {
-    sum1 += static_cast<uint32_t>(*data) << 8;
-    sum2 += sum1;
-    sum1 = (sum1 & 0xffff) + (sum1 >> 16);
-    sum2 = (sum2 & 0xffff) + (sum2 >> 16);
+  for (; i < n; ++i) {  // the last < kBlock words
+    const uint32_t w = 2 * i + 1 < size ? (static_cast<uint32_t>(p[2 * i]) << 8 | p[2 * i + 1])
+                                        : static_cast<uint32_t>(p[2 * i]) << 8;
+    any |= w;
+    s1 = (s1 + w) % kMod;
+    s2 = (s2 + ((n - i) % kMod) * w) % kMod;
   }
-  sum1 = (sum1 & 0xffff) + (sum1 >> 16);
-  sum2 = (sum2 & 0xffff) + (sum2 >> 16);
+  if (!any) return 0;
+  const uint32_t sum1 = s1 ? static_cast<uint32_t>(s1) : 0xffff,
+                 sum2 = s2 ? static_cast<uint32_t>(s2) : 0xffff;
   return sum2 << 16 | sum1;
 }
 

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <random>
 #include <thread>
 
 #include "tests/test_util.h"
@@ -961,6 +962,46 @@ TEST_CASE("hdf5 trace: Fletcher32 as HDF5 computes it; damage and truncation are
     CHECK(checked > 10);
     // Known values: the algorithm's reference results (16-bit big-endian words, odd tail byte shifted up).
     const uint8_t abcde[] = {'a', 'b', 'c', 'd', 'e'};
+    // Against HDF5's own loop (H5_checksum_fletcher32, copied): random bytes of many lengths, odd ones,
+    // all zeros and all 0xff (residue 0: written 0xffff), lengths across the 360-word folds and 256-word
+    // blocks.
+    auto reference = [](const uint8_t* data, size_t size) {
+      size_t len = size / 2;
+      uint32_t sum1 = 0, sum2 = 0;
+      while (len) {
+        size_t tlen = len > 360 ? 360 : len;
+        len -= tlen;
+        do {
+          sum1 += static_cast<uint32_t>(data[0]) << 8 | data[1];
+          data += 2;
+          sum2 += sum1;
+        } while (--tlen);
+        sum1 = (sum1 & 0xffff) + (sum1 >> 16);
+        sum2 = (sum2 & 0xffff) + (sum2 >> 16);
+      }
+      if (size % 2) {
+        sum1 += static_cast<uint32_t>(*data) << 8;
+        sum2 += sum1;
+        sum1 = (sum1 & 0xffff) + (sum1 >> 16);
+        sum2 = (sum2 & 0xffff) + (sum2 >> 16);
+      }
+      sum1 = (sum1 & 0xffff) + (sum1 >> 16);
+      sum2 = (sum2 & 0xffff) + (sum2 >> 16);
+      return sum2 << 16 | sum1;
+    };
+    std::mt19937 rng(7);
+    for (const size_t len : {0, 1, 2, 3, 511, 512, 513, 719, 720, 721, 1000, 4096, 262145, 524292}) {
+      std::vector<uint8_t> buf(len);
+      for (uint8_t& b : buf) b = static_cast<uint8_t>(rng());
+      INFO("length " << len);
+      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
+      std::fill(buf.begin(), buf.end(), 0xff);
+      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
+      std::fill(buf.begin(), buf.end(), 0);
+      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
+      if (len > 2) buf[len / 2] = 1;
+      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
+    }
     CHECK(HdfFletcher32(abcde, 4) == ((0x6162u + 0x6162u + 0x6364u) % 0xffff << 16 | (0x6162u + 0x6364u)));
     CHECK(HdfFletcher32(abcde, 5) ==
           (((0x6162u + (0x6162u + 0x6364u) + (0x6162u + 0x6364u + 0x6500u)) % 0xffff) << 16 |
