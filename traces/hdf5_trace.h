@@ -30,7 +30,8 @@ class Hdf5TraceReader final : public TraceSource {
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> OpenUnguarded(const std::string& path);
   // The same from an in-memory copy of a trace file (`name` is used in messages); the bytes are copied. Not
   // guarded, so only a fully checksummed trace is accepted (TraceIntegrity::checksummed(): checked from the
-  // superblock and the objects' types before any string is read); older traces go through Open().
+  // superblock and the objects' types before any string is read); older traces go through Open(). The
+  // reader keeps a second copy of the bytes for direct chunk reads (the HDF5 core driver holds its own).
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> OpenImage(const std::string& name, const void* data,
                                                               size_t size);
   ~Hdf5TraceReader() override;
