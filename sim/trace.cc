@@ -507,6 +507,12 @@ Status CheckFinite(const std::string& where, const char* name, const std::vector
 }  // namespace
 
 Status ValidateLayerBlocks(const TraceMeta& meta, const LayerData& layer, const std::string& what) {
+  // Sinks store every query row: a layer read with only some rows would write unspecified values.
+  if (!layer.query_rows.all())
+    return Status::InvalidArgument(
+        what + ": layer " + std::to_string(layer.layer) + " holds only query rows " +
+        layer.query_rows.Text() +
+        "; read it with every query row (LayerReadOptions::query_rows) to write it");
   const size_t want = meta.is_streaming() ? meta.stream->block_encodings.size() : 0;
   if (layer.blocks.size() != want)
     return Status::InvalidArgument(what + ": layer " + std::to_string(layer.layer) + " carries " +

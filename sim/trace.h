@@ -290,7 +290,8 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
 Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData& block,
                           const std::string& what);
 // Checks layer.blocks against meta.stream->block_encodings (one entry per granularity, same order; none for
-// non-streaming traces), each with ValidateBlockLayer. Used by sinks' WriteLayer.
+// non-streaming traces), each with ValidateBlockLayer, and that the layer holds every query row. Used by
+// sinks' WriteLayer.
 Status ValidateLayerBlocks(const TraceMeta& meta, const LayerData& layer, const std::string& what);
 
 }  // namespace kvsim

@@ -79,6 +79,14 @@ TEST_CASE("QueryRows: ranges merge; a layer read with some rows refuses the othe
   CHECK(ValidateLayer(meta, ld, "x").ok());
   ld.queries[(static_cast<size_t>(tq) + tq - 2) * 8 + 3] = std::nanf("");
   CHECK_FALSE(ValidateLayer(meta, ld, "x").ok());
+  // A sink refuses a layer that lacks rows (it would write unspecified values).
+  MemoryTrace sink;
+  REQUIRE(sink.Begin(meta).ok());
+  LayerData l0;
+  REQUIRE(tr.ReadLayer(0, &l0, LayerReadOptions{.query_rows = some}).ok());
+  const Status refused = sink.WriteLayer(l0);
+  CHECK(refused.code() == StatusCode::kInvalidArgument);
+  CHECK(refused.message().find("holds only query rows") != std::string::npos);
   // Using a row that was not read aborts (a wrong number would be worse): checked in a child process.
   for (const int32_t row : {0, tq - 7}) {
     const pid_t pid = ::fork();
