@@ -9,6 +9,8 @@
 //               thread and on all threads, as ratios to stream_full.
 //   issue14:    fixed per-trace and per-run cost against their floors (read-only pass, BLAS of the reference
 //               and of the runs' own products), CPU use, every text policy x 4 budgets (docs/performance.md).
+//   read:       the issue14 suite's three reads alone: every query row (direct chunk reads), only the rows a
+//               9-run sweep reads, every row through H5Dread on 1 thread (the reader before round 5).
 
 #include <cblas.h>
 #include <sys/resource.h>
@@ -150,7 +152,8 @@ double ProductsFloor(const TraceMeta& meta, int threads, const std::vector<int>&
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double trace_bytes, int threads) {
+int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double trace_bytes, int threads,
+                 bool reads_only) {
   auto make = [](const char* name, std::vector<std::string> sets = {}) {
     auto p = PolicyRegistry::Default().Create(name, sets);
     if (!p.ok()) std::abort();
@@ -199,19 +202,39 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
       return samples;
     };
   };
-  auto read_only = [&]() -> double {
-    auto t = OpenTrace(trace_path);
-    if (!t.ok()) return -1;
-    LayerData layer;
-    for (int l = 0; l < meta.model.num_layers; ++l)
-      if (!(*t)->ReadLayer(l, &layer).ok()) return -1;
-    return 0;
+  // Reading every layer as the replay does (direct chunk reads on `threads` threads where the layout
+  // allows), every query row: the floor of reading the whole trace. Also only the rows the 9-run sweep reads
+  // (ReplayQueryRows), and every row through HDF5's H5Dread on one thread (the reader before round 5).
+  auto read_only = [&](LayerReadOptions options) {
+    return [&, options]() -> double {
+      auto t = OpenTrace(trace_path);
+      if (!t.ok()) return -1;
+      LayerData layer;
+      for (int l = 0; l < meta.model.num_layers; ++l)
+        if (!(*t)->ReadLayer(l, &layer, options).ok()) return -1;
+      return 0;
+    };
   };
   std::vector<int> kept;  // the 8 budgeted runs' kept widths (prompt budget + decode tokens)
   for (int rep = 0; rep < 2; ++rep)
     for (double b : budgets)
       kept.push_back(static_cast<int>(std::lround(b * meta.prefill_length)) + meta.num_decode_steps);
-  const Measure io = InChild(read_only);
+  const Measure io = InChild(read_only(LayerReadOptions{.threads = threads}));
+  const Measure io9 = InChild(
+      read_only(LayerReadOptions{.query_rows = ReplayQueryRows(meta, nine, false), .threads = threads}));
+  const Measure io_lib = InChild(read_only(LayerReadOptions{.threads = 1, .direct_chunks = false}));
+  if (reads_only) {  // --suite read: the three reads alone
+    if (!io.ok || !io9.ok || !io_lib.ok) return 1;
+    std::printf(
+        "reads: %d threads\n\n| what | wall s | CPU s | CPU %% | peak RSS MB |\n|---|---:|---:|---:|---:|\n",
+        threads);
+    for (const auto& [what, m] : {std::pair<const char*, const Measure&>{"every row, direct chunk reads", io},
+                                  {"the 9-run sweep's rows, direct chunk reads", io9},
+                                  {"every row, H5Dread, 1 thread (before round 5)", io_lib}})
+      std::printf("| %s | %.2f | %.2f | %.0f | %.0f |\n", what, m.seconds, m.cpu_seconds, m.cpu_percent(),
+                  m.peak_rss_mb);
+    return 0;
+  }
   const Measure ref_floor =
       InChild([&]() -> double { return ProductsFloor(meta, threads, {}) >= 0 ? 0 : -1; });
   const Measure runs_floor =
@@ -219,7 +242,8 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
   const Measure full = InChild(replay(full_only));
   const Measure sweep9 = InChild(replay(nine));
   const Measure sweep45 = InChild(replay(all));
-  if (!io.ok || !ref_floor.ok || !runs_floor.ok || !full.ok || !sweep9.ok || !sweep45.ok) {
+  if (!io.ok || !io9.ok || !io_lib.ok || !ref_floor.ok || !runs_floor.ok || !full.ok || !sweep9.ok ||
+      !sweep45.ok) {
     std::cerr << "kvsim_bench: a measurement failed\n";
     return 1;
   }
@@ -230,7 +254,9 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
     std::printf("| %s | %.2f | %.2f | %.0f | %.0f | %.3f |\n", what.c_str(), m.seconds, m.cpu_seconds,
                 m.cpu_percent(), m.peak_rss_mb, m.peak_rss_mb * 1048576.0 / trace_bytes);
   };
-  row("floor: read every layer only (I/O + fp16 -> fp32)", io);
+  row("floor: read every layer only (I/O + checksum + fp16 -> fp32, every query row)", io);
+  row("read only the query rows a 9-run sweep needs (decode steps + snapkv's window)", io9);
+  row("read every layer through H5Dread, 1 thread (the reader before round 5)", io_lib);
   row("floor: BLAS of the reference products (logits + output, every query head)", ref_floor);
   row("floor: BLAS of 8 runs' own output products (S x (B + S) x d per query head)", runs_floor);
   row("kvsim: full alone (= the fixed per-trace cost)", full);
@@ -363,7 +389,7 @@ int main(int argc, char** argv) {
   opts.add_options()("help,h", "help")("trace", po::value(&trace_path)->required(), "trace (.h5)")(
       "threads", po::value(&threads)->default_value(0), "threads for the parallel variant (0 = all cores)")(
       "suite", po::value(&suite)->default_value("all"),
-      "baseline | multimodal | streaming | issue14 | all (streaming traces: streaming)");
+      "baseline | multimodal | streaming | issue14 | read | all (streaming traces: streaming)");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, opts), vm);
@@ -398,13 +424,16 @@ int main(int argc, char** argv) {
   }
   const auto runs = BaselineRuns();
 
-  auto read_only = [&]() -> double {
-    auto t = OpenTrace(trace_path);
-    if (!t.ok()) return -1;
-    LayerData layer;
-    for (int l = 0; l < meta.model.num_layers; ++l)
-      if (!(*t)->ReadLayer(l, &layer).ok()) return -1;
-    return 0;
+  // Every layer, every query row, read as the replay reads (direct chunk reads on `threads` threads).
+  auto read_only = [&](LayerReadOptions options) {
+    return [&, options]() -> double {
+      auto t = OpenTrace(trace_path);
+      if (!t.ok()) return -1;
+      LayerData layer;
+      for (int l = 0; l < meta.model.num_layers; ++l)
+        if (!(*t)->ReadLayer(l, &layer, options).ok()) return -1;
+      return 0;
+    };
   };
   auto sweep = [&](int th) {
     return [&, th]() -> double {
@@ -417,16 +446,17 @@ int main(int argc, char** argv) {
       return samples;
     };
   };
-  if (suite == "issue14") {
+  if (suite == "issue14" || suite == "read") {
     std::printf("trace: %s (%s, %d layers, %d/%d heads, d %d, prompt %d, %d decode steps, %.2f GB)\n\n",
                 trace_path.c_str(), meta.model.name.c_str(), meta.model.num_layers, meta.model.num_heads,
                 meta.model.num_kv_heads, meta.model.head_dim, meta.prefill_length, meta.num_decode_steps,
                 st.st_size / 1e9);
     std::fflush(stdout);  // the measurements fork: an unflushed buffer would be written by every child
-    return Issue14Suite(trace_path, meta, static_cast<double>(st.st_size), threads);
+    return Issue14Suite(trace_path, meta, static_cast<double>(st.st_size), threads, suite == "read");
   }
   if (suite != "all" && suite != "baseline" && suite != "multimodal") {
-    std::cerr << "kvsim_bench: --suite '" << suite << "': expected baseline, multimodal, issue14 or all\n";
+    std::cerr << "kvsim_bench: --suite '" << suite
+              << "': expected baseline, multimodal, issue14, read or all\n";
     return 2;
   }
   std::printf("trace: %s (%s, %d layers, %d/%d heads, d %d, prompt %d, %d decode steps, %.2f GB)\n\n",
@@ -474,7 +504,7 @@ int main(int argc, char** argv) {
     std::printf("\n");
     if (suite == "multimodal") return 0;
   }
-  const Measure io = InChild(read_only);
+  const Measure io = InChild(read_only(LayerReadOptions{.threads = threads}));
   const Measure one = InChild(sweep(1));
   const Measure par = InChild(sweep(threads));
   if (!io.ok || !one.ok || !par.ok) {
@@ -495,7 +525,7 @@ int main(int argc, char** argv) {
     std::printf("| %s | %.2f | %.0f | %.3f | %.3g | %.2fx |\n", name, m.seconds, m.peak_rss_mb, rss_share,
                 m.samples / m.seconds, one.seconds / m.seconds);
   };
-  row("read every layer only (I/O + fp16 decode)", io);
+  row("read every layer only (I/O + checksum + fp16 decode)", io);
   row("sweep, 1 thread", one);
   std::string name = "sweep, " + std::to_string(threads) + " threads";
   row(name.c_str(), par);

@@ -83,7 +83,6 @@ DapScores ComputeDapScores(const LayerView& view) {
   const TraceMeta& meta = *view.meta;
   const ModelInfo& m = meta.model;
   const int ce = view.compress_end, d = m.head_dim, t_all = meta.total_tokens(), H = m.num_heads;
-  const size_t tq = meta.query_positions.size();
   std::vector<int32_t> text;
   for (int i = 0; i < ce; ++i)
     if (!IsVisual(meta.tokens.modality[i])) text.push_back(i);
@@ -100,10 +99,10 @@ DapScores ComputeDapScores(const LayerView& view) {
     std::vector<float> q(static_cast<size_t>(rows) * d), logits(static_cast<size_t>(rows) * width);
     for (int h = 0; h < H; ++h) {
       const float* keys = view.data->keys.data() + static_cast<size_t>(h / m.GroupSize()) * t_all * d;
-      const float* queries = view.data->queries.data() + static_cast<size_t>(h) * tq * d;
       for (int r = 0; r < rows; ++r) {
         const int qi = meta.QueryIndex(text[r0 + r]);
         KVSIM_CHECK_MSG(qi >= 0, "hae: missing prompt query (CheckRuns should have refused the trace)");
+        const float* queries = view.data->HeadQueries(meta, h, qi, qi + 1);
         std::copy(queries + static_cast<size_t>(qi) * d, queries + static_cast<size_t>(qi + 1) * d,
                   q.begin() + static_cast<size_t>(r) * d);
       }

@@ -136,7 +136,6 @@ double MedaLayerEntropy(const LayerView& view, policy::MedaParams::Entropy mode,
   const TraceMeta& meta = *view.meta;
   const ModelInfo& m = meta.model;
   const int d = m.head_dim, ce = view.compress_end, t_all = meta.total_tokens();
-  const size_t tq = meta.query_positions.size();
   std::vector<int32_t> text, visual, all(ce), qidx(ce);
   std::iota(all.begin(), all.end(), 0);
   for (int j = 0; j < ce; ++j) {
@@ -148,7 +147,8 @@ double MedaLayerEntropy(const LayerView& view, policy::MedaParams::Entropy mode,
     return view.data->keys.data() + static_cast<size_t>(h / m.GroupSize()) * t_all * d;
   };
   auto head_query_rows = [&](int h, std::span<const int32_t> pos) {
-    const float* queries = view.data->queries.data() + static_cast<size_t>(h) * tq * d;
+    // Rows [qidx[0], qidx[ce - 1]] (ascending) hold every prompt query used here: checked read.
+    const float* queries = view.data->HeadQueries(meta, h, qidx.front(), qidx.back() + 1);
     std::vector<int32_t> idx(pos.size());
     for (size_t i = 0; i < pos.size(); ++i) idx[i] = qidx[pos[i]];
     return Gather(queries, idx, d);

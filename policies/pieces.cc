@@ -67,12 +67,12 @@ std::vector<float> LayerGroupWindowColumnSums(const LayerView& view, int kv_head
   std::vector<int32_t> pos(window);
   std::iota(pos.begin(), pos.end(), ce - window);
   const float* keys = view.data->keys.data() + static_cast<size_t>(kv_head) * t_all * d;
-  const size_t tq = meta.query_positions.size();
   std::vector<std::vector<float>> per_head(group, std::vector<float>(ce, 0.0f));
   std::vector<std::span<const float>> spans;
   for (int g = 0; g < group; ++g) {
     const int qh = kv_head * group + g;
-    const float* q = view.data->queries.data() + (static_cast<size_t>(qh) * tq + first_query) * d;
+    const float* q = view.data->HeadQueries(meta, qh, first_query, first_query + window) +
+                     static_cast<size_t>(first_query) * d;
     AccumulateColumnSums(m, q, pos.data(), window, keys, ce, per_head[g].data());
     spans.emplace_back(per_head[g]);
   }

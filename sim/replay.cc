@@ -82,7 +82,7 @@ class UnitScores final : public PromptScores {
         slot.assign(ce_, 0.0f);
         std::vector<int32_t> pos(ce_);
         std::iota(pos.begin(), pos.end(), 0);
-        AccumulateColumnSums(meta_.model, Query(qh, 0), pos.data(), ce_, Keys(), ce_, slot.data());
+        AccumulateColumnSums(meta_.model, Query(qh, 0, ce_), pos.data(), ce_, Keys(), ce_, slot.data());
       }
     }
     return slot;
@@ -96,17 +96,17 @@ class UnitScores final : public PromptScores {
       slot.assign(ce_, 0.0f);
       std::vector<int32_t> pos(window);
       std::iota(pos.begin(), pos.end(), ce_ - window);
-      AccumulateColumnSums(meta_.model, Query(qh, meta_.QueryIndex(ce_ - window)), pos.data(), window, Keys(),
-                           ce_, slot.data());
+      AccumulateColumnSums(meta_.model, Query(qh, meta_.QueryIndex(ce_ - window), window), pos.data(), window,
+                           Keys(), ce_, slot.data());
     }
     return slot;
   }
 
  private:
-  const float* Query(int qh, int qi) const {
+  // Rows [qi, qi + rows) of query head qh (checked: read and stored).
+  const float* Query(int qh, int qi, int rows) const {
     KVSIM_CHECK(qi >= 0);
-    const size_t tq = meta_.query_positions.size();
-    return layer_.queries.data() + (static_cast<size_t>(qh) * tq + qi) * meta_.model.head_dim;
+    return layer_.HeadQueries(meta_, qh, qi, qi + rows) + static_cast<size_t>(qi) * meta_.model.head_dim;
   }
   const float* Keys() const {
     return layer_.keys.data() + static_cast<size_t>(kv_head_) * meta_.total_tokens() * meta_.model.head_dim;
@@ -235,10 +235,12 @@ class LayerPass {
     return (static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * meta_.num_decode_steps + t;
   }
   size_t UnitIndex(int u) const { return static_cast<size_t>(layer_.layer) * m_.num_kv_heads + u; }
+  // Decode steps [t, num_decode_steps) of query head qh (their rows are consecutive; checked: read).
   const float* DecodeQuery(int qh, int t) const {
-    const size_t tq = meta_.query_positions.size();
-    return layer_.queries.data() +
-           (static_cast<size_t>(qh) * tq + meta_.QueryIndex(meta_.prefill_length + t)) * m_.head_dim;
+    const int qi = meta_.QueryIndex(meta_.prefill_length + t);
+    KVSIM_CHECK(qi >= 0);
+    return layer_.HeadQueries(meta_, qh, qi, qi + meta_.num_decode_steps - t) +
+           static_cast<size_t>(qi) * m_.head_dim;
   }
 
   void Prefill(int u) {
@@ -1060,6 +1062,27 @@ std::vector<double> EventDurations(const TraceMeta& meta, const RunAccum& a, con
 
 }  // namespace
 
+QueryRows ReplayQueryRows(const TraceMeta& meta, std::span<const RunSpec> runs, bool first_pass) {
+  QueryRows rows = QueryRows::None();
+  const std::vector<int32_t>& qp = meta.query_positions;
+  auto add_positions = [&](int32_t begin, int32_t end) {  // the stored rows of token positions [begin, end)
+    const auto b = std::lower_bound(qp.begin(), qp.end(), begin),
+               e = std::lower_bound(qp.begin(), qp.end(), end);
+    rows.Add(static_cast<int32_t>(b - qp.begin()), static_cast<int32_t>(e - qp.begin()));
+  };
+  if (!first_pass) add_positions(meta.prefill_length, meta.total_tokens());  // every decode step
+  for (const RunSpec& r : runs) {
+    if (!r.policy) continue;
+    const PolicyRequirements req = r.policy->requirements();
+    if (first_pass && !req.first_pass) continue;
+    const int ce = CompressEnd(meta, r.question_mode);
+    if (req.window > 0) add_positions(ce - std::min(req.window, ce), ce);
+    const bool recorded_sums = meta.has_prefill_column_sums && ce == meta.prefill_length;
+    if (req.all_prompt_queries || (req.prompt_column_sums && !recorded_sums)) add_positions(0, ce);
+  }
+  return rows;
+}
+
 Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
   if (meta.num_decode_steps < 1)
     return Status::FailedPrecondition(
@@ -1180,8 +1203,9 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     for (int l = 0; l < num_layers; ++l)
       if (any[l]) needed.push_back(l);
     LayerData layer, next_layer;
+    const LayerReadOptions first_read{ReplayQueryRows(meta, runs, /*first_pass=*/true), options.threads};
     size_t k = 0;  // next entry of `needed` to read
-    Status read_status = needed.empty() ? Status::Ok() : trace.ReadLayer(needed[0], &layer);
+    Status read_status = needed.empty() ? Status::Ok() : trace.ReadLayer(needed[0], &layer, first_read);
     std::future<Status> prefetch;
     for (int l = 0; l < num_layers; ++l) {
       const bool have = k < needed.size() && needed[k] == l;
@@ -1193,8 +1217,8 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
         KVSIM_RETURN_IF_ERROR(read_status);
         layer.layer = l;
         if (++k < needed.size())
-          prefetch = std::async(std::launch::async, [&trace, &next_layer, l = needed[k]] {
-            return trace.ReadLayer(l, &next_layer);
+          prefetch = std::async(std::launch::async, [&trace, &next_layer, &first_read, l = needed[k]] {
+            return trace.ReadLayer(l, &next_layer, first_read);
           });
       }
       size_t i = 0;
@@ -1273,12 +1297,15 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     options.recorder->Begin(meta, runs, ce, hb);
   }
   // Layer l + 1 is read in the background while layer l is replayed (at most two layers resident).
+  // Only the query rows the runs read (ReplayQueryRows).
   LayerData current, next;
-  Status read_status = trace.ReadLayer(0, &current);
+  const LayerReadOptions read{ReplayQueryRows(meta, runs, /*first_pass=*/false), options.threads};
+  Status read_status = trace.ReadLayer(0, &current, read);
   for (int l = 0; l < num_layers && read_status.ok(); ++l) {
     std::future<Status> prefetch;
     if (l + 1 < num_layers)
-      prefetch = std::async(std::launch::async, [&trace, &next, l] { return trace.ReadLayer(l + 1, &next); });
+      prefetch = std::async(std::launch::async,
+                            [&trace, &next, &read, l] { return trace.ReadLayer(l + 1, &next, read); });
     current.layer = l;
     LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder);
     pass.Run();

@@ -2,8 +2,8 @@
 // The replay engine: runs many (policy, budget) configurations over one trace in a single streamed pass.
 // For every layer it reads the layer's tensors once, computes the full-attention reference once (shared by
 // every configuration), and runs the request's events — prefill, compression hook, decode steps — in
-// token-step order for every (KV head, configuration) unit. After the last layer, the latency model turns the per-step cache
-// sizes into simulated time, and metrics are aggregated (docs/metrics.md).
+// token-step order for every (KV head, configuration) unit. After the last layer, the latency model turns the
+// per-step cache sizes into simulated time, and metrics are aggregated (docs/metrics.md).
 
 #include <memory>
 #include <span>
@@ -64,6 +64,14 @@ struct ReplayOptions {
 
 // Start of the compressible region for a question mode: n (aware) or the first question token (agnostic).
 int CompressEnd(const TraceMeta& meta, QuestionMode mode);
+
+// The query rows (indices into meta.query_positions) a replay of `runs` reads, decided in this one place from
+// each run's PolicyRequirements: every decode step's row (reference, steps, regret, bound), each run's
+// observation window (`window`), and every compressible prompt row for runs with `all_prompt_queries` or
+// with `prompt_column_sums` the trace does not record for their compressible region. first_pass: only what
+// the first pass reads (the rows the first-pass policies' ObserveLayer uses: window, all prompt queries).
+// Reads of any other row abort (LayerData::HeadQueries), so a missing entry here cannot go unnoticed.
+QueryRows ReplayQueryRows(const TraceMeta& meta, std::span<const RunSpec> runs, bool first_pass);
 
 // Checks that every run can be replayed on this trace (budgets, required queries/aggregates) before any
 // work starts. The message names the run, the requirement and the fix.

@@ -387,7 +387,72 @@ MemoryTrace::MemoryTrace(TraceMeta meta, std::vector<LayerData> layers)
                                     l.prompt_entropies.end());
 }
 
-Status MemoryTrace::ReadLayer(int layer, LayerData* out) {
+void QueryRows::Add(int32_t begin, int32_t end) {
+  if (all_ || begin >= end) return;
+  // Insert, then merge overlapping or adjacent ranges (a handful of ranges: linear is fine).
+  ranges_.emplace_back(begin, end);
+  std::sort(ranges_.begin(), ranges_.end());
+  std::vector<std::pair<int32_t, int32_t>> merged;
+  for (const auto& r : ranges_) {
+    if (!merged.empty() && r.first <= merged.back().second)
+      merged.back().second = std::max(merged.back().second, r.second);
+    else
+      merged.push_back(r);
+  }
+  ranges_ = std::move(merged);
+}
+
+bool QueryRows::Contains(int32_t begin, int32_t end) const {
+  if (all_ || begin >= end) return true;
+  for (const auto& [b, e] : ranges_)
+    if (b <= begin && end <= e) return true;  // ranges are non-adjacent: one must hold all of [begin, end)
+  return false;
+}
+
+std::vector<std::pair<int32_t, int32_t>> QueryRows::Ranges(int32_t num_rows) const {
+  if (all_)
+    return num_rows > 0 ? std::vector<std::pair<int32_t, int32_t>>{{0, num_rows}}
+                        : std::vector<std::pair<int32_t, int32_t>>{};
+  std::vector<std::pair<int32_t, int32_t>> out;
+  for (const auto& [b, e] : ranges_) {
+    const int32_t cb = std::max<int32_t>(b, 0), ce = std::min(e, num_rows);
+    if (cb < ce) out.emplace_back(cb, ce);
+  }
+  return out;
+}
+
+int64_t QueryRows::Count(int32_t num_rows) const {
+  int64_t n = 0;
+  for (const auto& [b, e] : Ranges(num_rows)) n += e - b;
+  return n;
+}
+
+std::string QueryRows::Text() const {
+  if (all_) return "all";
+  if (ranges_.empty()) return "none";
+  std::string s;
+  for (const auto& [b, e] : ranges_)
+    s += (s.empty() ? "[" : " [") + std::to_string(b) + ", " + std::to_string(e) + ")";
+  return s;
+}
+
+const float* LayerData::HeadQueries(const TraceMeta& meta, int head, int32_t begin, int32_t end) const {
+  const size_t tq = meta.query_positions.size(), d = meta.model.head_dim;
+  KVSIM_CHECK_MSG(head >= 0 && head < meta.model.num_heads && begin >= 0 && end <= static_cast<int64_t>(tq),
+                  "query head or rows out of range");
+  KVSIM_CHECK_MSG(query_rows.Contains(begin, end),
+                  "query rows [" + std::to_string(begin) + ", " + std::to_string(end) + ") of layer " +
+                      std::to_string(layer) + " were not read (read: " + query_rows.Text() +
+                      "); the replay's ReplayQueryRows must include every row a run uses");
+  KVSIM_CHECK(queries.size() == meta.model.num_heads * tq * d);
+  return queries.data() + static_cast<size_t>(head) * tq * d;
+}
+
+const float* LayerData::QueryRow(const TraceMeta& meta, int head, int32_t qi) const {
+  return HeadQueries(meta, head, qi, qi + 1) + static_cast<size_t>(qi) * meta.model.head_dim;
+}
+
+Status MemoryTrace::ReadLayer(int layer, LayerData* out, const LayerReadOptions& options) {
   if (layer < 0 || layer >= static_cast<int>(layers_.size()))
     return Status::NotFound("<memory>: layer " + std::to_string(layer) + " not present");
   const LayerData& src = layers_[layer];
@@ -395,6 +460,7 @@ Status MemoryTrace::ReadLayer(int layer, LayerData* out) {
   out->keys = src.keys;
   out->values = src.values;
   out->queries = src.queries;
+  out->query_rows = options.query_rows;
   out->prefill_column_sums = src.prefill_column_sums;
   out->prompt_entropies = src.prompt_entropies;
   out->blocks.clear();  // block encodings are read with ReadBlockLayer
@@ -456,24 +522,35 @@ Status MemoryTrace::WriteLayer(const LayerData& layer) {
 
 namespace {
 // Branch-free scan first (vectorises); locate the offending index only when there is one.
-Status CheckFinite(const std::string& where, const char* name, const std::vector<float>& v) {
+// Elements [begin, end) of v are finite; messages give the flat index in v.
+Status CheckFinite(const std::string& where, const char* name, const std::vector<float>& v, size_t begin,
+                   size_t end) {
   uint32_t bad = 0;
-  for (float x : v) {
+  for (size_t i = begin; i < end; ++i) {
     uint32_t u;
-    std::memcpy(&u, &x, 4);
+    std::memcpy(&u, &v[i], 4);
     bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
   }
   if (!bad) return Status::Ok();
-  for (size_t i = 0; i < v.size(); ++i)
+  for (size_t i = begin; i < end; ++i)
     if (!std::isfinite(v[i]))
       return Status::DataLoss(where + " dataset '" + name +
                               "' holds a non-finite value (NaN/Inf) at flat index " + std::to_string(i) +
                               "; the capture or generator produced bad data");
   return Status::Ok();
 }
+Status CheckFinite(const std::string& where, const char* name, const std::vector<float>& v) {
+  return CheckFinite(where, name, v, 0, v.size());
+}
 }  // namespace
 
 Status ValidateLayerBlocks(const TraceMeta& meta, const LayerData& layer, const std::string& what) {
+  // Sinks store every query row: a layer read with only some rows would write unspecified values.
+  if (!layer.query_rows.all())
+    return Status::InvalidArgument(
+        what + ": layer " + std::to_string(layer.layer) + " holds only query rows " +
+        layer.query_rows.Text() +
+        "; read it with every query row (LayerReadOptions::query_rows) to write it");
   const size_t want = meta.is_streaming() ? meta.stream->block_encodings.size() : 0;
   if (layer.blocks.size() != want)
     return Status::InvalidArgument(what + ": layer " + std::to_string(layer.layer) + " carries " +
@@ -557,7 +634,17 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
   auto finite = [&](const char* name, const std::vector<float>& v) { return CheckFinite(where, name, v); };
   KVSIM_RETURN_IF_ERROR(finite("keys", layer.keys));
   KVSIM_RETURN_IF_ERROR(finite("values", layer.values));
-  KVSIM_RETURN_IF_ERROR(finite("queries", layer.queries));
+  if (layer.query_rows.all()) {
+    KVSIM_RETURN_IF_ERROR(finite("queries", layer.queries));
+  } else {  // only the rows read hold data
+    const int32_t tq = static_cast<int32_t>(meta.query_positions.size());
+    const size_t d = m.head_dim;
+    for (int h = 0; h < m.num_heads; ++h)
+      for (const auto& [b, e] : layer.query_rows.Ranges(tq))
+        KVSIM_RETURN_IF_ERROR(CheckFinite(where, "queries", layer.queries,
+                                          (static_cast<size_t>(h) * tq + b) * d,
+                                          (static_cast<size_t>(h) * tq + e) * d));
+  }
   KVSIM_RETURN_IF_ERROR(finite("prefill_column_sums", layer.prefill_column_sums));
   // A column of attention probabilities: key j is seen by at most n - j prompt queries (causal) or n, each
   // giving it at most 1. Anything outside is not an attention aggregate (policies such as h2o would rank

@@ -174,11 +174,47 @@ struct BlockLayerData {
   std::vector<float> attention_received;
 };
 
+// A set of query rows (indices into TraceMeta::query_positions): every row (the default), or ascending,
+// disjoint, non-adjacent half-open ranges. Readers read only these rows of a layer's queries.
+class QueryRows {
+ public:
+  QueryRows() = default;  // every row
+  static QueryRows None() {
+    QueryRows r;
+    r.all_ = false;
+    return r;
+  }
+  // Adds rows [begin, end) (no-op when the set already holds every row or begin >= end).
+  void Add(int32_t begin, int32_t end);
+  bool all() const { return all_; }
+  // Whether every row in [begin, end) is in the set (true for an empty range).
+  bool Contains(int32_t begin, int32_t end) const;
+  // The ranges, clipped to [0, num_rows) (all(): one range [0, num_rows)).
+  std::vector<std::pair<int32_t, int32_t>> Ranges(int32_t num_rows) const;
+  int64_t Count(int32_t num_rows) const;  // rows of [0, num_rows) in the set
+  std::string Text() const;               // "all" or "[a, b) [c, d)" for messages
+  bool operator==(const QueryRows&) const = default;
+
+ private:
+  bool all_ = true;
+  std::vector<std::pair<int32_t, int32_t>> ranges_;
+};
+
+// How a TraceSource reads one layer (ReadLayer's options).
+struct LayerReadOptions {
+  QueryRows query_rows;  // the query rows to read; the others are left unspecified (LayerData::query_rows)
+  int threads = 1;       // threads a reader may use to read and convert the layer (<= 0: hardware)
+  bool direct_chunks = true;  // HDF5 reader: read plain checksummed chunks itself (false: always H5Dread)
+};
+
 struct LayerData {
   int layer = -1;
   std::vector<float> keys;
   std::vector<float> values;
+  // [num_heads][Tq][head_dim] in size, but only the rows in `query_rows` hold the trace's values (the others
+  // are unspecified): read rows through HeadQueries / QueryRow, which refuse a row that was not read.
   std::vector<float> queries;
+  QueryRows query_rows;
   std::vector<float> prefill_column_sums;
   // Recorded prompt entropies of this layer (empty if absent): [regions][kNumPromptEntropyKinds][num_heads]
   // for meta.prompt_entropy_regions. Writers require them exactly when the meta lists regions.
@@ -186,6 +222,12 @@ struct LayerData {
   // Streaming traces with block encodings: one entry per meta.stream->block_encodings, same order. Filled by
   // writers' callers (TraceSink::WriteLayer writes them); ReadLayer leaves it empty (use ReadBlockLayer).
   std::vector<BlockLayerData> blocks;
+
+  // Query head `head`'s row 0 (row qi at [qi * head_dim, (qi + 1) * head_dim)), after checking that rows
+  // [begin, end) were read: a row outside `query_rows` aborts (KVSIM_CHECK) instead of giving a wrong number.
+  const float* HeadQueries(const TraceMeta& meta, int head, int32_t begin, int32_t end) const;
+  // Row qi of query head `head` ([head_dim]), checked the same way.
+  const float* QueryRow(const TraceMeta& meta, int head, int32_t qi) const;
 };
 
 // How well a trace file protects itself against undetected damage (docs/trace-format.md, "Integrity").
@@ -206,11 +248,13 @@ class TraceSource {
  public:
   virtual ~TraceSource() = default;
   virtual const TraceMeta& meta() const = 0;
-  // Reads one layer; `out` is overwritten and has passed ValidateLayer (shapes, finite values). Only this
-  // layer's data is resident. Must be callable from a
-  // thread other than the one that opened the source (the engine prefetches the next layer), though never
-  // concurrently with itself.
-  virtual Status ReadLayer(int layer, LayerData* out) = 0;
+  // Reads one layer; `out` is overwritten and has passed ValidateLayer (shapes, finite values of what was
+  // read). Only this layer's data is resident. Reads only options.query_rows of the queries (out->query_rows
+  // says which rows hold data). Must be callable from a thread other than the one that opened the source (the
+  // engine prefetches the next layer), though never concurrently with itself.
+  virtual Status ReadLayer(int layer, LayerData* out, const LayerReadOptions& options) = 0;
+  // Every query row, one thread.
+  Status ReadLayer(int layer, LayerData* out) { return ReadLayer(layer, out, LayerReadOptions{}); }
   // Human-readable identity: a file path or "<memory>".
   virtual std::string Describe() const = 0;
   // Decode attention rows recorded by the capture tool for validation (the optional extension
@@ -242,7 +286,10 @@ class MemoryTrace : public TraceSource, public TraceSink {
   // meta.prompt_entropies is filled from the layers' when empty.
   MemoryTrace(TraceMeta meta, std::vector<LayerData> layers);
   const TraceMeta& meta() const override { return meta_; }
-  Status ReadLayer(int layer, LayerData* out) override;
+  using TraceSource::ReadLayer;
+  // Copies the layer; only options.query_rows are marked as read, so in-memory replays enforce the same
+  // row contract as file reads.
+  Status ReadLayer(int layer, LayerData* out, const LayerReadOptions& options) override;
   std::string Describe() const override { return "<memory>"; }
   Status Begin(const TraceMeta& meta) override;
   Status WriteLayer(const LayerData& layer) override;
@@ -256,14 +303,16 @@ class MemoryTrace : public TraceSource, public TraceSink {
   std::vector<LayerData> layers_;
 };
 
-// Checks a layer's tensor sizes against the meta, and finiteness. `what` names the source for messages.
+// Checks a layer's tensor sizes against the meta, and finiteness (of the query rows in layer.query_rows).
+// `what` names the source for messages.
 Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::string& what);
 // Checks one layer of block encodings against meta.stream (sizes, finiteness, attention_received present at
 // the layers listed in attention_layers).
 Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData& block,
                           const std::string& what);
 // Checks layer.blocks against meta.stream->block_encodings (one entry per granularity, same order; none for
-// non-streaming traces), each with ValidateBlockLayer. Used by sinks' WriteLayer.
+// non-streaming traces), each with ValidateBlockLayer, and that the layer holds every query row. Used by
+// sinks' WriteLayer.
 Status ValidateLayerBlocks(const TraceMeta& meta, const LayerData& layer, const std::string& what);
 // Checks one layer's recorded prompt entropies ([regions][kinds][num_heads]) against the meta: shape, and
 // every value in [0, log(compress_end)] (NaN refused). `where` names the layer for messages.

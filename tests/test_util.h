@@ -45,9 +45,10 @@ class CountingTrace final : public TraceSource {
  public:
   explicit CountingTrace(TraceSource& base) : base_(base) {}
   const TraceMeta& meta() const override { return base_.meta(); }
-  Status ReadLayer(int layer, LayerData* out) override {
+  using TraceSource::ReadLayer;
+  Status ReadLayer(int layer, LayerData* out, const LayerReadOptions& options) override {
     reads.push_back(layer);
-    return base_.ReadLayer(layer, out);
+    return base_.ReadLayer(layer, out, options);
   }
   std::string Describe() const override { return base_.Describe(); }
   std::vector<int> reads;

@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,9 +20,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <utility>
 #include <vector>
 
+#include "sim/parallel.h"
 #include "sim/resources.h"
 #include "traces/half.h"
 
@@ -685,10 +688,160 @@ Status ReadMeta(hid_t file, TraceMeta* m) {
   return Status::Ok();
 }
 
-// Reads a whole float dataset (one H5Dread) into fp32 `out`, checking its shape and dtype.
+}  // namespace
+
+// ---- direct chunk reads (docs/trace-format.md, "Reading")
+// A dataset [outer..., rows, inner] chunked [1..., chunk_rows, inner] whose only filter is Fletcher32 stores
+// each chunk as its raw little-endian elements (full chunk_rows rows, also at the edge) followed by the
+// 4-byte checksum. Such chunks are read with pread (or from OpenImage's copy) on several threads, verified
+// and converted to fp32 there; HDF5 is only asked where each chunk is, once per dataset.
+struct DirectChunkPlan {
+  bool direct = false;  // false: read through H5Dread
+  size_t outer = 0, rows = 0, inner = 0, chunk_rows = 0, elem = 0;
+  std::vector<uint64_t> addr, size;  // [outer * row_chunks + k]
+  size_t row_chunks() const { return (rows + chunk_rows - 1) / chunk_rows; }
+};
+
+struct DirectReadState {
+  int fd = -1;                 // file readers: a descriptor of their own for pread
+  std::vector<uint8_t> image;  // OpenImage readers: a copy of the image
+  uint64_t file_bytes = 0;
+  std::map<std::string, DirectChunkPlan> plans;  // by dataset name, looked up once
+  std::vector<std::vector<uint16_t>> scratch;    // per worker: one stored chunk (16-bit: aligned fp16)
+  ~DirectReadState() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+uint32_t HdfFletcher32(const void* data_in, size_t size) {
+  // HDF5's H5_checksum_fletcher32 (H5checksum.c) adds the big-endian 16-bit words w_0..w_{N-1} (an odd last
+  // byte is one more word, shifted up) into sum1 and each running sum1 into sum2, folding with end-around
+  // carry (x -> (x & 0xffff) + (x >> 16)) every 360 words and at the end. A fold keeps the value mod 65535
+  // and keeps it positive, and the final value is <= 0xffff, so the result is: sum1 = S1 mod 65535 and
+  // sum2 = S2 mod 65535 with S1 = sum w_j, S2 = sum (N - j) w_j, a residue 0 written 0xffff unless the sum
+  // is 0 (every word zero). Computed that way in blocks (vectorizable 32-bit lanes), bit-identical.
+  const uint8_t* p = static_cast<const uint8_t*>(data_in);
+  const uint64_t n = size / 2 + size % 2;  // words, the odd tail byte included
+  constexpr uint64_t kMod = 65535;
+  constexpr size_t kBlock = 256;  // sum (kBlock - k) * 0xffff < 2^32
+  uint64_t s1 = 0, s2 = 0;
+  uint32_t any = 0;
+  uint64_t i = 0;
+  for (; i + kBlock <= size / 2; i += kBlock) {
+    const uint8_t* q = p + 2 * i;
+    uint32_t a = 0, b = 0;
+    for (uint32_t k = 0; k < kBlock; ++k) {
+      const uint32_t w = static_cast<uint32_t>(q[2 * k]) << 8 | q[2 * k + 1];
+      a += w;
+      b += (static_cast<uint32_t>(kBlock) - k) * w;
+    }
+    any |= a;
+    // The block's words j = i + k weigh n - j = (n - i - kBlock) + (kBlock - k).
+    s1 = (s1 + a) % kMod;
+    s2 = (s2 + b % kMod + ((n - i - kBlock) % kMod) * (a % kMod)) % kMod;
+  }
+  for (; i < n; ++i) {  // the last < kBlock words
+    const uint32_t w = 2 * i + 1 < size ? (static_cast<uint32_t>(p[2 * i]) << 8 | p[2 * i + 1])
+                                        : static_cast<uint32_t>(p[2 * i]) << 8;
+    any |= w;
+    s1 = (s1 + w) % kMod;
+    s2 = (s2 + ((n - i) % kMod) * w) % kMod;
+  }
+  if (!any) return 0;
+  const uint32_t sum1 = s1 ? static_cast<uint32_t>(s1) : 0xffff,
+                 sum2 = s2 ? static_cast<uint32_t>(s2) : 0xffff;
+  return sum2 << 16 | sum1;
+}
+
+bool HdfFletcher32ChunkOk(const uint8_t* chunk, size_t size) {
+  // H5Z_filter_fletcher32 on read: the stored value is little-endian (UINT32DECODE); HDF5 < 1.6.3 wrote it
+  // with each byte pair swapped on little-endian machines, and HDF5 still accepts that form.
+  if (size < 4) return false;
+  const size_t n = size - 4;
+  const uint32_t stored = static_cast<uint32_t>(chunk[n]) | static_cast<uint32_t>(chunk[n + 1]) << 8 |
+                          static_cast<uint32_t>(chunk[n + 2]) << 16 |
+                          static_cast<uint32_t>(chunk[n + 3]) << 24;
+  const uint32_t f = HdfFletcher32(chunk, n);
+  const uint32_t reversed = (f & 0x00ff00ffu) << 8 | (f & 0xff00ff00u) >> 8;
+  return stored == f || stored == reversed;
+}
+
+struct DirectChunkReader {
+  DirectReadState* state;  // null: H5Dread only
+  int threads;
+};
+
+namespace {
+
+// Looks up the direct-read plan of an open dataset (`plan->direct` false: not a layout read directly).
+Status MakeChunkPlan(hid_t ds, hid_t type, const std::string& name, const std::vector<hsize_t>& dims,
+                     bool half, uint64_t file_bytes, DirectChunkPlan* plan) {
+  plan->direct = false;
+  const int rank = static_cast<int>(dims.size());
+  if (rank < 2) return Status::Ok();
+  if (!half && H5Tequal(type, H5T_IEEE_F32LE) <= 0) return Status::Ok();
+  Hid dcpl(H5Dget_create_plist(ds), H5Pclose);
+  if (!dcpl.ok() || H5Pget_layout(dcpl) != H5D_CHUNKED || H5Pget_nfilters(dcpl) != 1) return Status::Ok();
+  unsigned flags = 0, cd[8];
+  size_t ncd = 8;
+  if (H5Pget_filter2(dcpl, 0, &flags, &ncd, cd, 0, nullptr, nullptr) != H5Z_FILTER_FLETCHER32)
+    return Status::Ok();
+  std::vector<hsize_t> cdims(rank);
+  if (H5Pget_chunk(dcpl, rank, cdims.data()) != rank) return Status::Ok();
+  for (int i = 0; i + 2 < rank; ++i)
+    if (cdims[i] != 1) return Status::Ok();
+  if (cdims[rank - 1] != dims[rank - 1] || cdims[rank - 2] == 0) return Status::Ok();
+  plan->outer = 1;
+  for (int i = 0; i + 2 < rank; ++i) plan->outer *= dims[i];
+  plan->rows = dims[rank - 2];
+  plan->inner = dims[rank - 1];
+  plan->chunk_rows = cdims[rank - 2];
+  plan->elem = half ? 2 : 4;
+  const size_t nchunks = plan->outer * plan->row_chunks();
+  if (nchunks == 0) return Status::Ok();
+  const uint64_t want = static_cast<uint64_t>(plan->chunk_rows) * plan->inner * plan->elem + 4;
+  plan->addr.assign(nchunks, 0);
+  plan->size.assign(nchunks, 0);
+  std::vector<hsize_t> coord(rank, 0);
+  for (size_t o = 0; o < plan->outer; ++o) {
+    size_t rest = o;  // leading coordinates of outer index o (row-major)
+    for (int i = rank - 3; i >= 0; --i) {
+      coord[i] = rest % dims[i];
+      rest /= dims[i];
+    }
+    for (size_t k = 0; k < plan->row_chunks(); ++k) {
+      coord[rank - 2] = k * plan->chunk_rows;
+      unsigned mask = 0;
+      haddr_t addr = HADDR_UNDEF;
+      hsize_t size = 0;
+      // Not stored (fill values), a filter skipped or an unexpected size: HDF5 decides (H5Dread).
+      if (H5Dget_chunk_info_by_coord(ds, coord.data(), &mask, &addr, &size) < 0) {
+        H5Eclear2(H5E_DEFAULT);
+        return Status::Ok();
+      }
+      if (addr == HADDR_UNDEF || mask != 0 || size != want) return Status::Ok();
+      if (addr > file_bytes || size > file_bytes - addr)
+        return Status::DataLoss("dataset '" + name + "': chunk at row " + std::to_string(coord[rank - 2]) +
+                                " of leading index " + std::to_string(o) + " lies at bytes [" +
+                                std::to_string(addr) + ", " + std::to_string(addr + size) +
+                                ") but the file holds " + std::to_string(file_bytes) +
+                                " bytes; the file is truncated, copy it again or re-write it");
+      plan->addr[o * plan->row_chunks() + k] = addr;
+      plan->size[o * plan->row_chunks() + k] = size;
+    }
+  }
+  plan->direct = true;
+  return Status::Ok();
+}
+
+// Reads float dataset `name` into fp32 `out` ([dims], fully sized), checking its shape and dtype. Only
+// rows in `rows` of the second-to-last dimension are read when `rows` is not all (queries); the others are
+// left as they were. With `direct`, plain checksummed chunks are read by DirectChunkReader; otherwise (and
+// for every other layout) one H5Dread of the selected rows.
 Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t>& dims,
                   const std::string& desc, StorageDtype dtype, std::vector<uint16_t>* scratch,
-                  std::vector<float>* out) {
+                  std::vector<float>* out, const QueryRows& rows = QueryRows(),
+                  const DirectChunkReader* direct = nullptr) {
   Hid ds;
   KVSIM_RETURN_IF_ERROR(OpenDataset(file, name, dims, desc, &ds));
   Hid type(H5Dget_type(ds), H5Tclose);
@@ -703,12 +856,123 @@ Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t
   size_t n = 1;
   for (hsize_t d : dims) n *= d;
   out->resize(n);
+  const int rank = static_cast<int>(dims.size());
+  const size_t nrows = rank >= 2 ? dims[rank - 2] : 1, inner = rank >= 2 ? dims[rank - 1] : n;
+  const size_t outer = nrows * inner > 0 ? n / (nrows * inner) : 0;
+  const bool subset = !rows.all() && rank >= 2;
+  const std::vector<std::pair<int32_t, int32_t>> ranges =
+      subset ? rows.Ranges(static_cast<int32_t>(nrows))
+             : std::vector<std::pair<int32_t, int32_t>>{{0, static_cast<int32_t>(nrows)}};
+  if (n == 0 || (subset && ranges.empty())) return Status::Ok();
+
+  if (direct && direct->state) {
+    DirectReadState& r = *direct->state;
+    auto found = r.plans.find(name);
+    if (found == r.plans.end()) {
+      DirectChunkPlan plan;
+      KVSIM_RETURN_IF_ERROR(MakeChunkPlan(ds, type, name, dims, half, r.file_bytes, &plan));
+      found = r.plans.emplace(name, std::move(plan)).first;
+    }
+    const DirectChunkPlan& plan = found->second;
+    if (plan.direct) {
+      // Work items: the chunks holding at least one wanted row, in file order of (outer, row chunk).
+      std::vector<size_t> items;
+      const size_t rc = plan.row_chunks();
+      for (size_t o = 0; o < plan.outer; ++o)
+        for (size_t k = 0; k < rc; ++k) {
+          const size_t r0 = k * plan.chunk_rows, r1 = std::min(nrows, r0 + plan.chunk_rows);
+          for (const auto& [b, e] : ranges)
+            if (static_cast<size_t>(b) < r1 && static_cast<size_t>(e) > r0) {
+              items.push_back(o * rc + k);
+              break;
+            }
+        }
+      const int workers = std::max(1, std::min<int>(direct->threads > 0 ? direct->threads : DefaultThreads(),
+                                                    static_cast<int>(items.size())));
+      if (static_cast<int>(r.scratch.size()) < workers) r.scratch.resize(workers);
+      std::vector<Status> status(items.size());
+      float* dst = out->data();
+      ParallelForWorkers(static_cast<int>(items.size()), workers, [&](int item, int worker) {
+        const size_t c = items[item], o = c / rc, k = c % rc;
+        const uint64_t addr = plan.addr[c], size = plan.size[c];
+        std::vector<uint16_t>& words = r.scratch[worker];  // 16-bit storage: the fp16 view is aligned
+        words.resize((size + 1) / 2);
+        uint8_t* const bytes = reinterpret_cast<uint8_t*>(words.data());
+        size_t got = 0;
+        if (r.fd >= 0) {
+          while (got < size) {
+            const ssize_t k2 = ::pread(r.fd, bytes + got, size - got, static_cast<off_t>(addr + got));
+            if (k2 < 0 && errno == EINTR) continue;
+            if (k2 <= 0) break;
+            got += static_cast<size_t>(k2);
+          }
+        } else if (addr <= r.image.size() && size <= r.image.size() - addr) {
+          std::memcpy(bytes, r.image.data() + addr, size);
+          got = size;
+        }
+        const size_t r0 = k * plan.chunk_rows, r1 = std::min(nrows, r0 + plan.chunk_rows);
+        const std::string chunk = "the chunk at row " + std::to_string(r0) + " of leading index " +
+                                  std::to_string(o) + ", file bytes [" + std::to_string(addr) + ", " +
+                                  std::to_string(addr + size) + ")";
+        if (got < size) {
+          status[item] =
+              Status::DataLoss("cannot read dataset '" + name + "' (" + chunk + "): the file ends at byte " +
+                               std::to_string(addr + got) + "; the file may be truncated or corrupt");
+          return;
+        }
+        if (!HdfFletcher32ChunkOk(bytes, size)) {
+          status[item] = Status::DataLoss("dataset '" + name + "' fails its checksum (Fletcher32 of " +
+                                          chunk + "): the file is damaged; copy it again or re-write it");
+          return;
+        }
+        for (const auto& [b, e] : ranges) {
+          const size_t lo = std::max<size_t>(b, r0), hi = std::min<size_t>(e, r1);
+          if (lo >= hi) continue;
+          const size_t first = (lo - r0) * inner, count = (hi - lo) * inner;
+          float* d = dst + (o * nrows + lo) * inner;
+          if (half) {
+            HalfToFloat(words.data() + first, d, count);
+          } else {
+            std::memcpy(d, bytes + first * 4, count * 4);
+          }
+        }
+      });
+      for (const Status& st : status)
+        if (!st.ok()) return st;
+      return Status::Ok();
+    }
+  }
+
+  // Through the library: every row in one read, or a hyperslab of the wanted rows (same selection in memory).
+  Hid fspace, mspace;
+  hid_t fsel = H5S_ALL, msel = H5S_ALL;
+  if (subset) {
+    fspace = Hid(H5Dget_space(ds), H5Sclose);
+    mspace = Hid(H5Screate_simple(rank, dims.data(), nullptr), H5Sclose);
+    if (!fspace.ok() || !mspace.ok()) return ReadError("dataset '" + name + "'");
+    std::vector<hsize_t> start(rank, 0), count(dims);
+    bool first = true;
+    for (const auto& [b, e] : ranges) {
+      start[rank - 2] = b;
+      count[rank - 2] = e - b;
+      const H5S_seloper_t op = first ? H5S_SELECT_SET : H5S_SELECT_OR;
+      if (H5Sselect_hyperslab(fspace, op, start.data(), nullptr, count.data(), nullptr) < 0 ||
+          H5Sselect_hyperslab(mspace, op, start.data(), nullptr, count.data(), nullptr) < 0)
+        return ReadError("dataset '" + name + "'");
+      first = false;
+    }
+    fsel = fspace;
+    msel = mspace;
+  }
   if (half) {
     scratch->resize(n);  // raw 16-bit read: the file type as memory type means no HDF5 conversion
-    if (H5Dread(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, scratch->data()) < 0)
+    if (H5Dread(ds, type, msel, fsel, H5P_DEFAULT, scratch->data()) < 0)
       return ReadError("dataset '" + name + "'");
-    HalfToFloat(scratch->data(), out->data(), n);
-  } else if (H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, out->data()) < 0) {
+    for (size_t o = 0; o < outer; ++o)
+      for (const auto& [b, e] : ranges)
+        HalfToFloat(scratch->data() + (o * nrows + b) * inner, out->data() + (o * nrows + b) * inner,
+                    static_cast<size_t>(e - b) * inner);
+  } else if (H5Dread(ds, H5T_NATIVE_FLOAT, msel, fsel, H5P_DEFAULT, out->data()) < 0) {
     return ReadError("dataset '" + name + "'");
   }
   return Status::Ok();
@@ -1148,7 +1412,17 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenUnguarded(const 
   if (file < 0)
     return Status::DataLoss(path + ": cannot open as HDF5" + Hdf5Detail() +
                             "; check permissions, or the file is truncated or corrupt");
-  return FromOpenFile(path, file, /*checksummed_only=*/false);
+  KVSIM_ASSIGN_OR_RETURN(std::unique_ptr<Hdf5TraceReader> r,
+                         FromOpenFile(path, file, /*checksummed_only=*/false));
+  // A second descriptor for direct chunk reads (ReadLayer); without one, every read goes through HDF5.
+  auto direct = std::make_unique<DirectReadState>();
+  direct->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  struct stat sb;
+  if (direct->fd >= 0 && ::fstat(direct->fd, &sb) == 0 && S_ISREG(sb.st_mode)) {
+    direct->file_bytes = static_cast<uint64_t>(sb.st_size);
+    r->direct_ = std::move(direct);
+  }
+  return r;
 }
 
 StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std::string& name,
@@ -1172,7 +1446,13 @@ StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenImage(const std:
     return Status::DataLoss(name + ": truncated: the file's end is at byte " + std::to_string(file_size) +
                             " but the image holds " + std::to_string(size));
   }
-  return FromOpenFile(name, file, /*checksummed_only=*/true);
+  KVSIM_ASSIGN_OR_RETURN(std::unique_ptr<Hdf5TraceReader> r,
+                         FromOpenFile(name, file, /*checksummed_only=*/true));
+  // Direct chunk reads copy from a second copy of the image (the core driver keeps its own).
+  r->direct_ = std::make_unique<DirectReadState>();
+  r->direct_->image.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + size);
+  r->direct_->file_bytes = size;
+  return r;
 }
 
 StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::FromOpenFile(const std::string& name,
@@ -1244,7 +1524,7 @@ Hdf5TraceReader::~Hdf5TraceReader() {
   if (file_ >= 0) H5Fclose(file_);
 }
 
-Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out) {
+Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out, const LayerReadOptions& options) {
   const Hdf5Use hdf5_use;
   SilenceHdf5Errors();
   const ModelInfo& mi = meta_.model;
@@ -1258,19 +1538,23 @@ Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out) {
   const std::string q_desc = "[num_heads=" + std::to_string(h) + ", Tq=" + std::to_string(tq) + dd;
   const std::string group = LayerName("/layers", layer);
   out->layer = layer;
-  Status st =
-      ReadFloats(file_, group + "/keys", {kvh, t, d}, kv_desc, meta_.storage_dtype, &scratch_, &out->keys);
+  out->query_rows = QueryRows::None();  // until the queries are read
+  const DirectChunkReader direct{options.direct_chunks ? direct_.get() : nullptr, options.threads};
+  const QueryRows all;
+  Status st = ReadFloats(file_, group + "/keys", {kvh, t, d}, kv_desc, meta_.storage_dtype, &scratch_,
+                         &out->keys, all, &direct);
   if (st.ok())
     st = ReadFloats(file_, group + "/values", {kvh, t, d}, kv_desc, meta_.storage_dtype, &scratch_,
-                    &out->values);
+                    &out->values, all, &direct);
   if (st.ok())
     st = ReadFloats(file_, group + "/queries", {h, tq, d}, q_desc, meta_.storage_dtype, &scratch_,
-                    &out->queries);
+                    &out->queries, options.query_rows, &direct);
+  if (st.ok()) out->query_rows = options.query_rows;
   out->prefill_column_sums.clear();
   if (st.ok() && meta_.has_prefill_column_sums)
     st = ReadFloats(file_, LayerName("/aggregates", layer) + "/prefill_column_sums", {h, n},
                     "[num_heads=" + std::to_string(h) + ", prefill_length=" + std::to_string(n) + "]",
-                    StorageDtype::kFloat32, &scratch_, &out->prefill_column_sums);
+                    StorageDtype::kFloat32, &scratch_, &out->prefill_column_sums, all, &direct);
   out->prompt_entropies.clear();
   if (const double* e = meta_.RecordedPromptEntropies(
           layer, meta_.prompt_entropy_regions.empty() ? -1 : meta_.prompt_entropy_regions[0]))

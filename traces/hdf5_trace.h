@@ -16,6 +16,8 @@ struct Hdf5WriteOptions {
   int chunk_tokens = 1024;    // chunk shape [1, min(T, chunk_tokens), head_dim]: one head reads alone
 };
 
+struct DirectReadState;  // hdf5_trace.cc
+
 class Hdf5TraceReader final : public TraceSource {
  public:
   // Opens and validates the root attributes, the token table and every dataset's shape and stored size.
@@ -28,12 +30,18 @@ class Hdf5TraceReader final : public TraceSource {
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> OpenUnguarded(const std::string& path);
   // The same from an in-memory copy of a trace file (`name` is used in messages); the bytes are copied. Not
   // guarded, so only a fully checksummed trace is accepted (TraceIntegrity::checksummed(): checked from the
-  // superblock and the objects' types before any string is read); older traces go through Open().
+  // superblock and the objects' types before any string is read); older traces go through Open(). The
+  // reader keeps a second copy of the bytes for direct chunk reads (the HDF5 core driver holds its own).
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> OpenImage(const std::string& name, const void* data,
                                                               size_t size);
   ~Hdf5TraceReader() override;
   const TraceMeta& meta() const override { return meta_; }
-  Status ReadLayer(int layer, LayerData* out) override;
+  using TraceSource::ReadLayer;
+  // Datasets chunked one leading index at a time whose only filter is Fletcher32 (what kvsim writes without
+  // compression) are read chunk by chunk with pread on options.threads threads, outside the HDF5 library,
+  // each chunk's checksum verified as HDF5 does; any other layout goes through H5Dread (docs/trace-format.md,
+  // "Reading").
+  Status ReadLayer(int layer, LayerData* out, const LayerReadOptions& options) override;
   std::string Describe() const override { return path_; }
   TraceIntegrity integrity() const override { return integrity_; }
   StatusOr<bool> ReadRecordedDecodeRows(int layer, std::vector<float>* out) override;
@@ -44,14 +52,23 @@ class Hdf5TraceReader final : public TraceSource {
   Hdf5TraceReader() = default;
   Status CheckLayerShapes() const;
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> FromOpenFile(const std::string& name, long long file,
-                                                                  bool checksummed_only);
+                                                                 bool checksummed_only);
   static Status GuardedProbe(const std::string& path);
   std::string path_;
   long long file_ = -1;  // hid_t
   TraceMeta meta_;
   TraceIntegrity integrity_;
   std::vector<uint16_t> scratch_;  // raw fp16 of the dataset being read
+  // Direct chunk reads (ReadLayer): the file's descriptor or image copy, chunk locations, buffers.
+  std::unique_ptr<DirectReadState> direct_;
 };
+
+// HDF5's Fletcher32 checksum (H5_checksum_fletcher32) of `size` bytes: what the Fletcher32 filter stores in
+// the last 4 bytes of every chunk (exposed for tests).
+uint32_t HdfFletcher32(const void* data, size_t size);
+// Whether a stored chunk (data then its 4-byte checksum, `size` bytes in all) passes the Fletcher32 filter's
+// check exactly as HDF5 does it (the stored value or its byte-pair-swapped form, for files of HDF5 < 1.6.3).
+bool HdfFletcher32ChunkOk(const uint8_t* chunk, size_t size);
 
 class Hdf5TraceWriter final : public TraceSink {
  public:

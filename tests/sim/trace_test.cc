@@ -1,7 +1,12 @@
 #include "sim/trace.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <csignal>
+#include <cstdio>
 #include <random>
 
 #include "tests/test_util.h"
@@ -36,6 +41,66 @@ TEST_CASE("ValidateLayer rejects NaN and wrong shapes", "[trace]") {
   bad = ld;
   bad.keys.pop_back();
   CHECK_FALSE(ValidateLayer(tr.meta(), bad, "x").ok());
+}
+
+TEST_CASE("QueryRows: ranges merge; a layer read with some rows refuses the others", "[trace]") {
+  QueryRows r = QueryRows::None();
+  CHECK_FALSE(r.all());
+  CHECK(r.Text() == "none");
+  r.Add(10, 12);
+  r.Add(3, 5);
+  r.Add(5, 7);    // adjacent: merged
+  r.Add(11, 20);  // overlapping: merged
+  r.Add(8, 8);    // empty: ignored
+  CHECK(r.Text() == "[3, 7) [10, 20)");
+  CHECK(r.Contains(3, 7));
+  CHECK(r.Contains(12, 20));
+  CHECK(r.Contains(9, 9));  // empty range
+  CHECK_FALSE(r.Contains(6, 11));
+  CHECK_FALSE(r.Contains(2, 3));
+  CHECK(r.Count(15) == 4 + 5);
+  CHECK(r.Ranges(15) == std::vector<std::pair<int32_t, int32_t>>{{3, 7}, {10, 15}});
+  QueryRows all;
+  all.Add(1, 2);
+  CHECK(all.all());
+  CHECK(all.Contains(0, 1 << 30));
+
+  MemoryTrace tr = testing::MakeTinyTrace();
+  const TraceMeta& meta = tr.meta();
+  const int32_t tq = static_cast<int32_t>(meta.query_positions.size());
+  QueryRows some = QueryRows::None();
+  some.Add(tq - 6, tq);
+  LayerData ld;
+  REQUIRE(tr.ReadLayer(1, &ld, LayerReadOptions{.query_rows = some}).ok());
+  CHECK(ld.query_rows == some);
+  CHECK(ld.QueryRow(meta, 1, tq - 1)[0] == tr.layers()[1].queries[(static_cast<size_t>(tq) + tq - 1) * 8]);
+  // Rows that were not read hold no checked data: a NaN there passes validation, one in a read row fails.
+  ld.queries[0] = std::nanf("");
+  CHECK(ValidateLayer(meta, ld, "x").ok());
+  ld.queries[(static_cast<size_t>(tq) + tq - 2) * 8 + 3] = std::nanf("");
+  CHECK_FALSE(ValidateLayer(meta, ld, "x").ok());
+  // A sink refuses a layer that lacks rows (it would write unspecified values).
+  MemoryTrace sink;
+  REQUIRE(sink.Begin(meta).ok());
+  LayerData l0;
+  REQUIRE(tr.ReadLayer(0, &l0, LayerReadOptions{.query_rows = some}).ok());
+  const Status refused = sink.WriteLayer(l0);
+  CHECK(refused.code() == StatusCode::kInvalidArgument);
+  CHECK(refused.message().find("holds only query rows") != std::string::npos);
+  // Using a row that was not read aborts (a wrong number would be worse): checked in a child process.
+  for (const int32_t row : {0, tq - 7}) {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::freopen("/dev/null", "w", stderr);
+      (void)ld.QueryRow(meta, 0, row);
+      ::_exit(0);  // not reached when the check works
+    }
+    int wstatus = 0;
+    REQUIRE(::waitpid(pid, &wstatus, 0) == pid);
+    CHECK(WIFSIGNALED(wstatus));
+    CHECK(WTERMSIG(wstatus) == SIGABRT);
+  }
 }
 
 TEST_CASE("query positions: window suffix detection", "[trace]") {

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <random>
 #include <thread>
 
 #include "tests/test_util.h"
@@ -947,4 +948,226 @@ TEST_CASE("hdf5 trace: damaged recorded prompt entropies are refused when the tr
   }
 }
 
+}  // namespace kvsim
+}  // namespace kvsim
+
+// ---- direct chunk reads (ReadLayer with LayerReadOptions::direct_chunks) vs HDF5's own H5Dread
+namespace kvsim {
+namespace {
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Query rows [begin, end) of every head of two layers, bit for bit.
+bool SameQueryRows(const TraceMeta& meta, const LayerData& a, const LayerData& b, int32_t begin,
+                   int32_t end) {
+  for (int h = 0; h < meta.model.num_heads; ++h)
+    for (int32_t qi = begin; qi < end; ++qi)
+      if (std::memcmp(a.QueryRow(meta, h, qi), b.QueryRow(meta, h, qi), meta.model.head_dim * sizeof(float)))
+        return false;
+  return true;
+}
+
+// Every layer of `path`, all rows and a row subset, read directly on `threads` threads equals H5Dread.
+void CheckDirectEqualsLibrary(const std::string& path, int threads) {
+  auto r = Hdf5TraceReader::Open(path);
+  REQUIRE(r.ok());
+  const TraceMeta& meta = (*r)->meta();
+  const int32_t tq = static_cast<int32_t>(meta.query_positions.size());
+  QueryRows some = QueryRows::None();
+  some.Add(1, 3);
+  some.Add(tq - 5, tq);
+  for (int l = 0; l < meta.model.num_layers; ++l) {
+    LayerData lib, direct, lib_some, direct_some;
+    REQUIRE((*r)->ReadLayer(l, &lib, LayerReadOptions{.direct_chunks = false}).ok());
+    REQUIRE((*r)->ReadLayer(l, &direct, LayerReadOptions{.threads = threads}).ok());
+    CHECK(SameBits(lib.keys, direct.keys));
+    CHECK(SameBits(lib.values, direct.values));
+    CHECK(SameBits(lib.queries, direct.queries));
+    CHECK(SameBits(lib.prefill_column_sums, direct.prefill_column_sums));
+    CHECK(direct.query_rows.all());
+    REQUIRE((*r)->ReadLayer(l, &lib_some, LayerReadOptions{.query_rows = some, .direct_chunks = false}).ok());
+    REQUIRE((*r)->ReadLayer(l, &direct_some, LayerReadOptions{.query_rows = some, .threads = threads}).ok());
+    CHECK(direct_some.query_rows == some);
+    CHECK(SameBits(lib.keys, direct_some.keys));
+    CHECK(SameQueryRows(meta, lib, lib_some, 1, 3));
+    CHECK(SameQueryRows(meta, lib, lib_some, tq - 5, tq));
+    CHECK(SameQueryRows(meta, lib, direct_some, 1, 3));
+    CHECK(SameQueryRows(meta, lib, direct_some, tq - 5, tq));
+  }
+}
+
+// Offset and stored size of every chunk of dataset `name`.
+std::vector<std::pair<haddr_t, hsize_t>> Chunks(const std::string& path, const char* name) {
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  hid_t ds = H5Dopen2(f, name, H5P_DEFAULT);
+  hid_t space = H5Dget_space(ds);
+  hsize_t n = 0;
+  REQUIRE(H5Dget_num_chunks(ds, space, &n) >= 0);
+  std::vector<std::pair<haddr_t, hsize_t>> out;
+  for (hsize_t i = 0; i < n; ++i) {
+    hsize_t offset[3];
+    unsigned mask = 0;
+    haddr_t addr = HADDR_UNDEF;
+    hsize_t size = 0;
+    REQUIRE(H5Dget_chunk_info(ds, space, i, offset, &mask, &addr, &size) >= 0);
+    out.emplace_back(addr, size);
+  }
+  H5Sclose(space);
+  H5Dclose(ds);
+  H5Fclose(f);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("hdf5 trace: direct chunk reads equal H5Dread's bytes", "[hdf5][trace][direct]") {
+  const std::string dir = testing::ScratchDir("hdf5_direct");
+  for (const bool gqa : {false, true})
+    for (const StorageDtype dtype : {StorageDtype::kFloat16, StorageDtype::kFloat32})
+      for (const int chunk_tokens : {7, 1024}) {  // 7 does not divide T = 30 (edge chunks); 1024: one chunk
+        MemoryTrace tr = testing::MakeTinyTrace({.num_heads = 4, .num_kv_heads = gqa ? 2 : 4});
+        tr.mutable_meta().storage_dtype = dtype;
+        tr.mutable_meta().has_prefill_column_sums = true;  // float32 [H, n], chunked [1, n]
+        for (LayerData& l : tr.layers())
+          l.prefill_column_sums.assign(static_cast<size_t>(4) * tr.meta().prefill_length, 0.5f);
+        const std::string path =
+            dir + "/t" + std::to_string(gqa) + StorageDtypeName(dtype) + std::to_string(chunk_tokens) + ".h5";
+        REQUIRE(WriteTrace(tr, path, Hdf5WriteOptions{.chunk_tokens = chunk_tokens}).ok());
+        for (const int threads : {1, 2, 5}) {
+          INFO(path << " threads " << threads);
+          CheckDirectEqualsLibrary(path, threads);
+        }
+      }
+  SECTION("a compressed trace (shuffle + deflate) falls back to H5Dread and reads the same values") {
+    MemoryTrace tr = testing::MakeTinyTrace();
+    const std::string path = dir + "/z.h5";
+    REQUIRE(WriteTrace(tr, path, Hdf5WriteOptions{.compression_level = 4, .chunk_tokens = 7}).ok());
+    CheckDirectEqualsLibrary(path, 3);
+  }
+  SECTION("an in-memory image reads its chunks directly too") {
+    MemoryTrace tr = testing::MakeTinyTrace();
+    const std::string path = dir + "/img.h5";
+    REQUIRE(WriteTrace(tr, path, Hdf5WriteOptions{.chunk_tokens = 7}).ok());
+    const std::string bytes = testing::ReadFile(path);
+    auto img = Hdf5TraceReader::OpenImage("<image>", bytes.data(), bytes.size());
+    REQUIRE(img.ok());
+    auto file = Hdf5TraceReader::Open(path);
+    REQUIRE(file.ok());
+    LayerData a, b;
+    REQUIRE((*img)->ReadLayer(1, &a, LayerReadOptions{.threads = 2}).ok());
+    REQUIRE((*file)->ReadLayer(1, &b, LayerReadOptions{.direct_chunks = false}).ok());
+    CHECK(SameBits(a.keys, b.keys));
+    CHECK(SameBits(a.queries, b.queries));
+  }
+}
+
+TEST_CASE("hdf5 trace: Fletcher32 as HDF5 computes it; damage and truncation are one-line errors",
+          "[hdf5][trace][direct]") {
+  const std::string dir = testing::ScratchDir("hdf5_fletcher");
+  MemoryTrace tr = testing::MakeTinyTrace();
+  const std::string path = dir + "/t.h5";
+  REQUIRE(WriteTrace(tr, path, Hdf5WriteOptions{.chunk_tokens = 7}).ok());
+  const std::string bytes = testing::ReadFile(path);
+
+  SECTION("every chunk HDF5 wrote passes; a flipped byte in data or checksum fails") {
+    int checked = 0;
+    for (const char* name :
+         {"/layers/layer_000/keys", "/layers/layer_001/values", "/layers/layer_001/queries"})
+      for (const auto& [addr, size] : Chunks(path, name)) {
+        std::vector<uint8_t> chunk(bytes.begin() + addr, bytes.begin() + addr + size);
+        CHECK(HdfFletcher32ChunkOk(chunk.data(), chunk.size()));
+        for (const size_t at : {size_t{0}, chunk.size() / 2, chunk.size() - 1}) {
+          chunk[at] ^= 0x04;
+          CHECK_FALSE(HdfFletcher32ChunkOk(chunk.data(), chunk.size()));
+          chunk[at] ^= 0x04;
+        }
+        ++checked;
+      }
+    CHECK(checked > 10);
+    // Known values: the algorithm's reference results (16-bit big-endian words, odd tail byte shifted up).
+    const uint8_t abcde[] = {'a', 'b', 'c', 'd', 'e'};
+    // Against HDF5's own loop (H5_checksum_fletcher32, copied): random bytes of many lengths, odd ones,
+    // all zeros and all 0xff (residue 0: written 0xffff), lengths across the 360-word folds and 256-word
+    // blocks.
+    auto reference = [](const uint8_t* data, size_t size) {
+      size_t len = size / 2;
+      uint32_t sum1 = 0, sum2 = 0;
+      while (len) {
+        size_t tlen = len > 360 ? 360 : len;
+        len -= tlen;
+        do {
+          sum1 += static_cast<uint32_t>(data[0]) << 8 | data[1];
+          data += 2;
+          sum2 += sum1;
+        } while (--tlen);
+        sum1 = (sum1 & 0xffff) + (sum1 >> 16);
+        sum2 = (sum2 & 0xffff) + (sum2 >> 16);
+      }
+      if (size % 2) {
+        sum1 += static_cast<uint32_t>(*data) << 8;
+        sum2 += sum1;
+        sum1 = (sum1 & 0xffff) + (sum1 >> 16);
+        sum2 = (sum2 & 0xffff) + (sum2 >> 16);
+      }
+      sum1 = (sum1 & 0xffff) + (sum1 >> 16);
+      sum2 = (sum2 & 0xffff) + (sum2 >> 16);
+      return sum2 << 16 | sum1;
+    };
+    std::mt19937 rng(7);
+    for (const size_t len : {0, 1, 2, 3, 511, 512, 513, 719, 720, 721, 1000, 4096, 262145, 524292}) {
+      std::vector<uint8_t> buf(len);
+      for (uint8_t& b : buf) b = static_cast<uint8_t>(rng());
+      INFO("length " << len);
+      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
+      std::fill(buf.begin(), buf.end(), 0xff);
+      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
+      std::fill(buf.begin(), buf.end(), 0);
+      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
+      if (len > 2) buf[len / 2] = 1;
+      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
+    }
+    CHECK(HdfFletcher32(abcde, 4) == ((0x6162u + 0x6162u + 0x6364u) % 0xffff << 16 | (0x6162u + 0x6364u)));
+    CHECK(HdfFletcher32(abcde, 5) ==
+          (((0x6162u + (0x6162u + 0x6364u) + (0x6162u + 0x6364u + 0x6500u)) % 0xffff) << 16 |
+           ((0x6162u + 0x6364u + 0x6500u) % 0xffff)));
+  }
+  SECTION("a flipped data byte: the same one-line error as through H5Dread, naming file and dataset") {
+    const auto chunks = Chunks(path, "/layers/layer_001/queries");
+    FlipByte(path, chunks[2].first + 5);
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE(r.ok());
+    LayerData ld;
+    for (const bool direct : {true, false}) {
+      Status st = (*r)->ReadLayer(1, &ld, LayerReadOptions{.threads = 2, .direct_chunks = direct});
+      INFO(st.message());
+      CHECK(st.code() == StatusCode::kDataLoss);
+      CHECK(Contains(st, path + ": dataset '/layers/layer_001/queries' fails its checksum"));
+      CHECK(Contains(st, "the file is damaged"));
+      CHECK(st.message().find('\n') == std::string::npos);
+      if (direct) CHECK(Contains(st, "Fletcher32 of the chunk at row 14 of leading index 0"));
+    }
+    // The damaged chunk holds rows [14, 21): reading only other rows succeeds, reading one of them fails.
+    QueryRows other = QueryRows::None();
+    other.Add(0, 14);
+    other.Add(21, static_cast<int32_t>(tr.meta().query_positions.size()));
+    CHECK((*r)->ReadLayer(1, &ld, LayerReadOptions{.query_rows = other, .threads = 2}).ok());
+    other.Add(20, 21);
+    CHECK_FALSE((*r)->ReadLayer(1, &ld, LayerReadOptions{.query_rows = other, .threads = 2}).ok());
+  }
+  SECTION("a file truncated after it was opened: one-line error, no crash") {
+    const auto chunks = Chunks(path, "/layers/layer_001/keys");
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE(r.ok());
+    fs::resize_file(path, chunks.back().first + 3);
+    LayerData ld;
+    Status st = (*r)->ReadLayer(1, &ld, LayerReadOptions{.threads = 2});
+    INFO(st.message());
+    CHECK(st.code() == StatusCode::kDataLoss);
+    CHECK(Contains(st, path + ": cannot read dataset '/layers/layer_001/keys'"));
+    CHECK(Contains(st, "truncated"));
+    CHECK(st.message().find('\n') == std::string::npos);
+  }
+}
 }  // namespace kvsim
