@@ -337,8 +337,7 @@ PolicyRequirements MedaPolicy::requirements() const {
   return {.prompt_column_sums = true,
           .decode_attention = params_.compress_at() == policy::MedaParams::FIRST_DECODE_STEP,
           .first_pass = true,
-          .all_prompt_queries = true,
-          .prompt_similarity = true};
+          .all_prompt_queries = true};
 }
 
 bool MedaPolicy::may_exceed_budget() const {

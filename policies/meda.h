@@ -72,9 +72,7 @@ class LookMPolicy final : public TypedPolicy<policy::LookMParams> {
   using TypedPolicy::TypedPolicy;
   static Status Validate(const policy::LookMParams& p);
   std::string name() const override { return "look_m"; }
-  PolicyRequirements requirements() const override {
-    return {.prompt_column_sums = true, .prompt_similarity = true};
-  }
+  PolicyRequirements requirements() const override { return {.prompt_column_sums = true}; }
   bool evicts_during_decode() const override { return false; }
   bool may_exceed_budget() const override { return params_.text_prior() == policy::KEEP_ALL_TEXT; }
   std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const override;

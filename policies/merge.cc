@@ -1,11 +1,85 @@
 #include "policies/merge.h"
 
-#include <algorithm>
+#include <cblas.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
-#include "sim/similarity.h"
+#include <algorithm>
+#include <bit>
+#include <cmath>
+
+#include "sim/attention.h"
 
 namespace kvsim {
 namespace {
+
+// Row r's squared norm as a sequential double sum over k (the order every row has always used).
+double SquaredNorm(const float* row, int d) {
+  double s = 0;
+  for (int k = 0; k < d; ++k) s += static_cast<double>(row[k]) * row[k];
+  return s;
+}
+
+void ScaleRow(const float* x, double s, int d, float* out) {
+  const float inv = s > 0 ? static_cast<float>(1.0 / std::sqrt(s)) : 0.0f;
+  for (int k = 0; k < d; ++k) out[k] = x[k] * inv;
+}
+
+// Rows scaled to unit length (zero rows stay zero). Eight rows at a time: each row's sum still runs over k
+// in order (so the result is the same as one row at a time), but the eight dependency chains overlap
+// instead of one latency-bound chain per row (it was a third of NearestByCosine's own time, issue 14).
+void NormalizeRows(const float* x, int rows, int d, float* out) {
+  constexpr int kRows = 8;
+  int r = 0;
+  for (; r + kRows <= rows; r += kRows) {
+    const float* xr = x + static_cast<size_t>(r) * d;
+    double s[kRows] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int k = 0; k < d; ++k)
+      for (int i = 0; i < kRows; ++i) {
+        const double v = xr[static_cast<size_t>(i) * d + k];
+        s[i] += v * v;  // exact product (float x float fits a double): fused or not, the same sum
+      }
+    for (int i = 0; i < kRows; ++i)
+      ScaleRow(xr + static_cast<size_t>(i) * d, s[i], d, out + static_cast<size_t>(r + i) * d);
+  }
+  for (; r < rows; ++r)
+    ScaleRow(x + static_cast<size_t>(r) * d, SquaredNorm(x + static_cast<size_t>(r) * d, d), d,
+             out + static_cast<size_t>(r) * d);
+}
+
+// Index of the first maximum of a finite row, as std::max_element returns it. Two passes: an 8-lane max
+// reduction (max is exact, so the lane order does not matter), then the first index equal to it, eight
+// elements per compare mask. std::max_element's compare-and-select chain was the profile's top line of
+// merging (issue 14); the compiler keeps both loops scalar, hence the AVX2 intrinsics (same comparisons:
+// max_ps(v, lane) is `v > lane ? v : lane`, an ordered equality never matches a NaN).
+int FirstMaxIndex(const float* row, int n) {
+  float lane[8];
+  int i = 0;
+#ifdef __AVX2__
+  __m256 lanes = _mm256_set1_ps(row[0]);
+  for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(row + i), lanes);
+  _mm256_storeu_ps(lane, lanes);
+#else
+  for (int k = 0; k < 8; ++k) lane[k] = row[0];
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) lane[k] = row[i + k] > lane[k] ? row[i + k] : lane[k];
+#endif
+  float mx = lane[0];
+  for (int k = 1; k < 8; ++k) mx = lane[k] > mx ? lane[k] : mx;
+  for (; i < n; ++i) mx = row[i] > mx ? row[i] : mx;
+  int j = 0;
+#ifdef __AVX2__
+  const __m256 target = _mm256_set1_ps(mx);
+  for (; j + 8 <= n; j += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), target, _CMP_EQ_OQ));
+    if (mask != 0) return j + std::countr_zero(static_cast<unsigned>(mask));
+  }
+#endif
+  for (; j < n; ++j)
+    if (row[j] == mx) return j;
+  return static_cast<int>(std::max_element(row, row + n) - row);  // a NaN: as before
+}
 
 const float* OriginalKey(const HeadContext& ctx, int32_t tok) {
   return ctx.keys + static_cast<size_t>(tok) * ctx.head_dim();
@@ -21,14 +95,16 @@ void NearestByCosine(const float* queries, int num_queries, const float* targets
   nearest->assign(num_queries, -1);
   similarity->assign(num_queries, 0.0f);
   if (num_queries == 0 || num_targets == 0) return;
+  EnsureSingleThreadedBlas();
   std::vector<float> t(static_cast<size_t>(num_targets) * d);
   NormalizeRows(targets, num_targets, d, t.data());
-  constexpr int kBlock = 256;  // query rows per product: bounds the similarity block to 256 x num_targets
+  constexpr int kBlock = 256;  // query rows per GEMM: bounds the similarity block to 256 x num_targets
   std::vector<float> q(static_cast<size_t>(kBlock) * d), sim(static_cast<size_t>(kBlock) * num_targets);
   for (int b = 0; b < num_queries; b += kBlock) {
     const int rows = std::min(kBlock, num_queries - b);
     NormalizeRows(queries + static_cast<size_t>(b) * d, rows, d, q.data());
-    CosineDots(q.data(), rows, t.data(), num_targets, d, sim.data(), num_targets);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, num_targets, d, 1.0f, q.data(), d, t.data(), d,
+                0.0f, sim.data(), num_targets);
     for (int r = 0; r < rows; ++r) {
       const float* row = sim.data() + static_cast<size_t>(r) * num_targets;
       const int best = FirstMaxIndex(row, num_targets);
@@ -67,26 +143,18 @@ void Merger::KeepAndMerge(const HeadContext& ctx, std::span<const int32_t> kept,
 void Merger::MergeTokens(const HeadContext& ctx, std::span<const int32_t> tokens, HeadCache* cache) {
   if (strategy_ == policy::NO_MERGE || tokens.empty() || cache->size() == 0) return;
   const int d = ctx.head_dim(), slots = cache->size(), e = static_cast<int>(tokens.size());
+  std::vector<float> targets(static_cast<size_t>(slots) * d), x(static_cast<size_t>(e) * d);
+  for (int s = 0; s < slots; ++s) {
+    const float* k = cache->is_merged(s) ? cache->merged(s).key.data() : OriginalKey(ctx, cache->token(s));
+    std::copy(k, k + d, targets.begin() + static_cast<size_t>(s) * d);
+  }
+  for (int i = 0; i < e; ++i) {
+    const float* k = OriginalKey(ctx, tokens[i]);
+    std::copy(k, k + d, x.begin() + static_cast<size_t>(i) * d);
+  }
   std::vector<int> nearest;
   std::vector<float> sim;
-  // Every target an original prompt key the head's shared similarity matrix covers (a run's first
-  // compression): read the cosines from it. Same values and the same first-maximum rule as the per-call
-  // product below (sim/similarity.h), so the result does not depend on which path answers.
-  if (ctx.similarity != nullptr && cache->num_merged_slots() == 0 &&
-      ctx.similarity->Covers(cache->tokens()) && ctx.similarity->Covers(tokens)) {
-    ctx.similarity->Nearest(tokens, cache->tokens(), &nearest, &sim);
-  } else {
-    std::vector<float> targets(static_cast<size_t>(slots) * d), x(static_cast<size_t>(e) * d);
-    for (int s = 0; s < slots; ++s) {
-      const float* k = cache->is_merged(s) ? cache->merged(s).key.data() : OriginalKey(ctx, cache->token(s));
-      std::copy(k, k + d, targets.begin() + static_cast<size_t>(s) * d);
-    }
-    for (int i = 0; i < e; ++i) {
-      const float* k = OriginalKey(ctx, tokens[i]);
-      std::copy(k, k + d, x.begin() + static_cast<size_t>(i) * d);
-    }
-    NearestByCosine(x.data(), e, targets.data(), slots, d, &nearest, &sim);
-  }
+  NearestByCosine(x.data(), e, targets.data(), slots, d, &nearest, &sim);
   double threshold = -2;  // below every cosine
   if (filter_ == policy::ABOVE_MEAN_SIMILARITY) {
     double mean = 0;
@@ -209,11 +277,7 @@ class MergeWrappedPolicy final : public Policy {
     const std::string base = base_->ParamsText();
     return base + (base.empty() ? "" : " ") + "merge: " + policy::MergeStrategy_Name(strategy_);
   }
-  PolicyRequirements requirements() const override {
-    PolicyRequirements r = base_->requirements();
-    r.prompt_similarity = true;  // the prefill hook's merge; decode-time merges use the per-call product
-    return r;
-  }
+  PolicyRequirements requirements() const override { return base_->requirements(); }
   bool evicts_during_decode() const override { return base_->evicts_during_decode(); }
   bool may_exceed_budget() const override { return base_->may_exceed_budget(); }
   int compression_step() const override { return base_->compression_step(); }

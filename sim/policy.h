@@ -20,8 +20,6 @@
 
 namespace kvsim {
 
-class PromptSimilarity;  // sim/similarity.h
-
 // Lazily computed prompt statistics for one (layer, KV head), shared by every policy and budget of a run.
 // All scores are per query head of the group, indexed by key position in [0, compress_end).
 class PromptScores {
@@ -68,9 +66,6 @@ struct HeadContext {
   PromptScores* scores = nullptr;
   const PolicyPlan* plan = nullptr;  // the run's first-pass plan, or null
   int run_budget = 0;                // the run's requested budget B (tokens per layer per KV head)
-  // Cosines of the head's prompt keys, shared by the runs that declare PolicyRequirements::
-  // prompt_similarity (set at the prefill hook, and at decode step 0 for runs compressing there), or null.
-  PromptSimilarity* similarity = nullptr;
   int head_dim() const { return meta->model.head_dim; }
   int prefill_length() const { return meta->prefill_length; }
   Modality modality(int32_t token) const { return meta->tokens.modality[token]; }
@@ -113,9 +108,6 @@ struct PolicyRequirements {
   bool decode_attention = false;    // AfterStep needs cache_probs
   bool first_pass = false;          // NewPlan / ObserveLayer / FinishPlan before the replay
   bool all_prompt_queries = false;  // LayerView / first pass reads the query of every compressible token
-  // The compression merges evicted prompt tokens into kept ones by key cosine (Merger): the engine may
-  // share one matrix of the head's prompt-key cosines by such runs (HeadContext::similarity).
-  bool prompt_similarity = false;
 };
 
 class Policy {

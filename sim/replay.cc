@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <future>
@@ -14,7 +13,6 @@
 #include "sim/attention.h"
 #include "sim/parallel.h"
 #include "sim/select.h"
-#include "sim/similarity.h"
 #include "sim/stats.h"
 #include "sim/version.h"
 
@@ -138,10 +136,6 @@ struct RunAccum {
 struct UnitWork {
   HeadContext ctx;
   std::unique_ptr<UnitScores> scores;
-  // The head's prompt-key cosines, shared by the merging runs (see LayerPass::Run), and how many runs
-  // compressing at decode step 0 still need them (the last one frees them).
-  std::unique_ptr<PromptSimilarity> similarity;
-  std::unique_ptr<std::atomic<int>> similarity_users;
   std::vector<DecodeReference> refs;  // per group member
   std::vector<float> sorted;    // [g][t][T]: the step's probabilities, descending (only for future_attention)
   std::vector<double> top_sum;  // [g][t][T + 1]: top_sum[k] = Σ of the k largest, added in descending order
@@ -190,14 +184,10 @@ struct WorkerScratch {
 };
 
 class LayerPass {
-  // Buffers of the units' cosine matrices, reused across layers (first in the class: initialised first).
-  SimilarityPool* similarity_pool_;
-
  public:
   LayerPass(const TraceMeta& meta, const LayerData& layer, std::span<const RunPlan> plans,
-            std::vector<RunAccum>& acc, int threads, DecisionRecorder* recorder, SimilarityPool* pool)
-      : similarity_pool_(pool),
-        meta_(meta),
+            std::vector<RunAccum>& acc, int threads, DecisionRecorder* recorder)
+      : meta_(meta),
         m_(meta.model),
         layer_(layer),
         plans_(plans),
@@ -218,15 +208,6 @@ class LayerPass {
     const int hkv = m_.num_kv_heads, runs = static_cast<int>(plans_.size());
     const int workers = threads_ > 0 ? threads_ : DefaultThreads();
     const int chunk = std::min(hkv, 2 * workers);
-    // The runs whose compression merges by key cosine (PolicyRequirements::prompt_similarity) may share one
-    // matrix of the head's prompt-key cosines (Prefill decides per head).
-    similarity_end_ = 0;
-    similarity_decode_runs_ = 0;
-    for (const RunPlan& plan : plans_)
-      if (plan.req.prompt_similarity) {
-        similarity_decode_runs_ += plan.compression_step == 0;
-        similarity_end_ = std::max(similarity_end_, plan.compress_end);
-      }
     units_.resize(hkv);
     scratch_.resize(std::max(1, std::min(workers, chunk * runs)));
     for (int u0 = 0; u0 < hkv; u0 += chunk) {
@@ -352,22 +333,6 @@ class LayerPass {
     w.prefill_size.assign(plans_.size(), 0);
     w.checked.assign(plans_.size(), {});
     int scores_ce = -1;
-    // One matrix of cosines (ce (ce + 1) / 2 floats, computed on first use) costs ce^2 / 2 dot products;
-    // each merging run then reads its e x k cosines from it (a gather, measured ~0.47x a d = 128 dot
-    // product) instead of computing them. With b a run's budget, e x k ~ b (ce - b), so the matrix pays
-    // when the runs' Σ b (ce - b) exceeds ~ce^2 (docs/performance.md, round 5): 12 MEDA/LOOK-M runs of
-    // 5-50% budgets are ~1.9 ce^2; one policy's 4 budgets ~0.55 ce^2 compute their own. It lives from the
-    // head's prefill to the last decode-step-0 compression that uses it (MEDA's official code).
-    if (similarity_end_ > 0) {
-      double pairs = 0;
-      for (const RunPlan& plan : plans_)
-        if (plan.req.prompt_similarity) {
-          const double b = std::min(plan.head_budgets[UnitIndex(u)], plan.compress_end);
-          pairs += b * (plan.compress_end - b);
-        }
-      if (pairs > static_cast<double>(similarity_end_) * similarity_end_)
-        w.similarity = std::make_unique<PromptSimilarity>(keys, similarity_end_, d, similarity_pool_);
-    }
     for (size_t r = 0; r < plans_.size(); ++r) {
       const RunPlan& plan = plans_[r];
       // Runs with the same compressible region share one score cache.
@@ -378,7 +343,6 @@ class LayerPass {
       HeadContext ctx{
           &meta_,         layer_.layer,           u,          group, plan.compress_end, keys, values,
           w.scores.get(), plan.policy_plan.get(), plan.budget};
-      ctx.similarity = plan.req.prompt_similarity ? w.similarity.get() : nullptr;
       w.ctx = ctx;
       w.policies[r] = plan.spec->policy->NewHeadPolicy(ctx);
       HeadCache& cache = w.caches[r];
@@ -398,10 +362,6 @@ class LayerPass {
       a.tokens[UnitIndex(u) * (steps + 1)] = cache.size();
     }
     w.scores.reset();  // prompt scores are a prefill-time facility
-    if (similarity_decode_runs_ == 0)
-      w.similarity.reset();
-    else if (w.similarity)
-      w.similarity_users = std::make_unique<std::atomic<int>>(similarity_decode_runs_);
   }
 
   // Kept-token statistics right after the compression event.
@@ -561,8 +521,6 @@ class LayerPass {
     HeadContext ctx = w.ctx;
     ctx.compress_end = plan.compress_end;
     ctx.scores = nullptr;  // prompt scores are a prefill-time facility
-    const bool similarity_user = t == 0 && plan.compression_step == 0 && plan.req.prompt_similarity;
-    ctx.similarity = similarity_user ? w.similarity.get() : nullptr;
     ctx.plan = plan.policy_plan.get();
     ctx.run_budget = plan.budget;
     const int appended = n - plan.compress_end;
@@ -722,7 +680,6 @@ class LayerPass {
     StepAttention after{t, slots, ws.cache_probs.data(), plan.req.future_attention ? full.data() : nullptr,
                         plan.req.future_attention ? full_sorted.data() : nullptr};
     hp.AfterStep(ctx, after, &cache);
-    if (similarity_user && w.similarity_users && w.similarity_users->fetch_sub(1) == 1) w.similarity.reset();
     if (recorder_) recorder_->AfterStep(plan.index, layer_.layer, u, t, cache);
     if (t == 0 && plan.compression_step == 0) {
       CheckCache(w, ws, cache, pos, r);
@@ -830,8 +787,6 @@ class LayerPass {
   std::vector<RunAccum>& acc_;
   int threads_;
   DecisionRecorder* recorder_;
-  int similarity_end_ = 0;          // > 0: the units share a PromptSimilarity of keys [0, similarity_end_)
-  int similarity_decode_runs_ = 0;  // runs that use it at decode step 0
   std::vector<UnitWork> units_;
   std::vector<WorkerScratch> scratch_;
 };
@@ -1226,15 +1181,13 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
   }
   // Layer l + 1 is read in the background while layer l is replayed (at most two layers resident).
   LayerData current, next;
-  SimilarityPool similarity_pool;  // PromptSimilarity buffers: faulted in once, not per layer
   Status read_status = trace.ReadLayer(0, &current);
   for (int l = 0; l < num_layers && read_status.ok(); ++l) {
     std::future<Status> prefetch;
     if (l + 1 < num_layers)
       prefetch = std::async(std::launch::async, [&trace, &next, l] { return trace.ReadLayer(l + 1, &next); });
     current.layer = l;
-    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder,
-                   &similarity_pool);
+    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder);
     pass.Run();
     if (options.progress) options.progress->Update("layer", l + 1, num_layers);
     if (prefetch.valid()) {

@@ -6,13 +6,10 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
-#include <numeric>
-#include <random>
 #include <set>
 
 #include "policies/registry.h"
 #include "sim/replay.h"
-#include "sim/similarity.h"
 #include "tests/test_util.h"
 
 namespace kvsim {
@@ -285,112 +282,6 @@ TEST_CASE("merge wrapper: h2o+average covers every token it ever evicted", "[mer
   CHECK(last == 5);
   CHECK(r.metrics().merged_tokens_mean() == meta.total_tokens() - 5);
   CHECK(r.metrics().covered_mass_mean() == Approx(1.0).margin(1e-5));
-}
-
-}  // namespace kvsim
-
-namespace kvsim {
-namespace {
-
-// A head of 70 random keys (d = 12) with exact duplicates (ties) and a zero key.
-struct RandomHead {
-  TraceMeta meta;
-  std::vector<float> keys, values;
-  HeadContext ctx;
-  explicit RandomHead(uint32_t seed) {
-    const int n = 70, d = 12;
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    keys.resize(n * d);
-    values.resize(n * d);
-    for (float& v : keys) v = normal(rng);
-    for (float& v : values) v = normal(rng);
-    for (int r : {20, 21, 22})
-      for (int k = 0; k < d; ++k) keys[r * d + k] = keys[5 * d + k];
-    for (int k = 0; k < d; ++k) keys[30 * d + k] = 0.0f;
-    meta.model.head_dim = d;
-    meta.prefill_length = n;
-    meta.tokens.Resize(n);
-    ctx.meta = &meta;
-    ctx.compress_end = n;
-    ctx.keys = keys.data();
-    ctx.values = values.data();
-  }
-};
-
-bool SameCache(const HeadCache& a, const HeadCache& b) {
-  if (a.size() != b.size()) return false;
-  for (int s = 0; s < a.size(); ++s) {
-    if (a.token(s) != b.token(s) || a.is_merged(s) != b.is_merged(s)) return false;
-    if (a.is_merged(s) && (a.merged(s).key != b.merged(s).key || a.merged(s).value != b.merged(s).value ||
-                           a.merged(s).members != b.merged(s).members))
-      return false;
-  }
-  return true;
-}
-
-}  // namespace
-
-TEST_CASE("merge: the head's shared prompt similarity gives the per-call merges bit for bit", "[merge]") {
-  // Every strategy and filter, kept sets in ascending and in shuffled slot order, tied and zero keys.
-  RandomHead h(5);
-  PromptSimilarity shared(h.keys.data(), 70, 12);
-  std::mt19937 rng(9);
-  int64_t calls = 0;
-  for (policy::MergeStrategy strategy : {policy::AVERAGE, policy::PIVOT, policy::WEIGHTED})
-    for (policy::MergeFilter filter : {policy::MERGE_ALL, policy::ABOVE_MEAN_SIMILARITY})
-      for (int trial = 0; trial < 4; ++trial) {
-        std::vector<int32_t> perm(70);
-        std::iota(perm.begin(), perm.end(), 0);
-        std::shuffle(perm.begin(), perm.end(), rng);
-        const int k = 3 + trial * 11;
-        if (trial == 1) {  // duplicates of key 5 first in the kept set, in descending slot order
-          std::erase_if(perm, [](int32_t t) { return t == 21 || t == 22; });
-          perm.insert(perm.begin(), {22, 21});
-        }
-        std::vector<int32_t> kept(perm.begin(), perm.begin() + k), evicted(perm.begin() + k, perm.end());
-        if (trial % 2 == 0) std::sort(kept.begin(), kept.end());
-        std::sort(evicted.begin(), evicted.end());
-        HeadCache per_call(12), with_shared(12);
-        Merger a(strategy, filter), b(strategy, filter);
-        a.KeepAndMerge(h.ctx, kept, evicted, &per_call);
-        HeadContext ctx = h.ctx;
-        ctx.similarity = &shared;
-        b.KeepAndMerge(ctx, kept, evicted, &with_shared);
-        INFO("strategy " << strategy << " filter " << filter << " trial " << trial);
-        CHECK(with_shared.has_merges());
-        CHECK(SameCache(per_call, with_shared));
-        CHECK(shared.calls() == ++calls);  // the shared matrix answered
-      }
-}
-
-TEST_CASE("merge: merges into merged slots or of tokens outside the matrix use the per-call product",
-          "[merge]") {
-  RandomHead h(6);
-  PromptSimilarity shared(h.keys.data(), 60, 12);  // covers tokens [0, 60) only
-  HeadContext ctx = h.ctx;
-  ctx.similarity = &shared;
-  std::vector<int32_t> kept{0, 5, 9, 14, 33}, evicted;
-  for (int32_t t = 0; t < 50; ++t)
-    if (std::find(kept.begin(), kept.end(), t) == kept.end()) evicted.push_back(t);
-  HeadCache a(12), b(12);
-  Merger ma(policy::AVERAGE, policy::MERGE_ALL), mb(policy::AVERAGE, policy::MERGE_ALL);
-  ma.KeepAndMerge(h.ctx, kept, evicted, &a);
-  mb.KeepAndMerge(ctx, kept, evicted, &b);
-  REQUIRE(shared.calls() == 1);
-  // A decode-time batch: the targets are merged slots now (their keys are averages, not prompt keys).
-  const std::vector<int32_t> later{55, 56, 57};
-  ma.MergeTokens(h.ctx, later, &a);
-  mb.MergeTokens(ctx, later, &b);
-  CHECK(shared.calls() == 1);
-  CHECK(SameCache(a, b));
-  // Plain targets, but a token the matrix does not cover.
-  HeadCache c(12), e(12);
-  Merger mc(policy::PIVOT, policy::MERGE_ALL), me(policy::PIVOT, policy::MERGE_ALL);
-  mc.KeepAndMerge(h.ctx, kept, std::vector<int32_t>{1, 2, 65}, &c);
-  me.KeepAndMerge(ctx, kept, std::vector<int32_t>{1, 2, 65}, &e);
-  CHECK(shared.calls() == 1);
-  CHECK(SameCache(c, e));
 }
 
 }  // namespace kvsim

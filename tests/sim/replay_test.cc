@@ -745,12 +745,11 @@ TEST_CASE("replay: KV heads replayed in chunks give the same results as one chun
   CHECK(std::abs((*one)[0].metrics().regret_vs_oracle_mean()) < 1e-6);
 }
 
-// Merging runs of a KV head share one matrix of its prompt-key cosines (LayerPass::Run, sim/similarity.h):
-// MEDA compresses at the prefill hook, MEDA's official code at decode step 0 (the last such run frees the
-// matrix), LOOK-M and a +average wrapper at the prefill hook. Each run replayed alone (no sharing: the
-// per-call product) gives the same bytes as all runs together, at 1, 2 and 3 threads (chunks of 2, 4, 6
-// KV heads).
-TEST_CASE("replay: merging runs sharing the prompt similarity equal each run alone, at any thread count",
+// Merging runs replayed together (several runs per KV head, MEDA compressing at the prefill hook, MEDA's
+// official code at decode step 0, LOOK-M and a +average wrapper) give the bytes of each run replayed alone,
+// at 1, 2 and 3 threads (chunks of 2, 4, 6 KV heads): nothing a run computes depends on the other runs of
+// its head (docs/performance.md round 5 measured sharing their cosines between runs).
+TEST_CASE("replay: merging runs together equal each run alone, at any thread count",
           "[replay]") {
   testing::TinyTraceSpec spec;
   spec.num_heads = 8;
