@@ -843,6 +843,47 @@ TEST_CASE("replay: KV heads replayed in chunks give the same results as one chun
   CHECK(std::abs((*one)[0].metrics().regret_vs_oracle_mean()) < 1e-6);
 }
 
+// Merging runs replayed together (several runs per KV head, MEDA compressing at the prefill hook, MEDA's
+// official code at decode step 0, LOOK-M and a +average wrapper) give the bytes of each run replayed alone,
+// at 1, 2 and 3 threads (chunks of 2, 4, 6 KV heads): nothing a run computes depends on the other runs of
+// its head (docs/performance.md round 5 measured sharing their cosines between runs).
+TEST_CASE("replay: merging runs together equal each run alone, at any thread count",
+          "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 8;
+  spec.num_kv_heads = 8;
+  spec.prefill_length = 230;  // MEDA's official code keeps every text token + 100 recent ones: a long image
+  spec.decode_steps = 6;
+  spec.image_end = 210;
+  spec.seed = 41;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  std::vector<RunSpec> runs;
+  const std::vector<std::pair<const char*, std::vector<std::string>>> policies{
+      {"meda", {}}, {"meda", {"variant=OFFICIAL_CODE"}}, {"look_m", {}}, {"snapkv+average", {}}};
+  for (const auto& [name, sets] : policies) {
+    auto p = PolicyRegistry::Default().Create(name, sets);
+    REQUIRE(p.ok());
+    for (double b : {0.1, 0.3, 0.6})
+      runs.push_back(RunSpec{*p, name + std::string(sets.empty() ? "" : " official"), b, 0,
+                             QuestionMode::kQueryAware});
+  }
+  std::vector<std::string> alone;
+  for (const RunSpec& r : runs) {
+    auto one = Replay(trace, std::vector<RunSpec>{r}, ReplayOptions{.threads = 1});
+    REQUIRE(one.ok());
+    alone.push_back((*one)[0].SerializeAsString());
+  }
+  for (int threads : {1, 2, 3}) {
+    auto together = Replay(trace, runs, ReplayOptions{.threads = threads});
+    REQUIRE(together.ok());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      INFO(runs[i].label << " budget " << runs[i].budget_fraction << " threads " << threads);
+      CHECK((*together)[i].metrics().merged_tokens_mean() > 0);
+      CHECK((*together)[i].SerializeAsString() == alone[i]);
+    }
+  }
+}
+
 // Merges pairs of compressible tokens once at prefill (each even token's slot holds the pair's averaged key
 // and value); `touch_steps` lists decode steps before which the policy sets slot 0's merge again to the same
 // content, which changes the cache's version without changing what attention sees.

@@ -949,7 +949,6 @@ TEST_CASE("hdf5 trace: damaged recorded prompt entropies are refused when the tr
 }
 
 }  // namespace kvsim
-}  // namespace kvsim
 
 // ---- direct chunk reads (ReadLayer with LayerReadOptions::direct_chunks) vs HDF5's own H5Dread
 namespace kvsim {
