@@ -138,7 +138,9 @@ struct UnitWork {
   std::unique_ptr<UnitScores> scores;
   std::vector<DecodeReference> refs;  // per group member
   std::vector<float> sorted;    // [g][t][T]: the step's probabilities, descending (only for future_attention)
-  int kpre = 0;                 // top_sum's largest k (see RegretSums)
+  int kpre = 0;                 // the largest k of top_sum / sums (see RegretSums)
+  bool use_sums = false;        // the top-k sums come from `sums`, not `top_sum`
+  TopKSums sums;                // row g * steps + t: Σ of the k largest, as if added in descending order
   std::vector<double> top_sum;  // [g][t][kpre + 1]: Σ of the k largest, added in descending order
   std::vector<double> top_all;  // [g][t]: Σ of every visible probability, added in descending order
   std::vector<float> max_vnorm;                       // [t]
@@ -159,7 +161,7 @@ struct WorkerScratch {
   std::vector<uint32_t> stamp;  // [T] for CheckCache
   uint32_t epoch = 0;
   std::vector<float> cache_probs;  // [g][slots] of the current step
-  std::vector<float> sorted;       // TopSum's sorted row
+  std::vector<float> sorted;       // TopSum's sorted row; TopKSums::Sum's bucket
   // The steps' plain visible slots (token positions), step t's in [step_begin[t], step_begin[t + 1]).
   std::vector<int32_t> plain;
   std::vector<size_t> step_begin;
@@ -329,7 +331,10 @@ class LayerPass {
   // any run; a run whose bound is T or more (`full`) reads `top_all` when it sees every visible token and
   // sorts the row itself otherwise (TopSum). Only the kpre largest values and the ones too small to be added
   // exactly are sorted (SortForDescendingSums): every value is bit-identical to a full sort's prefix sum.
-  // With an oracle (future_attention) every row is sorted in full, as it reads the sorted rows.
+  // With an oracle (future_attention) every row is sorted in full, as it reads the sorted rows. Otherwise,
+  // when some run needs top-k sums (kpre > 0), no row is sorted: TopKSums keeps each row's values in
+  // buckets, and each run's one k per step is answered by selection in one bucket (sim/select.h), again
+  // bit-identical to the sorted prefix sums.
   void RegretSums(int u) {
     UnitWork& w = units_[u];
     const int n = meta_.prefill_length, steps = meta_.num_decode_steps;
@@ -349,7 +354,10 @@ class LayerPass {
       w.sorted.assign(static_cast<size_t>(group) * steps * t_all, 0.0f);
     }
     w.kpre = kpre;
-    w.top_sum.resize(static_cast<size_t>(group) * steps * (kpre + 1));
+    w.use_sums = kpre > 0 && !keep_sorted;
+    w.sums.Clear();
+    if (w.use_sums) w.sums.Reserve(group * steps, static_cast<size_t>(group) * steps * t_all);
+    w.top_sum.resize(w.use_sums ? 0 : static_cast<size_t>(group) * steps * (kpre + 1));
     w.top_all.resize(static_cast<size_t>(group) * steps);
     w.full_mod.assign(static_cast<size_t>(group) * steps * 4, 0.0);
     // Rows are handled kBlock steps at a time: each row's sums are still added in its own order (the
@@ -358,7 +366,7 @@ class LayerPass {
     // non-negative sum changes no bit.
     constexpr int kBlock = 8;
     std::vector<float> head, tails[kBlock];
-    std::vector<float> hblock(static_cast<size_t>(kBlock) * kpre), tblock;
+    std::vector<float> hblock(w.use_sums ? 0 : static_cast<size_t>(kBlock) * kpre), tblock;
     const Modality* mod = meta_.tokens.modality.data();
     for (int g = 0; g < group; ++g) {
       const DecodeReference& ref = w.refs[g];
@@ -368,6 +376,13 @@ class LayerPass {
         double acc[kBlock] = {}, tot[kBlock] = {}, fm[kBlock][4] = {};
         for (int b = 0; b < nb; ++b) {
           const int t = t0 + b, first = ref.first[t], last = ref.last(t);
+          lo = std::min(lo, first);
+          hi = std::max(hi, last);
+          if (w.use_sums) {  // row g * steps + t
+            tot[b] = w.sums.AddRow({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kpre);
+            tails[b].clear();
+            continue;
+          }
           SortForDescendingSums({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kpre, &head,
                                 &tot[b], &tails[b]);
           float* dst = hblock.data() + static_cast<size_t>(b) * kpre;
@@ -377,14 +392,12 @@ class LayerPass {
             std::copy(head.begin(), head.end(), &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all]);
           hlen = std::max(hlen, static_cast<int>(head.size()));
           tlen = std::max(tlen, static_cast<int>(tails[b].size()));
-          lo = std::min(lo, first);
-          hi = std::max(hi, last);
         }
         tblock.assign(static_cast<size_t>(nb) * tlen, 0.0f);
         for (int b = 0; b < nb; ++b)
           std::copy(tails[b].begin(), tails[b].end(), tblock.data() + static_cast<size_t>(b) * tlen);
         double* pre[kBlock];
-        for (int b = 0; b < nb; ++b) {
+        for (int b = 0; b < nb && !w.use_sums; ++b) {
           pre[b] = &w.top_sum[(static_cast<size_t>(g) * steps + t0 + b) * (kpre + 1)];
           pre[b][0] = 0;
         }
@@ -395,7 +408,7 @@ class LayerPass {
           }
         for (int i = 0; i < tlen; ++i)
           for (int b = 0; b < nb; ++b) tot[b] += tblock[static_cast<size_t>(b) * tlen + i];
-        for (int b = 0; b < nb; ++b) {  // a row sorted in full: its sum is the last prefix sum
+        for (int b = 0; b < nb && !w.use_sums; ++b) {  // a row sorted in full: its sum is the last prefix sum
           const int len = ref.last(t0 + b) - ref.first[t0 + b] + 1;
           if (len <= kpre) tot[b] = pre[b][len];
         }
@@ -718,7 +731,8 @@ class LayerPass {
       // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
       const int len = pos - first + 1, k = std::min(visible, len);
       const double top = k == len      ? w.top_all[gt]
-                         : k <= w.kpre ? w.top_sum[gt * (w.kpre + 1) + k]
+                         : k <= w.kpre ? (w.use_sums ? w.sums.Sum(static_cast<int>(gt), k, &ws.sorted)
+                                                     : w.top_sum[gt * (w.kpre + 1) + k])
                                        : TopSum(ref, t, k, ws);
       a.regret[si] = static_cast<float>(top - retained);
       double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];

@@ -184,4 +184,152 @@ void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<
     if (a[j] > big_key && a[j] != zero_key) tail->push_back(KeyValue(a[j]));
 }
 
+void TopKSums::Clear() {
+  rows_.clear();
+  elems_.clear();
+  cc_.clear();
+  cs_.clear();
+  tail_.clear();
+}
+
+void TopKSums::Reserve(int rows, size_t values) {
+  rows_.reserve(rows);
+  elems_.reserve(values);
+  cc_.reserve(static_cast<size_t>(rows) * 512);  // 31 binades x 16 buckets and a margin per row
+  cs_.reserve(static_cast<size_t>(rows) * 512);
+}
+
+namespace {
+// Buckets of TopKSums: the exponent and the top kSubBits mantissa bits (2^kSubBits buckets per binade).
+constexpr int kSubBits = 4, kBucketShift = 23 - kSubBits;
+}  // namespace
+
+double TopKSums::AddRow(std::span<const float> values, int kmax) {
+  const size_t n = values.size();
+  Row row;
+  row.n = static_cast<int>(n);
+  row.elem = elems_.size();
+  row.bucket = cc_.size();
+  row.tail = tail_.size();
+  // Pass 1: an upper bound of the sum (as SortForDescendingSums), the sign check and the largest value.
+  double s4[4] = {};
+  uint32_t negative = 0, umax = 0;
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int l = 0; l < 4; ++l) {
+      uint32_t u;
+      std::memcpy(&u, &values[i + l], 4);
+      negative |= u > 0x80000000u;
+      umax = std::max(umax, u & 0x7fffffffu);
+      s4[l] += values[i + l];
+    }
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &values[i], 4);
+    negative |= u > 0x80000000u;
+    umax = std::max(umax, u & 0x7fffffffu);
+    s4[0] += values[i];
+  }
+  KVSIM_CHECK_MSG(!negative, "TopKSums: values must be non-negative");
+  const double sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+  KVSIM_CHECK_MSG(std::isfinite(sum), "TopKSums: values must be finite");
+  int e = 0;
+  std::frexp(sum * (1.0 + 0x1p-20), &e);       // sum * (1 + 2^-20) < 2^e (see SortForDescendingSums)
+  const float big = std::ldexp(1.0f, e - 30);  // 2^L; 0 when L is below the smallest subnormal
+  uint32_t ubig;                               // values >= 2^L: bit patterns >= ubig
+  std::memcpy(&ubig, &big, 4);
+  // Buckets j = 0 .. nb-1 from the top: bucket j holds the bit patterns u with (u >> shift) = hi - j.
+  const uint32_t hi = umax >> kBucketShift, lo = ubig >> kBucketShift;
+  const int nb = umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
+  row.nb = nb;
+  // Pass 2: per bucket its count and exact sum (any order: the values are big), and the nonzero values
+  // below 2^L as descending keys.
+  thread_local std::vector<int32_t> count;
+  thread_local std::vector<double> bsum;
+  thread_local std::vector<uint32_t> a, b;
+  count.assign(nb, 0);
+  bsum.assign(nb, 0.0);
+  a.resize(n);
+  b.resize(n);
+  size_t m = 0;
+  for (i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &values[i], 4);
+    u &= 0x7fffffffu;
+    if (u >= ubig) {
+      const int j = static_cast<int>(hi - (u >> kBucketShift));
+      ++count[j];
+      bsum[j] += values[i];
+    } else if (u != 0) {
+      a[m++] = ~u;
+    }
+  }
+  // The cumulative counts and sums (exact), and pass 3: the big values by bucket.
+  cc_.resize(row.bucket + nb + 1);
+  cs_.resize(row.bucket + nb + 1);
+  int32_t* cc = cc_.data() + row.bucket;
+  double* cs = cs_.data() + row.bucket;
+  cc[0] = 0;
+  cs[0] = 0;
+  for (int j = 0; j < nb; ++j) {
+    cc[j + 1] = cc[j] + count[j];
+    cs[j + 1] = cs[j] + bsum[j];
+    count[j] = cc[j];  // now: the bucket's next free place
+  }
+  const int nbig = cc[nb];
+  elems_.resize(row.elem + nbig);
+  float* el = elems_.data() + row.elem;
+  if (nbig > 0)
+    for (i = 0; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &values[i], 4);
+      u &= 0x7fffffffu;
+      if (u >= ubig) el[count[hi - (u >> kBucketShift)]++] = values[i];
+    }
+  // The values below 2^L in descending order, added one by one after the big ones.
+  RadixSortKeys(a, b, m);
+  row.ntail = static_cast<int>(m);
+  row.kept_tail = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(kmax) - nbig, 0, m));
+  tail_.resize(row.tail + row.kept_tail);
+  double acc = cs[nb];
+  for (size_t j = 0; j < m; ++j) {
+    acc += KeyValue(a[j]);
+    if (j < static_cast<size_t>(row.kept_tail)) tail_[row.tail + j] = acc;
+  }
+  row.total = acc;
+  rows_.push_back(row);
+  return acc;
+}
+
+double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
+  const Row& row = rows_[r];
+  if (k <= 0) return 0.0;
+  if (k >= row.n) return row.total;
+  const int32_t* cc = cc_.data() + row.bucket;
+  const double* cs = cs_.data() + row.bucket;
+  const int nbig = cc[row.nb];
+  if (k > nbig) {  // the values below 2^L: their running sums
+    const int i = k - nbig;
+    if (i > row.ntail) return row.total;  // zeros add nothing
+    KVSIM_CHECK_MSG(i <= row.kept_tail, "TopKSums::Sum: k above the row's kmax");
+    return tail_[row.tail + i - 1];
+  }
+  // The bucket j with cc[j] < k <= cc[j + 1].
+  const int j = static_cast<int>(std::upper_bound(cc, cc + row.nb + 1, k - 1) - cc) - 1;
+  if (cc[j + 1] == k) return cs[j + 1];
+  const int need = k - cc[j], size = cc[j + 1] - cc[j];
+  const float* el = elems_.data() + row.elem + cc[j];
+  scratch->assign(el, el + size);
+  double part = 0;
+  if (need <= size - need) {  // the `need` largest of the bucket
+    std::nth_element(scratch->begin(), scratch->begin() + (need - 1), scratch->end(), std::greater<float>());
+    for (int i = 0; i < need; ++i) part += (*scratch)[i];
+    return cs[j] + part;
+  }
+  // the bucket's sum minus its size - need smallest (every value and difference here is exact)
+  std::nth_element(scratch->begin(), scratch->begin() + (size - need - 1), scratch->end());
+  for (int i = 0; i < size - need; ++i) part += (*scratch)[i];
+  return cs[j + 1] - part;
+}
+
 }  // namespace kvsim

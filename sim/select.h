@@ -34,4 +34,44 @@ void SortDescendingNonNegative(std::span<const float> values, std::vector<float>
 void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<float>* head,
                            double* exact_sum, std::vector<float>* tail);
 
+// The same descending prefix sums S[k] of many rows of non-negative finite values, answered one k at a time
+// without sorting the rows (the regret needs one S[k] per run, step and query head: RegretSums in
+// sim/replay.cc). A row is added once (O(n) passes); Sum(row, k) then returns S[k], bit-identical to the
+// sequential sum of a full descending sort (tests/sim/select_test.cc).
+// Why no sort is needed for k up to |big| (the values >= 2^L, as in SortForDescendingSums): the k largest
+// values are then all >= 2^L, and every partial sum of such values is exact in a double (see above), so
+// S[k] is the exact sum of the multiset of the k largest values, added in any order. AddRow puts the big
+// values in buckets by their top bits (non-negative floats order like their bit patterns: a bucket's
+// values are all above the next lower bucket's) with each bucket's count and exact sum; Sum walks the
+// cumulative counts to the bucket holding the k-th largest value, takes the whole buckets above it (an
+// exact sum) and selects the largest values of that one bucket (nth_element; their sum is exact in any
+// order too). For k above |big| the values below 2^L do need their order: they are sorted when the row is
+// added and their running sums from S[|big|] kept, up to kmax (Sum's largest k).
+class TopKSums {
+ public:
+  // Forgets every row (keeps the memory).
+  void Clear();
+  // Reserves room for `rows` rows of `values` values in all (growing by doubling costs copies and page
+  // faults; untouched reserved pages cost nothing).
+  void Reserve(int rows, size_t values);
+  // Adds the next row (rows are numbered 0, 1, ... in the order added) and returns its whole sum S[n].
+  // Sum will be asked for k <= kmax only.
+  double AddRow(std::span<const float> values, int kmax);
+  // S[k] of row `row`, k in [0, kmax] (k >= n is S[n]). `scratch` holds one bucket's values.
+  double Sum(int row, int k, std::vector<float>* scratch) const;
+
+ private:
+  struct Row {
+    size_t elem = 0, bucket = 0, tail = 0;  // offsets in elems_, cc_/cs_ (nb + 1 entries), tail_
+    int nb = 0, ntail = 0, kept_tail = 0;   // buckets, nonzero values below 2^L, tail_ entries kept
+    int n = 0;
+    double total = 0;  // S[n]
+  };
+  std::vector<Row> rows_;
+  std::vector<float> elems_;  // per row: the big values, by bucket from the top (unsorted within one)
+  std::vector<int32_t> cc_;   // per row: [j] how many values the top j buckets hold
+  std::vector<double> cs_;    // per row: [j] their exact sum
+  std::vector<double> tail_;  // per row: S[|big| + i], i = 1 .. kept_tail
+};
+
 }  // namespace kvsim

@@ -208,6 +208,112 @@ TEST_CASE("SortForDescendingSums: the small values' order matters and is kept", 
   CHECK(CheckDescendingSums(v) == 3000);  // every small value is in the tail
 }
 
+namespace {
+
+// Adds the rows to one TopKSums (so that rows share its storage) at each kmax, and checks Sum(row, k) for
+// every k in [0, min(kmax, n)] and beyond n against the reference, bit for bit: every bucket boundary,
+// k = 0 and k = n included.
+void CheckTopKSums(const std::vector<std::vector<float>>& rows) {
+  std::vector<std::vector<double>> want;
+  for (const auto& v : rows) want.push_back(DescendingPrefix(v));
+  std::vector<float> scratch;
+  for (int kfrac : {0, 1, 3, 7}) {  // kmax = n * kfrac / 7 (0: only the totals)
+    TopKSums sums;
+    sums.AddRow(std::vector<float>{1.0f, 2.0f}, 2);  // a previous use, forgotten by Clear
+    sums.Clear();
+    std::vector<int> kmax(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const int n = static_cast<int>(rows[r].size());
+      kmax[r] = n * kfrac / 7;
+      REQUIRE(sums.AddRow(rows[r], kmax[r]) == want[r][n]);  // bit for bit
+    }
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const int n = static_cast<int>(rows[r].size());
+      for (int k = 0; k <= kmax[r]; ++k) REQUIRE(sums.Sum(static_cast<int>(r), k, &scratch) == want[r][k]);
+      REQUIRE(sums.Sum(static_cast<int>(r), n, &scratch) == want[r][n]);
+      REQUIRE(sums.Sum(static_cast<int>(r), n + 5, &scratch) == want[r][n]);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("TopKSums: every top-k sum equals a full sort's prefix sum, bit for bit", "[select]") {
+  std::mt19937 rng(23);
+  std::normal_distribution<float> logit(0.0f, 4.0f);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::uniform_int_distribution<int> kind(0, 11);
+  const float denorm = std::numeric_limits<float>::denorm_min();
+  std::vector<std::vector<float>> rows{
+      {},
+      {0.0f},
+      {0.0f, -0.0f, 0.0f},  // all zeros: the sum 0, no value is "big"
+      {0.5f},
+      {denorm, denorm, 3 * denorm, 0.0f},  // a sum far below 2^-126: every value (zeros too) is "big"
+      {1.0f, 1.0f, 1.0f, 1.0f},            // one bucket of ties
+  };
+  // Values at and next to bucket boundaries (a power of two, the next float below it, 1 + 1/16 and below):
+  // ties in one bucket, neighbours in two.
+  {
+    std::vector<float> v;
+    for (int e = -20; e <= 0; ++e)
+      for (float m : {1.0f, 1.0625f}) {
+        const float x = std::ldexp(m, e);
+        for (int rep = 0; rep < 3; ++rep) {
+          v.push_back(x);
+          v.push_back(std::nextafter(x, 0.0f));
+        }
+      }
+    std::shuffle(v.begin(), v.end(), rng);
+    rows.push_back(v);
+  }
+  for (int trial = 0; trial < 10; ++trial) {
+    // Softmax-like rows over a wide range with zeros, subnormals, ties and negative zeros mixed in.
+    const int n = 1 + trial * 353;
+    std::vector<float> v(n);
+    double z = 0;
+    for (float& x : v) {
+      x = std::exp(logit(rng) * (trial % 3 == 0 ? 3.0f : 1.0f));
+      z += x;
+    }
+    for (float& x : v) {
+      x = static_cast<float>(x / z);
+      switch (kind(rng)) {
+        case 0:
+          x = 0.0f;
+          break;
+        case 1:
+          x = denorm * static_cast<float>(1 + static_cast<int>(u(rng) * 1000));
+          break;
+        case 2:
+          x = 1e-3f;  // ties
+          break;
+        case 3:
+          x = -0.0f;
+          break;
+        default:
+          break;
+      }
+    }
+    rows.push_back(v);
+  }
+  // Sums far from 1: values up to 1e30, and values around 1e-35 (subnormal thresholds).
+  for (float scale : {1e30f, 1e-35f}) {
+    std::vector<float> v(1500);
+    for (float& x : v) x = scale * std::exp(logit(rng) / 2.0f) * 1e-6f;
+    rows.push_back(v);
+  }
+  // An order-sensitive row: 1 and many values of 2^-60 .. 2^-40, all below the threshold (the tail).
+  {
+    std::vector<float> v{1.0f};
+    std::uniform_int_distribution<int> ex(-60, -40);
+    for (int i = 0; i < 1500; ++i) v.push_back(std::ldexp(1.0f + static_cast<float>(i % 7) / 8, ex(rng)));
+    std::shuffle(v.begin(), v.end(), rng);
+    rows.push_back(v);
+  }
+  CheckTopKSums(rows);
+}
+
 TEST_CASE("TopKIndicesWithThreshold equals the plain two-branch scan, for any threshold", "[select]") {
   // The reference: every score above tau, then the lowest-indexed ties while k is not reached.
   auto reference = [](const std::vector<float>& s, int k, float tau) {
