@@ -256,22 +256,30 @@ TEST_CASE("replay: metrics of a fixed token set on the hand trace", "[replay]") 
 }
 
 TEST_CASE("replay: the regret's top-k sums agree whichever way the engine gets them", "[replay]") {
-  // The engine keeps each row's descending prefix sums up to the largest cache size any run's cap allows
-  // (below T), the sum of the whole row for runs that see every visible token, and sorts a row itself for
-  // a run allowed T slots or more that keeps fewer. The same cache {0, 2} (+ decode tokens) with budget 2
-  // (bound 2 + 2 steps = 4 < T = 6: the prefix sums) and budget 4 (bound 6: the run's own sort) must give
-  // the same regret, bit for bit, and the hand values of "metrics of a fixed token set".
+  // The engine answers top-k sums for k up to the largest cache size any run's cap allows (below T) from
+  // each row's buckets (TopKSums), or from the sorted rows' prefix sums when an oracle in the sweep needs
+  // them sorted, keeps the sum of the whole row for runs that see every visible token, and sorts a row
+  // itself for a run allowed T slots or more that keeps fewer. The same cache {0, 2} (+ decode tokens) with
+  // budget 2 (bound 2 + 2 steps = 4 < T = 6: the buckets), with budget 2 next to an oracle (the sorted
+  // prefix sums) and with budget 4 (bound 6: the run's own sort) must give the same regret, bit for bit,
+  // and the hand values of "metrics of a fixed token set".
   MemoryTrace tr = MakeHandTrace();
   auto fixed = std::make_shared<FixedSetPolicy>(std::vector<int32_t>{0, 2});
   std::vector<RunSpec> prefix{Spec(fixed, 2)}, own{Spec(fixed, 4)}, full{Spec(Registered("full"), 4)};
   auto a = Replay(tr, prefix, Options());
   auto b = Replay(tr, own, Options());
   auto c = Replay(tr, full, Options());
+  std::vector<RunSpec> sorted{Spec(fixed, 2), Spec(Registered("oracle"), 2)};
+  auto d = Replay(tr, sorted, Options());
   REQUIRE(a.ok());
   REQUIRE(b.ok());
   REQUIRE(c.ok());
+  REQUIRE(d.ok());
   const Metrics& ma = (*a)[0].metrics();
   const Metrics& mb = (*b)[0].metrics();
+  const Metrics& md = (*d)[0].metrics();
+  CHECK(md.regret_vs_oracle_mean() == ma.regret_vs_oracle_mean());
+  CHECK(md.regret_vs_oracle_p95() == ma.regret_vs_oracle_p95());
   CHECK(ma.regret_vs_oracle_mean() == Approx(0.0625).margin(1e-6));
   CHECK(ma.regret_vs_oracle_p95() == Approx(0.125).margin(1e-6));
   CHECK(mb.regret_vs_oracle_mean() == ma.regret_vs_oracle_mean());
@@ -847,8 +855,7 @@ TEST_CASE("replay: KV heads replayed in chunks give the same results as one chun
 // official code at decode step 0, LOOK-M and a +average wrapper) give the bytes of each run replayed alone,
 // at 1, 2 and 3 threads (chunks of 2, 4, 6 KV heads): nothing a run computes depends on the other runs of
 // its head (docs/performance.md round 5 measured sharing their cosines between runs).
-TEST_CASE("replay: merging runs together equal each run alone, at any thread count",
-          "[replay]") {
+TEST_CASE("replay: merging runs together equal each run alone, at any thread count", "[replay]") {
   testing::TinyTraceSpec spec;
   spec.num_heads = 8;
   spec.num_kv_heads = 8;
@@ -864,8 +871,8 @@ TEST_CASE("replay: merging runs together equal each run alone, at any thread cou
     auto p = PolicyRegistry::Default().Create(name, sets);
     REQUIRE(p.ok());
     for (double b : {0.1, 0.3, 0.6})
-      runs.push_back(RunSpec{*p, name + std::string(sets.empty() ? "" : " official"), b, 0,
-                             QuestionMode::kQueryAware});
+      runs.push_back(
+          RunSpec{*p, name + std::string(sets.empty() ? "" : " official"), b, 0, QuestionMode::kQueryAware});
   }
   std::vector<std::string> alone;
   for (const RunSpec& r : runs) {
