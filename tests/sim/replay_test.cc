@@ -1121,7 +1121,7 @@ TEST_CASE("replay: meda with recorded entropies runs on a window-only trace", "[
             decode_steps: 9
           }
           storage { dtype: "float16" record_prefill_column_sums: true record_prompt_entropies: true)pb") +
-            (window_only ? "query_storage: WINDOW query_window: 16" : "query_storage: ALL") + R"pb(}
+            (window_only ? " query_storage: WINDOW query_window: 16" : " query_storage: ALL") + R"pb(}
                                                                                                    profile { num_sinks: 2 dense_layers: 1 }
           seed: 5)pb",
         "window test");
@@ -1131,7 +1131,7 @@ TEST_CASE("replay: meda with recorded entropies runs on a window-only trace", "[
     REQUIRE(Synthesize(*config, &trace, 2).ok());
     return trace;
   };
-  const MemoryTrace all = synth(false), window = synth(true);
+  MemoryTrace all = synth(false), window = synth(true);
   REQUIRE(all.meta().HasAllPromptQueries());
   REQUIRE_FALSE(window.meta().HasAllPromptQueries());
   const std::string path = testing::ScratchDir("replay_rows_window") + "/w.h5";
