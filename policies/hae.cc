@@ -202,7 +202,8 @@ PolicyRequirements HAEPolicy::requirements() const {
   return {.prompt_column_sums = colsums,
           .decode_attention = evicts_during_decode(),
           .first_pass = dap,
-          .all_prompt_queries = dap};
+          .first_pass_prompt_queries = dap,  // DAP's text queries, of dap_layer only (FirstPassLayers)
+          .prompt_queries_alternative = dap ? "or run HAE without DAP (--set components=DDES_ONLY)" : ""};
 }
 
 std::unique_ptr<HeadPolicy> HAEPolicy::NewHeadPolicy(const HeadContext& ctx) const {

@@ -263,7 +263,13 @@ PolicyRequirements MedaPolicy::requirements() const {
   return {.prompt_column_sums = true,
           .decode_attention = params_.compress_at() == policy::MedaParams::FIRST_DECODE_STEP,
           .first_pass = true,
-          .all_prompt_queries = true};
+          // The entropies' queries, unless the trace records them (FirstPassLayers is then empty).
+          .first_pass_prompt_queries = true,
+          .prompt_queries_alternative =
+              params_.head_averaging() == policy::MedaParams::MEAN_OF_HEAD_ENTROPIES
+                  ? "or record prompt entropies for this compressible region (synth/capture "
+                    "storage.record_prompt_entropies)"
+                  : ""};
 }
 
 bool MedaPolicy::may_exceed_budget() const {

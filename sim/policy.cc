@@ -16,7 +16,7 @@ PolicyGpuWork Policy::gpu_work() const {
   const PolicyRequirements r = requirements();
   PolicyGpuWork w;
   w.window = r.window;
-  w.all_query_scores = r.prompt_column_sums || r.all_prompt_queries;
+  w.all_query_scores = r.prompt_column_sums || r.first_pass_prompt_queries;
   w.decode_scores = r.decode_attention && evicts_during_decode();
   return w;
 }

@@ -107,7 +107,15 @@ struct PolicyRequirements {
   bool future_attention = false;    // StepAttention::full_probs (oracle only)
   bool decode_attention = false;    // AfterStep needs cache_probs
   bool first_pass = false;          // NewPlan / ObserveLayer / FinishPlan before the replay
-  bool all_prompt_queries = false;  // LayerView / first pass reads the query of every compressible token
+  // The first pass's ObserveLayer reads the query of every compressible token, of the layers
+  // FirstPassLayers(meta, compress_end) lists, and only there: the replay itself reads only decode rows,
+  // `window` rows and, for `prompt_column_sums` the trace does not record, every compressible row
+  // (ReplayQueryRows, CheckRuns). FirstPassLayers is what makes this trace-aware: a policy whose first pass
+  // needs no layer on this trace (MEDA with recorded prompt entropies) needs no prompt query for it.
+  bool first_pass_prompt_queries = false;
+  // For CheckRuns' message when first_pass_prompt_queries cannot be met: what else would make the prompt
+  // queries unnecessary ("" = nothing; the fix is then only to store every prompt query).
+  std::string prompt_queries_alternative;
 };
 
 class Policy {

@@ -1076,7 +1076,7 @@ std::vector<double> EventDurations(const TraceMeta& meta, const RunAccum& a, con
 
 }  // namespace
 
-QueryRows ReplayQueryRows(const TraceMeta& meta, std::span<const RunSpec> runs, bool first_pass) {
+QueryRows ReplayQueryRows(const TraceMeta& meta, std::span<const RunSpec> runs, bool first_pass, int layer) {
   QueryRows rows = QueryRows::None();
   const std::vector<int32_t>& qp = meta.query_positions;
   auto add_positions = [&](int32_t begin, int32_t end) {  // the stored rows of token positions [begin, end)
@@ -1088,11 +1088,20 @@ QueryRows ReplayQueryRows(const TraceMeta& meta, std::span<const RunSpec> runs, 
   for (const RunSpec& r : runs) {
     if (!r.policy) continue;
     const PolicyRequirements req = r.policy->requirements();
-    if (first_pass && !req.first_pass) continue;
     const int ce = CompressEnd(meta, r.question_mode);
+    if (first_pass) {
+      // ObserveLayer reads only the layers FirstPassLayers lists: their window and (if it says so) every
+      // compressible row.
+      if (!req.first_pass) continue;
+      const std::vector<int> layers = r.policy->FirstPassLayers(meta, ce);
+      if (layer >= 0 ? !std::binary_search(layers.begin(), layers.end(), layer) : layers.empty()) continue;
+      if (req.window > 0) add_positions(ce - std::min(req.window, ce), ce);
+      if (req.first_pass_prompt_queries) add_positions(0, ce);
+      continue;
+    }
     if (req.window > 0) add_positions(ce - std::min(req.window, ce), ce);
     const bool recorded_sums = meta.has_prefill_column_sums && ce == meta.prefill_length;
-    if (req.all_prompt_queries || (req.prompt_column_sums && !recorded_sums)) add_positions(0, ce);
+    if (req.prompt_column_sums && !recorded_sums) add_positions(0, ce);
   }
   return rows;
 }
@@ -1132,12 +1141,18 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
               ", which the trace does not store; lower the window (--set window=N) "
               "or capture more prompt queries");
     }
-    if (req.all_prompt_queries && !meta.HasAllPromptQueries())
-      return Status::FailedPrecondition(
-          RunName(r) + ": " + r.policy->name() +
-          " reads the query of every prompt token, but the trace stores " + "queries of only the last " +
-          std::to_string(meta.query_positions.size() - meta.num_decode_steps) +
-          " prompt tokens; capture (or synthesize) with all prompt queries (query_storage: ALL)");
+    if (req.first_pass && req.first_pass_prompt_queries && !meta.HasAllPromptQueries()) {
+      const size_t layers = r.policy->FirstPassLayers(meta, ce).size();
+      if (layers > 0)
+        return Status::FailedPrecondition(
+            RunName(r) + ": " + r.policy->name() + "'s first pass reads the query of every " +
+            (ce == meta.prefill_length ? std::string("prompt") : std::string("context")) + " token in " +
+            std::to_string(layers) + (layers == 1 ? " layer" : " layers") +
+            ", but the trace stores queries of only the last " +
+            std::to_string(meta.query_positions.size() - meta.num_decode_steps) +
+            " prompt tokens; capture (or synthesize) with all prompt queries (query_storage: ALL)" +
+            (req.prompt_queries_alternative.empty() ? "" : ", " + req.prompt_queries_alternative));
+    }
     if (req.first_pass) continue;  // its layer budgets come from the first pass; checked after it
     const int budget = BudgetTokens(r, ce);
     const std::vector<int> lb = r.policy->LayerBudgets(meta, budget, ce);
@@ -1217,9 +1232,14 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     for (int l = 0; l < num_layers; ++l)
       if (any[l]) needed.push_back(l);
     LayerData layer, next_layer;
-    const LayerReadOptions first_read{ReplayQueryRows(meta, runs, /*first_pass=*/true), options.threads};
+    // Each layer read with only the rows of the plans that need that layer (HAE: every prompt row of its
+    // dap_layer only).
+    std::vector<LayerReadOptions> first_read(num_layers);
+    for (int l : needed)
+      first_read[l] = {ReplayQueryRows(meta, runs, /*first_pass=*/true, l), options.threads};
     size_t k = 0;  // next entry of `needed` to read
-    Status read_status = needed.empty() ? Status::Ok() : trace.ReadLayer(needed[0], &layer, first_read);
+    Status read_status =
+        needed.empty() ? Status::Ok() : trace.ReadLayer(needed[0], &layer, first_read[needed[0]]);
     std::future<Status> prefetch;
     for (int l = 0; l < num_layers; ++l) {
       const bool have = k < needed.size() && needed[k] == l;
@@ -1232,7 +1252,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
         layer.layer = l;
         if (++k < needed.size())
           prefetch = std::async(std::launch::async, [&trace, &next_layer, &first_read, l = needed[k]] {
-            return trace.ReadLayer(l, &next_layer, first_read);
+            return trace.ReadLayer(l, &next_layer, first_read[l]);
           });
       }
       size_t i = 0;

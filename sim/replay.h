@@ -67,11 +67,14 @@ int CompressEnd(const TraceMeta& meta, QuestionMode mode);
 
 // The query rows (indices into meta.query_positions) a replay of `runs` reads, decided in this one place from
 // each run's PolicyRequirements: every decode step's row (reference, steps, regret, bound), each run's
-// observation window (`window`), and every compressible prompt row for runs with `all_prompt_queries` or
-// with `prompt_column_sums` the trace does not record for their compressible region. first_pass: only what
-// the first pass reads (the rows the first-pass policies' ObserveLayer uses: window, all prompt queries).
-// Reads of any other row abort (LayerData::HeadQueries), so a missing entry here cannot go unnoticed.
-QueryRows ReplayQueryRows(const TraceMeta& meta, std::span<const RunSpec> runs, bool first_pass);
+// observation window (`window`), and every compressible prompt row for runs with `prompt_column_sums` the
+// trace does not record for their compressible region. first_pass: only what the first pass reads of
+// `layer` (-1: of any layer it reads), i.e. for the first-pass policies whose FirstPassLayers(meta, ce) list
+// it, their window and, with `first_pass_prompt_queries`, every compressible row (MEDA with recorded prompt
+// entropies lists no layer and so reads no query row). Reads of any other row abort
+// (LayerData::HeadQueries), so a missing entry here cannot go unnoticed.
+QueryRows ReplayQueryRows(const TraceMeta& meta, std::span<const RunSpec> runs, bool first_pass,
+                          int layer = -1);
 
 // Checks that every run can be replayed on this trace (budgets, required queries/aggregates) before any
 // work starts. The message names the run, the requirement and the fix.

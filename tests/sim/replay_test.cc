@@ -11,6 +11,7 @@
 #include "policies/registry.h"
 #include "tests/test_util.h"
 #include "traces/hdf5_trace.h"
+#include "traces/synth.h"
 
 namespace kvsim {
 namespace {
@@ -1028,6 +1029,32 @@ TEST_CASE("ReplayQueryRows: decode rows, windows, prompt rows only for the runs 
   CHECK(rows({RunSpec{Registered("snapkv"), "", 0.5, 0}}, true) == "none");
   CHECK(rows({RunSpec{Registered("meda"), "", 0.5, 0}}, true) == "[0, 24)");
   CHECK(rows({RunSpec{Registered("adakv", {"window=4"}), "", 0.5, 0}}, true) == "[20, 24)");
+  // The replay itself: meda's prompt queries serve only its first pass; its column sums are recorded here
+  // (query-aware), recomputed from every context query before the question.
+  CHECK(rows({RunSpec{Registered("meda"), "", 0.5, 0}}, false) == "[24, 30)");
+  CHECK(rows({RunSpec{Registered("meda"), "", 0.5, 0, QuestionMode::kQueryAgnostic}}, false) ==
+        "[0, 20) [24, 30)");
+  CHECK(rows({RunSpec{Registered("hae"), "", 0.5, 0}}, false) == "[24, 30)");
+  // Per layer: hae's first pass reads its prompt rows only at dap_layer; adakv's window at every layer.
+  const std::vector<RunSpec> hae_adakv{RunSpec{Registered("hae", {"dap_layer=1"}), "", 0.5, 0},
+                                       RunSpec{Registered("adakv", {"window=4"}), "", 0.5, 0}};
+  CHECK(ReplayQueryRows(meta, hae_adakv, true, 1).Text() == "[0, 24)");
+  CHECK(ReplayQueryRows(meta, hae_adakv, true, 0).Text() == "[20, 24)");
+  CHECK(ReplayQueryRows(meta, hae_adakv, true).Text() == "[0, 24)");  // any layer
+  CHECK(ReplayQueryRows(meta, {hae_adakv.data(), 1}, true, 0).Text() == "none");
+  // Recorded prompt entropies of the compressible region: meda's first pass reads no layer, so no row; the
+  // entropy of the head-averaged attention is not recorded and still needs every prompt query.
+  meta.prompt_entropy_regions = {meta.prefill_length};
+  meta.prompt_entropies.assign(
+      static_cast<size_t>(meta.model.num_layers) * kNumPromptEntropyKinds * meta.model.num_heads, 1.0);
+  CHECK(rows({RunSpec{Registered("meda"), "", 0.5, 0}}, true) == "none");
+  CHECK(
+      ReplayQueryRows(meta, std::vector<RunSpec>{RunSpec{Registered("meda"), "", 0.5, 0}}, true, 0).Text() ==
+      "none");
+  CHECK(rows({RunSpec{Registered("meda", {"head_averaging=ENTROPY_OF_MEAN_ATTENTION"}), "", 0.5, 0}}, true) ==
+        "[0, 24)");
+  // Query-agnostic: that region's entropies are not recorded here.
+  CHECK(rows({RunSpec{Registered("meda"), "", 0.5, 0, QuestionMode::kQueryAgnostic}}, true) == "[0, 20)");
 }
 
 // Every text policy on an HDF5 trace read with only the rows ReplayQueryRows names (direct chunk reads, 1 and
@@ -1076,6 +1103,105 @@ TEST_CASE("replay: reading only the needed query rows from a file changes no res
       CHECK(a.SerializeAsString() == b.SerializeAsString());
     }
   }
+}
+
+// MEDA on a trace that records its aggregates (prompt entropies, prefill column sums) and stores only the
+// last W prompt queries: the first pass reads no layer, the replay no prompt row, and the results equal
+// those on the same trace with every query stored. What the recorded aggregates cannot replace is refused
+// with a message naming the policy, what is missing and the fix.
+TEST_CASE("replay: meda with recorded entropies runs on a window-only trace", "[replay][hdf5][meda]") {
+  auto synth = [](bool window_only) {
+    auto config = ParseSynthConfig(
+        std::string(R"pb(
+          model {
+            name: "mini"
+            family: "llama"
+            num_layers: 4
+            num_heads: 4
+            num_kv_heads: 2
+            head_dim: 32
+            rope_theta: 10000
+          }
+          layout {
+            segments { kind: TEXT role: SYSTEM tokens: 10 }
+            segments { kind: IMAGE role: CONTEXT rows: 6 cols: 6 repeat: 2 text_between: 6 }
+            segments { kind: TEXT role: QUESTION tokens: 8 }
+            decode_steps: 9
+          }
+          storage { dtype: "float16" record_prefill_column_sums: true record_prompt_entropies: true)pb") +
+            (window_only ? " query_storage: WINDOW query_window: 16" : " query_storage: ALL") + R"pb(}
+                                                                                                   profile { num_sinks: 2 dense_layers: 1 }
+          seed: 5)pb",
+        "window test");
+    INFO(config.status().message());
+    REQUIRE(config.ok());
+    MemoryTrace trace;
+    REQUIRE(Synthesize(*config, &trace, 2).ok());
+    return trace;
+  };
+  MemoryTrace all = synth(false), window = synth(true);
+  REQUIRE(all.meta().HasAllPromptQueries());
+  REQUIRE_FALSE(window.meta().HasAllPromptQueries());
+  const std::string path = testing::ScratchDir("replay_rows_window") + "/w.h5";
+  {
+    auto w = Hdf5TraceWriter::Create(path, Hdf5WriteOptions{.chunk_tokens = 7});
+    REQUIRE(w.ok());
+    REQUIRE((*w)->Begin(window.meta()).ok());
+    for (const LayerData& l : window.layers()) REQUIRE((*w)->WriteLayer(l).ok());
+    REQUIRE((*w)->Finish().ok());
+  }
+  auto file = Hdf5TraceReader::Open(path);
+  REQUIRE(file.ok());
+  std::vector<RunSpec> runs;
+  for (double b : {0.2, 0.5}) {
+    runs.push_back(RunSpec{Registered("meda"), "meda", b, 0});
+    runs.push_back(RunSpec{Registered("meda", {"variant=OFFICIAL_CODE"}), "meda-code", b, 0});
+    runs.push_back(RunSpec{Registered("meda", {"entropy=FULL_SELF"}), "meda-self", b, 0});
+    runs.push_back(RunSpec{Registered("snapkv", {"window=8"}), "snapkv", b, 0});
+    runs.push_back(RunSpec{Registered("hae", {"components=DDES_ONLY"}), "hae-ddes", b, 0});
+  }
+  for (const RunSpec& r : runs) CHECK(ReplayQueryRows((*file)->meta(), {&r, 1}, true).Text() == "none");
+  auto ref = Replay(all, runs, ReplayOptions{.threads = 1});
+  REQUIRE(ref.ok());
+  for (int threads : {1, 3}) {
+    auto res = Replay(**file, runs, ReplayOptions{.threads = threads});
+    INFO(res.status().message());
+    REQUIRE(res.ok());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      INFO(runs[i].label << " budget " << runs[i].budget_fraction << " threads " << threads);
+      RunResult a = (*ref)[i], b = (*res)[i];
+      a.clear_trace_path();
+      b.clear_trace_path();
+      CHECK(a.SerializeAsString() == b.SerializeAsString());
+    }
+  }
+  auto refused = [&](RunSpec r) {
+    const Status s = CheckRuns((*file)->meta(), {&r, 1});
+    REQUIRE_FALSE(s.ok());
+    return std::string(s.message());
+  };
+  // The head-averaged attention's entropy is not recorded: every prompt query, and nothing else helps.
+  std::string m =
+      refused(RunSpec{Registered("meda", {"head_averaging=ENTROPY_OF_MEAN_ATTENTION"}), "x", 0.2, 0});
+  CHECK(m.find("meda's first pass reads the query of every prompt token in 4 layers") != std::string::npos);
+  CHECK(m.find("only the last 16 prompt tokens") != std::string::npos);
+  CHECK(m.find("query_storage: ALL") != std::string::npos);
+  CHECK(m.find("record prompt entropies") == std::string::npos);
+  // HAE's DAP reads the prompt queries of its one dap_layer.
+  m = refused(RunSpec{Registered("hae"), "x", 0.2, 0});
+  CHECK(m.find("hae's first pass reads the query of every prompt token in 1 layer,") != std::string::npos);
+  CHECK(m.find("components=DDES_ONLY") != std::string::npos);
+  // Query-agnostic meda: the entropies of the context are recorded, its column sums are not.
+  m = refused(RunSpec{Registered("meda"), "x", 0.2, 0, QuestionMode::kQueryAgnostic});
+  CHECK(m.find("column sums over all context queries") != std::string::npos);
+  // Without recorded entropies the fix names them.
+  TraceMeta no_entropies = (*file)->meta();
+  no_entropies.prompt_entropy_regions.clear();
+  no_entropies.prompt_entropies.clear();
+  const RunSpec meda{Registered("meda"), "x", 0.2, 0};
+  const Status s = CheckRuns(no_entropies, {&meda, 1});
+  REQUIRE_FALSE(s.ok());
+  CHECK(std::string(s.message()).find("or record prompt entropies") != std::string::npos);
 }
 
 }  // namespace kvsim
