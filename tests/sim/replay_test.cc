@@ -1070,7 +1070,8 @@ class GroupMergePolicy final : public Policy {
 // step on the per-step path and for a chunk of steps at once in a block (MemberSums): the same additions in
 // the same order, so the covered masses agree exactly, whichever steps start blocks and chunks (blocks of 40
 // steps span three 16-step chunks; touched steps cut them), with GQA and a sliding window; and both agree
-// with the covered mass of the same tokens kept as plain slots (another summation order: to rounding).
+// with the covered mass of the same tokens kept as plain slots (another summation order: to rounding;
+// without a window).
 TEST_CASE("replay: merged slots' member sums in blocks equal the per-step sums exactly", "[replay][merge]") {
   testing::TinyTraceSpec spec;
   spec.num_heads = 6;
@@ -1109,7 +1110,9 @@ TEST_CASE("replay: merged slots' member sums in blocks equal the per-step sums e
     REQUIRE(plain.merged_tokens_mean() == 0);
     REQUIRE(plain.covered_mass_mean() < 0.99);  // the evicted groups are not covered
     REQUIRE(ref.merged_tokens_mean() > 0);
-    CHECK(ref.covered_mass_mean() == Approx(plain.covered_mass_mean()).epsilon(1e-6));
+    // With a sliding window a merged slot whose anchor fell out of it is masked whole (members included),
+    // so the plain-slot comparison holds without a window only.
+    if (window == 0) CHECK(ref.covered_mass_mean() == Approx(plain.covered_mass_mean()).epsilon(1e-6));
     CHECK(ref.covered_mass_mean() > ref.retained_mass_mean() + 0.1);  // the members' mass counts
     for (size_t i = 0; i < runs.size(); ++i) {
       INFO("variant " << i << " window " << window);
@@ -1121,8 +1124,9 @@ TEST_CASE("replay: merged slots' member sums in blocks equal the per-step sums e
       for (int l = 0; l < meta.model.num_layers; ++l) {
         CHECK((*a)[i].layers(l).metrics().covered_mass_mean() ==
               (*a)[0].layers(l).metrics().covered_mass_mean());
-        CHECK((*a)[i].layers(l).metrics().covered_mass_mean() ==
-              Approx((*a)[touches.size()].layers(l).metrics().covered_mass_mean()).epsilon(1e-6));
+        if (window == 0)
+          CHECK((*a)[i].layers(l).metrics().covered_mass_mean() ==
+                Approx((*a)[touches.size()].layers(l).metrics().covered_mass_mean()).epsilon(1e-6));
       }
     }
   }
