@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <future>
 #include <map>
+#include <mutex>
 #include <numeric>
 
 #include "sim/attention.h"
@@ -143,7 +144,12 @@ struct UnitWork {
   TopKSums sums;                // row g * steps + t: Σ of the k largest, as if added in descending order
   std::vector<double> top_sum;  // [g][t][kpre + 1]: Σ of the k largest, added in descending order
   std::vector<double> top_all;  // [g][t]: Σ of every visible probability, added in descending order
-  std::vector<float> max_vnorm;                       // [t]
+  std::vector<float> max_vnorm;  // [t]
+  // The reference probabilities transposed, [g][T][S] (+ kMemberChunk floats of padding): a merged slot's
+  // member sums of several steps read each member's steps contiguously (see MemberSums). Built on first use
+  // by a merging run's block (a unit without one never builds it), shared by the unit's runs.
+  std::unique_ptr<std::once_flag> probs_t_once;
+  std::vector<float> probs_t;
   std::vector<double> full_mod;                       // [g][t][4]
   std::vector<std::unique_ptr<HeadPolicy>> policies;  // per run
   std::vector<HeadCache> caches;                      // per run
@@ -186,7 +192,13 @@ struct WorkerScratch {
   std::vector<float> mk, mv;  // [M][d] the merged keys / values, in slot order
   std::vector<float> mdot;    // [g][mrows][M] q_t . k_m
   std::vector<float> mw;      // [g][mrows][M] the steps' merged weights (0 when not visible)
+  // The block's member sums of steps [ms0, ms0 + kMemberChunk) (see MemberSums); ms0 = -1: none.
+  int ms0 = -1;
+  std::vector<double> msum;  // [g][kMemberChunk][M]
 };
+
+// Steps whose merged slots' member sums are computed together (one AVX2 register pair per member).
+constexpr int kMemberChunk = 16;
 
 class LayerPass {
  public:
@@ -255,6 +267,7 @@ class LayerPass {
     w.refs.resize(group);
     for (int g = 0; g < group; ++g)
       ComputeDecodeReference(m_, n, steps, DecodeQuery(u * group + g, 0), keys, values, &w.refs[g]);
+    w.probs_t_once = std::make_unique<std::once_flag>();
     // ‖v_j‖, 8 keys at a time: each key's sum is still added over k in order, but the 8 chains are
     // independent (one serial chain per key kept the core waiting on the adder).
     std::vector<float> vnorm(t_all);
@@ -548,9 +561,73 @@ class LayerPass {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, mm, d, 1.0f, DecodeQuery(u * group + g, t),
                   d, ws.mk.data(), d, 0.0f, ws.mdot.data() + static_cast<size_t>(g) * rows * mm, mm);
     ws.mversion = cache.version();
+    ws.ms0 = -1;
     ws.mt0 = t;
     ws.mt_end = t;
     ws.mrows = rows;
+  }
+
+  // The member sums Σ_{j ∈ members(s)} p_t[j] of every merged slot s of the block, for the steps
+  // [t, t + kMemberChunk) (those past the block or the request are computed and never read), into ws.msum.
+  // The loops are interchanged against a per-step gather: for each slot, each member in member order, all
+  // the chunk's steps at once, read from the unit's transposed probabilities (contiguous in steps), so the
+  // inner loop is a vector add. Each (step, slot) sum keeps its additions and their order: members
+  // i = 0, 1, 2, ... go to float lanes i mod 4 (the tail after the last multiple of 4 to lane 0), in
+  // member order, and the lanes are added as (m0 + m1) + (m2 + m3) in double, as in Step's per-step path.
+  void MemberSums(int u, int t, const HeadCache& cache, WorkerScratch& ws) {
+    UnitWork& w = units_[u];
+    const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
+    const size_t ts = static_cast<size_t>(t_all) * steps;
+    std::call_once(*w.probs_t_once, [&] {
+      w.probs_t.assign(group * ts + kMemberChunk, 0.0f);
+      for (int g = 0; g < group; ++g) {
+        float* dst = w.probs_t.data() + g * ts;
+        for (int t0 = 0; t0 < steps; t0 += 8) {
+          const int nb = std::min(8, steps - t0);  // 8 rows read in order, 8 adjacent floats written
+          const float* src[8];
+          for (int b = 0; b < nb; ++b) src[b] = w.refs[g].row(t0 + b);
+          for (int j = 0; j < t_all; ++j) {
+            float* out = dst + static_cast<size_t>(j) * steps + t0;
+            for (int b = 0; b < nb; ++b) out[b] = src[b][j];
+          }
+        }
+      }
+    });
+    // The block's slots (appends since its start are plain slots after them).
+    const int slots = static_cast<int>(ws.mcol.size()), mm = static_cast<int>(ws.mk.size() / m_.head_dim);
+    ws.msum.resize(static_cast<size_t>(group) * kMemberChunk * mm);
+    for (int g = 0; g < group; ++g) {
+      const float* pt = w.probs_t.data() + g * ts + t;
+      double* out = ws.msum.data() + static_cast<size_t>(g) * kMemberChunk * mm;
+      for (int s = 0; s < slots; ++s) {
+        const int c = ws.mcol[s];
+        if (c < 0) continue;
+        const auto* mem = cache.merged(s).members.data();
+        const size_t nm = cache.merged(s).members.size();
+        float m0[kMemberChunk] = {}, m1[kMemberChunk] = {}, m2[kMemberChunk] = {}, m3[kMemberChunk] = {};
+        size_t i = 0;
+        for (; i + 4 <= nm; i += 4) {
+          const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
+          const float* p1 = pt + static_cast<size_t>(mem[i + 1].first) * steps;
+          const float* p2 = pt + static_cast<size_t>(mem[i + 2].first) * steps;
+          const float* p3 = pt + static_cast<size_t>(mem[i + 3].first) * steps;
+          for (int k = 0; k < kMemberChunk; ++k) {
+            m0[k] += p0[k];
+            m1[k] += p1[k];
+            m2[k] += p2[k];
+            m3[k] += p3[k];
+          }
+        }
+        for (; i < nm; ++i) {
+          const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
+          for (int k = 0; k < kMemberChunk; ++k) m0[k] += p0[k];
+        }
+        for (int k = 0; k < kMemberChunk; ++k)
+          out[static_cast<size_t>(k) * mm + c] =
+              (static_cast<double>(m0[k]) + m1[k]) + (static_cast<double>(m2[k]) + m3[k]);
+      }
+    }
+    ws.ms0 = t;
   }
 
   // Adds the block's merged values, weighted by its steps' weights, to those steps' `extra` (one GEMM per
@@ -570,6 +647,7 @@ class LayerPass {
     }
     ws.mlen = used < rows ? std::max(4, 2 * used) : 2 * rows;
     ws.mt0 = ws.mt_end = -1;
+    ws.ms0 = -1;
   }
 
   // One decode step of run r on KV head u: the policy's hooks, the cache checks and every metric of the
@@ -642,7 +720,11 @@ class LayerPass {
     const int mm = bulk ? static_cast<int>(ws.mk.size() / d) : 0;
     const size_t mrow0 = bulk ? static_cast<size_t>(t - ws.mt0) * mm : 0;
     const size_t mrows = bulk ? static_cast<size_t>(ws.mrows) * mm : 0;
-    if (bulk) ws.mt_end = t + 1;
+    if (bulk) {
+      ws.mt_end = t + 1;
+      if (ws.ms0 < 0 || t >= ws.ms0 + kMemberChunk) MemberSums(u, t, cache, ws);
+    }
+    const double* msum = bulk ? ws.msum.data() + static_cast<size_t>(t - ws.ms0) * mm : nullptr;
     for (int g = 0; g < group; ++g) {
       const int qh = u * group + g;
       const DecodeReference& ref = w.refs[g];
@@ -688,19 +770,25 @@ class LayerPass {
           wgt = static_cast<float>(std::exp(static_cast<double>(tf(dot)) - lse));
           anchor += pt;  // its key and value were replaced: covered, not retained
           covered += pt;
-          // Four independent partial sums in registers: no serial dependency chain over the members.
-          const auto* mem = ms.members.data();
-          const size_t nm = ms.members.size();
-          float m0 = 0, m1 = 0, m2 = 0, m3 = 0;
-          size_t i = 0;
-          for (; i + 4 <= nm; i += 4) {
-            m0 += p[mem[i].first];
-            m1 += p[mem[i + 1].first];
-            m2 += p[mem[i + 2].first];
-            m3 += p[mem[i + 3].first];
+          // Σ p over the members: in a block from MemberSums (the same additions in the same order), else
+          // here with four independent partial sums in registers (no serial dependency chain).
+          double members;
+          if (bulk) {
+            members = msum[static_cast<size_t>(g) * kMemberChunk * mm + ws.mcol[s]];
+          } else {
+            const auto* mem = ms.members.data();
+            const size_t nm = ms.members.size();
+            float m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+            size_t i = 0;
+            for (; i + 4 <= nm; i += 4) {
+              m0 += p[mem[i].first];
+              m1 += p[mem[i + 1].first];
+              m2 += p[mem[i + 2].first];
+              m3 += p[mem[i + 3].first];
+            }
+            for (; i < nm; ++i) m0 += p[mem[i].first];
+            members = (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
           }
-          for (; i < nm; ++i) m0 += p[mem[i].first];
-          const double members = (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
           covered += members;
           merged_w += wgt;
           merged_mass += pt + members;
