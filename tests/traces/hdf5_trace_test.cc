@@ -955,7 +955,9 @@ namespace kvsim {
 namespace {
 
 bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  // Empty vectors may hold null data pointers, which memcmp must not receive (UBSan).
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 // Query rows [begin, end) of every head of two layers, bit for bit.
