@@ -101,6 +101,18 @@ Measure InChild(Body body) {
   return Measure{msg[0], msg[1], msg[2], got && WIFEXITED(status) && WEXITSTATUS(status) == 0, msg[3]};
 }
 
+// A body for InChild: opens the trace and reads every layer with `options` (a read-only pass).
+auto ReadOnlyPass(const std::string& trace_path, const TraceMeta& meta, LayerReadOptions options) {
+  return [&trace_path, &meta, options]() -> double {
+    auto t = OpenTrace(trace_path);
+    if (!t.ok()) return -1;
+    LayerData layer;
+    for (int l = 0; l < meta.model.num_layers; ++l)
+      if (!(*t)->ReadLayer(l, &layer, options).ok()) return -1;
+    return 0;
+  };
+}
+
 std::vector<StreamRunSpec> StreamRuns(const std::string& name, const std::vector<std::string>& sets,
                                       const std::vector<int>& budgets) {
   auto p = StreamPolicyRegistry::Default().Create(name, sets);
@@ -205,16 +217,7 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
   // Reading every layer as the replay does (direct chunk reads on `threads` threads where the layout
   // allows), every query row: the floor of reading the whole trace. Also only the rows the 9-run sweep reads
   // (ReplayQueryRows), and every row through HDF5's H5Dread on one thread (the reader before round 5).
-  auto read_only = [&](LayerReadOptions options) {
-    return [&, options]() -> double {
-      auto t = OpenTrace(trace_path);
-      if (!t.ok()) return -1;
-      LayerData layer;
-      for (int l = 0; l < meta.model.num_layers; ++l)
-        if (!(*t)->ReadLayer(l, &layer, options).ok()) return -1;
-      return 0;
-    };
-  };
+  auto read_only = [&](LayerReadOptions options) { return ReadOnlyPass(trace_path, meta, options); };
   std::vector<int> kept;  // the 8 budgeted runs' kept widths (prompt budget + decode tokens)
   for (int rep = 0; rep < 2; ++rep)
     for (double b : budgets)
@@ -425,16 +428,7 @@ int main(int argc, char** argv) {
   const auto runs = BaselineRuns();
 
   // Every layer, every query row, read as the replay reads (direct chunk reads on `threads` threads).
-  auto read_only = [&](LayerReadOptions options) {
-    return [&, options]() -> double {
-      auto t = OpenTrace(trace_path);
-      if (!t.ok()) return -1;
-      LayerData layer;
-      for (int l = 0; l < meta.model.num_layers; ++l)
-        if (!(*t)->ReadLayer(l, &layer, options).ok()) return -1;
-      return 0;
-    };
-  };
+  auto read_only = [&](LayerReadOptions options) { return ReadOnlyPass(trace_path, meta, options); };
   auto sweep = [&](int th) {
     return [&, th]() -> double {
       auto t = OpenTrace(trace_path);
