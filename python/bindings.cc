@@ -303,6 +303,8 @@ class PyTrace {
     d["storage_dtype"] = std::string(StorageDtypeName(m.storage_dtype));
     d["query_positions"] = ToNumpy(std::vector<int32_t>(m.query_positions), {m.query_positions.size()});
     d["has_prefill_column_sums"] = m.has_prefill_column_sums;
+    d["prompt_entropy_regions"] =
+        ToNumpy(std::vector<int32_t>(m.prompt_entropy_regions), {m.prompt_entropy_regions.size()});
     d["config_text"] = m.config_text;
     d["stream"] = StreamDict(m);
     const TraceIntegrity integ = source_->integrity();
@@ -359,6 +361,12 @@ class PyTrace {
       out["prefill_column_sums"] = nb::none();
     else
       out["prefill_column_sums"] = ToNumpy(std::move(data.prefill_column_sums), {h, n});
+    const size_t regions = m.prompt_entropy_regions.size();
+    if (data.prompt_entropies.empty())
+      out["prompt_entropies"] = nb::none();
+    else
+      out["prompt_entropies"] = ToNumpy(std::move(data.prompt_entropies),
+                                        {regions, static_cast<size_t>(kNumPromptEntropyKinds), h});
     return out;
   }
 

@@ -23,12 +23,16 @@ class Layer:
     """One layer's tensors (float32, row-major):
     keys, values [num_kv_heads, total_tokens, head_dim]; queries [num_heads, len(query_positions), head_dim]
     (query i is the token at trace.query_positions[i]); prefill_column_sums [num_heads, prefill_length] or
-    None (Σ over prompt queries of the attention each prompt key receives)."""
+    None (Σ over prompt queries of the attention each prompt key receives); prompt_entropies
+    [len(meta["prompt_entropy_regions"]), 3, num_heads] float64 or None (the recorded mean prompt attention
+    entropies in nats per compressible region, kind — 0 causal self, 1 text→visual, 2 visual→text — and
+    query head; docs/trace-format.md)."""
     layer: int
     keys: np.ndarray
     values: np.ndarray
     queries: np.ndarray
     prefill_column_sums: Optional[np.ndarray]
+    prompt_entropies: Optional[np.ndarray] = None
 
 
 class Trace:
@@ -53,7 +57,9 @@ class Trace:
     @property
     def meta(self) -> Dict[str, Any]:
         """Every root field (docs/trace-format.md) as a dict: model, prefill_length, num_decode_steps,
-        source, generator, seed, storage_dtype, query_positions, stream, integrity, ..."""
+        source, generator, seed, storage_dtype, query_positions, has_prefill_column_sums,
+        prompt_entropy_regions (int32, empty when the trace records no prompt entropies), stream, integrity,
+        ..."""
         return self._meta
 
     @property
@@ -121,7 +127,8 @@ class Trace:
     def layer(self, layer: int) -> Layer:
         """Layer `layer`'s tensors (read and validated by the C++ reader, the GIL released meanwhile)."""
         d = self._t.layer(int(layer))
-        return Layer(d["layer"], d["keys"], d["values"], d["queries"], d["prefill_column_sums"])
+        return Layer(d["layer"], d["keys"], d["values"], d["queries"], d["prefill_column_sums"],
+                     d["prompt_entropies"])
 
     def layers(self) -> Iterator[Layer]:
         """Every layer in order, one resident at a time."""

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import kvsim
-from conftest import SRC, cli
+from conftest import SRC, SYNTH, cli
 
 
 # A model shape of the tiny trace's size for the device latency model (configs/models/ format).
@@ -284,10 +284,30 @@ def test_trace_matches_h5py(traces, name):
                                               f[f"aggregates/layer_{layer:03d}/prefill_column_sums"][:])
             else:
                 assert got.prefill_column_sums is None
+            assert got.prompt_entropies is None  # none of these fixtures records them
+    assert t.meta["prompt_entropy_regions"].shape == (0,)
     assert len(list(t.layers())) == t.num_layers
     assert t.hash() == kvsim.run(traces["tiny"], "full", 1.0)["trace_hash"] if name == "tiny" else True
     assert "layers" in t.stats() if name != "stream" else t.stats()
     assert repr(t).startswith("<kvsim.Trace")
+
+
+def test_trace_recorded_prompt_entropies_match_h5py(kvsim_bin, tmp_path):
+    cfg = (SYNTH / "tiny.textproto").read_text().replace("storage {", "storage {\n  record_prompt_entropies: true", 1)
+    assert "record_prompt_entropies" in cfg
+    (tmp_path / "tiny_ent.textproto").write_text(cfg)
+    path = tmp_path / "tiny_ent.h5"
+    cli(kvsim_bin, "synth", "--config", tmp_path / "tiny_ent.textproto", "--out", path, "--threads", "1")
+    t = kvsim.Trace(path)
+    with h5py.File(path, "r") as f:
+        regions = f["aggregates/prompt_entropy_regions"][:]
+        assert regions.size >= 1
+        np.testing.assert_array_equal(t.meta["prompt_entropy_regions"], regions)
+        assert t.meta["prompt_entropy_regions"].dtype == np.int32
+        for layer in range(t.num_layers):
+            got = t.layer(layer).prompt_entropies
+            assert got.dtype == np.float64 and got.shape == (regions.size, 3, t.model["num_heads"])
+            np.testing.assert_array_equal(got, f[f"aggregates/layer_{layer:03d}/prompt_entropies"][:])
 
 
 def test_trace_arrays_outlive_the_trace(traces):
