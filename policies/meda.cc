@@ -72,8 +72,7 @@ void CompressAndMerge(const HeadContext& ctx, std::span<const int32_t> keep, Mer
     if (!in[j]) evicted.push_back(j);
   for (int32_t tok : cache->tokens())
     if (tok >= ce) tail.push_back(tok);
-  merger->KeepAndMerge(ctx, keep, evicted, cache);
-  merger->Release();
+  merger->KeepAndMergeOnce(ctx, keep, evicted, cache);
   for (int32_t tok : tail) cache->Append(tok);
 }
 

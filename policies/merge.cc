@@ -26,26 +26,33 @@ void ScaleRow(const float* x, double s, int d, float* out) {
   for (int k = 0; k < d; ++k) out[k] = x[k] * inv;
 }
 
-// Rows scaled to unit length (zero rows stay zero). Eight rows at a time: each row's sum still runs over k
-// in order (so the result is the same as one row at a time), but the eight dependency chains overlap
-// instead of one latency-bound chain per row (it was a third of NearestByCosine's own time, issue 14).
-void NormalizeRows(const float* x, int rows, int d, float* out) {
+// Rows scaled to unit length (zero rows stay zero); row r is read from rows[r] (rows need not be contiguous:
+// MergeTokens hands the cache's keys in place instead of copying them first). Eight rows at a time: each
+// row's sum still runs over k in order (so the result is the same as one row at a time), but the eight
+// dependency chains overlap instead of one latency-bound chain per row (it was a third of NearestByCosine's
+// own time, issue 14).
+void NormalizeRows(const float* const* rows, int n, int d, float* out) {
   constexpr int kRows = 8;
   int r = 0;
-  for (; r + kRows <= rows; r += kRows) {
-    const float* xr = x + static_cast<size_t>(r) * d;
+  for (; r + kRows <= n; r += kRows) {
+    const float* const* xr = rows + r;
     double s[kRows] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int k = 0; k < d; ++k)
       for (int i = 0; i < kRows; ++i) {
-        const double v = xr[static_cast<size_t>(i) * d + k];
+        const double v = xr[i][k];
         s[i] += v * v;  // exact product (float x float fits a double): fused or not, the same sum
       }
-    for (int i = 0; i < kRows; ++i)
-      ScaleRow(xr + static_cast<size_t>(i) * d, s[i], d, out + static_cast<size_t>(r + i) * d);
+    for (int i = 0; i < kRows; ++i) ScaleRow(xr[i], s[i], d, out + static_cast<size_t>(r + i) * d);
   }
-  for (; r < rows; ++r)
-    ScaleRow(x + static_cast<size_t>(r) * d, SquaredNorm(x + static_cast<size_t>(r) * d, d), d,
-             out + static_cast<size_t>(r) * d);
+  for (; r < n; ++r) ScaleRow(rows[r], SquaredNorm(rows[r], d), d, out + static_cast<size_t>(r) * d);
+}
+
+// Grows a per-thread scratch buffer without shrinking it or clearing what it held: NearestByCosine's
+// buffers are written in full before they are read, and allocating (and zeroing) them per call cost a
+// fresh-page fault and a memset per merge (issue 14, round 6).
+float* Scratch(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
 }
 
 // Index of the first maximum of a finite row, as std::max_element returns it. Two passes: an 8-lane max
@@ -90,23 +97,25 @@ const float* OriginalValue(const HeadContext& ctx, int32_t tok) {
 
 }  // namespace
 
-void NearestByCosine(const float* queries, int num_queries, const float* targets, int num_targets, int d,
-                     std::vector<int>* nearest, std::vector<float>* similarity) {
+void NearestByCosine(const float* const* queries, int num_queries, const float* const* targets,
+                     int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity) {
   nearest->assign(num_queries, -1);
   similarity->assign(num_queries, 0.0f);
   if (num_queries == 0 || num_targets == 0) return;
   EnsureSingleThreadedBlas();
-  std::vector<float> t(static_cast<size_t>(num_targets) * d);
-  NormalizeRows(targets, num_targets, d, t.data());
+  thread_local std::vector<float> t_buf, q_buf, sim_buf;
   constexpr int kBlock = 256;  // query rows per GEMM: bounds the similarity block to 256 x num_targets
-  std::vector<float> q(static_cast<size_t>(kBlock) * d), sim(static_cast<size_t>(kBlock) * num_targets);
+  float* t = Scratch(t_buf, static_cast<size_t>(num_targets) * d);
+  float* q = Scratch(q_buf, static_cast<size_t>(kBlock) * d);
+  float* sim = Scratch(sim_buf, static_cast<size_t>(kBlock) * num_targets);
+  NormalizeRows(targets, num_targets, d, t);
   for (int b = 0; b < num_queries; b += kBlock) {
     const int rows = std::min(kBlock, num_queries - b);
-    NormalizeRows(queries + static_cast<size_t>(b) * d, rows, d, q.data());
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, num_targets, d, 1.0f, q.data(), d, t.data(), d,
-                0.0f, sim.data(), num_targets);
+    NormalizeRows(queries + b, rows, d, q);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, num_targets, d, 1.0f, q, d, t, d, 0.0f, sim,
+                num_targets);
     for (int r = 0; r < rows; ++r) {
-      const float* row = sim.data() + static_cast<size_t>(r) * num_targets;
+      const float* row = sim + static_cast<size_t>(r) * num_targets;
       const int best = FirstMaxIndex(row, num_targets);
       (*nearest)[b + r] = best;
       (*similarity)[b + r] = row[best];
@@ -114,10 +123,19 @@ void NearestByCosine(const float* queries, int num_queries, const float* targets
   }
 }
 
-void Merger::Apply(const HeadContext& ctx, int slot, Sums& s, HeadCache* cache) const {
+void NearestByCosine(const float* queries, int num_queries, const float* targets, int num_targets, int d,
+                     std::vector<int>* nearest, std::vector<float>* similarity) {
+  std::vector<const float*> q(num_queries), t(num_targets);
+  for (int i = 0; i < num_queries; ++i) q[i] = queries + static_cast<size_t>(i) * d;
+  for (int j = 0; j < num_targets; ++j) t[j] = targets + static_cast<size_t>(j) * d;
+  NearestByCosine(q.data(), num_queries, t.data(), num_targets, d, nearest, similarity);
+}
+
+// A merged slot from its anchor's original key / value and the members' sums (`sk`, `sv`: d floats each).
+MergedSlot Merger::Merged(const HeadContext& ctx, int32_t anchor, const float* sk, const float* sv,
+                          std::vector<std::pair<int32_t, float>> members) const {
   const int d = ctx.head_dim();
-  const int32_t anchor = cache->token(slot);
-  const double m = static_cast<double>(s.members.size());
+  const double m = static_cast<double>(members.size());
   const double a = strategy_ == policy::PIVOT ? 1.0 + m / 2 : 1.0;
   const double inv = 1.0 / (1.0 + m);
   MergedSlot out;
@@ -126,11 +144,15 @@ void Merger::Apply(const HeadContext& ctx, int slot, Sums& s, HeadCache* cache) 
   const float* ka = OriginalKey(ctx, anchor);
   const float* va = OriginalValue(ctx, anchor);
   for (int k = 0; k < d; ++k) {
-    out.key[k] = static_cast<float>((a * ka[k] + s.k[k]) * inv);
-    out.value[k] = static_cast<float>((a * va[k] + s.v[k]) * inv);
+    out.key[k] = static_cast<float>((a * ka[k] + sk[k]) * inv);
+    out.value[k] = static_cast<float>((a * va[k] + sv[k]) * inv);
   }
-  out.members = s.members;
-  cache->SetMerge(slot, std::move(out));
+  out.members = std::move(members);
+  return out;
+}
+
+void Merger::Apply(const HeadContext& ctx, int slot, Sums& s, HeadCache* cache) const {
+  cache->SetMerge(slot, Merged(ctx, cache->token(slot), s.k.data(), s.v.data(), s.members));
 }
 
 void Merger::KeepAndMerge(const HeadContext& ctx, std::span<const int32_t> kept,
@@ -140,33 +162,95 @@ void Merger::KeepAndMerge(const HeadContext& ctx, std::span<const int32_t> kept,
   MergeTokens(ctx, evicted, cache);
 }
 
-void Merger::MergeTokens(const HeadContext& ctx, std::span<const int32_t> tokens, HeadCache* cache) {
-  if (strategy_ == policy::NO_MERGE || tokens.empty() || cache->size() == 0) return;
-  const int d = ctx.head_dim(), slots = cache->size(), e = static_cast<int>(tokens.size());
-  std::vector<float> targets(static_cast<size_t>(slots) * d), x(static_cast<size_t>(e) * d);
-  for (int s = 0; s < slots; ++s) {
-    const float* k = cache->is_merged(s) ? cache->merged(s).key.data() : OriginalKey(ctx, cache->token(s));
-    std::copy(k, k + d, targets.begin() + static_cast<size_t>(s) * d);
-  }
+void Merger::KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> kept,
+                              std::span<const int32_t> evicted, HeadCache* cache) {
+  cache->Assign(kept);
+  Release();
+  thread_local std::vector<int> join_slot;
+  thread_local std::vector<float> join_coef;
+  if (!Join(ctx, evicted, *cache, &join_slot, &join_coef)) return;
+  // The same sums as MergeTokens' (per slot, in token order, from zero, the same float operations), kept
+  // flat by slot instead of in the running sums' map: a policy that merges once never reads them again, so
+  // they need not outlive this call (one allocation per merged slot's key, value and members instead of
+  // the map's nodes, vectors and their copies; issue 14, round 6).
+  const int d = ctx.head_dim(), slots = cache->size(), e = static_cast<int>(evicted.size());
+  thread_local std::vector<float> k_buf, v_buf;
+  thread_local std::vector<int> count;
+  count.assign(slots, 0);
+  for (int i = 0; i < e; ++i)
+    if (join_slot[i] >= 0) ++count[join_slot[i]];
+  std::vector<int> first(slots, -1);  // row of each joined slot in the flat sums
+  int rows = 0;
+  for (int s = 0; s < slots; ++s)
+    if (count[s] > 0) first[s] = rows++;
+  float* sk = Scratch(k_buf, static_cast<size_t>(rows) * d);
+  float* sv = Scratch(v_buf, static_cast<size_t>(rows) * d);
+  std::fill(sk, sk + static_cast<size_t>(rows) * d, 0.0f);
+  std::fill(sv, sv + static_cast<size_t>(rows) * d, 0.0f);
+  std::vector<std::vector<std::pair<int32_t, float>>> members(rows);
+  for (int s = 0; s < slots; ++s)
+    if (count[s] > 0) members[first[s]].reserve(count[s]);
   for (int i = 0; i < e; ++i) {
-    const float* k = OriginalKey(ctx, tokens[i]);
-    std::copy(k, k + d, x.begin() + static_cast<size_t>(i) * d);
+    if (join_slot[i] < 0) continue;
+    const int r = first[join_slot[i]];
+    const float c = join_coef[i];
+    float* rk = sk + static_cast<size_t>(r) * d;
+    float* rv = sv + static_cast<size_t>(r) * d;
+    const float* k = OriginalKey(ctx, evicted[i]);
+    const float* v = OriginalValue(ctx, evicted[i]);
+    for (int j = 0; j < d; ++j) {
+      rk[j] += c * k[j];
+      rv[j] += c * v[j];
+    }
+    members[r].emplace_back(evicted[i], c);
   }
-  std::vector<int> nearest;
-  std::vector<float> sim;
-  NearestByCosine(x.data(), e, targets.data(), slots, d, &nearest, &sim);
+  for (int s = 0; s < slots; ++s)
+    if (count[s] > 0) {
+      const int r = first[s];
+      cache->SetMerge(s, Merged(ctx, cache->token(s), sk + static_cast<size_t>(r) * d,
+                                sv + static_cast<size_t>(r) * d, std::move(members[r])));
+    }
+}
+
+bool Merger::Join(const HeadContext& ctx, std::span<const int32_t> tokens, const HeadCache& cache,
+                  std::vector<int>* slot, std::vector<float>* coef) const {
+  if (strategy_ == policy::NO_MERGE || tokens.empty() || cache.size() == 0) return false;
+  const int d = ctx.head_dim(), slots = cache.size(), e = static_cast<int>(tokens.size());
+  std::vector<const float*> targets(slots), x(e);  // the keys in place: NearestByCosine normalises copies
+  for (int s = 0; s < slots; ++s)
+    targets[s] = cache.is_merged(s) ? cache.merged(s).key.data() : OriginalKey(ctx, cache.token(s));
+  for (int i = 0; i < e; ++i) x[i] = OriginalKey(ctx, tokens[i]);
+  NearestByCosine(x.data(), e, targets.data(), slots, d, slot, coef);
   double threshold = -2;  // below every cosine
   if (filter_ == policy::ABOVE_MEAN_SIMILARITY) {
     double mean = 0;
-    for (float s : sim) mean += s;
+    for (float s : *coef) mean += s;
     threshold = mean / e;
   }
-  std::vector<char> dirty(slots, 0);
   for (int i = 0; i < e; ++i) {
-    if (sim[i] < threshold) continue;  // filtered out: dropped
-    const int slot = nearest[i];
-    const float c = strategy_ == policy::AVERAGE ? 1.0f : strategy_ == policy::PIVOT ? 0.5f : sim[i];
-    Sums& s = sums_[cache->token(slot)];
+    if ((*coef)[i] < threshold) {
+      (*slot)[i] = -1;  // filtered out: dropped
+      continue;
+    }
+    if (strategy_ != policy::WEIGHTED) (*coef)[i] = strategy_ == policy::AVERAGE ? 1.0f : 0.5f;
+  }
+  return true;
+}
+
+void Merger::MergeTokens(const HeadContext& ctx, std::span<const int32_t> tokens, HeadCache* cache) {
+  std::vector<int> join_slot;
+  std::vector<float> join_coef;
+  if (!Join(ctx, tokens, *cache, &join_slot, &join_coef)) return;
+  const int d = ctx.head_dim(), slots = cache->size(), e = static_cast<int>(tokens.size());
+  // The sums of each slot a token joins, looked up once per slot (not once per token); the map's elements
+  // stay where they are when it grows. Non-null = dirty.
+  std::vector<Sums*> joined(slots, nullptr);
+  for (int i = 0; i < e; ++i) {
+    const int slot = join_slot[i];
+    if (slot < 0) continue;
+    const float c = join_coef[i];
+    if (!joined[slot]) joined[slot] = &sums_[cache->token(slot)];
+    Sums& s = *joined[slot];
     if (s.k.empty()) {
       s.k.assign(d, 0.0f);
       s.v.assign(d, 0.0f);
@@ -178,10 +262,9 @@ void Merger::MergeTokens(const HeadContext& ctx, std::span<const int32_t> tokens
       s.v[j] += c * v[j];
     }
     s.members.emplace_back(tokens[i], c);
-    dirty[slot] = 1;
   }
   for (int s = 0; s < slots; ++s)
-    if (dirty[s]) Apply(ctx, s, sums_[cache->token(s)], cache);
+    if (joined[s]) Apply(ctx, s, *joined[s], cache);
 }
 
 void Merger::Reconcile(const HeadContext& ctx, std::span<const int32_t> before, HeadCache* cache) {

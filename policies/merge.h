@@ -25,6 +25,9 @@ namespace kvsim {
 // ([num_targets][d]) and that similarity. Zero vectors have similarity 0 to everything. Ties: lowest index.
 void NearestByCosine(const float* queries, int num_queries, const float* targets, int num_targets, int d,
                      std::vector<int>* nearest, std::vector<float>* similarity);
+// The same with row pointers (rows need not be contiguous; same results as the contiguous form).
+void NearestByCosine(const float* const* queries, int num_queries, const float* const* targets,
+                     int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity);
 
 // Per-(layer, KV head) merge state: the running sums behind every merged slot, so later evictions can merge
 // into (or dissolve) an existing merge.
@@ -37,6 +40,11 @@ class Merger {
   // Replaces the cache content with `kept` (positions, as plain slots) and merges `evicted` into them.
   void KeepAndMerge(const HeadContext& ctx, std::span<const int32_t> kept, std::span<const int32_t> evicted,
                     HeadCache* cache);
+
+  // KeepAndMerge followed by Release, for a policy that merges once and never again (MEDA, LOOK-M): the same
+  // merged slots, bit for bit, without building the running sums.
+  void KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> kept,
+                        std::span<const int32_t> evicted, HeadCache* cache);
 
   // Merges original tokens (not in the cache) into the cache's current slots, one batch.
   void MergeTokens(const HeadContext& ctx, std::span<const int32_t> tokens, HeadCache* cache);
@@ -55,7 +63,13 @@ class Merger {
     std::vector<float> k, v;  // Σ coefficient * original key/value of the members
     std::vector<std::pair<int32_t, float>> members;
   };
+  MergedSlot Merged(const HeadContext& ctx, int32_t anchor, const float* sk, const float* sv,
+                    std::vector<std::pair<int32_t, float>> members) const;
   void Apply(const HeadContext& ctx, int slot, Sums& s, HeadCache* cache) const;
+  // The slot each of `tokens` joins (-1: filtered out) and its coefficient (1, 0.5 or the cosine); false if
+  // nothing merges.
+  bool Join(const HeadContext& ctx, std::span<const int32_t> tokens, const HeadCache& cache,
+            std::vector<int>* slot, std::vector<float>* coef) const;
 
   policy::MergeStrategy strategy_;
   policy::MergeFilter filter_;

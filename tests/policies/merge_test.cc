@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <set>
+#include <thread>
 
 #include "policies/registry.h"
 #include "sim/replay.h"
@@ -112,6 +114,186 @@ TEST_CASE("merge: nearest by cosine does not depend on where a row falls in the 
     }
     CHECK(s_all[i] == Approx(dot / std::sqrt(nq * nt)).margin(1e-5));
   }
+}
+
+namespace {
+
+// Keys with exact duplicates (ties), zero rows and rows that differ only in scale, d = 128 like the traces.
+std::vector<float> AwkwardKeys(int rows, int d, uint32_t seed) {
+  std::vector<float> base(static_cast<size_t>(rows) * d);
+  uint32_t s = seed;
+  for (float& v : base) {
+    s = s * 1664525u + 1013904223u;
+    v = static_cast<float>(static_cast<int>(s >> 9) % 2001 - 1000) / 997.0f;
+  }
+  std::vector<float> x = base;
+  for (int r = 0; r < rows; ++r) {
+    float* row = x.data() + static_cast<size_t>(r) * d;
+    const float* src = base.data() + static_cast<size_t>(r) * d;
+    if (r % 7 == 3 && r >= 7) std::copy(src - 7 * d, src - 6 * d, row);  // exact duplicate of row r - 7
+    if (r % 13 == 9 && r >= 13)                                          // row r - 13's direction, x4
+      std::transform(src - 13 * d, src - 12 * d, row, [](float v) { return 4.0f * v; });
+    if (r % 11 == 5) std::fill(row, row + d, 0.0f);  // zero key
+  }
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("merge: nearest by cosine from row pointers equals the contiguous form, with reused scratch",
+          "[merge]") {
+  // MergeTokens hands NearestByCosine the cache's keys in place (row pointers, in any order) and the search
+  // reuses per-thread buffers across calls: the same rows, scattered or contiguous, before or after a larger
+  // or smaller call, and on a fresh thread, give the same targets and the same bits. 600 queries span three
+  // 256-row blocks; duplicates make ties (the first target must win), zero keys have similarity 0.
+  constexpr int d = 128;
+  for (const auto& [nq, nt] :
+       std::vector<std::pair<int, int>>{{600, 300}, {1, 1}, {37, 1}, {1, 500}, {260, 17}}) {
+    const std::vector<float> q = AwkwardKeys(nq, d, 7u + nq), t = AwkwardKeys(nt, d, 11u + nt);
+    std::vector<int> n_fresh, n_big, n_ptr;
+    std::vector<float> s_fresh, s_big, s_ptr;
+    std::thread([&] { NearestByCosine(q.data(), nq, t.data(), nt, d, &n_fresh, &s_fresh); }).join();
+    {
+      const std::vector<float> big = AwkwardKeys(700, d, 3u);  // fills the scratch with other rows first
+      std::vector<int> n;
+      std::vector<float> s;
+      NearestByCosine(big.data(), 700, big.data(), 700, d, &n, &s);
+    }
+    NearestByCosine(q.data(), nq, t.data(), nt, d, &n_big, &s_big);
+    // The same rows at scattered addresses: each row copied into its own buffer, in reverse order.
+    std::vector<std::vector<float>> qr(nq), tr(nt);
+    std::vector<const float*> qp(nq), tp(nt);
+    for (int i = nq - 1; i >= 0; --i) {
+      qr[i].assign(q.begin() + i * d, q.begin() + (i + 1) * d);
+      qp[i] = qr[i].data();
+    }
+    for (int j = nt - 1; j >= 0; --j) {
+      tr[j].assign(t.begin() + j * d, t.begin() + (j + 1) * d);
+      tp[j] = tr[j].data();
+    }
+    NearestByCosine(qp.data(), nq, tp.data(), nt, d, &n_ptr, &s_ptr);
+    CHECK(n_big == n_fresh);
+    CHECK(n_ptr == n_fresh);
+    CHECK(std::memcmp(s_big.data(), s_fresh.data(), nq * sizeof(float)) == 0);
+    CHECK(std::memcmp(s_ptr.data(), s_fresh.data(), nq * sizeof(float)) == 0);
+    int zeros = 0;
+    for (int i = 0; i < nq; ++i) {
+      const bool zero =
+          std::all_of(q.begin() + i * d, q.begin() + (i + 1) * d, [](float v) { return v == 0; });
+      if (zero) CHECK(s_fresh[i] == 0.0f);
+      zeros += zero;
+      // A maximum (within the product's rounding; which of two tied targets wins is checked bit for bit
+      // above against the contiguous form, and on exact ties in the 2-D cases), its cosine the double one.
+      const float* qi = q.data() + static_cast<size_t>(i) * d;
+      auto cosine = [&](int j) {
+        const float* tj = t.data() + static_cast<size_t>(j) * d;
+        double dot = 0, a = 0, b = 0;
+        for (int k = 0; k < d; ++k) {
+          dot += static_cast<double>(qi[k]) * tj[k];
+          a += static_cast<double>(qi[k]) * qi[k];
+          b += static_cast<double>(tj[k]) * tj[k];
+        }
+        return a > 0 && b > 0 ? dot / std::sqrt(a * b) : 0.0;
+      };
+      const int best = n_fresh[i];
+      REQUIRE(best >= 0);
+      REQUIRE(best < nt);
+      CHECK(s_fresh[i] == Approx(cosine(best)).margin(1e-5));
+      double most = -2;
+      for (int j = 0; j < nt; ++j) most = std::max(most, cosine(j));
+      CHECK(most <= cosine(best) + 1e-5);
+    }
+    if (nq >= 260) CHECK(zeros > 10);
+  }
+}
+
+TEST_CASE("merge: many tokens into many slots, every strategy x filter, match the formulas; merge-once too",
+          "[merge]") {
+  // 300 kept slots and 900 evicted tokens (the running sums' map grows while tokens join): each slot's key
+  // and value are (a k_a + sum c_e k_e) / (1 + m) over exactly the tokens NearestByCosine assigns to it and
+  // the filter keeps, in token order, with c_e = 1 / 0.5 / s_e and a = 1 (1 + m/2 for pivot).
+  constexpr int d = 128, kKept = 300, kEvicted = 900, n = kKept + kEvicted;
+  const std::vector<float> keys = AwkwardKeys(n, d, 5u), values = AwkwardKeys(n, d, 9u);
+  TraceMeta meta;
+  meta.model.head_dim = d;
+  meta.prefill_length = n;
+  meta.tokens.Resize(n);
+  HeadContext ctx;
+  ctx.meta = &meta;
+  ctx.compress_end = n;
+  ctx.keys = keys.data();
+  ctx.values = values.data();
+  std::vector<int32_t> kept, evicted;
+  for (int32_t j = 0; j < n; ++j) (j % 4 == 1 ? kept : evicted).push_back(j);
+  std::vector<float> q, t;
+  for (int32_t j : evicted) q.insert(q.end(), keys.begin() + j * d, keys.begin() + (j + 1) * d);
+  for (int32_t j : kept) t.insert(t.end(), keys.begin() + j * d, keys.begin() + (j + 1) * d);
+  std::vector<int> nearest;
+  std::vector<float> sim;
+  NearestByCosine(q.data(), kEvicted, t.data(), kKept, d, &nearest, &sim);
+  double mean = 0;
+  for (float s : sim) mean += s;
+  mean /= kEvicted;
+  for (auto strategy : {policy::AVERAGE, policy::PIVOT, policy::WEIGHTED})
+    for (auto filter : {policy::MERGE_ALL, policy::ABOVE_MEAN_SIMILARITY}) {
+      CAPTURE(strategy, filter);
+      HeadCache cache(d);
+      Merger m(strategy, filter);
+      m.KeepAndMerge(ctx, kept, evicted, &cache);
+      REQUIRE(cache.size() == kKept);
+      std::vector<std::vector<std::pair<int32_t, float>>> expect(kKept);
+      for (int i = 0; i < kEvicted; ++i) {
+        if (filter == policy::ABOVE_MEAN_SIMILARITY && sim[i] < mean) continue;
+        const float c = strategy == policy::AVERAGE ? 1.0f : strategy == policy::PIVOT ? 0.5f : sim[i];
+        expect[nearest[i]].emplace_back(evicted[i], c);
+      }
+      int merged = 0;
+      for (int s = 0; s < kKept; ++s) {
+        REQUIRE(cache.token(s) == kept[s]);
+        if (expect[s].empty()) {
+          CHECK_FALSE(cache.is_merged(s));
+          continue;
+        }
+        ++merged;
+        REQUIRE(cache.is_merged(s));
+        CHECK(cache.merged(s).members == expect[s]);
+        const double mm = static_cast<double>(expect[s].size());
+        const double a = strategy == policy::PIVOT ? 1.0 + mm / 2 : 1.0;
+        for (int k = 0; k < d; k += 17) {
+          double kk = a * keys[kept[s] * d + k], vv = a * values[kept[s] * d + k];
+          for (const auto& [tok, c] : expect[s]) {
+            kk += c * keys[tok * d + k];
+            vv += c * values[tok * d + k];
+          }
+          CHECK(cache.merged(s).key[k] == Approx(kk / (1 + mm)).margin(1e-4));
+          CHECK(cache.merged(s).value[k] == Approx(vv / (1 + mm)).margin(1e-4));
+        }
+      }
+      CHECK(merged > 50);
+      // The merge-once path (MEDA, LOOK-M) gives the same slots bit for bit and keeps no sums: a later
+      // batch starts afresh, as after Release.
+      HeadCache once(d);
+      Merger m1(strategy, filter);
+      m1.KeepAndMergeOnce(ctx, kept, evicted, &once);
+      REQUIRE(once.size() == kKept);
+      for (int s = 0; s < kKept; ++s) {
+        REQUIRE(once.token(s) == kept[s]);
+        REQUIRE(once.is_merged(s) == cache.is_merged(s));
+        if (!once.is_merged(s)) continue;
+        CHECK(once.merged(s).key == cache.merged(s).key);
+        CHECK(once.merged(s).value == cache.merged(s).value);
+        CHECK(once.merged(s).members == cache.merged(s).members);
+      }
+      m.Release();
+      const std::vector<int32_t> late{evicted[0]};
+      m.MergeTokens(ctx, late, &cache);
+      m1.MergeTokens(ctx, late, &once);
+      for (int s = 0; s < kKept; ++s)
+        if (once.is_merged(s)) {
+          CHECK(once.merged(s).key == cache.merged(s).key);
+          CHECK(once.merged(s).members == cache.merged(s).members);
+        }
+    }
 }
 
 TEST_CASE("merge: average (MEDA Eq. 12) of keys and values with the key-based assignment", "[merge]") {
