@@ -144,6 +144,10 @@ struct UnitWork {
   TopKSums sums;                // row g * steps + t: Σ of the k largest, as if added in descending order
   std::vector<double> top_sum;  // [g][t][kpre + 1]: Σ of the k largest, added in descending order
   std::vector<double> top_all;  // [g][t]: Σ of every visible probability, added in descending order
+  // Top-k sums for any k (row g * steps + t), for the runs with no cap below T (see AllSums): built on the
+  // first k above kpre, shared by the unit's runs.
+  std::unique_ptr<std::once_flag> all_once;
+  TopKSums all_sums;
   std::vector<float> max_vnorm;  // [t]
   // The reference probabilities transposed, [g][T][S] (+ kMemberChunk floats of padding): a merged slot's
   // member sums of several steps read each member's steps contiguously (see MemberSums). Built on first use
@@ -167,7 +171,7 @@ struct WorkerScratch {
   std::vector<uint32_t> stamp;  // [T] for CheckCache
   uint32_t epoch = 0;
   std::vector<float> cache_probs;  // [g][slots] of the current step
-  std::vector<float> sorted;       // TopSum's sorted row; TopKSums::Sum's bucket
+  std::vector<float> sorted;       // TopKSums::Sum's bucket
   // The steps' plain visible slots (token positions), step t's in [step_begin[t], step_begin[t + 1]).
   std::vector<int32_t> plain;
   std::vector<size_t> step_begin;
@@ -268,6 +272,7 @@ class LayerPass {
     for (int g = 0; g < group; ++g)
       ComputeDecodeReference(m_, n, steps, DecodeQuery(u * group + g, 0), keys, values, &w.refs[g]);
     w.probs_t_once = std::make_unique<std::once_flag>();
+    w.all_once = std::make_unique<std::once_flag>();
     // ‖v_j‖, 8 keys at a time: each key's sum is still added over k in order, but the 8 chains are
     // independent (one serial chain per key kept the core waiting on the adder).
     std::vector<float> vnorm(t_all);
@@ -342,7 +347,7 @@ class LayerPass {
   // A run's k is min(its visible slots, the visible tokens). Step's checks bound a run's cache size (and so
   // its visible slots) by its cap, so the prefix sums are kept up to `kpre`, the largest bound below T of
   // any run; a run whose bound is T or more (`full`) reads `top_all` when it sees every visible token and
-  // sorts the row itself otherwise (TopSum). Only the kpre largest values and the ones too small to be added
+  // `all_sums` otherwise (AllSums). Only the kpre largest values and the ones too small to be added
   // exactly are sorted (SortForDescendingSums): every value is bit-identical to a full sort's prefix sum.
   // With an oracle (future_attention) every row is sorted in full, as it reads the sorted rows. Otherwise,
   // when some run needs top-k sums (kpre > 0), no row is sorted: TopKSums keeps each row's values in
@@ -437,14 +442,23 @@ class LayerPass {
     }
   }
 
-  // The regret's top-k sum of step t's row of group member g for a k above the unit's kpre (a run with no
-  // cap below T): the row sorted here, the same additions in the same order as the prefix sums.
-  static double TopSum(const DecodeReference& ref, int t, int k, WorkerScratch& ws) {
-    const int first = ref.first[t];
-    SortDescendingNonNegative({ref.row(t) + first, static_cast<size_t>(ref.last(t) - first + 1)}, &ws.sorted);
-    double acc = 0;
-    for (int i = 0; i < k; ++i) acc += ws.sorted[i];
-    return acc;
+  // The top-k sums of every row for any k, for a k above the unit's kpre (a run with no cap below T, e.g.
+  // one that compresses at decode step 0 and may exceed its budget): built once per unit on the first such
+  // k (a unit whose runs never ask builds nothing) and shared by its runs. Each value is bit-identical to
+  // the sequential sum of the row sorted in full (TopKSums' own proof), which this replaces: one sort of
+  // the row per run and step before.
+  const TopKSums& AllSums(UnitWork& w) {
+    std::call_once(*w.all_once, [&] {
+      const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
+      w.all_sums.Reserve(group * steps, static_cast<size_t>(group) * steps * t_all);
+      for (int g = 0; g < group; ++g)
+        for (int t = 0; t < steps; ++t) {  // row g * steps + t
+          const DecodeReference& ref = w.refs[g];
+          const int first = ref.first[t];
+          w.all_sums.AddRow({ref.row(t) + first, static_cast<size_t>(ref.last(t) - first + 1)}, t_all);
+        }
+    });
+    return w.all_sums;
   }
 
   // Kept-token statistics right after the compression event.
@@ -821,7 +835,7 @@ class LayerPass {
       const double top = k == len      ? w.top_all[gt]
                          : k <= w.kpre ? (w.use_sums ? w.sums.Sum(static_cast<int>(gt), k, &ws.sorted)
                                                      : w.top_sum[gt * (w.kpre + 1) + k])
-                                       : TopSum(ref, t, k, ws);
+                                       : AllSums(w).Sum(static_cast<int>(gt), k, &ws.sorted);
       a.regret[si] = static_cast<float>(top - retained);
       double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
       double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];

@@ -86,6 +86,51 @@ float KeyValue(uint32_t key) {
   return v;
 }
 
+// The sum of values[0, n) in double (8 lanes, combined in a fixed order: an upper bound of the descending
+// sum to within n * 2^-53, relative), the largest value's bit pattern (-0 as +0) and the smallest nonzero
+// one's (0 when every value is a zero), in two loops that
+// vectorise (as unsigned integers, the bit patterns of non-negative floats order like their values, and
+// every negative one but -0 lies above 0x80000000). Checks that no value is below -0 and that the sum is
+// finite (a NaN or an infinity makes it NaN or infinite). `who` names the caller in the messages.
+double SumAndMax(std::span<const float> values, uint32_t* umax, uint32_t* umin, const char* who) {
+  const size_t n = values.size();
+  uint32_t m8[8] = {}, r8[8] = {};  // per lane: the largest magnitude's and the largest raw bit pattern
+  uint32_t z8[8];                   // per lane: the smallest nonzero magnitude's bit pattern, minus 1
+  std::fill_n(z8, 8, ~0u);
+  double s8[8] = {};
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) {
+      uint32_t u;
+      std::memcpy(&u, &values[i + l], 4);
+      m8[l] = std::max(m8[l], u & 0x7fffffffu);
+      r8[l] = std::max(r8[l], u);
+      z8[l] = std::min(z8[l], (u & 0x7fffffffu) - 1);  // a zero wraps to ~0
+    }
+  for (size_t j = 0; j < i; j += 8)
+    for (int l = 0; l < 8; ++l) s8[l] += values[j + l];
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &values[i], 4);
+    m8[0] = std::max(m8[0], u & 0x7fffffffu);
+    r8[0] = std::max(r8[0], u);
+    z8[0] = std::min(z8[0], (u & 0x7fffffffu) - 1);
+    s8[0] += values[i];
+  }
+  uint32_t mx = 0, raw = 0, mn = ~0u;
+  for (int l = 0; l < 8; ++l) {
+    mx = std::max(mx, m8[l]);
+    raw = std::max(raw, r8[l]);
+    mn = std::min(mn, z8[l]);
+  }
+  *umin = mn + 1;  // 0 when every value is a zero
+  KVSIM_CHECK_MSG(raw <= 0x80000000u, std::string(who) + ": values must be non-negative");
+  const double sum = ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));
+  KVSIM_CHECK_MSG(std::isfinite(sum), std::string(who) + ": values must be finite");
+  *umax = mx;
+  return sum;
+}
+
 }  // namespace
 
 void SortDescendingNonNegative(std::span<const float> values, std::vector<float>* out) {
@@ -120,35 +165,36 @@ void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<
   // digit (for the k largest). No key is stored: pass 2 recomputes them (cheaper than a store and a load).
   constexpr int kTop = 2 * kBits;  // the top digit: key bits [22, 32)
   size_t top[kBuckets] = {};
-  double s4[4] = {};
-  uint32_t negative = 0;  // any value below -0
+  double sum = 0;
+  uint32_t umin = 1;  // the smallest nonzero value's bit pattern (when k = 0)
   size_t i = 0;
   if (k > 0) {
-    for (; i < n; ++i) {
-      uint32_t u;
-      std::memcpy(&u, &values[i], 4);
-      negative |= u > 0x80000000u;
-      ++top[(~(u & 0x7fffffffu)) >> kTop];
-      s4[i & 3] += values[i];
-    }
-  } else {
+    double s4[4] = {};
+    uint32_t negative = 0;  // any value below -0
+    // Four lanes unrolled by hand: indexing the partial sums by i & 3 kept them in memory (a store and a
+    // reload per value on the critical path).
     for (; i + 4 <= n; i += 4)
       for (int l = 0; l < 4; ++l) {
         uint32_t u;
         std::memcpy(&u, &values[i + l], 4);
         negative |= u > 0x80000000u;
+        ++top[(~(u & 0x7fffffffu)) >> kTop];
         s4[l] += values[i + l];
       }
     for (; i < n; ++i) {
       uint32_t u;
       std::memcpy(&u, &values[i], 4);
       negative |= u > 0x80000000u;
+      ++top[(~(u & 0x7fffffffu)) >> kTop];
       s4[0] += values[i];
     }
+    KVSIM_CHECK_MSG(!negative, "SortForDescendingSums: values must be non-negative");
+    sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+    KVSIM_CHECK_MSG(std::isfinite(sum), "SortForDescendingSums: values must be finite");
+  } else {
+    uint32_t umax;
+    sum = SumAndMax(values, &umax, &umin, "SortForDescendingSums");
   }
-  KVSIM_CHECK_MSG(!negative, "SortForDescendingSums: values must be non-negative");
-  const double sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-  KVSIM_CHECK_MSG(std::isfinite(sum), "SortForDescendingSums: values must be finite");
   // The computed sum is within n * 2^-53 (relative) of the true one: 2^-20 of headroom covers n < 2^30.
   int e = 0;
   std::frexp(sum * (1.0 + 0x1p-20), &e);        // sum * (1 + 2^-20) < 2^e
@@ -160,19 +206,39 @@ void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<
     seen += top[c];
     cut = static_cast<int>(c);
   }
+  if (k == 0 && (umin == 0 || umin >= ~big_key)) {
+    // Every nonzero value is >= 2^L (the usual case for softmax rows): S[n] is their exact sum, and pass 1
+    // has added them already (each lane's sum and the lanes' combination are exact, as any order is).
+    *exact_sum = sum;
+    head->clear();
+    tail->clear();
+    return;
+  }
   // Pass 2: gather the keys to sort (the top digits up to `cut`, and the nonzero values below 2^L) and
   // sum the values >= 2^L (exact: any order).
+  // The exact sum first (a branch-free map and reduction: it vectorises), then the gather (sequential).
   double e4[4] = {};
+  for (i = 0; i + 4 <= n; i += 4)
+    for (int l = 0; l < 4; ++l) e4[l] += values[i + l] >= big ? static_cast<double>(values[i + l]) : 0.0;
+  for (; i < n; ++i) e4[0] += values[i] >= big ? static_cast<double>(values[i]) : 0.0;
   size_t m = 0;
   const uint32_t zero_key = ~0u;
-  for (i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &values[i], 4);
-    const uint32_t key = ~(u & 0x7fffffffu);
-    const bool is_big = key <= big_key;
-    e4[i & 3] += is_big ? static_cast<double>(values[i]) : 0.0;
-    b[m] = key;
-    m += static_cast<int>(key >> kTop) <= cut || (!is_big && key != zero_key);
+  if (k > 0) {
+    for (i = 0; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &values[i], 4);
+      const uint32_t key = ~(u & 0x7fffffffu);
+      b[m] = key;
+      m += static_cast<int>(key >> kTop) <= cut || (key > big_key && key != zero_key);
+    }
+  } else {  // only the nonzero values below 2^L, usually few: a branch predicted right is cheaper than a
+            // store of every key
+    for (i = 0; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &values[i], 4);
+      const uint32_t key = ~(u & 0x7fffffffu);
+      if (key > big_key && key != zero_key) b[m++] = key;
+    }
   }
   *exact_sum = (e4[0] + e4[1]) + (e4[2] + e4[3]);
   a.swap(b);

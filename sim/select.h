@@ -30,7 +30,9 @@ void SortDescendingNonNegative(std::span<const float> values, std::vector<float>
 // (`exact_sum`, added here in any order), and only the nonzero values below 2^L (`tail`; zeros add
 // nothing) need their descending order. Both results are bit-identical to a full sort followed by the
 // sequential sums (tests/sim/select_test.cc). Sorts only those and the kmax largest: O(n) passes plus a
-// radix sort of (kmax + |tail|) keys instead of n. Values must be non-negative and finite.
+// radix sort of (kmax + |tail|) keys instead of n; with kmax 0 and no nonzero value below 2^L (softmax rows,
+// usually), one vectorised pass: S[n] is then the exact sum that pass computes. Values must be
+// non-negative and finite.
 void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<float>* head,
                            double* exact_sum, std::vector<float>* tail);
 

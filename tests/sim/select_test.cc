@@ -190,6 +190,19 @@ TEST_CASE("SortForDescendingSums: prefix sums and the total equal a full sort's,
   }
 }
 
+TEST_CASE("SortForDescendingSums: a row with no value below 2^L needs no sort at kmax 0", "[select]") {
+  // Values in [1, 2) / n: every one is far above 2^L (the sum's binade - 30), so the tail is empty and
+  // S[n] is the exact sum (the early return), still equal to the sorted sum bit for bit.
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(1.0f, 2.0f);
+  for (int n : {1, 7, 8, 9, 1000, 3409}) {
+    std::vector<float> v(n);
+    for (float& x : v) x = u(rng) / static_cast<float>(n);
+    if (n > 8) v[3] = -0.0f;  // zeros of either sign add nothing
+    CHECK(CheckDescendingSums(v) == 0);
+  }
+}
+
 TEST_CASE("SortForDescendingSums: the small values' order matters and is kept", "[select]") {
   // One value of 1 and many of 2^-60 .. 2^-40: each small one is below half an ulp of the running sum
   // only in some orders, so the ascending and the descending sums differ; the function must give the
