@@ -690,7 +690,9 @@ class LayerPass {
     RunAccum& a = acc_[r];
     a.tokens[UnitIndex(u) * (steps + 1) + 1 + t] = cache.size();
     const int slots = cache.size();
-    ws.cache_probs.assign(static_cast<size_t>(group) * slots, 0.0f);
+    // The renormalised attention over the slots, only for a policy whose AfterStep reads it.
+    const bool want_cp = plan.req.decode_attention;
+    if (want_cp) ws.cache_probs.assign(static_cast<size_t>(group) * slots, 0.0f);
     const auto tokens = cache.tokens();
     // The step's plain visible slots (the same for every head of the group): the compact product's rows.
     const int first0 = w.refs[0].first[t];
@@ -731,7 +733,7 @@ class LayerPass {
       const float* p = ref.row(t);
       const int first = ref.first[t];
       const float lse = ref.log_z[t];
-      float* cp = &ws.cache_probs[static_cast<size_t>(g) * slots];
+      float* cp = want_cp ? &ws.cache_probs[static_cast<size_t>(g) * slots] : nullptr;
       double wsum = 0, retained = 0, anchor = 0, covered = 0, merged_w = 0, merged_mass = 0;
       double ret_mod[4] = {0, 0, 0, 0};
       int visible = 0;
@@ -741,12 +743,21 @@ class LayerPass {
         const Modality* mod = meta_.tokens.modality.data();
         double rm[4][4] = {};
         const int32_t* tk = tokens.data();
-        for (int s = 0; s < slots; ++s) {
-          const int32_t tok = tk[s];
-          const float pt = p[tok];
-          cp[s] = pt;
-          visible += tok >= first;
-          rm[s & 3][static_cast<int>(mod[tok])] += pt;
+        if (cp) {
+          for (int s = 0; s < slots; ++s) {
+            const int32_t tok = tk[s];
+            const float pt = p[tok];
+            cp[s] = pt;
+            visible += tok >= first;
+            rm[s & 3][static_cast<int>(mod[tok])] += pt;
+          }
+        } else {
+          for (int s = 0; s < slots; ++s) {
+            const int32_t tok = tk[s];
+            const float pt = p[tok];
+            visible += tok >= first;
+            rm[s & 3][static_cast<int>(mod[tok])] += pt;
+          }
         }
         for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
         retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
@@ -806,7 +817,7 @@ class LayerPass {
             for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
           }
         }
-        cp[s] = wgt;
+        if (cp) cp[s] = wgt;
         wsum += wgt;
       }
       const size_t gt = static_cast<size_t>(g) * steps + t;
@@ -834,12 +845,13 @@ class LayerPass {
         a.merged_share_sum[UnitIndex(u)] += merged_w / merged_mass;
         ++a.merged_share_n[UnitIndex(u)];
       }
-      if (wsum > 0) {
+      if (cp && wsum > 0) {
         const double inv = 1.0 / wsum;
         for (int s = 0; s < slots; ++s) cp[s] = static_cast<float>(cp[s] * inv);
       }
     }
-    StepAttention after{t, slots, ws.cache_probs.data(), plan.req.future_attention ? full.data() : nullptr,
+    StepAttention after{t, slots, want_cp ? ws.cache_probs.data() : nullptr,
+                        plan.req.future_attention ? full.data() : nullptr,
                         plan.req.future_attention ? full_sorted.data() : nullptr};
     hp.AfterStep(ctx, after, &cache);
     if (recorder_) recorder_->AfterStep(plan.index, layer_.layer, u, t, cache);
