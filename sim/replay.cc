@@ -171,6 +171,14 @@ struct WorkerScratch {
   // The steps' plain visible slots (token positions), step t's in [step_begin[t], step_begin[t + 1]).
   std::vector<int32_t> plain;
   std::vector<size_t> step_begin;
+  // While `prefix`: every step so far had only plain slots, all visible, and changed its cache only by
+  // appending tokens newer than the previous step's position, so step t's plain slots are the first
+  // (step_begin[t + 1] - step_begin[t]) tokens of `ptok` (the latest step's tokens, in slot order) and
+  // `plain` stays empty. The first step that breaks this writes the earlier steps into `plain`
+  // (ExpandPrefix), and the run continues as before.
+  bool prefix = false;
+  uint64_t prefix_version = 0;
+  std::vector<int32_t> ptok;
   std::vector<double> wsum;       // [g][t] Σ_s w_s over visible slots
   std::vector<double> retained;   // [g][t]
   std::vector<char> checked;      // [t]: the bound is checked (no merged slot in the cache)
@@ -520,6 +528,8 @@ class LayerPass {
     }
     ws.plain.clear();
     ws.step_begin.assign(1, 0);
+    ws.prefix = false;
+    ws.ptok.clear();
     ws.wsum.assign(gs, 0.0);
     ws.retained.assign(gs, 0.0);
     ws.checked.assign(steps, 0);
@@ -650,6 +660,17 @@ class LayerPass {
     ws.ms0 = -1;
   }
 
+  // Ends the prefix mode (WorkerScratch::prefix): writes the steps so far into `plain`.
+  static void ExpandPrefix(WorkerScratch& ws) {
+    if (!ws.prefix) return;
+    ws.plain.clear();
+    for (size_t t = 0; t + 1 < ws.step_begin.size(); ++t)
+      ws.plain.insert(ws.plain.end(), ws.ptok.begin(),
+                      ws.ptok.begin() + static_cast<std::ptrdiff_t>(ws.step_begin[t + 1] - ws.step_begin[t]));
+    ws.prefix = false;
+    ws.ptok.clear();
+  }
+
   // One decode step of run r on KV head u: the policy's hooks, the cache checks and every metric of the
   // step except the output error, which needs Σ_s w_s v_s and is computed for all steps in FinishRun.
   void Step(int u, int r, int t, WorkerScratch& ws) {
@@ -696,12 +717,29 @@ class LayerPass {
     const auto tokens = cache.tokens();
     // The step's plain visible slots (the same for every head of the group): the compact product's rows.
     const int first0 = w.refs[0].first[t];
-    if (first0 == 0 && !cache.has_merges())
+    const bool whole = first0 == 0 && !cache.has_merges();  // every slot is plain and visible
+    if (ws.prefix) {
+      // Unchanged version: only appends since the previous step; they must be newer than its position.
+      bool keeps = whole && cache.version() == ws.prefix_version;
+      for (size_t s = ws.ptok.size(); keeps && s < tokens.size(); ++s) keeps = tokens[s] >= pos;
+      if (keeps)
+        ws.ptok.insert(ws.ptok.end(), tokens.begin() + static_cast<std::ptrdiff_t>(ws.ptok.size()),
+                       tokens.end());
+      else
+        ExpandPrefix(ws);
+    } else if (t == 0 && whole) {
+      ws.prefix = true;
+      ws.prefix_version = cache.version();
+      ws.ptok.assign(tokens.begin(), tokens.end());
+    }
+    if (ws.prefix)
+      ws.step_begin.push_back(ws.step_begin.back() + slots);
+    else if (whole)
       ws.plain.insert(ws.plain.end(), tokens.begin(), tokens.end());
     else
       for (int s = 0; s < slots; ++s)
         if (tokens[s] >= first0 && !cache.is_merged(s)) ws.plain.push_back(tokens[s]);
-    ws.step_begin.push_back(ws.plain.size());
+    if (!ws.prefix) ws.step_begin.push_back(ws.plain.size());
     ws.checked[t] = !cache.has_merges();
     // Merged slots in bulk while the cache is unchanged since the previous step (else per step, below).
     const uint64_t version = cache.version();
@@ -883,7 +921,30 @@ class LayerPass {
       for (int g = 0; g < group; ++g)
         std::copy(w.refs[g].output.begin(), w.refs[g].output.end(),
                   ws.out.begin() + static_cast<size_t>(g) * steps * d);
+    } else if (ws.prefix && !ws.ptok.empty() &&
+               ws.ptok.size() * steps <= 4 * static_cast<size_t>(ws.step_begin.back())) {
+      // Prefix-closed steps: U is the last step's tokens, and every token of U that step t did not hold
+      // came later, past step t's position, where p_t is zero: A's rows are gathered whole, the same values
+      // in the same layout as the scatter below writes.
+      ws.used.assign(ws.ptok.begin(), ws.ptok.end());
+      std::sort(ws.used.begin(), ws.used.end());
+      const size_t nu = ws.used.size();
+      ws.a.resize(rows * nu);
+      ws.vu.resize(nu * d);
+      for (size_t c = 0; c < nu; ++c)
+        std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
+      const int32_t* used = ws.used.data();
+      for (int g = 0; g < group; ++g)
+        for (int t = 0; t < steps; ++t) {
+          const float* p = w.refs[g].row(t);
+          float* row = ws.a.data() + (static_cast<size_t>(g) * steps + t) * nu;
+          for (size_t c = 0; c < nu; ++c) row[c] = p[used[c]];
+        }
+      EnsureSingleThreadedBlas();
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, static_cast<int>(nu),
+                  1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f, ws.out.data(), d);
     } else {
+      ExpandPrefix(ws);
       ws.used.clear();
       for (int32_t tok : ws.plain)
         if (ws.col[tok] < 0) {
