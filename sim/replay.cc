@@ -155,9 +155,9 @@ struct UnitWork {
   std::vector<HeadCache> caches;                      // per run
   std::vector<int> prefill_size;                      // per run: cache slots after the prefill event
   struct Checked {                                    // per run: what CheckCache saw last
-    uint64_t version = ~uint64_t{0};
-    int size = 0;
-    int32_t max_token = -1;
+    uint64_t rewrites = ~uint64_t{0};                 // HeadCache::rewrites() (never: ~0)
+    uint64_t appends = 0;                             // HeadCache::appends()
+    int32_t max_token = -1;                           // the largest token any check saw
   };
   std::vector<Checked> checked;
 };
@@ -482,24 +482,33 @@ class LayerPass {
   }
 
   // Never a token twice, never a token from the future (O(covered tokens) with an epoch-stamped marker).
-  // When the cache only grew by appends since the last check of run r, only the new slots are checked:
-  // each must be newer than every token seen before (so it cannot be a duplicate) and not from the future.
+  // When the cache only lost slots and gained appended ones since the last check of run r (no assignment,
+  // no merge: HeadCache::rewrites() unchanged), every slot it held then passed that check, and evicting
+  // cannot break either rule, so only the slots appended since are checked (O(appends), e.g. streaming_llm's
+  // one eviction and one append per step): each must be a plain slot newer than every token any check saw
+  // (so it cannot be held twice) and not from the future. A slot that fails this (a policy appending an old
+  // token) gets the full check, which decides.
   static void CheckCache(UnitWork& w, WorkerScratch& ws, const HeadCache& cache, int32_t last_token,
                          size_t r) {
     UnitWork::Checked& c = w.checked[r];
-    if (cache.version() == c.version && cache.size() >= c.size) {
-      for (int s = c.size; s < cache.size(); ++s) {
+    if (cache.rewrites() == c.rewrites) {
+      const uint64_t added = cache.appends() - c.appends;
+      const int from = cache.size() - static_cast<int>(std::min<uint64_t>(added, cache.size()));
+      int32_t newest = c.max_token;
+      bool ok = true;
+      for (int s = from; s < cache.size() && ok; ++s) {
         const int32_t tok = cache.token(s);
-        KVSIM_CHECK_MSG(tok > c.max_token && tok <= last_token,
-                        "cache holds a token outside [0, current position] or twice");
-        c.max_token = tok;
+        ok = tok > newest && tok <= last_token && !cache.is_merged(s);
+        newest = tok;
       }
-      c.size = cache.size();
-      return;
+      if (ok) {
+        c.max_token = newest;
+        c.appends = cache.appends();
+        return;
+      }
     }
-    c.version = cache.version();
-    c.size = cache.size();
-    c.max_token = -1;
+    c.rewrites = cache.rewrites();
+    c.appends = cache.appends();
     for (int s = 0; s < cache.size(); ++s) {
       c.max_token = std::max(c.max_token, cache.token(s));
       if (cache.is_merged(s))

@@ -1,8 +1,13 @@
 #include "sim/replay.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <csignal>
+#include <functional>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -142,6 +147,35 @@ class MergePolicy final : public Policy {
 
  private:
   Recorder* rec_;
+};
+
+// Keeps the whole prompt; before each decode step, `act` changes the cache (a test's way to break or to
+// stretch the engine's cache checks).
+class ActPolicy final : public Policy {
+ public:
+  using Act = std::function<void(int step, HeadCache* cache)>;
+  explicit ActPolicy(Act act) : act_(std::move(act)) {}
+  std::string name() const override { return "act"; }
+  std::string ParamsText() const override { return ""; }
+  PolicyRequirements requirements() const override { return {}; }
+  bool evicts_during_decode() const override { return false; }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+    class Head final : public HeadPolicy {
+     public:
+      explicit Head(const Act& act) : act_(act) {}
+      void OnPrefill(const HeadContext&, int, HeadCache*) override {}
+      void BeforeStep(const HeadContext&, const StepAttention& att, int, HeadCache* cache) override {
+        act_(att.step, cache);
+      }
+
+     private:
+      const Act& act_;
+    };
+    return std::make_unique<Head>(act_);
+  }
+
+ private:
+  Act act_;
 };
 
 RunSpec Spec(std::shared_ptr<const Policy> p, int budget_tokens,
@@ -1271,7 +1305,7 @@ TEST_CASE("replay: meda with recorded entropies runs on a window-only trace", "[
           }
           storage { dtype: "float16" record_prefill_column_sums: true record_prompt_entropies: true)pb") +
             (window_only ? " query_storage: WINDOW query_window: 16" : " query_storage: ALL") + R"pb(}
-                                                                                                   profile { num_sinks: 2 dense_layers: 1 }
+                                                                                                     profile { num_sinks: 2 dense_layers: 1 }
           seed: 5)pb",
         "window test");
     INFO(config.status().message());
@@ -1343,6 +1377,67 @@ TEST_CASE("replay: meda with recorded entropies runs on a window-only trace", "[
   const Status s = CheckRuns(no_entropies, {&meda, 1});
   REQUIRE_FALSE(s.ok());
   CHECK(std::string(s.message()).find("or record prompt entropies") != std::string::npos);
+}
+
+// The engine's cache check after evictions: it looks only at the slots appended since its last check when
+// nothing but evictions and appends happened, and must still catch a token held twice (appended again, or
+// merged in), a token from the future, and accept a legal re-append of an evicted token.
+TEST_CASE("replay: the cache check catches broken caches after evictions (checked in a child process)",
+          "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  auto aborts = [&tr](ActPolicy::Act act) {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::freopen("/dev/null", "w", stderr);
+      ::freopen("/dev/null", "w", stdout);  // Catch2's handler reports the abort before re-raising it
+      std::vector<RunSpec> runs{Spec(std::make_shared<ActPolicy>(std::move(act)), 4)};
+      (void)Replay(tr, runs, Options());
+      ::_exit(0);  // the check let it through
+    }
+    int wstatus = 0;
+    REQUIRE(::waitpid(pid, &wstatus, 0) == pid);
+    return WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGABRT;
+  };
+  const std::vector<float> k(2, 0.0f), v(2, 0.0f);
+  // Step 1 (cache {0, 1, 2, 3, 4}): evict token 0, then append token 2 again.
+  CHECK(aborts([](int step, HeadCache* c) {
+    if (step != 1) return;
+    c->EvictSlot(0);
+    c->Append(2);
+  }));
+  // Evict, then append the newest token (4) again: newer than every other, but already held.
+  CHECK(aborts([](int step, HeadCache* c) {
+    if (step != 1) return;
+    c->EvictSlot(1);
+    c->Append(4);
+  }));
+  // Evict at both steps, and append a token from the future at step 0 (the engine appends 4 after it).
+  CHECK(aborts([](int step, HeadCache* c) {
+    c->EvictSlot(0);
+    if (step == 0) c->Append(5);
+  }));
+  // Evict, then merge a held token into another slot.
+  CHECK(aborts([&k, &v](int step, HeadCache* c) {
+    if (step != 1) return;
+    c->EvictSlot(0);
+    c->MergeInto(0, 3, 0.5f, k, v);
+  }));
+  // Evict at step 0 and step 1; at step 1 append the token evicted at step 0: legal (held once).
+  CHECK_FALSE(aborts([](int step, HeadCache* c) {
+    c->EvictSlot(0);
+    if (step == 1) c->Append(0);
+  }));
+  // The same run in this process: it completes, and its caches are what the policy made.
+  std::vector<RunSpec> runs{Spec(std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+                                   c->EvictSlot(0);
+                                   if (step == 1) c->Append(0);
+                                 }),
+                                 4)};
+  auto res = Replay(tr, runs, Options());
+  REQUIRE(res.ok());
+  // Step 0: {1, 2, 3, 4}; step 1: {2, 3, 4, 0, 5}.
+  CHECK((*res)[0].timeline((*res)[0].timeline_size() - 1).kv_tokens() == 5);
 }
 
 }  // namespace kvsim
