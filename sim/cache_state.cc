@@ -8,6 +8,7 @@ namespace kvsim {
 
 void HeadCache::Assign(std::span<const int32_t> tokens) {
   ++version_;
+  ++rewrites_;
   tokens_.assign(tokens.begin(), tokens.end());
   merge_of_.assign(tokens_.size(), -1);
   merges_.clear();
@@ -16,6 +17,7 @@ void HeadCache::Assign(std::span<const int32_t> tokens) {
 
 void HeadCache::AssignRange(int32_t begin, int32_t end) {
   ++version_;
+  ++rewrites_;
   tokens_.resize(end - begin);
   for (int32_t i = begin; i < end; ++i) tokens_[i - begin] = i;
   merge_of_.assign(tokens_.size(), -1);
@@ -24,6 +26,7 @@ void HeadCache::AssignRange(int32_t begin, int32_t end) {
 }
 
 void HeadCache::Append(int32_t token) {
+  ++appends_;
   tokens_.push_back(token);
   merge_of_.push_back(-1);
 }
@@ -61,6 +64,7 @@ void HeadCache::EvictSlots(std::span<const int> slots) {
 void HeadCache::MergeInto(int slot, int32_t token, float weight, std::span<const float> key,
                           std::span<const float> value) {
   ++version_;
+  ++rewrites_;
   KVSIM_CHECK(slot >= 0 && slot < size());
   KVSIM_CHECK(static_cast<int>(key.size()) == head_dim_ && static_cast<int>(value.size()) == head_dim_);
   if (merge_of_[slot] < 0) {
@@ -76,6 +80,7 @@ void HeadCache::MergeInto(int slot, int32_t token, float weight, std::span<const
 
 void HeadCache::SetMerge(int slot, MergedSlot merge) {
   ++version_;
+  ++rewrites_;
   KVSIM_CHECK(slot >= 0 && slot < size());
   KVSIM_CHECK(static_cast<int>(merge.key.size()) == head_dim_ &&
               static_cast<int>(merge.value.size()) == head_dim_);

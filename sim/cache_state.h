@@ -34,6 +34,12 @@ class HeadCache {
   // Counts every change other than Append (evictions, assignments, merges): a checker that saw version v
   // only needs to look at the slots appended since, if the version is still v.
   uint64_t version() const { return version_; }
+  // Counts the changes that can bring a token in other than Append (Assign, AssignRange, MergeInto,
+  // SetMerge); evictions leave it. Appends add slots at the end and evictions keep the order of the rest,
+  // so the slots appended since a checker saw (rewrites() == r, appends() == a) that are still held are
+  // among the last appends() - a slots, and every other slot held now was held then.
+  uint64_t rewrites() const { return rewrites_; }
+  uint64_t appends() const { return appends_; }  // Append calls so far
 
   // Replaces the content with these tokens as plain slots (ascending).
   void Assign(std::span<const int32_t> tokens);
@@ -61,6 +67,8 @@ class HeadCache {
   std::vector<MergedSlot> merges_;
   int num_merged_slots_ = 0;
   uint64_t version_ = 0;
+  uint64_t rewrites_ = 0;
+  uint64_t appends_ = 0;
 };
 
 }  // namespace kvsim

@@ -76,7 +76,8 @@ struct StepAttention {
   int step = 0;       // 0-based decode step; the new token's position is prefill_length + step
   int num_slots = 0;  // cache size during this step (the new token included)
   // Per query head of the group: attention over the cache's slots, renormalised over the cache:
-  // [group][num_slots]
+  // [group][num_slots]. Only in AfterStep and only for policies with Requirements::decode_attention (the
+  // engine skips computing it for the others); null otherwise.
   const float* cache_probs = nullptr;
   // Only for policies with Requirements::future_attention: full-cache attention of this step's queries over
   // every token [0, prefill_length + step], [group][prefill_length + step + 1]. Null otherwise.

@@ -159,9 +159,9 @@ struct UnitWork {
   std::vector<HeadCache> caches;                      // per run
   std::vector<int> prefill_size;                      // per run: cache slots after the prefill event
   struct Checked {                                    // per run: what CheckCache saw last
-    uint64_t version = ~uint64_t{0};
-    int size = 0;
-    int32_t max_token = -1;
+    uint64_t rewrites = ~uint64_t{0};                 // HeadCache::rewrites() (never: ~0)
+    uint64_t appends = 0;                             // HeadCache::appends()
+    int32_t max_token = -1;                           // the largest token any check saw
   };
   std::vector<Checked> checked;
 };
@@ -175,6 +175,14 @@ struct WorkerScratch {
   // The steps' plain visible slots (token positions), step t's in [step_begin[t], step_begin[t + 1]).
   std::vector<int32_t> plain;
   std::vector<size_t> step_begin;
+  // While `prefix`: every step so far had only plain slots, all visible, and changed its cache only by
+  // appending tokens newer than the previous step's position, so step t's plain slots are the first
+  // (step_begin[t + 1] - step_begin[t]) tokens of `ptok` (the latest step's tokens, in slot order) and
+  // `plain` stays empty. The first step that breaks this writes the earlier steps into `plain`
+  // (ExpandPrefix), and the run continues as before.
+  bool prefix = false;
+  uint64_t prefix_version = 0;
+  std::vector<int32_t> ptok;
   std::vector<double> wsum;       // [g][t] Σ_s w_s over visible slots
   std::vector<double> retained;   // [g][t]
   std::vector<char> checked;      // [t]: the bound is checked (no merged slot in the cache)
@@ -488,24 +496,33 @@ class LayerPass {
   }
 
   // Never a token twice, never a token from the future (O(covered tokens) with an epoch-stamped marker).
-  // When the cache only grew by appends since the last check of run r, only the new slots are checked:
-  // each must be newer than every token seen before (so it cannot be a duplicate) and not from the future.
+  // When the cache only lost slots and gained appended ones since the last check of run r (no assignment,
+  // no merge: HeadCache::rewrites() unchanged), every slot it held then passed that check, and evicting
+  // cannot break either rule, so only the slots appended since are checked (O(appends), e.g. streaming_llm's
+  // one eviction and one append per step): each must be a plain slot newer than every token any check saw
+  // (so it cannot be held twice) and not from the future. A slot that fails this (a policy appending an old
+  // token) gets the full check, which decides.
   static void CheckCache(UnitWork& w, WorkerScratch& ws, const HeadCache& cache, int32_t last_token,
                          size_t r) {
     UnitWork::Checked& c = w.checked[r];
-    if (cache.version() == c.version && cache.size() >= c.size) {
-      for (int s = c.size; s < cache.size(); ++s) {
+    if (cache.rewrites() == c.rewrites) {
+      const uint64_t added = cache.appends() - c.appends;
+      const int from = cache.size() - static_cast<int>(std::min<uint64_t>(added, cache.size()));
+      int32_t newest = c.max_token;
+      bool ok = true;
+      for (int s = from; s < cache.size() && ok; ++s) {
         const int32_t tok = cache.token(s);
-        KVSIM_CHECK_MSG(tok > c.max_token && tok <= last_token,
-                        "cache holds a token outside [0, current position] or twice");
-        c.max_token = tok;
+        ok = tok > newest && tok <= last_token && !cache.is_merged(s);
+        newest = tok;
       }
-      c.size = cache.size();
-      return;
+      if (ok) {
+        c.max_token = newest;
+        c.appends = cache.appends();
+        return;
+      }
     }
-    c.version = cache.version();
-    c.size = cache.size();
-    c.max_token = -1;
+    c.rewrites = cache.rewrites();
+    c.appends = cache.appends();
     for (int s = 0; s < cache.size(); ++s) {
       c.max_token = std::max(c.max_token, cache.token(s));
       if (cache.is_merged(s))
@@ -534,6 +551,8 @@ class LayerPass {
     }
     ws.plain.clear();
     ws.step_begin.assign(1, 0);
+    ws.prefix = false;
+    ws.ptok.clear();
     ws.wsum.assign(gs, 0.0);
     ws.retained.assign(gs, 0.0);
     ws.checked.assign(steps, 0);
@@ -664,6 +683,17 @@ class LayerPass {
     ws.ms0 = -1;
   }
 
+  // Ends the prefix mode (WorkerScratch::prefix): writes the steps so far into `plain`.
+  static void ExpandPrefix(WorkerScratch& ws) {
+    if (!ws.prefix) return;
+    ws.plain.clear();
+    for (size_t t = 0; t + 1 < ws.step_begin.size(); ++t)
+      ws.plain.insert(ws.plain.end(), ws.ptok.begin(),
+                      ws.ptok.begin() + static_cast<std::ptrdiff_t>(ws.step_begin[t + 1] - ws.step_begin[t]));
+    ws.prefix = false;
+    ws.ptok.clear();
+  }
+
   // One decode step of run r on KV head u: the policy's hooks, the cache checks and every metric of the
   // step except the output error, which needs Σ_s w_s v_s and is computed for all steps in FinishRun.
   void Step(int u, int r, int t, WorkerScratch& ws) {
@@ -704,16 +734,35 @@ class LayerPass {
     RunAccum& a = acc_[r];
     a.tokens[UnitIndex(u) * (steps + 1) + 1 + t] = cache.size();
     const int slots = cache.size();
-    ws.cache_probs.assign(static_cast<size_t>(group) * slots, 0.0f);
+    // The renormalised attention over the slots, only for a policy whose AfterStep reads it.
+    const bool want_cp = plan.req.decode_attention;
+    if (want_cp) ws.cache_probs.assign(static_cast<size_t>(group) * slots, 0.0f);
     const auto tokens = cache.tokens();
     // The step's plain visible slots (the same for every head of the group): the compact product's rows.
     const int first0 = w.refs[0].first[t];
-    if (first0 == 0 && !cache.has_merges())
+    const bool whole = first0 == 0 && !cache.has_merges();  // every slot is plain and visible
+    if (ws.prefix) {
+      // Unchanged version: only appends since the previous step; they must be newer than its position.
+      bool keeps = whole && cache.version() == ws.prefix_version;
+      for (size_t s = ws.ptok.size(); keeps && s < tokens.size(); ++s) keeps = tokens[s] >= pos;
+      if (keeps)
+        ws.ptok.insert(ws.ptok.end(), tokens.begin() + static_cast<std::ptrdiff_t>(ws.ptok.size()),
+                       tokens.end());
+      else
+        ExpandPrefix(ws);
+    } else if (t == 0 && whole) {
+      ws.prefix = true;
+      ws.prefix_version = cache.version();
+      ws.ptok.assign(tokens.begin(), tokens.end());
+    }
+    if (ws.prefix)
+      ws.step_begin.push_back(ws.step_begin.back() + slots);
+    else if (whole)
       ws.plain.insert(ws.plain.end(), tokens.begin(), tokens.end());
     else
       for (int s = 0; s < slots; ++s)
         if (tokens[s] >= first0 && !cache.is_merged(s)) ws.plain.push_back(tokens[s]);
-    ws.step_begin.push_back(ws.plain.size());
+    if (!ws.prefix) ws.step_begin.push_back(ws.plain.size());
     ws.checked[t] = !cache.has_merges();
     // Merged slots in bulk while the cache is unchanged since the previous step (else per step, below).
     const uint64_t version = cache.version();
@@ -745,7 +794,7 @@ class LayerPass {
       const float* p = ref.row(t);
       const int first = ref.first[t];
       const float lse = ref.log_z[t];
-      float* cp = &ws.cache_probs[static_cast<size_t>(g) * slots];
+      float* cp = want_cp ? &ws.cache_probs[static_cast<size_t>(g) * slots] : nullptr;
       double wsum = 0, retained = 0, anchor = 0, covered = 0, merged_w = 0, merged_mass = 0;
       double ret_mod[4] = {0, 0, 0, 0};
       int visible = 0;
@@ -755,12 +804,21 @@ class LayerPass {
         const Modality* mod = meta_.tokens.modality.data();
         double rm[4][4] = {};
         const int32_t* tk = tokens.data();
-        for (int s = 0; s < slots; ++s) {
-          const int32_t tok = tk[s];
-          const float pt = p[tok];
-          cp[s] = pt;
-          visible += tok >= first;
-          rm[s & 3][static_cast<int>(mod[tok])] += pt;
+        if (cp) {
+          for (int s = 0; s < slots; ++s) {
+            const int32_t tok = tk[s];
+            const float pt = p[tok];
+            cp[s] = pt;
+            visible += tok >= first;
+            rm[s & 3][static_cast<int>(mod[tok])] += pt;
+          }
+        } else {
+          for (int s = 0; s < slots; ++s) {
+            const int32_t tok = tk[s];
+            const float pt = p[tok];
+            visible += tok >= first;
+            rm[s & 3][static_cast<int>(mod[tok])] += pt;
+          }
         }
         for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
         retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
@@ -820,7 +878,7 @@ class LayerPass {
             for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
           }
         }
-        cp[s] = wgt;
+        if (cp) cp[s] = wgt;
         wsum += wgt;
       }
       const size_t gt = static_cast<size_t>(g) * steps + t;
@@ -848,12 +906,13 @@ class LayerPass {
         a.merged_share_sum[UnitIndex(u)] += merged_w / merged_mass;
         ++a.merged_share_n[UnitIndex(u)];
       }
-      if (wsum > 0) {
+      if (cp && wsum > 0) {
         const double inv = 1.0 / wsum;
         for (int s = 0; s < slots; ++s) cp[s] = static_cast<float>(cp[s] * inv);
       }
     }
-    StepAttention after{t, slots, ws.cache_probs.data(), plan.req.future_attention ? full.data() : nullptr,
+    StepAttention after{t, slots, want_cp ? ws.cache_probs.data() : nullptr,
+                        plan.req.future_attention ? full.data() : nullptr,
                         plan.req.future_attention ? full_sorted.data() : nullptr};
     hp.AfterStep(ctx, after, &cache);
     if (recorder_) recorder_->AfterStep(plan.index, layer_.layer, u, t, cache);
@@ -885,7 +944,30 @@ class LayerPass {
       for (int g = 0; g < group; ++g)
         std::copy(w.refs[g].output.begin(), w.refs[g].output.end(),
                   ws.out.begin() + static_cast<size_t>(g) * steps * d);
+    } else if (ws.prefix && !ws.ptok.empty() &&
+               ws.ptok.size() * steps <= 4 * static_cast<size_t>(ws.step_begin.back())) {
+      // Prefix-closed steps: U is the last step's tokens, and every token of U that step t did not hold
+      // came later, past step t's position, where p_t is zero: A's rows are gathered whole, the same values
+      // in the same layout as the scatter below writes.
+      ws.used.assign(ws.ptok.begin(), ws.ptok.end());
+      std::sort(ws.used.begin(), ws.used.end());
+      const size_t nu = ws.used.size();
+      ws.a.resize(rows * nu);
+      ws.vu.resize(nu * d);
+      for (size_t c = 0; c < nu; ++c)
+        std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
+      const int32_t* used = ws.used.data();
+      for (int g = 0; g < group; ++g)
+        for (int t = 0; t < steps; ++t) {
+          const float* p = w.refs[g].row(t);
+          float* row = ws.a.data() + (static_cast<size_t>(g) * steps + t) * nu;
+          for (size_t c = 0; c < nu; ++c) row[c] = p[used[c]];
+        }
+      EnsureSingleThreadedBlas();
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, static_cast<int>(nu),
+                  1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f, ws.out.data(), d);
     } else {
+      ExpandPrefix(ws);
       ws.used.clear();
       for (int32_t tok : ws.plain)
         if (ws.col[tok] < 0) {

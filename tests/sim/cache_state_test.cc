@@ -119,4 +119,33 @@ TEST_CASE("HeadCache: SetMerge replaces a slot's merge wholesale", "[cache_state
   CHECK(c.CoveredTokens() == std::vector<int32_t>{0, 1, 2, 8, 6, 7});
 }
 
+TEST_CASE("HeadCache: rewrites() counts what can bring a token in other than Append; appends() the appends",
+          "[cache_state]") {
+  HeadCache c(1);
+  const std::vector<float> k{1.0f}, v{2.0f};
+  CHECK(c.rewrites() == 0);
+  CHECK(c.appends() == 0);
+  c.AssignRange(0, 4);
+  CHECK(c.rewrites() == 1);
+  const uint64_t version = c.version();
+  c.Append(4);
+  c.Append(5);
+  CHECK(c.appends() == 2);
+  CHECK(c.rewrites() == 1);
+  CHECK(c.version() == version);  // appends change neither
+  c.EvictSlot(0);
+  c.EvictSlots(std::vector<int>{0});
+  CHECK(c.rewrites() == 1);  // evictions only remove slots
+  CHECK(c.version() == version + 2);
+  // The appended slots still held are among the last appends() - a slots (evictions keep the order).
+  CHECK(Tokens(c) == std::vector<int32_t>{2, 3, 4, 5});
+  c.MergeInto(0, 1, 1.0f, k, v);
+  CHECK(c.rewrites() == 2);
+  c.SetMerge(1, MergedSlot{k, v, {{0, 1.0f}}});
+  CHECK(c.rewrites() == 3);
+  c.Assign(std::vector<int32_t>{1});
+  CHECK(c.rewrites() == 4);
+  CHECK(c.appends() == 2);
+}
+
 }  // namespace kvsim

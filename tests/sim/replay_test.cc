@@ -1,8 +1,13 @@
 #include "sim/replay.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <csignal>
+#include <functional>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -142,6 +147,35 @@ class MergePolicy final : public Policy {
 
  private:
   Recorder* rec_;
+};
+
+// Keeps the whole prompt; before each decode step, `act` changes the cache (a test's way to break or to
+// stretch the engine's cache checks).
+class ActPolicy final : public Policy {
+ public:
+  using Act = std::function<void(int step, HeadCache* cache)>;
+  explicit ActPolicy(Act act) : act_(std::move(act)) {}
+  std::string name() const override { return "act"; }
+  std::string ParamsText() const override { return ""; }
+  PolicyRequirements requirements() const override { return {}; }
+  bool evicts_during_decode() const override { return false; }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+    class Head final : public HeadPolicy {
+     public:
+      explicit Head(const Act& act) : act_(act) {}
+      void OnPrefill(const HeadContext&, int, HeadCache*) override {}
+      void BeforeStep(const HeadContext&, const StepAttention& att, int, HeadCache* cache) override {
+        act_(att.step, cache);
+      }
+
+     private:
+      const Act& act_;
+    };
+    return std::make_unique<Head>(act_);
+  }
+
+ private:
+  Act act_;
 };
 
 RunSpec Spec(std::shared_ptr<const Policy> p, int budget_tokens,
@@ -1271,7 +1305,7 @@ TEST_CASE("replay: meda with recorded entropies runs on a window-only trace", "[
           }
           storage { dtype: "float16" record_prefill_column_sums: true record_prompt_entropies: true)pb") +
             (window_only ? " query_storage: WINDOW query_window: 16" : " query_storage: ALL") + R"pb(}
-                                                                                                   profile { num_sinks: 2 dense_layers: 1 }
+                                                                                                     profile { num_sinks: 2 dense_layers: 1 }
           seed: 5)pb",
         "window test");
     INFO(config.status().message());
@@ -1343,6 +1377,119 @@ TEST_CASE("replay: meda with recorded entropies runs on a window-only trace", "[
   const Status s = CheckRuns(no_entropies, {&meda, 1});
   REQUIRE_FALSE(s.ok());
   CHECK(std::string(s.message()).find("or record prompt entropies") != std::string::npos);
+}
+
+// The engine's cache check after evictions: it looks only at the slots appended since its last check when
+// nothing but evictions and appends happened, and must still catch a token held twice (appended again, or
+// merged in), a token from the future, and accept a legal re-append of an evicted token.
+TEST_CASE("replay: the cache check catches broken caches after evictions (checked in a child process)",
+          "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  auto aborts = [&tr](ActPolicy::Act act) {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::freopen("/dev/null", "w", stderr);
+      ::freopen("/dev/null", "w", stdout);  // Catch2's handler reports the abort before re-raising it
+      std::vector<RunSpec> runs{Spec(std::make_shared<ActPolicy>(std::move(act)), 4)};
+      (void)Replay(tr, runs, Options());
+      ::_exit(0);  // the check let it through
+    }
+    int wstatus = 0;
+    REQUIRE(::waitpid(pid, &wstatus, 0) == pid);
+    return WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGABRT;
+  };
+  const std::vector<float> k(2, 0.0f), v(2, 0.0f);
+  // Step 1 (cache {0, 1, 2, 3, 4}): evict token 0, then append token 2 again.
+  CHECK(aborts([](int step, HeadCache* c) {
+    if (step != 1) return;
+    c->EvictSlot(0);
+    c->Append(2);
+  }));
+  // Evict, then append the newest token (4) again: newer than every other, but already held.
+  CHECK(aborts([](int step, HeadCache* c) {
+    if (step != 1) return;
+    c->EvictSlot(1);
+    c->Append(4);
+  }));
+  // Evict at both steps, and append a token from the future at step 0 (the engine appends 4 after it).
+  CHECK(aborts([](int step, HeadCache* c) {
+    c->EvictSlot(0);
+    if (step == 0) c->Append(5);
+  }));
+  // Evict, then merge a held token into another slot.
+  CHECK(aborts([&k, &v](int step, HeadCache* c) {
+    if (step != 1) return;
+    c->EvictSlot(0);
+    c->MergeInto(0, 3, 0.5f, k, v);
+  }));
+  // Evict at step 0 and step 1; at step 1 append the token evicted at step 0: legal (held once).
+  CHECK_FALSE(aborts([](int step, HeadCache* c) {
+    c->EvictSlot(0);
+    if (step == 1) c->Append(0);
+  }));
+  // The same run in this process: it completes, and its caches are what the policy made.
+  std::vector<RunSpec> runs{Spec(std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+                                   c->EvictSlot(0);
+                                   if (step == 1) c->Append(0);
+                                 }),
+                                 4)};
+  auto res = Replay(tr, runs, Options());
+  REQUIRE(res.ok());
+  // Step 0: {1, 2, 3, 4}; step 1: {2, 3, 4, 0, 5}.
+  CHECK((*res)[0].timeline((*res)[0].timeline_size() - 1).kv_tokens() == 5);
+}
+
+// A cache that only grows through step 0 and then loses a token: the engine's compact output product
+// keeps step 0's set (appends only) without per-step copies until step 1 changes it, then continues with the
+// per-step sets. Step 0 holds every visible token (error 0); step 1 holds {0, 2, 3, 4, 5} of p(step 1) =
+// (1, 1, 4, 1, 1, 2) / 10: o = (v0 + 4 v2 + v3 + v4 + 2 v5) / 9 = (11/9, 10/9) against (1.1, 1.1).
+TEST_CASE("replay: output error of a run that appends, then evicts (hand trace)", "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  std::vector<RunSpec> runs{Spec(std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+                                   if (step == 1) c->EvictSlot(1);
+                                 }),
+                                 4)};
+  for (int threads : {1, 2}) {
+    ReplayOptions o = Options();
+    o.threads = threads;
+    auto res = Replay(tr, runs, o);
+    REQUIRE(res.ok());
+    const double dx = 11.0 / 9 - 1.1, dy = 10.0 / 9 - 1.1;
+    const double err1 = std::sqrt(dx * dx + dy * dy) / (1.1 * std::sqrt(2.0));
+    CHECK((*res)[0].metrics().output_rel_error_mean() == Approx(err1 / 2).epsilon(1e-5));
+    CHECK((*res)[0].metrics().retained_mass_mean() == Approx((1.0 + 0.9) / 2).epsilon(1e-6));
+  }
+}
+
+// The compact output product of a run whose steps only append (kept as the latest step's tokens, A's rows
+// gathered whole) against the same run with a version bump at every step (an empty eviction: the per-step
+// copies and the scatter): every metric bit-identical, for a run that never changes its cache, one that
+// evicts at step 0, in the middle, or at the last step (the earlier steps are then written out at once).
+TEST_CASE("replay: append-only steps give the same results with or without per-step copies", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.decode_steps = 12;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  for (int k : {-1, 0, 3, 11}) {
+    auto act = [k](bool bump) {
+      return [k, bump](int step, HeadCache* c) {
+        if (bump) c->EvictSlots(std::vector<int>{});  // changes the version only
+        if (step == k) c->EvictSlot(2);
+      };
+    };
+    std::vector<RunSpec> runs{Spec(std::make_shared<ActPolicy>(act(false)), spec.prefill_length),
+                              Spec(std::make_shared<ActPolicy>(act(true)), spec.prefill_length)};
+    for (int threads : {1, 3}) {
+      ReplayOptions o = Options();
+      o.threads = threads;
+      auto res = Replay(tr, runs, o);
+      REQUIRE(res.ok());
+      INFO("evict at step " << k << ", threads " << threads);
+      if (k >= 0) CHECK((*res)[0].metrics().retained_mass_mean() < 1.0);  // the eviction is seen
+      CHECK((*res)[0].SerializeAsString() == (*res)[1].SerializeAsString());
+    }
+  }
 }
 
 }  // namespace kvsim
