@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -27,6 +28,7 @@
 #include "sim/parallel.h"
 #include "sim/resources.h"
 #include "traces/half.h"
+#include "traces/mapped_file.h"
 
 namespace kvsim {
 namespace {
@@ -1789,46 +1791,97 @@ Status Hdf5TraceWriter::Finish() {
 
 // ---------------------------------------------------------------------------------------------- hashing
 
+namespace {
+
+// HashFile's state: four independent lanes; per 8-byte word: xor, multiply by an odd constant, xorshift (each
+// step is a bijection of the lane state, so a change confined to one word always changes that lane).
+struct FileHasher {
+  static constexpr uint64_t kMul = 0x9e3779b97f4a7c15ull;
+  static uint64_t Mix(uint64_t h, uint64_t w) {
+    h = (h ^ w) * kMul;
+    return h ^ (h >> 29);
+  }
+  uint64_t lane[4] = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull, 0xa4093822299f31d0ull,
+                      0x082efa98ec4e6c89ull};
+  // Whole 32-byte blocks only (`n` a multiple of 32).
+  void Blocks(const unsigned char* p, size_t n) {
+    for (size_t i = 0; i < n; i += 32)
+      for (int k = 0; k < 4; ++k) {
+        uint64_t w;
+        std::memcpy(&w, p + i + 8 * k, 8);
+        lane[k] = Mix(lane[k], w);
+      }
+  }
+  // The last partial block, zero-padded.
+  void Tail(const unsigned char* p, size_t n) {
+    unsigned char block[32] = {};
+    std::memcpy(block, p, n);
+    Blocks(block, 32);
+  }
+  std::string Finish(uint64_t total) const {
+    uint64_t h = total * kMul;
+    for (uint64_t l : lane) {
+      h = Mix(h, l);
+      h = Mix(h, h >> 31);  // murmur-style avalanche between lanes
+    }
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+    return std::string(hex);
+  }
+};
+
+}  // namespace
+
 StatusOr<std::string> HashFile(const std::string& path) {
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
-  if (!f) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
     if (errno == ENOENT) return Status::NotFound(path + ": no such file");
     return Status::InvalidArgument(path + ": cannot open for hashing: " + std::strerror(errno));
   }
-  // Four independent lanes; per 8-byte word: xor, multiply by an odd constant, xorshift (each step is a
-  // bijection of the lane state, so a change confined to one word always changes that lane).
-  constexpr uint64_t kMul = 0x9e3779b97f4a7c15ull;
-  auto mix = [](uint64_t h, uint64_t w) {
-    h = (h ^ w) * kMul;
-    return h ^ (h >> 29);
-  };
-  uint64_t lane[4] = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull, 0xa4093822299f31d0ull,
-                      0x082efa98ec4e6c89ull};
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(::fdopen(fd, "rb"), &std::fclose);
+  if (!f) {
+    ::close(fd);
+    return Status::InvalidArgument(path + ": cannot open for hashing: " + std::strerror(errno));
+  }
+  FileHasher hasher;
+  struct stat sb;
+  if (::fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_size > 0) {
+    // A regular file: hashed straight from the page cache through a mapping (no copy into a buffer). A
+    // file that shrinks meanwhile is an error, not a crash (ReadGuarded).
+    const uint64_t size = static_cast<uint64_t>(sb.st_size);
+    if (auto m = MappedFile::Map(fd, size, path); m.ok()) {
+      ::madvise(const_cast<uint8_t*>(m->data()), size, MADV_SEQUENTIAL);
+      constexpr uint64_t kWindow = uint64_t{64} << 20;  // multiple of 32
+      for (uint64_t at = 0; at < size; at += kWindow) {
+        const size_t n = static_cast<size_t>(std::min(kWindow, size - at));
+        const unsigned char* p = m->data() + at;
+        auto hash = [&] {
+          hasher.Blocks(p, n / 32 * 32);
+          if (n % 32) hasher.Tail(p + n / 32 * 32, n % 32);
+        };
+        if (!ReadGuarded(p, n, hash)) {
+          struct stat now;
+          const long long left = ::fstat(fd, &now) == 0 ? static_cast<long long>(now.st_size) : -1;
+          return Status::DataLoss(path + ": the file shrank to " + std::to_string(left) +
+                                  " bytes while it was being hashed (it held " + std::to_string(size) +
+                                  "); do not change a trace while kvsim reads it");
+        }
+      }
+      return hasher.Finish(size);
+    }
+  }
+  // Anything else (a pipe, an empty file, a file that cannot be mapped): read through a buffer.
   constexpr size_t kChunk = size_t{8} << 20;  // multiple of 32: only the file's last block is partial
-  std::vector<unsigned char> buf(kChunk + 32);
+  std::vector<unsigned char> buf(kChunk);
   uint64_t total = 0;
   for (size_t got = kChunk; got == kChunk;) {
     got = std::fread(buf.data(), 1, kChunk, f.get());
     total += got;
-    const size_t padded = (got + 31) / 32 * 32;
-    std::memset(buf.data() + got, 0, padded - got);
-    for (size_t i = 0; i < padded; i += 32) {
-      for (int k = 0; k < 4; ++k) {
-        uint64_t w;
-        std::memcpy(&w, buf.data() + i + 8 * k, 8);
-        lane[k] = mix(lane[k], w);
-      }
-    }
+    hasher.Blocks(buf.data(), got / 32 * 32);
+    if (got % 32) hasher.Tail(buf.data() + got / 32 * 32, got % 32);
   }
   if (std::ferror(f.get())) return Status::DataLoss(path + ": read error while hashing");
-  uint64_t h = total * kMul;
-  for (uint64_t l : lane) {
-    h = mix(h, l);
-    h = mix(h, h >> 31);  // murmur-style avalanche between lanes
-  }
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-  return std::string(hex);
+  return hasher.Finish(total);
 }
 
 }  // namespace kvsim

@@ -1,6 +1,7 @@
 #include "traces/hdf5_trace.h"
 
 #include <hdf5.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -425,6 +426,39 @@ TEST_CASE("HashFile is stable and sensitive to one byte", "[hdf5]") {
   std::ofstream(path, std::ios::binary) << data + '\0';  // trailing zero byte counts too
   CHECK(*HashFile(path) != *h1);
   CHECK(HashFile(dir + "/missing").status().code() == StatusCode::kNotFound);
+}
+
+TEST_CASE("HashFile: the mapped and the buffered read give the values results already record", "[hdf5]") {
+  const std::string dir = testing::ScratchDir("hdf5_hash_values");
+  // Values of the buffered (fread) HashFile before regular files were hashed through a mapping: results
+  // and resume keys hold them, so they must not change. 64 MiB + 13 crosses the mapping's 64 MiB window.
+  const std::pair<size_t, const char*> known[] = {{0, "9ee6ba1d45dc60c6"},
+                                                  {1, "7b460278c4444ec9"},
+                                                  {31, "d66af4738a66ea4e"},
+                                                  {32, "3c594be18204bcd2"},
+                                                  {33, "22578cc472e699ff"},
+                                                  {3007, "aeabb8cb2446d6a8"},
+                                                  {(size_t{64} << 20) + 13, "1595a069b5eef9a8"}};
+  for (const auto& [n, want] : known) {
+    std::string data(n, '\0');
+    for (size_t i = 0; i < n; ++i) data[i] = static_cast<char>((i % (size_t{1} << 20)) * 131 % 251);
+    const std::string path = dir + "/f" + std::to_string(n) + ".bin";
+    std::ofstream(path, std::ios::binary) << data;
+    INFO(n << " bytes");
+    auto mapped = HashFile(path);
+    REQUIRE(mapped.ok());
+    CHECK(*mapped == want);
+    if (n > 100000) continue;
+    // A FIFO cannot be mapped: the buffered read.
+    const std::string fifo = dir + "/fifo" + std::to_string(n);
+    ::unlink(fifo.c_str());
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    std::thread writer([&] { std::ofstream(fifo, std::ios::binary) << data; });
+    auto buffered = HashFile(fifo);
+    writer.join();
+    REQUIRE(buffered.ok());
+    CHECK(*buffered == want);
+  }
 }
 
 TEST_CASE("scripts/read_trace_example.py reads a trace with h5py", "[hdf5]") {
