@@ -1849,26 +1849,33 @@ StatusOr<std::string> HashFile(const std::string& path) {
     // A regular file: hashed straight from the page cache through a mapping (no copy into a buffer). A
     // file that shrinks meanwhile is an error, not a crash (ReadGuarded).
     const uint64_t size = static_cast<uint64_t>(sb.st_size);
-    if (auto m = MappedFile::Map(fd, size, path); m.ok()) {
-      ::madvise(const_cast<uint8_t*>(m->data()), size, MADV_SEQUENTIAL);
-      constexpr uint64_t kWindow = uint64_t{64} << 20;  // multiple of 32
-      for (uint64_t at = 0; at < size; at += kWindow) {
-        const size_t n = static_cast<size_t>(std::min(kWindow, size - at));
-        const unsigned char* p = m->data() + at;
-        auto hash = [&] {
-          hasher.Blocks(p, n / 32 * 32);
-          if (n % 32) hasher.Tail(p + n / 32 * 32, n % 32);
-        };
-        if (!ReadGuarded(p, n, hash)) {
-          struct stat now;
-          const long long left = ::fstat(fd, &now) == 0 ? static_cast<long long>(now.st_size) : -1;
-          return Status::DataLoss(path + ": the file shrank to " + std::to_string(left) +
-                                  " bytes while it was being hashed (it held " + std::to_string(size) +
-                                  "); do not change a trace while kvsim reads it");
+    constexpr uint64_t kWindow = uint64_t{16} << 20;  // multiple of 32; unmapped after use (resident set)
+    bool mapped = true;
+    for (uint64_t at = 0; mapped && at < size; at += kWindow) {
+      const size_t n = static_cast<size_t>(std::min(kWindow, size - at));
+      auto m = MappedFile::Map(fd, at, n, path);
+      if (!m.ok()) {
+        if (at == 0) {
+          mapped = false;  // read through a buffer below
+          break;
         }
+        return m.status();
       }
-      return hasher.Finish(size);
+      ::madvise(const_cast<uint8_t*>(m->data()), n, MADV_SEQUENTIAL);
+      const unsigned char* p = m->data();
+      auto hash = [&] {
+        hasher.Blocks(p, n / 32 * 32);
+        if (n % 32) hasher.Tail(p + n / 32 * 32, n % 32);
+      };
+      if (!ReadGuarded(p, n, hash)) {
+        struct stat now;
+        const long long left = ::fstat(fd, &now) == 0 ? static_cast<long long>(now.st_size) : -1;
+        return Status::DataLoss(path + ": the file shrank to " + std::to_string(left) +
+                                " bytes while it was being hashed (it held " + std::to_string(size) +
+                                "); do not change a trace while kvsim reads it");
+      }
     }
+    if (mapped) return hasher.Finish(size);
   }
   // Anything else (a pipe, an empty file, a file that cannot be mapped): read through a buffer.
   constexpr size_t kChunk = size_t{8} << 20;  // multiple of 32: only the file's last block is partial

@@ -3,6 +3,7 @@
 #include <setjmp.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -56,20 +57,27 @@ void InstallOnce() {
 
 }  // namespace
 
-StatusOr<MappedFile> MappedFile::Map(int fd, uint64_t bytes, const std::string& path) {
-  if (bytes == 0) return Status::InvalidArgument(path + ": cannot map an empty file");
-  void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+StatusOr<MappedFile> MappedFile::Map(int fd, uint64_t offset, uint64_t bytes, const std::string& path) {
+  if (bytes == 0) return Status::InvalidArgument(path + ": cannot map an empty range");
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t start = offset / page * page;
+  const uint64_t length = offset - start + bytes;
+  void* p = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(start));
   if (p == MAP_FAILED) return Status::Internal(path + ": cannot map the file: " + std::strerror(errno));
   InstallOnce();
   MappedFile m;
-  m.data_ = static_cast<const uint8_t*>(p);
+  m.base_ = p;
+  m.length_ = length;
+  m.data_ = static_cast<const uint8_t*>(p) + (offset - start);
   m.size_ = bytes;
   return m;
 }
 
 MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
   if (this != &o) {
-    if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+    if (base_) ::munmap(base_, length_);
+    base_ = std::exchange(o.base_, nullptr);
+    length_ = std::exchange(o.length_, 0);
     data_ = std::exchange(o.data_, nullptr);
     size_ = std::exchange(o.size_, 0);
   }
@@ -77,7 +85,7 @@ MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
 }
 
 MappedFile::~MappedFile() {
-  if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+  if (base_) ::munmap(base_, length_);
 }
 
 bool ReadGuarded(const void* lo, size_t n, void (*fn)(void*), void* arg) {

@@ -18,21 +18,25 @@ namespace kvsim {
 
 class MappedFile {
  public:
-  // Maps all of regular file `fd` (size `bytes` > 0) read-only; the descriptor stays the caller's.
-  static StatusOr<MappedFile> Map(int fd, uint64_t bytes, const std::string& path);
+  // Maps bytes [offset, offset + bytes) of regular file `fd` read-only (bytes > 0; any offset); the
+  // descriptor stays the caller's. Map a window at a time, not a whole large file: the mapped pages a
+  // process has touched count in its resident set until they are unmapped.
+  static StatusOr<MappedFile> Map(int fd, uint64_t offset, uint64_t bytes, const std::string& path);
   MappedFile() = default;
   MappedFile(MappedFile&& o) noexcept { *this = static_cast<MappedFile&&>(o); }
   MappedFile& operator=(MappedFile&& o) noexcept;
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
   ~MappedFile();
-  const uint8_t* data() const { return data_; }
+  const uint8_t* data() const { return data_; }  // the byte at `offset`
   uint64_t size() const { return size_; }
   explicit operator bool() const { return data_ != nullptr; }
 
  private:
   const uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
+  void* base_ = nullptr;  // the mapping (page-aligned, at or before data_)
+  uint64_t length_ = 0;
 };
 
 // Runs fn(arg), which reads bytes in [lo, lo + n) of a mapping, and returns true; returns false if one of

@@ -33,7 +33,7 @@ TEST_CASE("ReadGuarded: reading a mapping past a file truncated after mmap fails
   std::ofstream(path, std::ios::binary) << std::string(bytes, '\x01');
   const int fd = ::open(path.c_str(), O_RDONLY);
   REQUIRE(fd >= 0);
-  auto m = MappedFile::Map(fd, bytes, path);
+  auto m = MappedFile::Map(fd, 0, bytes, path);
   REQUIRE(m.ok());
   SumBytes all{m->data(), bytes};
   CHECK(ReadGuarded(m->data(), bytes, all));
