@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <future>
 #include <map>
 #include <set>
 #include <sstream>
@@ -87,12 +86,6 @@ Status CheckNotStreamingPolicy(const std::string& name) {
   return Status::Ok();
 }
 
-// HashFile(path) on a thread of its own: the hash is only recorded in the results, so it is computed while
-// the replay runs instead of before it (a failure is still the run's error, and nothing is written).
-std::future<StatusOr<std::string>> HashFileAsync(const std::string& path) {
-  return std::async(std::launch::async, [path] { return HashFile(path); });
-}
-
 }  // namespace
 
 StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& policy,
@@ -106,12 +99,10 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
       MakeLatencyModel(LatencySpec{options.latency_model, options.device, options.model}, trace->meta()));
   std::vector<RunSpec> runs{RunSpec{p, RunLabel(policy, sets), budget_fraction, budget_tokens, mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(trace_path));
-  auto pending_hash = HashFileAsync(trace_path);
+  KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
   Progress progress = Progress::FromEnv("run", options.progress);
-  ReplayOptions ro{options.threads, latency.get(), &progress, "", std::max(0, options.prefill_chunk)};
+  ReplayOptions ro{options.threads, latency.get(), &progress, hash, std::max(0, options.prefill_chunk)};
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
-  KVSIM_ASSIGN_OR_RETURN(std::string hash, pending_hash.get());
-  results[0].set_trace_hash(hash);
   progress.Finish();
   for (std::string& w : DegenerateRunWarnings(results[0], policy, sets))
     results[0].add_warnings(std::move(w));
@@ -479,17 +470,14 @@ StatusOr<SweepUnit> ComputeSweepUnit(const SweepPlan& plan, size_t i, int thread
   const config::Sample& s = plan.samples.at(i);
   const std::string& path = read_path.empty() ? s.path() : read_path;
   std::string hash = trace_hash;
-  std::future<StatusOr<std::string>> pending_hash;  // hashed while the runs replay
-  if (hash.empty()) pending_hash = HashFileAsync(path);
+  if (hash.empty()) {
+    KVSIM_ASSIGN_OR_RETURN(hash, HashFile(path));
+  }
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), plan.runs).WithContext(s.path()));
   KVSIM_ASSIGN_OR_RETURN(auto latency, MakeLatencyModel(plan.clock, trace->meta()));
   ReplayOptions ro{threads, latency.get(), progress, hash, plan.chunk};
   KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, plan.runs, ro));
-  if (pending_hash.valid()) {
-    KVSIM_ASSIGN_OR_RETURN(hash, pending_hash.get());
-    for (RunResult& r : results) r.set_trace_hash(hash);
-  }
   const std::string group = TraceGroup(trace->meta().model);
   SweepUnit unit;
   unit.set_sample_id(s.id());
@@ -552,18 +540,14 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
   std::vector<StatusOr<SweepUnit>> done;
   for (size_t i = 0; i < plan.samples.size(); ++i) {
     progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(plan.samples.size()));
-    // A unit: reuse a matching finished unit (its trace hash must match), or replay all runs on the trace
-    // (hashing it meanwhile: ComputeSweepUnit without a hash).
+    // A unit: hash the trace, reuse a matching finished unit, or replay all runs on the trace.
     auto unit = [&]() -> StatusOr<SweepUnit> {
-      std::string hash;
-      std::error_code ec;
-      if (units && units->resume && fs::exists(fs::path(units_dir) / plan.UnitFile(i), ec)) {
-        KVSIM_ASSIGN_OR_RETURN(hash, HashFile(plan.samples[i].path()));
+      KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(plan.samples[i].path()));
+      if (units && units->resume)
         if (auto old = ReusableUnit(plan, i, units_dir, hash)) {
           ++units->reused;
           return std::move(*old);
         }
-      }
       KVSIM_ASSIGN_OR_RETURN(SweepUnit unit, ComputeSweepUnit(plan, i, options.threads, &progress, "", hash));
       if (!units_dir.empty())
         KVSIM_RETURN_IF_ERROR(

@@ -122,7 +122,7 @@ StatusOr<SweepUnit> ParseSweepUnit(const SweepPlan& plan, size_t i, const std::s
 // Replays every run on samples[i]: the shared per-trace work (read, full-attention reference, scores) once.
 // The trace is read from `read_path` when it is set (a shipped copy of the same bytes); the unit records
 // the sample's own path either way. `trace_hash`: the trace's HashFile when the caller already has it
-// (empty: hashed here, on a thread of its own while the runs replay), so a trace is not read twice for it.
+// (empty: hashed here), so a trace is not read twice for it.
 StatusOr<SweepUnit> ComputeSweepUnit(const SweepPlan& plan, size_t i, int threads, Progress* progress,
                                      const std::string& read_path = "", const std::string& trace_hash = "");
 // The result of a sweep from its units, one per sample in order (a failed one's status gives its reason):
