@@ -22,6 +22,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -840,10 +841,13 @@ Status MakeChunkPlan(hid_t ds, hid_t type, const std::string& name, const std::v
 // rows in `rows` of the second-to-last dimension are read when `rows` is not all (queries); the others are
 // left as they were. With `direct`, plain checksummed chunks are read by DirectChunkReader; otherwise (and
 // for every other layout) one H5Dread of the selected rows.
+// `finite` (optional): set when the direct path read the dataset; then *finite is the flat index of its first
+// non-finite value among the rows read (SIZE_MAX: none), found in the conversion threads while the rows are
+// in cache, so ValidateLayer need not scan them again. Left unset on the H5Dread path.
 Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t>& dims,
                   const std::string& desc, StorageDtype dtype, std::vector<uint16_t>* scratch,
                   std::vector<float>* out, const QueryRows& rows = QueryRows(),
-                  const DirectChunkReader* direct = nullptr) {
+                  const DirectChunkReader* direct = nullptr, std::optional<size_t>* finite = nullptr) {
   Hid ds;
   KVSIM_RETURN_IF_ERROR(OpenDataset(file, name, dims, desc, &ds));
   Hid type(H5Dget_type(ds), H5Tclose);
@@ -893,6 +897,7 @@ Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t
                                                     static_cast<int>(items.size())));
       if (static_cast<int>(r.scratch.size()) < workers) r.scratch.resize(workers);
       std::vector<Status> status(items.size());
+      std::vector<size_t> first_bad(finite ? items.size() : 0, SIZE_MAX);
       float* dst = out->data();
       ParallelForWorkers(static_cast<int>(items.size()), workers, [&](int item, int worker) {
         const size_t c = items[item], o = c / rc, k = c % rc;
@@ -937,10 +942,26 @@ Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t
           } else {
             std::memcpy(d, bytes + first * 4, count * 4);
           }
+          if (finite) {  // branch-free scan of the rows just written; locate the first bad one only if any
+            uint32_t bad = 0;
+            for (size_t i = 0; i < count; ++i) {
+              uint32_t u;
+              std::memcpy(&u, d + i, 4);
+              bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+            }
+            if (bad)
+              for (size_t i = 0; i < count; ++i)
+                if (!std::isfinite(d[i])) {
+                  first_bad[item] = std::min(first_bad[item], static_cast<size_t>(d + i - dst));
+                  break;
+                }
+          }
         }
       });
       for (const Status& st : status)
         if (!st.ok()) return st;
+      if (finite)
+        *finite = first_bad.empty() ? SIZE_MAX : *std::min_element(first_bad.begin(), first_bad.end());
       return Status::Ok();
     }
   }
@@ -1543,27 +1564,40 @@ Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out, const LayerReadOpti
   out->query_rows = QueryRows::None();  // until the queries are read
   const DirectChunkReader direct{options.direct_chunks ? direct_.get() : nullptr, options.threads};
   const QueryRows all;
+  // Finiteness of each dataset as the direct reads found it (unset: read through H5Dread, scanned below).
+  std::optional<size_t> finite[4];
   Status st = ReadFloats(file_, group + "/keys", {kvh, t, d}, kv_desc, meta_.storage_dtype, &scratch_,
-                         &out->keys, all, &direct);
+                         &out->keys, all, &direct, &finite[0]);
   if (st.ok())
     st = ReadFloats(file_, group + "/values", {kvh, t, d}, kv_desc, meta_.storage_dtype, &scratch_,
-                    &out->values, all, &direct);
+                    &out->values, all, &direct, &finite[1]);
   if (st.ok())
     st = ReadFloats(file_, group + "/queries", {h, tq, d}, q_desc, meta_.storage_dtype, &scratch_,
-                    &out->queries, options.query_rows, &direct);
+                    &out->queries, options.query_rows, &direct, &finite[2]);
   if (st.ok()) out->query_rows = options.query_rows;
   out->prefill_column_sums.clear();
   if (st.ok() && meta_.has_prefill_column_sums)
     st = ReadFloats(file_, LayerName("/aggregates", layer) + "/prefill_column_sums", {h, n},
                     "[num_heads=" + std::to_string(h) + ", prefill_length=" + std::to_string(n) + "]",
-                    StorageDtype::kFloat32, &scratch_, &out->prefill_column_sums, all, &direct);
+                    StorageDtype::kFloat32, &scratch_, &out->prefill_column_sums, all, &direct, &finite[3]);
+  else
+    finite[3] = SIZE_MAX;  // none stored: nothing to scan
   out->prompt_entropies.clear();
   if (const double* e = meta_.RecordedPromptEntropies(
           layer, meta_.prompt_entropy_regions.empty() ? -1 : meta_.prompt_entropy_regions[0]))
     out->prompt_entropies.assign(
         e, e + meta_.prompt_entropy_regions.size() * kNumPromptEntropyKinds * static_cast<size_t>(h));
   if (!st.ok()) return st.WithContext(path_);
-  return ValidateLayer(meta_, *out, path_);
+  bool scanned = true;
+  const char* names[4] = {"keys", "values", "queries", "prefill_column_sums"};
+  for (int i = 0; i < 4; ++i) {
+    if (!finite[i]) {
+      scanned = false;
+    } else if (*finite[i] != SIZE_MAX) {
+      return NonFiniteError(path_ + ": layer " + std::to_string(layer), names[i], *finite[i]);
+    }
+  }
+  return ValidateLayer(meta_, *out, path_, /*check_finite=*/!scanned);
 }
 
 Status Hdf5TraceReader::ReadBlockLayer(int granularity, int layer, BlockLayerData* out) {

@@ -347,6 +347,49 @@ TEST_CASE("hdf5 trace: errors name the file and the field", "[hdf5]") {
     CHECK(st.code() == StatusCode::kDataLoss);
     CHECK(Contains(st, "'values'"));
     CHECK(Contains(st, path));
+    // The direct reads find it while converting (ValidateLayer does not scan again); H5Dread's path is
+    // scanned by ValidateLayer: the same line at any thread count.
+    CHECK(st.message() == path +
+                              ": layer 0 dataset 'values' holds a non-finite value (NaN/Inf) at flat index " +
+                              "17; the capture or generator produced bad data");
+    for (const bool direct : {true, false})
+      for (const int threads : {1, 3}) {
+        Status again = (*r)->ReadLayer(0, &ld, LayerReadOptions{.threads = threads, .direct_chunks = direct});
+        CHECK(again.message() == st.message());
+      }
+  }
+  SECTION("Inf in a query row: an error only when that row is read, at its flat index") {
+    const int32_t tq = static_cast<int32_t>(tr.meta().query_positions.size());
+    const size_t d = tr.meta().model.head_dim;
+    const size_t at = (static_cast<size_t>(1) * tq + 3) * d + 2;  // head 1, query row 3
+    {
+      RawFile f(path);
+      std::vector<float> v(tr.layers()[1].queries);
+      v[at] = -std::numeric_limits<float>::infinity();
+      v[at + 1] = std::numeric_limits<float>::quiet_NaN();
+      hid_t ds = H5Dopen2(f.id, "/layers/layer_001/queries", H5P_DEFAULT);
+      REQUIRE(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0);
+      H5Dclose(ds);
+    }
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE(r.ok());
+    LayerData ld;
+    QueryRows skip = QueryRows::None();
+    skip.Add(0, 3);
+    skip.Add(4, tq);
+    QueryRows with = QueryRows::None();
+    with.Add(2, 5);
+    for (const bool direct : {true, false}) {
+      INFO("direct " << direct);
+      CHECK(
+          (*r)->ReadLayer(1, &ld, LayerReadOptions{.query_rows = skip, .threads = 2, .direct_chunks = direct})
+              .ok());
+      Status st = (*r)->ReadLayer(
+          1, &ld, LayerReadOptions{.query_rows = with, .threads = 2, .direct_chunks = direct});
+      CHECK(st.message() ==
+            path + ": layer 1 dataset 'queries' holds a non-finite value (NaN/Inf) at flat index " +
+                std::to_string(at) + "; the capture or generator produced bad data");
+    }
   }
   SECTION("values beyond the float16 range are rejected on write") {
     tr.mutable_meta().storage_dtype = StorageDtype::kFloat16;
