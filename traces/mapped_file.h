@@ -3,7 +3,7 @@
 //
 // Reading a mapped page that lies beyond the end of a file truncated after mmap raises SIGBUS. Every read of
 // a MappedFile's bytes therefore goes through ReadGuarded(), which catches that signal in the reading thread
-// and returns false instead of letting the process die (docs/trace-format.md, "Reading"): a process-wide
+// and returns false instead of letting the process die (docs/trace-format.md, "Content hash"): a process-wide
 // SIGBUS handler, installed once, jumps back to the guarded call when the faulting address lies inside a
 // range the faulting thread is reading; any other SIGBUS goes to the handler that was installed before
 // (the default one: the process dies as it would have).
