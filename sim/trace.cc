@@ -520,6 +520,12 @@ Status MemoryTrace::WriteLayer(const LayerData& layer) {
   return Status::Ok();
 }
 
+Status NonFiniteError(const std::string& where, const char* name, size_t index) {
+  return Status::DataLoss(where + " dataset '" + name +
+                          "' holds a non-finite value (NaN/Inf) at flat index " + std::to_string(index) +
+                          "; the capture or generator produced bad data");
+}
+
 namespace {
 // Branch-free scan first (vectorises); locate the offending index only when there is one.
 // Elements [begin, end) of v are finite; messages give the flat index in v.
@@ -533,10 +539,7 @@ Status CheckFinite(const std::string& where, const char* name, const std::vector
   }
   if (!bad) return Status::Ok();
   for (size_t i = begin; i < end; ++i)
-    if (!std::isfinite(v[i]))
-      return Status::DataLoss(where + " dataset '" + name +
-                              "' holds a non-finite value (NaN/Inf) at flat index " + std::to_string(i) +
-                              "; the capture or generator produced bad data");
+    if (!std::isfinite(v[i])) return NonFiniteError(where, name, i);
   return Status::Ok();
 }
 Status CheckFinite(const std::string& where, const char* name, const std::vector<float>& v) {
@@ -605,7 +608,8 @@ Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData
   return Status::Ok();
 }
 
-Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::string& what) {
+Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::string& what,
+                     bool check_finite) {
   const ModelInfo& m = meta.model;
   const std::string where = what + ": layer " + std::to_string(layer.layer);
   const size_t t = meta.total_tokens();
@@ -631,10 +635,12 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
                                 "[num_heads, prefill_length]"));
   if (!layer.prompt_entropies.empty())
     KVSIM_RETURN_IF_ERROR(ValidatePromptEntropies(meta, layer.prompt_entropies, where));
-  auto finite = [&](const char* name, const std::vector<float>& v) { return CheckFinite(where, name, v); };
+  auto finite = [&](const char* name, const std::vector<float>& v) {
+    return check_finite ? CheckFinite(where, name, v) : Status::Ok();
+  };
   KVSIM_RETURN_IF_ERROR(finite("keys", layer.keys));
   KVSIM_RETURN_IF_ERROR(finite("values", layer.values));
-  if (layer.query_rows.all()) {
+  if (layer.query_rows.all() || !check_finite) {
     KVSIM_RETURN_IF_ERROR(finite("queries", layer.queries));
   } else {  // only the rows read hold data
     const int32_t tq = static_cast<int32_t>(meta.query_positions.size());

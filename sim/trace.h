@@ -303,9 +303,13 @@ class MemoryTrace : public TraceSource, public TraceSink {
   std::vector<LayerData> layers_;
 };
 
-// Checks a layer's tensor sizes against the meta, and finiteness (of the query rows in layer.query_rows).
-// `what` names the source for messages.
-Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::string& what);
+// Checks a layer's tensor sizes against the meta, and finiteness (of the query rows in layer.query_rows)
+// unless the caller has already checked it (`check_finite` false: a reader that scanned the values as it
+// converted them, reporting with NonFiniteError). `what` names the source for messages.
+Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::string& what,
+                     bool check_finite = true);
+// The error for a non-finite value at flat index `index` of dataset `name` ("<what>: layer N" in `where`).
+Status NonFiniteError(const std::string& where, const char* name, size_t index);
 // Checks one layer of block encodings against meta.stream (sizes, finiteness, attention_received present at
 // the layers listed in attention_layers).
 Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData& block,

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -21,12 +22,14 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "sim/parallel.h"
 #include "sim/resources.h"
 #include "traces/half.h"
+#include "traces/mapped_file.h"
 
 namespace kvsim {
 namespace {
@@ -838,10 +841,13 @@ Status MakeChunkPlan(hid_t ds, hid_t type, const std::string& name, const std::v
 // rows in `rows` of the second-to-last dimension are read when `rows` is not all (queries); the others are
 // left as they were. With `direct`, plain checksummed chunks are read by DirectChunkReader; otherwise (and
 // for every other layout) one H5Dread of the selected rows.
+// `finite` (optional): set when the direct path read the dataset; then *finite is the flat index of its first
+// non-finite value among the rows read (SIZE_MAX: none), found in the conversion threads while the rows are
+// in cache, so ValidateLayer need not scan them again. Left unset on the H5Dread path.
 Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t>& dims,
                   const std::string& desc, StorageDtype dtype, std::vector<uint16_t>* scratch,
                   std::vector<float>* out, const QueryRows& rows = QueryRows(),
-                  const DirectChunkReader* direct = nullptr) {
+                  const DirectChunkReader* direct = nullptr, std::optional<size_t>* finite = nullptr) {
   Hid ds;
   KVSIM_RETURN_IF_ERROR(OpenDataset(file, name, dims, desc, &ds));
   Hid type(H5Dget_type(ds), H5Tclose);
@@ -891,6 +897,7 @@ Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t
                                                     static_cast<int>(items.size())));
       if (static_cast<int>(r.scratch.size()) < workers) r.scratch.resize(workers);
       std::vector<Status> status(items.size());
+      std::vector<size_t> first_bad(finite ? items.size() : 0, SIZE_MAX);
       float* dst = out->data();
       ParallelForWorkers(static_cast<int>(items.size()), workers, [&](int item, int worker) {
         const size_t c = items[item], o = c / rc, k = c % rc;
@@ -935,10 +942,26 @@ Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t
           } else {
             std::memcpy(d, bytes + first * 4, count * 4);
           }
+          if (finite) {  // branch-free scan of the rows just written; locate the first bad one only if any
+            uint32_t bad = 0;
+            for (size_t i = 0; i < count; ++i) {
+              uint32_t u;
+              std::memcpy(&u, d + i, 4);
+              bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+            }
+            if (bad)
+              for (size_t i = 0; i < count; ++i)
+                if (!std::isfinite(d[i])) {
+                  first_bad[item] = std::min(first_bad[item], static_cast<size_t>(d + i - dst));
+                  break;
+                }
+          }
         }
       });
       for (const Status& st : status)
         if (!st.ok()) return st;
+      if (finite)
+        *finite = first_bad.empty() ? SIZE_MAX : *std::min_element(first_bad.begin(), first_bad.end());
       return Status::Ok();
     }
   }
@@ -1541,27 +1564,40 @@ Status Hdf5TraceReader::ReadLayer(int layer, LayerData* out, const LayerReadOpti
   out->query_rows = QueryRows::None();  // until the queries are read
   const DirectChunkReader direct{options.direct_chunks ? direct_.get() : nullptr, options.threads};
   const QueryRows all;
+  // Finiteness of each dataset as the direct reads found it (unset: read through H5Dread, scanned below).
+  std::optional<size_t> finite[4];
   Status st = ReadFloats(file_, group + "/keys", {kvh, t, d}, kv_desc, meta_.storage_dtype, &scratch_,
-                         &out->keys, all, &direct);
+                         &out->keys, all, &direct, &finite[0]);
   if (st.ok())
     st = ReadFloats(file_, group + "/values", {kvh, t, d}, kv_desc, meta_.storage_dtype, &scratch_,
-                    &out->values, all, &direct);
+                    &out->values, all, &direct, &finite[1]);
   if (st.ok())
     st = ReadFloats(file_, group + "/queries", {h, tq, d}, q_desc, meta_.storage_dtype, &scratch_,
-                    &out->queries, options.query_rows, &direct);
+                    &out->queries, options.query_rows, &direct, &finite[2]);
   if (st.ok()) out->query_rows = options.query_rows;
   out->prefill_column_sums.clear();
   if (st.ok() && meta_.has_prefill_column_sums)
     st = ReadFloats(file_, LayerName("/aggregates", layer) + "/prefill_column_sums", {h, n},
                     "[num_heads=" + std::to_string(h) + ", prefill_length=" + std::to_string(n) + "]",
-                    StorageDtype::kFloat32, &scratch_, &out->prefill_column_sums, all, &direct);
+                    StorageDtype::kFloat32, &scratch_, &out->prefill_column_sums, all, &direct, &finite[3]);
+  else
+    finite[3] = SIZE_MAX;  // none stored: nothing to scan
   out->prompt_entropies.clear();
   if (const double* e = meta_.RecordedPromptEntropies(
           layer, meta_.prompt_entropy_regions.empty() ? -1 : meta_.prompt_entropy_regions[0]))
     out->prompt_entropies.assign(
         e, e + meta_.prompt_entropy_regions.size() * kNumPromptEntropyKinds * static_cast<size_t>(h));
   if (!st.ok()) return st.WithContext(path_);
-  return ValidateLayer(meta_, *out, path_);
+  bool scanned = true;
+  const char* names[4] = {"keys", "values", "queries", "prefill_column_sums"};
+  for (int i = 0; i < 4; ++i) {
+    if (!finite[i]) {
+      scanned = false;
+    } else if (*finite[i] != SIZE_MAX) {
+      return NonFiniteError(path_ + ": layer " + std::to_string(layer), names[i], *finite[i]);
+    }
+  }
+  return ValidateLayer(meta_, *out, path_, /*check_finite=*/!scanned);
 }
 
 Status Hdf5TraceReader::ReadBlockLayer(int granularity, int layer, BlockLayerData* out) {
@@ -1789,46 +1825,104 @@ Status Hdf5TraceWriter::Finish() {
 
 // ---------------------------------------------------------------------------------------------- hashing
 
+namespace {
+
+// HashFile's state: four independent lanes; per 8-byte word: xor, multiply by an odd constant, xorshift (each
+// step is a bijection of the lane state, so a change confined to one word always changes that lane).
+struct FileHasher {
+  static constexpr uint64_t kMul = 0x9e3779b97f4a7c15ull;
+  static uint64_t Mix(uint64_t h, uint64_t w) {
+    h = (h ^ w) * kMul;
+    return h ^ (h >> 29);
+  }
+  uint64_t lane[4] = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull, 0xa4093822299f31d0ull,
+                      0x082efa98ec4e6c89ull};
+  // Whole 32-byte blocks only (`n` a multiple of 32).
+  void Blocks(const unsigned char* p, size_t n) {
+    for (size_t i = 0; i < n; i += 32)
+      for (int k = 0; k < 4; ++k) {
+        uint64_t w;
+        std::memcpy(&w, p + i + 8 * k, 8);
+        lane[k] = Mix(lane[k], w);
+      }
+  }
+  // The last partial block, zero-padded.
+  void Tail(const unsigned char* p, size_t n) {
+    unsigned char block[32] = {};
+    std::memcpy(block, p, n);
+    Blocks(block, 32);
+  }
+  std::string Finish(uint64_t total) const {
+    uint64_t h = total * kMul;
+    for (uint64_t l : lane) {
+      h = Mix(h, l);
+      h = Mix(h, h >> 31);  // murmur-style avalanche between lanes
+    }
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+    return std::string(hex);
+  }
+};
+
+}  // namespace
+
 StatusOr<std::string> HashFile(const std::string& path) {
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
-  if (!f) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
     if (errno == ENOENT) return Status::NotFound(path + ": no such file");
     return Status::InvalidArgument(path + ": cannot open for hashing: " + std::strerror(errno));
   }
-  // Four independent lanes; per 8-byte word: xor, multiply by an odd constant, xorshift (each step is a
-  // bijection of the lane state, so a change confined to one word always changes that lane).
-  constexpr uint64_t kMul = 0x9e3779b97f4a7c15ull;
-  auto mix = [](uint64_t h, uint64_t w) {
-    h = (h ^ w) * kMul;
-    return h ^ (h >> 29);
-  };
-  uint64_t lane[4] = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull, 0xa4093822299f31d0ull,
-                      0x082efa98ec4e6c89ull};
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(::fdopen(fd, "rb"), &std::fclose);
+  if (!f) {
+    ::close(fd);
+    return Status::InvalidArgument(path + ": cannot open for hashing: " + std::strerror(errno));
+  }
+  FileHasher hasher;
+  struct stat sb;
+  if (::fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_size > 0) {
+    // A regular file: hashed straight from the page cache through a mapping (no copy into a buffer). A
+    // file that shrinks meanwhile is an error, not a crash (ReadGuarded).
+    const uint64_t size = static_cast<uint64_t>(sb.st_size);
+    constexpr uint64_t kWindow = uint64_t{16} << 20;  // multiple of 32; unmapped after use (resident set)
+    bool mapped = true;
+    for (uint64_t at = 0; mapped && at < size; at += kWindow) {
+      const size_t n = static_cast<size_t>(std::min(kWindow, size - at));
+      auto m = MappedFile::Map(fd, at, n, path);
+      if (!m.ok()) {
+        if (at == 0) {
+          mapped = false;  // read through a buffer below
+          break;
+        }
+        return m.status();
+      }
+      ::madvise(const_cast<uint8_t*>(m->data()), n, MADV_SEQUENTIAL);
+      const unsigned char* p = m->data();
+      auto hash = [&] {
+        hasher.Blocks(p, n / 32 * 32);
+        if (n % 32) hasher.Tail(p + n / 32 * 32, n % 32);
+      };
+      if (!ReadGuarded(p, n, hash)) {
+        struct stat now;
+        const long long left = ::fstat(fd, &now) == 0 ? static_cast<long long>(now.st_size) : -1;
+        return Status::DataLoss(path + ": the file shrank to " + std::to_string(left) +
+                                " bytes while it was being hashed (it held " + std::to_string(size) +
+                                "); do not change a trace while kvsim reads it");
+      }
+    }
+    if (mapped) return hasher.Finish(size);
+  }
+  // Anything else (a pipe, an empty file, a file that cannot be mapped): read through a buffer.
   constexpr size_t kChunk = size_t{8} << 20;  // multiple of 32: only the file's last block is partial
-  std::vector<unsigned char> buf(kChunk + 32);
+  std::vector<unsigned char> buf(kChunk);
   uint64_t total = 0;
   for (size_t got = kChunk; got == kChunk;) {
     got = std::fread(buf.data(), 1, kChunk, f.get());
     total += got;
-    const size_t padded = (got + 31) / 32 * 32;
-    std::memset(buf.data() + got, 0, padded - got);
-    for (size_t i = 0; i < padded; i += 32) {
-      for (int k = 0; k < 4; ++k) {
-        uint64_t w;
-        std::memcpy(&w, buf.data() + i + 8 * k, 8);
-        lane[k] = mix(lane[k], w);
-      }
-    }
+    hasher.Blocks(buf.data(), got / 32 * 32);
+    if (got % 32) hasher.Tail(buf.data() + got / 32 * 32, got % 32);
   }
   if (std::ferror(f.get())) return Status::DataLoss(path + ": read error while hashing");
-  uint64_t h = total * kMul;
-  for (uint64_t l : lane) {
-    h = mix(h, l);
-    h = mix(h, h >> 31);  // murmur-style avalanche between lanes
-  }
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-  return std::string(hex);
+  return hasher.Finish(total);
 }
 
 }  // namespace kvsim

@@ -1,6 +1,7 @@
 #include "traces/hdf5_trace.h"
 
 #include <hdf5.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -346,6 +347,49 @@ TEST_CASE("hdf5 trace: errors name the file and the field", "[hdf5]") {
     CHECK(st.code() == StatusCode::kDataLoss);
     CHECK(Contains(st, "'values'"));
     CHECK(Contains(st, path));
+    // The direct reads find it while converting (ValidateLayer does not scan again); H5Dread's path is
+    // scanned by ValidateLayer: the same line at any thread count.
+    CHECK(st.message() == path +
+                              ": layer 0 dataset 'values' holds a non-finite value (NaN/Inf) at flat index " +
+                              "17; the capture or generator produced bad data");
+    for (const bool direct : {true, false})
+      for (const int threads : {1, 3}) {
+        Status again = (*r)->ReadLayer(0, &ld, LayerReadOptions{.threads = threads, .direct_chunks = direct});
+        CHECK(again.message() == st.message());
+      }
+  }
+  SECTION("Inf in a query row: an error only when that row is read, at its flat index") {
+    const int32_t tq = static_cast<int32_t>(tr.meta().query_positions.size());
+    const size_t d = tr.meta().model.head_dim;
+    const size_t at = (static_cast<size_t>(1) * tq + 3) * d + 2;  // head 1, query row 3
+    {
+      RawFile f(path);
+      std::vector<float> v(tr.layers()[1].queries);
+      v[at] = -std::numeric_limits<float>::infinity();
+      v[at + 1] = std::numeric_limits<float>::quiet_NaN();
+      hid_t ds = H5Dopen2(f.id, "/layers/layer_001/queries", H5P_DEFAULT);
+      REQUIRE(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0);
+      H5Dclose(ds);
+    }
+    auto r = Hdf5TraceReader::Open(path);
+    REQUIRE(r.ok());
+    LayerData ld;
+    QueryRows skip = QueryRows::None();
+    skip.Add(0, 3);
+    skip.Add(4, tq);
+    QueryRows with = QueryRows::None();
+    with.Add(2, 5);
+    for (const bool direct : {true, false}) {
+      INFO("direct " << direct);
+      CHECK(
+          (*r)->ReadLayer(1, &ld, LayerReadOptions{.query_rows = skip, .threads = 2, .direct_chunks = direct})
+              .ok());
+      Status st = (*r)->ReadLayer(
+          1, &ld, LayerReadOptions{.query_rows = with, .threads = 2, .direct_chunks = direct});
+      CHECK(st.message() ==
+            path + ": layer 1 dataset 'queries' holds a non-finite value (NaN/Inf) at flat index " +
+                std::to_string(at) + "; the capture or generator produced bad data");
+    }
   }
   SECTION("values beyond the float16 range are rejected on write") {
     tr.mutable_meta().storage_dtype = StorageDtype::kFloat16;
@@ -425,6 +469,40 @@ TEST_CASE("HashFile is stable and sensitive to one byte", "[hdf5]") {
   std::ofstream(path, std::ios::binary) << data + '\0';  // trailing zero byte counts too
   CHECK(*HashFile(path) != *h1);
   CHECK(HashFile(dir + "/missing").status().code() == StatusCode::kNotFound);
+}
+
+TEST_CASE("HashFile: the mapped and the buffered read give the values results already record", "[hdf5]") {
+  const std::string dir = testing::ScratchDir("hdf5_hash_values");
+  // Values of the buffered (fread) HashFile before regular files were hashed through a mapping: results
+  // and resume keys hold them, so they must not change. 64 MiB + 13 crosses several of the mapping's 16 MiB
+  // windows.
+  const std::pair<size_t, const char*> known[] = {{0, "9ee6ba1d45dc60c6"},
+                                                  {1, "7b460278c4444ec9"},
+                                                  {31, "d66af4738a66ea4e"},
+                                                  {32, "3c594be18204bcd2"},
+                                                  {33, "22578cc472e699ff"},
+                                                  {3007, "aeabb8cb2446d6a8"},
+                                                  {(size_t{64} << 20) + 13, "1595a069b5eef9a8"}};
+  for (const auto& [n, want] : known) {
+    std::string data(n, '\0');
+    for (size_t i = 0; i < n; ++i) data[i] = static_cast<char>((i % (size_t{1} << 20)) * 131 % 251);
+    const std::string path = dir + "/f" + std::to_string(n) + ".bin";
+    std::ofstream(path, std::ios::binary) << data;
+    INFO(n << " bytes");
+    auto mapped = HashFile(path);
+    REQUIRE(mapped.ok());
+    CHECK(*mapped == want);
+    if (n > 100000) continue;
+    // A FIFO cannot be mapped: the buffered read.
+    const std::string fifo = dir + "/fifo" + std::to_string(n);
+    ::unlink(fifo.c_str());
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    std::thread writer([&] { std::ofstream(fifo, std::ios::binary) << data; });
+    auto buffered = HashFile(fifo);
+    writer.join();
+    REQUIRE(buffered.ok());
+    CHECK(*buffered == want);
+  }
 }
 
 TEST_CASE("scripts/read_trace_example.py reads a trace with h5py", "[hdf5]") {
