@@ -7,9 +7,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <tuple>
 
 #include "analysis/dataset.h"
@@ -64,6 +66,29 @@ LatencySpec ExperimentLatency(const config::Experiment& experiment, const std::s
   return spec;
 }
 
+StatusOr<std::string> HashBesideReplay(const std::string& path, bool concurrent,
+                                       const std::function<Status(const std::string& hash)>& replay,
+                                       StatusOr<std::string> (*hash)(const std::string&)) {
+  if (!hash) hash = &HashFile;
+  if (!concurrent) {
+    KVSIM_ASSIGN_OR_RETURN(std::string h, hash(path));
+    KVSIM_RETURN_IF_ERROR(replay(h));
+    return h;
+  }
+  // The hash thread only reads the file; the replay's results do not depend on it (nor on its timing).
+  std::future<StatusOr<std::string>> pending = std::async(std::launch::async, hash, path);
+  const Status replayed = replay("");
+  StatusOr<std::string> h = pending.get();
+  if (!h.ok()) return h.status();
+  KVSIM_RETURN_IF_ERROR(replayed);
+  return h;
+}
+
+bool HashConcurrently(const std::string& path, int threads) {
+  const int n = threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency());
+  return n > 1 && FileInPageCache(path);
+}
+
 std::string RunLabel(const std::string& name, const std::vector<std::string>& sets) {
   std::string label = name;
   for (const auto& s : sets) label += " " + s;
@@ -99,10 +124,16 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
       MakeLatencyModel(LatencySpec{options.latency_model, options.device, options.model}, trace->meta()));
   std::vector<RunSpec> runs{RunSpec{p, RunLabel(policy, sets), budget_fraction, budget_tokens, mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(trace_path));
-  KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
   Progress progress = Progress::FromEnv("run", options.progress);
-  ReplayOptions ro{options.threads, latency.get(), &progress, hash, std::max(0, options.prefill_chunk)};
-  KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, runs, ro));
+  std::vector<RunResult> results;
+  KVSIM_ASSIGN_OR_RETURN(
+      std::string hash,
+      HashBesideReplay(trace_path, HashConcurrently(trace_path, options.threads), [&](const std::string& h) {
+        ReplayOptions ro{options.threads, latency.get(), &progress, h, std::max(0, options.prefill_chunk)};
+        KVSIM_ASSIGN_OR_RETURN(results, Replay(*trace, runs, ro));
+        return Status::Ok();
+      }));
+  results[0].set_trace_hash(hash);
   progress.Finish();
   for (std::string& w : DegenerateRunWarnings(results[0], policy, sets))
     results[0].add_warnings(std::move(w));
@@ -469,15 +500,22 @@ StatusOr<SweepUnit> ComputeSweepUnit(const SweepPlan& plan, size_t i, int thread
                                      const std::string& read_path, const std::string& trace_hash) {
   const config::Sample& s = plan.samples.at(i);
   const std::string& path = read_path.empty() ? s.path() : read_path;
-  std::string hash = trace_hash;
-  if (hash.empty()) {
-    KVSIM_ASSIGN_OR_RETURN(hash, HashFile(path));
-  }
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(path));
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), plan.runs).WithContext(s.path()));
   KVSIM_ASSIGN_OR_RETURN(auto latency, MakeLatencyModel(plan.clock, trace->meta()));
-  ReplayOptions ro{threads, latency.get(), progress, hash, plan.chunk};
-  KVSIM_ASSIGN_OR_RETURN(auto results, Replay(*trace, plan.runs, ro));
+  std::vector<RunResult> results;
+  auto replay = [&](const std::string& h) {
+    ReplayOptions ro{threads, latency.get(), progress, h, plan.chunk};
+    KVSIM_ASSIGN_OR_RETURN(results, Replay(*trace, plan.runs, ro));
+    return Status::Ok();
+  };
+  std::string hash = trace_hash;
+  if (hash.empty()) {  // not hashed by the caller: beside the replay when that pays
+    KVSIM_ASSIGN_OR_RETURN(hash, HashBesideReplay(path, HashConcurrently(path, threads), replay));
+  } else {
+    KVSIM_RETURN_IF_ERROR(replay(hash));
+  }
+  for (RunResult& r : results) r.set_trace_hash(hash);
   const std::string group = TraceGroup(trace->meta().model);
   SweepUnit unit;
   unit.set_sample_id(s.id());
@@ -540,14 +578,19 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
   std::vector<StatusOr<SweepUnit>> done;
   for (size_t i = 0; i < plan.samples.size(); ++i) {
     progress.SetOuter("trace", static_cast<int>(i) + 1, static_cast<int>(plan.samples.size()));
-    // A unit: hash the trace, reuse a matching finished unit, or replay all runs on the trace.
+    // A unit: reuse a matching finished unit (--resume with a unit file: the trace is hashed first, to
+    // compare), or replay all runs on the trace (ComputeSweepUnit hashes it, beside the replay when that
+    // pays).
     auto unit = [&]() -> StatusOr<SweepUnit> {
-      KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(plan.samples[i].path()));
-      if (units && units->resume)
+      std::string hash;
+      std::error_code ec;
+      if (units && units->resume && fs::exists(fs::path(units_dir) / plan.UnitFile(i), ec)) {
+        KVSIM_ASSIGN_OR_RETURN(hash, HashFile(plan.samples[i].path()));
         if (auto old = ReusableUnit(plan, i, units_dir, hash)) {
           ++units->reused;
           return std::move(*old);
         }
+      }
       KVSIM_ASSIGN_OR_RETURN(SweepUnit unit, ComputeSweepUnit(plan, i, options.threads, &progress, "", hash));
       if (!units_dir.empty())
         KVSIM_RETURN_IF_ERROR(

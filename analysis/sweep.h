@@ -2,6 +2,7 @@
 // `kvsim run` and `kvsim sweep`: build runs from policy names, budgets and overrides, replay them (one
 // streamed pass per trace shares the full-attention reference across all runs), and write results.
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -14,6 +15,20 @@
 namespace kvsim {
 
 StatusOr<std::unique_ptr<TraceSource>> OpenTrace(const std::string& path);
+
+// The trace's content hash (HashFile; `hash` replaces it in tests) and `replay`, which records the hash it is
+// given in its results. Serially (`concurrent` false): hashed first, then replay(hash). Concurrently: hashed
+// on a thread of its own while replay("") runs, and the caller records the returned hash in the results.
+// Either way the hash, and every result, is the same; a failed hash is the error even when replay failed too
+// (as if hashed first), replay's error otherwise, and the caller writes nothing unless both succeeded.
+StatusOr<std::string> HashBesideReplay(const std::string& path, bool concurrent,
+                                       const std::function<Status(const std::string& hash)>& replay,
+                                       StatusOr<std::string> (*hash)(const std::string&) = nullptr);
+// Whether `kvsim run` / `kvsim sweep` hash the trace beside the replay: only when the page cache holds the
+// whole file (FileInPageCache) and the replay may use more than one thread (`threads`: RunOptions::threads).
+// A file that must come from the disk is hashed first, as two streams over it measured slower
+// (docs/performance.md, "Round 6b: the content hash beside the replay").
+bool HashConcurrently(const std::string& path, int threads);
 
 // Shared by the plain and the streaming sweeps:
 // "snapkv window=16 pooling=MAX_POOL": a policy name and its overrides, the default run label.
@@ -122,7 +137,7 @@ StatusOr<SweepUnit> ParseSweepUnit(const SweepPlan& plan, size_t i, const std::s
 // Replays every run on samples[i]: the shared per-trace work (read, full-attention reference, scores) once.
 // The trace is read from `read_path` when it is set (a shipped copy of the same bytes); the unit records
 // the sample's own path either way. `trace_hash`: the trace's HashFile when the caller already has it
-// (empty: hashed here), so a trace is not read twice for it.
+// (empty: hashed here, beside the replay when HashConcurrently), so a trace is not read twice for it.
 StatusOr<SweepUnit> ComputeSweepUnit(const SweepPlan& plan, size_t i, int threads, Progress* progress,
                                      const std::string& read_path = "", const std::string& trace_hash = "");
 // The result of a sweep from its units, one per sample in order (a failed one's status gives its reason):

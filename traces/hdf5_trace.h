@@ -96,4 +96,11 @@ class Hdf5TraceWriter final : public TraceSink {
 // Fast 64-bit content hash of a file (hex string), used for result provenance.
 StatusOr<std::string> HashFile(const std::string& path);
 
+// Whether the page cache holds all but at most 1% of the pages of regular file `path` (mincore over a
+// read-only mapping that is never touched: no read, no I/O; milliseconds for 3 GB). False for anything else:
+// a file it cannot open or map, an empty file, a pipe, and a file of another user the caller cannot write
+// (the kernel then answers for this process's own page tables only). Decides whether hashing the trace beside
+// the replay pays (analysis/sweep.h, HashConcurrently): only when the file need not stream from the disk.
+bool FileInPageCache(const std::string& path);
+
 }  // namespace kvsim

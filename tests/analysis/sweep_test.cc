@@ -12,6 +12,7 @@
 
 #include "analysis/report.h"
 #include "tests/test_util.h"
+#include "traces/hdf5_trace.h"
 
 namespace kvsim {
 namespace {
@@ -115,6 +116,64 @@ TEST_CASE("sweep units: a failed unit is listed, the rest aggregated; stale unit
   for (const Aggregate& a : r.aggregates()) CHECK(a.n() == 1);
   CHECK_FALSE(fs::exists(units_dir + "/stale-0000.json"));
   CHECK(fs::exists(units_dir + "/" + plan->UnitFile(1)));
+}
+
+StatusOr<std::string> ShrankHash(const std::string& path) {
+  return Status::DataLoss(path + ": the file shrank to 0 bytes while it was being hashed");
+}
+
+TEST_CASE("HashBesideReplay: serial and concurrent give the same hash; a failed hash is the error",
+          "[sweep]") {
+  const std::string path = TwoTraces().dir + "/s0.h5";
+  const auto want = HashFile(path);
+  REQUIRE(want.ok());
+  for (bool concurrent : {false, true}) {
+    INFO("concurrent " << concurrent);
+    std::string given = "unset";
+    auto replay_ok = [&](const std::string& h) {
+      given = h;
+      return Status::Ok();
+    };
+    auto h = HashBesideReplay(path, concurrent, replay_ok);
+    REQUIRE(h.ok());
+    CHECK(*h == *want);
+    CHECK(given == (concurrent ? "" : *want));  // concurrently the caller records the returned hash
+    // The hash fails: its error, whether the replay succeeded or failed too (serially it never ran).
+    given = "unset";
+    auto failed = HashBesideReplay(path, concurrent, replay_ok, &ShrankHash);
+    CHECK(failed.status().code() == StatusCode::kDataLoss);
+    CHECK(failed.status().message() == path + ": the file shrank to 0 bytes while it was being hashed");
+    CHECK(given == (concurrent ? "" : "unset"));
+    auto replay_fails = [&](const std::string&) { return Status::InvalidArgument("replay failed"); };
+    CHECK(HashBesideReplay(path, concurrent, replay_fails, &ShrankHash).status().code() ==
+          StatusCode::kDataLoss);
+    // The replay fails, the hash does not: the replay's error.
+    auto r = HashBesideReplay(path, concurrent, replay_fails);
+    CHECK(r.status().message() == "replay failed");
+  }
+}
+
+TEST_CASE("run and sweep: the trace hash beside the replay (page cache warm) is the serial one", "[sweep]") {
+  const Dataset& d = TwoTraces();
+  const std::string path = d.dir + "/s0.h5";
+  REQUIRE(HashFile(path).ok());  // read: in the page cache
+  CHECK_FALSE(HashConcurrently(path, 1));
+  REQUIRE(HashConcurrently(path, 2));
+  CHECK_FALSE(HashConcurrently(d.dir + "/missing.h5", 2));
+  const RunOptions serial{1, false, "", -1, "", ""}, concurrent{2, false, "", -1, "", ""};
+  auto a = RunOne(path, "snapkv", {}, 0.25, 0, QuestionMode::kQueryAgnostic, serial);
+  auto b = RunOne(path, "snapkv", {}, 0.25, 0, QuestionMode::kQueryAgnostic, concurrent);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(a->trace_hash() == *HashFile(path));
+  CHECK(google::protobuf::util::MessageDifferencer::Equals(*a, *b));
+  auto x = RunSweep(d.experiment, d.dir, serial);
+  auto y = RunSweep(d.experiment, d.dir, concurrent);
+  REQUIRE(x.ok());
+  REQUIRE(y.ok());
+  REQUIRE(x->runs_size() == 6);
+  for (const RunResult& r : y->runs()) CHECK(r.trace_hash() == *HashFile(r.trace_path()));
+  CHECK(google::protobuf::util::MessageDifferencer::Equals(*x, *y));
 }
 
 TEST_CASE("sweep input: --trace folders and --manifest replace the experiment's traces", "[sweep]") {

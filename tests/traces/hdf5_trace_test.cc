@@ -1,7 +1,10 @@
 #include "traces/hdf5_trace.h"
 
+#include <fcntl.h>
 #include <hdf5.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -469,6 +472,32 @@ TEST_CASE("HashFile is stable and sensitive to one byte", "[hdf5]") {
   std::ofstream(path, std::ios::binary) << data + '\0';  // trailing zero byte counts too
   CHECK(*HashFile(path) != *h1);
   CHECK(HashFile(dir + "/missing").status().code() == StatusCode::kNotFound);
+}
+
+TEST_CASE("FileInPageCache: a file just written is resident; dropped pages, a FIFO, nothing are not",
+          "[hdf5]") {
+  const std::string dir = testing::ScratchDir("hdf5_resident");
+  const std::string path = dir + "/f.bin";
+  std::ofstream(path, std::ios::binary) << std::string(3 * 4096 + 5, 'x');
+  CHECK(FileInPageCache(path));
+  CHECK_FALSE(FileInPageCache(dir + "/missing"));
+  std::ofstream(dir + "/empty", std::ios::binary).flush();
+  CHECK_FALSE(FileInPageCache(dir + "/empty"));
+  REQUIRE(::mkfifo((dir + "/fifo").c_str(), 0600) == 0);
+  CHECK_FALSE(FileInPageCache(dir + "/fifo"));  // and does not wait for a writer
+  // Written back and dropped from the page cache: not resident (tmpfs keeps its pages: nothing to drop).
+  struct statfs fs;
+  REQUIRE(::statfs(dir.c_str(), &fs) == 0);
+  if (fs.f_type != TMPFS_MAGIC) {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    REQUIRE(fd >= 0);
+    REQUIRE(::fdatasync(fd) == 0);
+    REQUIRE(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0);
+    ::close(fd);
+    CHECK_FALSE(FileInPageCache(path));
+    REQUIRE(HashFile(path).ok());  // read back in
+    CHECK(FileInPageCache(path));
+  }
 }
 
 TEST_CASE("HashFile: the mapped and the buffered read give the values results already record", "[hdf5]") {
