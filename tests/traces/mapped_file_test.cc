@@ -10,25 +10,11 @@
 #include <fstream>
 #include <string>
 
+#include "sim/sanitizers.h"
 #include "tests/test_util.h"
 
 namespace kvsim {
 namespace {
-
-// A fault outside any guarded range goes to the disposition before ours: the default action (SIGBUS), or,
-// under AddressSanitizer, its own SIGBUS report, which ends the process with exit code 1 or SIGABRT
-// (ASAN_OPTIONS abort_on_error). Either way the process must not go on past the fault.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAsan = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAsan = true;
-#else
-constexpr bool kAsan = false;
-#endif
-#else
-constexpr bool kAsan = false;
-#endif
 
 // Sums the bytes of [p, p + n) (a plain loop, as ReadGuarded requires).
 struct SumBytes {
@@ -83,8 +69,11 @@ TEST_CASE("ReadGuarded: reading a mapping past a file truncated after mmap fails
     }
     int status = 0;
     REQUIRE(::waitpid(child, &status, 0) == child);
+    // The fault goes to the disposition before ours: the default action (SIGBUS), or, under AddressSanitizer,
+    // its own SIGBUS report, which ends the process with exit code 1 or SIGABRT (ASAN_OPTIONS
+    // abort_on_error). Either way the process must not go on past the fault.
     CHECK_FALSE((WIFEXITED(status) && WEXITSTATUS(status) == 0));  // it did not go on to _exit(0)
-    if (!kAsan) {
+    if (!kAddressSanitizer) {
       CHECK(WIFSIGNALED(status));
       if (WIFSIGNALED(status)) CHECK(WTERMSIG(status) == SIGBUS);
     }
