@@ -901,8 +901,9 @@ class ThrowingPrefillPolicy final : public Policy {
     class Head final : public HeadPolicy {
      public:
       explicit Head(int bad_head) : bad_head_(bad_head) {}
-      void OnPrefill(const HeadContext& ctx, int, HeadCache*) override {
+      void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
         if (ctx.kv_head == bad_head_) throw std::runtime_error("prefill failed on purpose");
+        cache->AssignRange(0, std::min(budget, ctx.compress_end));  // the other heads keep the first B tokens
       }
 
      private:
