@@ -266,8 +266,9 @@ void TopKSums::Reserve(int rows, size_t values) {
 }
 
 namespace {
-// Buckets of TopKSums: the exponent and the top kSubBits mantissa bits (2^kSubBits buckets per binade).
-constexpr int kSubBits = 4, kBucketShift = 23 - kSubBits;
+// Buckets of TopKSums: the exponent and the top kSubBits mantissa bits (2^kSubBits buckets per binade),
+// numbered by the bit pattern's top bits (u >> kBucketShift: 0 .. kTopBuckets - 1 for non-negative floats).
+constexpr int kSubBits = 4, kBucketShift = 23 - kSubBits, kTopBuckets = 1 << (31 - kBucketShift);
 }  // namespace
 
 double TopKSums::AddRow(std::span<const float> values, int kmax) {
@@ -277,25 +278,43 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   row.elem = elems_.size();
   row.bucket = cc_.size();
   row.tail = tail_.size();
-  // Pass 1: an upper bound of the sum (as SortForDescendingSums), the sign check and the largest value.
+  // One pass: an upper bound of the sum (as SortForDescendingSums), the sign check, the largest and
+  // smallest value, and per bucket (absolute: by the value's top bits, so before 2^L is known) the count
+  // and sum. The buckets at or above 2^L (a normal power of two: a bucket boundary) hold the big values, and
+  // their sums are exact (any order); the sums of lower buckets are not, and not used. The bucket arrays
+  // are kept zero between rows (a failed check aborts): only [umin's bucket, umax's bucket] is cleared after
+  // use.
+  thread_local std::vector<int32_t> count(kTopBuckets, 0);
+  thread_local std::vector<double> bsum(kTopBuckets, 0.0);
+  int32_t* cnt = count.data();
+  double* bs = bsum.data();
   double s4[4] = {};
-  uint32_t negative = 0, umax = 0;
+  uint32_t negative = 0, umax = 0, umin = 0x7fffffffu;
   size_t i = 0;
   for (; i + 4 <= n; i += 4)
     for (int l = 0; l < 4; ++l) {
       uint32_t u;
       std::memcpy(&u, &values[i + l], 4);
       negative |= u > 0x80000000u;
-      umax = std::max(umax, u & 0x7fffffffu);
+      u &= 0x7fffffffu;
+      umax = std::max(umax, u);
+      umin = std::min(umin, u);
       s4[l] += values[i + l];
+      ++cnt[u >> kBucketShift];
+      bs[u >> kBucketShift] += values[i + l];
     }
   for (; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, &values[i], 4);
     negative |= u > 0x80000000u;
-    umax = std::max(umax, u & 0x7fffffffu);
+    u &= 0x7fffffffu;
+    umax = std::max(umax, u);
+    umin = std::min(umin, u);
     s4[0] += values[i];
+    ++cnt[u >> kBucketShift];
+    bs[u >> kBucketShift] += values[i];
   }
+  const uint32_t hi = umax >> kBucketShift, bmin = n > 0 ? umin >> kBucketShift : hi;
   KVSIM_CHECK_MSG(!negative, "TopKSums: values must be non-negative");
   const double sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
   KVSIM_CHECK_MSG(std::isfinite(sum), "TopKSums: values must be finite");
@@ -304,33 +323,15 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   const float big = std::ldexp(1.0f, e - 30);  // 2^L; 0 when L is below the smallest subnormal
   uint32_t ubig;                               // values >= 2^L: bit patterns >= ubig
   std::memcpy(&ubig, &big, 4);
+  // A subnormal 2^L is no bucket boundary; but then every value counts as big: all are multiples of 2^-149
+  // and every sum is below 2^(L+30) <= 2^-97, so it has at most 53 significant bits (exact in any order).
+  if (ubig < 0x00800000u) ubig = 0;
   // Buckets j = 0 .. nb-1 from the top: bucket j holds the bit patterns u with (u >> shift) = hi - j.
-  const uint32_t hi = umax >> kBucketShift, lo = ubig >> kBucketShift;
+  const uint32_t lo = ubig >> kBucketShift;
   const int nb = umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
   row.nb = nb;
-  // Pass 2: per bucket its count and exact sum (any order: the values are big), and the nonzero values
-  // below 2^L as descending keys.
-  thread_local std::vector<int32_t> count;
-  thread_local std::vector<double> bsum;
-  thread_local std::vector<uint32_t> a, b;
-  count.assign(nb, 0);
-  bsum.assign(nb, 0.0);
-  a.resize(n);
-  b.resize(n);
-  size_t m = 0;
-  for (i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &values[i], 4);
-    u &= 0x7fffffffu;
-    if (u >= ubig) {
-      const int j = static_cast<int>(hi - (u >> kBucketShift));
-      ++count[j];
-      bsum[j] += values[i];
-    } else if (u != 0) {
-      a[m++] = ~u;
-    }
-  }
-  // The cumulative counts and sums (exact), and pass 3: the big values by bucket.
+  // The cumulative counts and sums (exact), and every bucket's first place, the buckets below 2^L after
+  // the big ones (their places are scratch beyond the row's big values: the scatter needs no branch).
   cc_.resize(row.bucket + nb + 1);
   cs_.resize(row.bucket + nb + 1);
   int32_t* cc = cc_.data() + row.bucket;
@@ -338,22 +339,43 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   cc[0] = 0;
   cs[0] = 0;
   for (int j = 0; j < nb; ++j) {
-    cc[j + 1] = cc[j] + count[j];
-    cs[j + 1] = cs[j] + bsum[j];
-    count[j] = cc[j];  // now: the bucket's next free place
+    cc[j + 1] = cc[j] + cnt[hi - j];
+    cs[j + 1] = cs[j] + bs[hi - j];
   }
   const int nbig = cc[nb];
-  elems_.resize(row.elem + nbig);
-  float* el = elems_.data() + row.elem;
-  if (nbig > 0)
+  int32_t place = 0;
+  for (uint32_t b = hi + 1; b-- > bmin;) {  // now: the bucket's next free place
+    const int32_t c = cnt[b];
+    cnt[b] = place;
+    place += c;
+  }
+  // The scatter: the big values by bucket (and the others into the scratch places after them).
+  if (nbig > 0) {
+    elems_.resize(row.elem + (umin < ubig ? n : nbig));  // scratch places only when a value is below 2^L
+    float* el = elems_.data() + row.elem;
+    for (i = 0; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &values[i], 4);
+      el[cnt[(u & 0x7fffffffu) >> kBucketShift]++] = values[i];
+    }
+    elems_.resize(row.elem + nbig);
+  }
+  std::fill(cnt + bmin, cnt + hi + 1, 0);  // the touched buckets back to zero for the next row
+  std::fill(bs + bmin, bs + hi + 1, 0.0);
+  // The nonzero values below 2^L, in descending order, added one by one after the big ones.
+  thread_local std::vector<uint32_t> a, b;
+  size_t m = 0;
+  if (umin < ubig) {
+    a.resize(n);
+    b.resize(n);
     for (i = 0; i < n; ++i) {
       uint32_t u;
       std::memcpy(&u, &values[i], 4);
       u &= 0x7fffffffu;
-      if (u >= ubig) el[count[hi - (u >> kBucketShift)]++] = values[i];
+      if (u < ubig && u != 0) a[m++] = ~u;
     }
-  // The values below 2^L in descending order, added one by one after the big ones.
-  RadixSortKeys(a, b, m);
+    RadixSortKeys(a, b, m);
+  }
   row.ntail = static_cast<int>(m);
   row.kept_tail = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(kmax) - nbig, 0, m));
   tail_.resize(row.tail + row.kept_tail);

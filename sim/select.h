@@ -47,8 +47,9 @@ void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<
 // values are all above the next lower bucket's) with each bucket's count and exact sum; Sum walks the
 // cumulative counts to the bucket holding the k-th largest value, takes the whole buckets above it (an
 // exact sum) and selects the largest values of that one bucket (nth_element; their sum is exact in any
-// order too). For k above |big| the values below 2^L do need their order: they are sorted when the row is
-// added and their running sums from S[|big|] kept, up to kmax (Sum's largest k).
+// order too; when 2^L is subnormal every value counts as big: all are multiples of 2^-149 and every sum
+// is below 2^-97). For k above |big| the values below 2^L do need their order: they are sorted when the row
+// is added and their running sums from S[|big|] kept, up to kmax (Sum's largest k).
 class TopKSums {
  public:
   // Forgets every row (keeps the memory).

@@ -28,6 +28,7 @@
 
 #include "sim/parallel.h"
 #include "sim/resources.h"
+#include "sim/sanitizers.h"
 #include "traces/half.h"
 #include "traces/mapped_file.h"
 
@@ -1286,23 +1287,11 @@ StatusOr<double> GuardTimeout() {
   return v;
 }
 
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAsan = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAsan = true;
-#else
-constexpr bool kAsan = false;
-#endif
-#else
-constexpr bool kAsan = false;
-#endif
-
 // In the child: address space capped at what it has now plus the memory kvsim may use, so a damaged file
 // that makes the library allocate without bound fails there, not in the machine (not under ASan, whose
 // shadow memory needs terabytes of address space).
 void LimitChildMemory() {
-  if (kAsan) return;
+  if (kAddressSanitizer) return;
   auto avail = AvailableMemoryBytes();
   if (!avail.ok()) return;
   unsigned long long pages = 0;

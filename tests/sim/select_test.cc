@@ -327,6 +327,39 @@ TEST_CASE("TopKSums: every top-k sum equals a full sort's prefix sum, bit for bi
   CheckTopKSums(rows);
 }
 
+TEST_CASE("TopKSums: rows of disjoint and extreme ranges, two structures interleaved on one thread",
+          "[select]") {
+  // AddRow keeps its per-bucket counts between rows (zeroed over the range a row touched): rows whose value
+  // ranges are disjoint, overlapping or at the ends of the float range (sums so small that 2^L is
+  // subnormal: no bucket boundary), added alternately to two structures, must each equal a full sort.
+  std::mt19937 rng(7);
+  std::normal_distribution<float> logit(0.0f, 3.0f);
+  const float fmax = std::numeric_limits<float>::max(), denorm = std::numeric_limits<float>::denorm_min();
+  std::vector<std::vector<float>> rows;
+  for (float scale : {1.0f, 1e-20f, 1e20f, 1.0f, 1e-38f, 1e-42f, 1e28f}) {
+    std::vector<float> v(700);
+    for (float& x : v) x = scale * std::exp(logit(rng));
+    rows.push_back(v);
+  }
+  rows.push_back({fmax / 4, fmax / 8, denorm, 0.0f, fmax / 4, 1.0f});  // the top bucket and bucket 0
+  rows.push_back({0.0f, 0.0f, 1e-30f, 1.0f, 0.5f, 0.0f, 1e-20f});      // zeros and values below 2^L
+  std::vector<std::vector<double>> want;
+  for (const auto& v : rows) want.push_back(DescendingPrefix(v));
+  for (int kfrac : {0, 1, 7}) {
+    TopKSums even, odd;
+    std::vector<int> kmax(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const int n = static_cast<int>(rows[r].size());
+      kmax[r] = n * kfrac / 7;
+      REQUIRE((r % 2 == 0 ? even : odd).AddRow(rows[r], kmax[r]) == want[r][n]);
+    }
+    std::vector<float> scratch;
+    for (size_t r = 0; r < rows.size(); ++r)
+      for (int k = 0; k <= kmax[r]; ++k)
+        REQUIRE((r % 2 == 0 ? even : odd).Sum(static_cast<int>(r / 2), k, &scratch) == want[r][k]);
+  }
+}
+
 TEST_CASE("TopKIndicesWithThreshold equals the plain two-branch scan, for any threshold", "[select]") {
   // The reference: every score above tau, then the lowest-indexed ties while k is not reached.
   auto reference = [](const std::vector<float>& s, int k, float tau) {
