@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <future>
@@ -224,36 +225,72 @@ class LayerPass {
         threads_(threads),
         recorder_(recorder) {}
 
-  // Two parallel phases over the layer's work units. Prefill: per KV head, the full-attention reference
+  // Two kinds of work item over the layer's work units. Prefill: per KV head, the full-attention reference
   // (shared by every run) and every run's compression hook (runs share the head's prompt scores). Decode:
   // per (KV head, run), every decode step in event order, then the outputs of all steps at once. Each item
   // writes only its own accumulator slots, so results never depend on the thread count or on scheduling.
   //
-  // The KV heads go through both phases in chunks of a few heads (twice the workers), and a chunk's
-  // reference, policies and caches are freed before the next chunk starts: what is resident is O(chunk)
-  // units' state, not every unit's state of every run at once (a 45-run sweep held 32 heads x 45 runs of
-  // caches over a whole layer before).
+  // The KV heads go in chunks of a few heads (twice the workers): the item list is each chunk's Prefill
+  // items, then its decode items, chunk after chunk, handed out in that order by one ParallelForWorkers
+  // with no barrier between phases or chunks. A decode item waits (rarely: its Prefill was handed out at
+  // least a chunk's other Prefill items earlier) until its head's Prefill is done, and a head's reference
+  // and scores are freed by the last of its runs to finish. So the next chunk's Prefill runs while the
+  // current chunk's last decode items finish (a barrier per phase left a worker idle behind the longest
+  // item). What is resident stays O(chunk) units' state: at most the units whose Prefill was handed out and
+  // whose decode items were not all handed out (one chunk) plus those with an item in flight (one per
+  // worker), not every unit's state of every run at once (a 45-run sweep held 32 heads x 45 runs of caches
+  // over a whole layer before chunking).
   void Run() {
     const int hkv = m_.num_kv_heads, runs = static_cast<int>(plans_.size());
     const int workers = threads_ > 0 ? threads_ : DefaultThreads();
     const int chunk = std::min(hkv, 2 * workers);
     units_.resize(hkv);
-    scratch_.resize(std::max(1, std::min(workers, chunk * runs)));
+    scratch_.resize(std::max(1, std::min(workers, chunk * (runs + 1))));
+    struct Item {
+      int u, r;  // r < 0: Prefill(u)
+    };
+    std::vector<Item> items;
+    items.reserve(static_cast<size_t>(hkv) * (runs + 1));
     for (int u0 = 0; u0 < hkv; u0 += chunk) {
       const int nu = std::min(chunk, hkv - u0);
-      ParallelFor(nu, threads_, [this, u0](int i) { Prefill(u0 + i); });
-      ParallelForWorkers(nu * runs, threads_, [this, runs, u0](int item, int worker) {
-        const int u = u0 + item / runs, r = item % runs;
-        WorkerScratch& ws = scratch_[worker];
-        BeginRun(ws);
-        ws.prev_version = units_[u].caches[r].version();  // the cache as the prefill left it
-        for (int t = 0; t < meta_.num_decode_steps; ++t) Step(u, r, t, ws);
-        FinishRun(u, r, ws);
-        units_[u].policies[r].reset();  // the run is done on this head: its state goes now
-        units_[u].caches[r] = HeadCache(m_.head_dim);
-      });
-      for (int u = u0; u < u0 + nu; ++u) units_[u] = UnitWork{};
+      for (int u = u0; u < u0 + nu; ++u) items.push_back({u, -1});
+      for (int u = u0; u < u0 + nu; ++u)
+        for (int r = 0; r < runs; ++r) items.push_back({u, r});
     }
+    // Per unit: 0 while its Prefill is pending, 1 once done, 2 if it threw (its decode items are skipped;
+    // ParallelForWorkers rethrows the Prefill's exception, the lowest item index); and its runs still to
+    // finish.
+    std::vector<std::atomic<int>> prefilled(hkv);
+    std::vector<std::atomic<int>> remaining(hkv);
+    for (int u = 0; u < hkv; ++u) remaining[u].store(runs);
+    ParallelForWorkers(static_cast<int>(items.size()), threads_, [&](int item, int worker) {
+      const int u = items[item].u, r = items[item].r;
+      if (r < 0) {
+        int state = 2;
+        try {
+          Prefill(u);
+          state = 1;
+        } catch (...) {
+          prefilled[u].store(state);
+          prefilled[u].notify_all();
+          throw;
+        }
+        if (runs == 0) units_[u] = UnitWork{};
+        prefilled[u].store(state);
+        prefilled[u].notify_all();
+        return;
+      }
+      prefilled[u].wait(0);
+      if (prefilled[u].load() != 1) return;
+      WorkerScratch& ws = scratch_[worker];
+      BeginRun(ws);
+      ws.prev_version = units_[u].caches[r].version();  // the cache as the prefill left it
+      for (int t = 0; t < meta_.num_decode_steps; ++t) Step(u, r, t, ws);
+      FinishRun(u, r, ws);
+      units_[u].policies[r].reset();  // the run is done on this head: its state goes now
+      units_[u].caches[r] = HeadCache(m_.head_dim);
+      if (remaining[u].fetch_sub(1) == 1) units_[u] = UnitWork{};  // the head's last run: its state goes
+    });
   }
 
  private:

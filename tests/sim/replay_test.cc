@@ -8,8 +8,10 @@
 #include <cmath>
 #include <csignal>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -884,6 +886,56 @@ TEST_CASE("replay: KV heads replayed in chunks give the same results as one chun
   }
   // The regret of the full cache is zero up to rounding (it keeps the best tokens: all of them).
   CHECK(std::abs((*one)[0].metrics().regret_vs_oracle_mean()) < 1e-6);
+}
+
+// A Prefill that throws (here: the policy's hook on one KV head) ends the replay with that exception at any
+// thread count: the decode items waiting on that head's Prefill are woken and skipped, nothing hangs.
+class ThrowingPrefillPolicy final : public Policy {
+ public:
+  explicit ThrowingPrefillPolicy(int bad_head) : bad_head_(bad_head) {}
+  std::string name() const override { return "throwing"; }
+  std::string ParamsText() const override { return ""; }
+  PolicyRequirements requirements() const override { return {}; }
+  bool evicts_during_decode() const override { return false; }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+    class Head final : public HeadPolicy {
+     public:
+      explicit Head(int bad_head) : bad_head_(bad_head) {}
+      void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
+        if (ctx.kv_head == bad_head_) throw std::runtime_error("prefill failed on purpose");
+        cache->AssignRange(0, std::min(budget, ctx.compress_end));  // the other heads keep the first B tokens
+      }
+
+     private:
+      int bad_head_;
+    };
+    return std::make_unique<Head>(bad_head_);
+  }
+
+ private:
+  int bad_head_;
+};
+
+TEST_CASE("replay: a Prefill that throws ends the replay at any thread count", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 8;
+  spec.num_kv_heads = 8;
+  spec.prefill_length = 36;
+  spec.decode_steps = 7;
+  spec.image_end = 24;
+  spec.seed = 31;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  auto full = PolicyRegistry::Default().Create("full");
+  REQUIRE(full.ok());
+  for (int bad : {0, 5, 7}) {
+    std::vector<RunSpec> runs{
+        RunSpec{*full, "full", 0.5, 0, QuestionMode::kQueryAware},
+        RunSpec{std::make_shared<ThrowingPrefillPolicy>(bad), "throwing", 0.5, 0, QuestionMode::kQueryAware}};
+    for (int threads : {1, 2, 3}) {
+      INFO("bad head " << bad << " threads " << threads);
+      CHECK_THROWS_WITH(Replay(trace, runs, ReplayOptions{.threads = threads}), "prefill failed on purpose");
+    }
+  }
 }
 
 // Merging runs replayed together (several runs per KV head, MEDA compressing at the prefill hook, MEDA's
