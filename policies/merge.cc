@@ -60,7 +60,8 @@ bool NormalizeRows(const float* const* rows, int n, int d, float* out) {
 // Grows a per-thread scratch buffer without shrinking it or clearing what it held: NearestByCosine's
 // buffers are written in full before they are read, and allocating (and zeroing) them per call cost a
 // fresh-page fault and a memset per merge (issue 14, round 6).
-float* Scratch(std::vector<float>& v, size_t n) {
+template <typename T>
+T* Scratch(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }
@@ -142,12 +143,10 @@ void ScreenBlock(const float* q, int rows, const float* t, const uint32_t* tp, d
   thread_local std::vector<const float*> ca, cb;
   thread_local std::vector<int> crow, cidx;
   const long ld = merge_screen::PaddedTargets(num_targets);
-  uint32_t* qp = qp_buf.size() < static_cast<size_t>(rows) * (d / 2)
-                     ? (qp_buf.resize(rows * (d / 2)), qp_buf.data())
-                     : qp_buf.data();
+  uint32_t* qp = Scratch(qp_buf, static_cast<size_t>(rows) * (d / 2));
   float* approx = Scratch(approx_buf, static_cast<size_t>(rows) * ld);
-  if (q_err.size() < static_cast<size_t>(rows)) q_err.resize(rows);
-  merge_screen::PackQueries(q, rows, d, qp, q_err.data());
+  double* qe = Scratch(q_err, rows);
+  merge_screen::PackQueries(q, rows, d, qp, qe);
   merge_screen::ApproxDots(qp, rows, tp, num_targets, d, approx, ld);
   ca.clear(), cb.clear(), crow.clear(), cidx.clear();
   for (int r = 0; r < rows; ++r) {
@@ -155,7 +154,7 @@ void ScreenBlock(const float* q, int rows, const float* t, const uint32_t* tp, d
     // 2ε for this query (its own rounding error, the targets' largest), plus 2^-20 for the rounding of
     // m − window in float (|m| ≤ 1.02: at most 2^-24).
     const float window =
-        static_cast<float>(2 * merge_screen::ErrorBound(d, q_err[r], t_err) + std::ldexp(1.0, -20));
+        static_cast<float>(2 * merge_screen::ErrorBound(d, qe[r], t_err) + std::ldexp(1.0, -20));
     const float threshold = RowMax(row, num_targets) - window;
     const float* qr = q + static_cast<size_t>(r) * d;
     int j = 0;
@@ -174,14 +173,14 @@ void ScreenBlock(const float* q, int rows, const float* t, const uint32_t* tp, d
         ca.push_back(qr), cb.push_back(t + static_cast<size_t>(j) * d), crow.push_back(r), cidx.push_back(j);
   }
   const int n = static_cast<int>(ca.size());
-  if (values.size() < static_cast<size_t>(n)) values.resize(n);
-  merge_screen::ExactDots(ca.data(), cb.data(), n, d, values.data());
+  float* value = Scratch(values, n);
+  merge_screen::ExactDots(ca.data(), cb.data(), n, d, value);
   // Candidates come row by row, each row's in slot order: keep the first maximum.
   for (int i = 0; i < n; ++i) {
     const int r = crow[i];
-    if (i == 0 || crow[i - 1] != r || values[i] > similarity[r]) {
+    if (i == 0 || crow[i - 1] != r || value[i] > similarity[r]) {
       nearest[r] = cidx[i];
-      similarity[r] = values[i];
+      similarity[r] = value[i];
     }
   }
   merge_screen::Stats& stats = merge_screen::ThreadStats();
@@ -214,9 +213,8 @@ void NearestByCosine(const float* const* queries, int num_queries, const float* 
     const bool queries_regular = NormalizeRows(queries + b, rows, d, q);
     if (screen && queries_regular && static_cast<long>(rows) * num_targets * d >= kMinScreenedWork) {
       if (!packed) {
-        const size_t words = merge_screen::PackedTargetsSize(num_targets, d);
-        if (tp_buf.size() < words) tp_buf.resize(words);
-        t_err = merge_screen::PackTargets(t, num_targets, d, tp_buf.data());
+        uint32_t* tp = Scratch(tp_buf, merge_screen::PackedTargetsSize(num_targets, d));
+        t_err = merge_screen::PackTargets(t, num_targets, d, tp);
         packed = true;
       }
       ScreenBlock(q, rows, t, tp_buf.data(), t_err, num_targets, d, nearest->data() + b,
