@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <limits>
 
+#include "policies/merge_screen.h"
 #include "sim/attention.h"
 
 namespace kvsim {
@@ -21,17 +23,23 @@ double SquaredNorm(const float* row, int d) {
   return s;
 }
 
-void ScaleRow(const float* x, double s, int d, float* out) {
+// Returns whether the row is "regular" for the bf16 screen (merge_screen.cc's bound): zero, or scaled by a
+// normal, finite float (not a row with a non-finite entry or a norm so far from 1 that inv leaves the
+// normal range).
+bool ScaleRow(const float* x, double s, int d, float* out) {
   const float inv = s > 0 ? static_cast<float>(1.0 / std::sqrt(s)) : 0.0f;
   for (int k = 0; k < d; ++k) out[k] = x[k] * inv;
+  return s == 0 || (std::isfinite(s) && inv >= std::numeric_limits<float>::min() &&
+                    inv <= std::numeric_limits<float>::max());
 }
 
 // Rows scaled to unit length (zero rows stay zero); row r is read from rows[r] (rows need not be contiguous:
 // MergeTokens hands the cache's keys in place instead of copying them first). Eight rows at a time: each
 // row's sum still runs over k in order (so the result is the same as one row at a time), but the eight
 // dependency chains overlap instead of one latency-bound chain per row (it was a third of NearestByCosine's
-// own time, issue 14).
-void NormalizeRows(const float* const* rows, int n, int d, float* out) {
+// own time, issue 14). Returns whether every row is regular (ScaleRow).
+bool NormalizeRows(const float* const* rows, int n, int d, float* out) {
+  bool regular = true;
   constexpr int kRows = 8;
   int r = 0;
   for (; r + kRows <= n; r += kRows) {
@@ -42,15 +50,18 @@ void NormalizeRows(const float* const* rows, int n, int d, float* out) {
         const double v = xr[i][k];
         s[i] += v * v;  // exact product (float x float fits a double): fused or not, the same sum
       }
-    for (int i = 0; i < kRows; ++i) ScaleRow(xr[i], s[i], d, out + static_cast<size_t>(r + i) * d);
+    for (int i = 0; i < kRows; ++i) regular &= ScaleRow(xr[i], s[i], d, out + static_cast<size_t>(r + i) * d);
   }
-  for (; r < n; ++r) ScaleRow(rows[r], SquaredNorm(rows[r], d), d, out + static_cast<size_t>(r) * d);
+  for (; r < n; ++r)
+    regular &= ScaleRow(rows[r], SquaredNorm(rows[r], d), d, out + static_cast<size_t>(r) * d);
+  return regular;
 }
 
 // Grows a per-thread scratch buffer without shrinking it or clearing what it held: NearestByCosine's
 // buffers are written in full before they are read, and allocating (and zeroing) them per call cost a
 // fresh-page fault and a memset per merge (issue 14, round 6).
-float* Scratch(std::vector<float>& v, size_t n) {
+template <typename T>
+T* Scratch(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }
@@ -95,6 +106,89 @@ const float* OriginalValue(const HeadContext& ctx, int32_t tok) {
   return ctx.values + static_cast<size_t>(tok) * ctx.head_dim();
 }
 
+// The bf16 screen (issue 14, round 7; merge_screen.h). OpenBLAS's small-matrix path gives other values than
+// the fmaf chain; round 6 measured its boundary between m·n·d = 1.35·10^5 and 1.6·10^5 (queries x targets
+// x d), so a block below 2^18 keeps sgemm.
+constexpr long kMinScreenedWork = 1L << 18;
+
+float RowMax(const float* row, int n) {
+  int i = 0;
+  float mx = row[0];
+#ifdef __AVX2__
+  __m256 lanes = _mm256_set1_ps(row[0]);
+  for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(row + i), lanes);
+  float lane[8];
+  _mm256_storeu_ps(lane, lanes);
+  for (int k = 0; k < 8; ++k) mx = lane[k] > mx ? lane[k] : mx;
+#endif
+  for (; i < n; ++i) mx = row[i] > mx ? row[i] : mx;
+  return mx;
+}
+
+// One block of `rows` normalised queries `q` against the normalised targets `t`, packed as `tp`: the first
+// maximum of today's values, found without computing most of them.
+//
+// Why the result is today's, slot and value: let v_j be today's value of target j (sgemm's; for a call
+// of m·n·d ≥ kMinScreenedWork it is the fmaf chain ExactDots computes, round 6), a_j the bf16 value and
+// ε = merge_screen::ErrorBound(d, query's rounding error, the targets' largest) ≥ |a_j − v_j| for every j
+// (rows regular: NormalizeRows). Today's answer is j* = the first j with v_j = V := max v. With M = max a_j:
+// a_j* ≥ V − ε and M ≤ V + ε, so a_j* ≥ M − 2ε: j* is a candidate. Every candidate's v is computed exactly as
+// today, none exceeds V, and every j < j* has v_j < V; so the first maximum among the candidates, in slot
+// order, is j* with value V.
+void ScreenBlock(const float* q, int rows, const float* t, const uint32_t* tp, double t_err, int num_targets,
+                 int d, int* nearest, float* similarity) {
+  thread_local std::vector<uint32_t> qp_buf;
+  thread_local std::vector<float> approx_buf, values;
+  thread_local std::vector<double> q_err;
+  thread_local std::vector<const float*> ca, cb;
+  thread_local std::vector<int> crow, cidx;
+  const long ld = merge_screen::PaddedTargets(num_targets);
+  uint32_t* qp = Scratch(qp_buf, static_cast<size_t>(rows) * (d / 2));
+  float* approx = Scratch(approx_buf, static_cast<size_t>(rows) * ld);
+  double* qe = Scratch(q_err, rows);
+  merge_screen::PackQueries(q, rows, d, qp, qe);
+  merge_screen::ApproxDots(qp, rows, tp, num_targets, d, approx, ld);
+  ca.clear(), cb.clear(), crow.clear(), cidx.clear();
+  for (int r = 0; r < rows; ++r) {
+    const float* row = approx + r * ld;
+    // 2ε for this query (its own rounding error, the targets' largest), plus 2^-20 for the rounding of
+    // m − window in float (|m| ≤ 1.02: at most 2^-24).
+    const float window =
+        static_cast<float>(2 * merge_screen::ErrorBound(d, qe[r], t_err) + std::ldexp(1.0, -20));
+    const float threshold = RowMax(row, num_targets) - window;
+    const float* qr = q + static_cast<size_t>(r) * d;
+    int j = 0;
+#ifdef __AVX2__
+    const __m256 th = _mm256_set1_ps(threshold);
+    for (; j + 8 <= num_targets; j += 8) {
+      unsigned mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), th, _CMP_GE_OQ));
+      for (; mask != 0; mask &= mask - 1) {
+        const int c = j + std::countr_zero(mask);
+        ca.push_back(qr), cb.push_back(t + static_cast<size_t>(c) * d), crow.push_back(r), cidx.push_back(c);
+      }
+    }
+#endif
+    for (; j < num_targets; ++j)
+      if (row[j] >= threshold)
+        ca.push_back(qr), cb.push_back(t + static_cast<size_t>(j) * d), crow.push_back(r), cidx.push_back(j);
+  }
+  const int n = static_cast<int>(ca.size());
+  float* value = Scratch(values, n);
+  merge_screen::ExactDots(ca.data(), cb.data(), n, d, value);
+  // Candidates come row by row, each row's in slot order: keep the first maximum.
+  for (int i = 0; i < n; ++i) {
+    const int r = crow[i];
+    if (i == 0 || crow[i - 1] != r || value[i] > similarity[r]) {
+      nearest[r] = cidx[i];
+      similarity[r] = value[i];
+    }
+  }
+  merge_screen::Stats& stats = merge_screen::ThreadStats();
+  ++stats.screened_blocks;
+  stats.screened_queries += rows;
+  stats.candidates += n;
+}
+
 }  // namespace
 
 void NearestByCosine(const float* const* queries, int num_queries, const float* const* targets,
@@ -104,14 +198,31 @@ void NearestByCosine(const float* const* queries, int num_queries, const float* 
   if (num_queries == 0 || num_targets == 0) return;
   EnsureSingleThreadedBlas();
   thread_local std::vector<float> t_buf, q_buf, sim_buf;
+  thread_local std::vector<uint32_t> tp_buf;
   constexpr int kBlock = 256;  // query rows per GEMM: bounds the similarity block to 256 x num_targets
   float* t = Scratch(t_buf, static_cast<size_t>(num_targets) * d);
   float* q = Scratch(q_buf, static_cast<size_t>(kBlock) * d);
-  float* sim = Scratch(sim_buf, static_cast<size_t>(kBlock) * num_targets);
-  NormalizeRows(targets, num_targets, d, t);
+  const bool targets_regular = NormalizeRows(targets, num_targets, d, t);
+  // The screen needs dimension pairs, the bound's d ≤ 2^16, regular rows (finite, norm ≤ 1 + 2^-20) and
+  // the CPU; everything else is the sgemm path, unchanged.
+  const bool screen = targets_regular && d % 2 == 0 && d <= (1 << 16) && merge_screen::Enabled();
+  bool packed = false;
+  double t_err = 0;
   for (int b = 0; b < num_queries; b += kBlock) {
     const int rows = std::min(kBlock, num_queries - b);
-    NormalizeRows(queries + b, rows, d, q);
+    const bool queries_regular = NormalizeRows(queries + b, rows, d, q);
+    if (screen && queries_regular && static_cast<long>(rows) * num_targets * d >= kMinScreenedWork) {
+      if (!packed) {
+        uint32_t* tp = Scratch(tp_buf, merge_screen::PackedTargetsSize(num_targets, d));
+        t_err = merge_screen::PackTargets(t, num_targets, d, tp);
+        packed = true;
+      }
+      ScreenBlock(q, rows, t, tp_buf.data(), t_err, num_targets, d, nearest->data() + b,
+                  similarity->data() + b);
+      continue;
+    }
+    ++merge_screen::ThreadStats().sgemm_blocks;
+    float* sim = Scratch(sim_buf, static_cast<size_t>(kBlock) * num_targets);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, num_targets, d, 1.0f, q, d, t, d, 0.0f, sim,
                 num_targets);
     for (int r = 0; r < rows; ++r) {

@@ -4,12 +4,16 @@
 #include "policies/merge.h"
 
 #include <algorithm>
+#include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <random>
 #include <set>
 #include <thread>
 
+#include "policies/merge_screen.h"
 #include "policies/registry.h"
 #include "sim/replay.h"
 #include "tests/test_util.h"
@@ -464,6 +468,245 @@ TEST_CASE("merge wrapper: h2o+average covers every token it ever evicted", "[mer
   CHECK(last == 5);
   CHECK(r.metrics().merged_tokens_mean() == meta.total_tokens() - 5);
   CHECK(r.metrics().covered_mass_mean() == Approx(1.0).margin(1e-5));
+}
+
+// ---- the bf16 screen (policies/merge_screen.*; issue 14, round 7) ----
+namespace {
+
+struct ScreenResult {
+  std::vector<int> nearest;
+  std::vector<float> similarity;
+  long screened_queries = 0, sgemm_blocks = 0;
+};
+
+ScreenResult Search(const std::vector<float>& q, int nq, const std::vector<float>& t, int nt, int d,
+                    bool screen) {
+  merge_screen::SetEnabledForTesting(screen);
+  const merge_screen::Stats before = merge_screen::ThreadStats();
+  ScreenResult r;
+  NearestByCosine(q.data(), nq, t.data(), nt, d, &r.nearest, &r.similarity);
+  r.screened_queries = merge_screen::ThreadStats().screened_queries - before.screened_queries;
+  r.sgemm_blocks = merge_screen::ThreadStats().sgemm_blocks - before.sgemm_blocks;
+  merge_screen::SetEnabledForTesting(true);
+  return r;
+}
+
+// The screened search and the sgemm path (forced) give the same slots and the same bits; returns how many
+// queries the screen searched (0 if this CPU has no AVX512-BF16).
+// Whether NearestByCosine screens here (the CPU has AVX512-BF16 and KVSIM_MERGE_SCREEN is not 0).
+bool ScreenOn() {
+  merge_screen::SetEnabledForTesting(true);
+  return merge_screen::Enabled();
+}
+
+long CheckScreenedEqualsSgemm(const std::vector<float>& q, int nq, const std::vector<float>& t, int nt,
+                              int d) {
+  const ScreenResult old = Search(q, nq, t, nt, d, false), now = Search(q, nq, t, nt, d, true);
+  CHECK(old.screened_queries == 0);
+  REQUIRE(old.nearest.size() == static_cast<size_t>(nq));
+  int differ = 0;
+  for (int i = 0; i < nq; ++i)
+    differ += old.nearest[i] != now.nearest[i] ||
+              std::bit_cast<uint32_t>(old.similarity[i]) != std::bit_cast<uint32_t>(now.similarity[i]);
+  CHECK(differ == 0);
+  if (!ScreenOn()) CHECK(now.screened_queries == 0);
+  return now.screened_queries;
+}
+
+std::vector<float> Gaussian(int rows, int d, uint32_t seed, float shared = 0.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g;
+  std::vector<float> dir(d), x(static_cast<size_t>(rows) * d);
+  for (float& v : dir) v = g(rng);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = g(rng) + shared * dir[i % d];
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("merge screen: bf16 screen + exact re-check equals the sgemm path bit for bit", "[merge][screen]") {
+  constexpr int d = 128;
+  SECTION("random and clustered keys, query counts around the 4-query and 256-query blocks") {
+    for (int nq : {1, 3, 4, 5, 7, 255, 256, 257, 259, 515})
+      for (int nt : {17, 162, 300}) {
+        CAPTURE(nq, nt);
+        const long screened =
+            CheckScreenedEqualsSgemm(Gaussian(nq, d, nq), nq, Gaussian(nt, d, 99 + nt), nt, d);
+        // Blocks below 2^18 multiply-adds keep sgemm (OpenBLAS's small-matrix path has other values).
+        if (ScreenOn() && static_cast<long>(std::min(nq, 256)) * nt * d >= (1L << 18)) CHECK(screened > 0);
+      }
+    // Clustered: every key near one of 5 centres (many near-equal cosines), and a large shared direction.
+    std::vector<float> centres = Gaussian(5, d, 5), q = Gaussian(600, d, 6), t = Gaussian(640, d, 7);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = 0.1f * q[i] + centres[(i / d % 5) * d + i % d];
+    for (size_t i = 0; i < t.size(); ++i) t[i] = 0.1f * t[i] + centres[(i / d % 5) * d + i % d];
+    CHECK(CheckScreenedEqualsSgemm(q, 600, t, 640, d) == (ScreenOn() ? 600 : 0));
+    CHECK(CheckScreenedEqualsSgemm(Gaussian(700, d, 8, 3.0f), 700, Gaussian(900, d, 9, 3.0f), 900, d) ==
+          (ScreenOn() ? 700 : 0));
+  }
+  SECTION("exact duplicates (the first wins), zero keys, scaled copies") {
+    const std::vector<float> q = AwkwardKeys(600, d, 21u), t = AwkwardKeys(700, d, 22u);
+    CHECK(CheckScreenedEqualsSgemm(q, 600, t, 700, d) == (ScreenOn() ? 600 : 0));
+    CHECK(CheckScreenedEqualsSgemm(t, 700, t, 700, d) == (ScreenOn() ? 700 : 0));  // self: ties
+  }
+  SECTION("near ties: targets whose exact cosines differ by 1 ulp ... 1e-3") {
+    // Each query's targets are the query itself perturbed in one coordinate by 2^-24 ... 1e-3 (relative),
+    // in a shuffled order, plus exact copies: cosines within a few ulps of each other and of 1.
+    std::mt19937 rng(31);
+    const std::vector<float> base = Gaussian(8, d, 32);
+    std::vector<float> q, t;
+    for (int b = 0; b < 8; ++b) {
+      const float* row = base.data() + b * d;
+      for (int c = 0; c < 32; ++c) q.insert(q.end(), row, row + d);
+      for (int j = 0; j < 40; ++j) {
+        std::vector<float> x(row, row + d);
+        const double rel = j % 5 == 0 ? 0.0 : std::ldexp(1.0, -24 + static_cast<int>(rng() % 15));
+        x[rng() % d] *= static_cast<float>(1 + (rng() % 2 ? rel : -rel));
+        t.insert(t.end(), x.begin(), x.end());
+      }
+    }
+    CHECK(CheckScreenedEqualsSgemm(q, 256, t, 320, d) == (ScreenOn() ? 256 : 0));
+    // Cosines of random directions around 1e-3 apart: a query and targets on a small cone around it.
+    std::vector<float> cone = Gaussian(900, d, 33);
+    for (size_t i = 0; i < cone.size(); ++i) cone[i] = base[i % d] + 1e-3f * cone[i];
+    CHECK(CheckScreenedEqualsSgemm(q, 256, cone, 900, d) == (ScreenOn() ? 256 : 0));
+  }
+  SECTION("denormal-scale keys: screened where the scale factor is a normal float, else sgemm") {
+    std::vector<float> q = Gaussian(300, d, 41), t = Gaussian(400, d, 42);
+    for (float& v : q) v *= 1e-38f;  // subnormal and tiny normal entries, norms ~1e-37: inv stays normal
+    for (size_t i = 0; i < t.size(); ++i) t[i] *= i / d % 2 ? 1e-36f : 1.0f;
+    CHECK(CheckScreenedEqualsSgemm(q, 300, t, 400, d) == (ScreenOn() ? 300 : 0));
+    for (float& v : q) v *= 1e-6f;  // norms below 2^-128: 1/norm overflows a float -> sgemm path
+    CHECK(CheckScreenedEqualsSgemm(q, 300, t, 400, d) == 0);
+    // A target whose entries are subnormal after normalisation (one large entry, the rest ~1e-40).
+    std::vector<float> t2 = Gaussian(400, d, 43);
+    for (int j = 0; j < 400; j += 3)
+      for (int k = 1; k < d; ++k) t2[j * d + k] = 1e-40f * (k % 2 ? 1 : -1);
+    CHECK(CheckScreenedEqualsSgemm(Gaussian(300, d, 44), 300, t2, 400, d) == (ScreenOn() ? 300 : 0));
+  }
+  SECTION("one target; 16k+1 targets; odd d and non-finite keys keep sgemm") {
+    // One target: every block (<= 256 x 1 x 128) is below 2^18, so sgemm; one target of 2 x 128 keys too.
+    CHECK(CheckScreenedEqualsSgemm(Gaussian(3000, d, 51), 3000, Gaussian(1, d, 52), 1, d) == 0);
+    CHECK(CheckScreenedEqualsSgemm(Gaussian(20, d, 53), 20, Gaussian(16385, d, 54), 16385, d) ==
+          (ScreenOn() ? 20 : 0));
+    CHECK(CheckScreenedEqualsSgemm(Gaussian(300, 127, 55), 300, Gaussian(300, 127, 56), 300, 127) == 0);
+    std::vector<float> bad = Gaussian(300, d, 57);
+    bad[5 * d + 3] = std::numeric_limits<float>::infinity();
+    const ScreenResult r = Search(Gaussian(300, d, 58), 300, bad, 300, d, true);
+    CHECK(r.screened_queries == 0);
+  }
+}
+
+TEST_CASE("merge screen: the error bound holds and adversarial rows nearly reach it", "[merge][screen]") {
+  // Unit rows whose every entry is 2^e times one mantissa just above a bf16 rounding midpoint: entries
+  // 3 x 2^-1, 3 x 2^-2, 3 x 2^-3, 2 x 2^-4 (sum of squares S = 0.9921875), normalised by 1/sqrt(S)
+  // = 1.0039292: every entry rounds up by 0.99 x 2^-8 of itself, so the bf16 square norm is 1 + 0.99 x 2^-7.
+  // |approx - fp32 value| must stay within the derived bound (ErrorBound / kSafetyFactor) and reach 98% of
+  // it: a bound a few percent too small fails here.
+  constexpr int d = 128;
+  std::vector<float> x(d, 0.0f);
+  const std::vector<float> pattern{0.5f,   0.5f,   0.5f,   0.25f,   0.25f,  0.25f,
+                                   0.125f, 0.125f, 0.125f, 0.0625f, 0.0625f};
+  std::copy(pattern.begin(), pattern.end(), x.begin() + 40);
+  double s = 0;
+  for (float v : x) s += static_cast<double>(v) * v;
+  const float inv = static_cast<float>(1.0 / std::sqrt(s));  // what NormalizeRows computes
+  for (float& v : x) v *= inv;
+  // The a-priori bound (any rows) is 2^-7 + ~1.5e-5; this pair's own (its rounding-error norms) is
+  // nearly the same, and the pair reaches 98% of it.
+  CHECK(merge_screen::ErrorBound(d) / merge_screen::kSafetyFactor == Approx(0.00784).epsilon(0.01));
+  const float* xp = x.data();
+  float exact = 0;
+  merge_screen::ExactDots(&xp, &xp, 1, d, &exact);
+  CHECK(exact == Approx(1.0f).margin(1e-6));
+  if (merge_screen::Supported()) {
+    std::vector<uint32_t> qp(d / 2), tp(merge_screen::PackedTargetsSize(1, d));
+    double rq = 0;
+    merge_screen::PackQueries(x.data(), 1, d, qp.data(), &rq);
+    const double rt = merge_screen::PackTargets(x.data(), 1, d, tp.data());
+    CHECK(rq == Approx(rt).epsilon(1e-12));  // vector and scalar packing: the same rounding
+    CHECK(rq == Approx(0.99 * std::ldexp(1.0, -8)).epsilon(0.01));
+    const double bound = merge_screen::ErrorBound(d, rq, rt) / merge_screen::kSafetyFactor;
+    CHECK(bound <= merge_screen::ErrorBound(d) / merge_screen::kSafetyFactor);
+    std::vector<float> approx(16);
+    merge_screen::ApproxDots(qp.data(), 1, tp.data(), 1, d, approx.data(), 16);
+    const double err = std::abs(static_cast<double>(approx[0]) - exact);
+    CAPTURE(err, bound);
+    CHECK(err <= bound);
+    CHECK(err >= 0.98 * bound);
+    for (int j = 1; j < 16; ++j) CHECK(approx[j] == 0.0f);  // padding targets
+  }
+  // Random unit rows: the bound holds with room (typical errors are far below the worst case).
+  if (merge_screen::Supported()) {
+    const int nq = 64, nt = 200;
+    std::vector<float> q = Gaussian(nq, d, 61, 1.0f), t = Gaussian(nt, d, 62, 1.0f);
+    for (std::vector<float>* m : {&q, &t})
+      for (size_t r = 0; r < m->size() / d; ++r) {
+        double n2 = 0;
+        for (int k = 0; k < d; ++k) n2 += static_cast<double>((*m)[r * d + k]) * (*m)[r * d + k];
+        const float f = static_cast<float>(1.0 / std::sqrt(n2));
+        for (int k = 0; k < d; ++k) (*m)[r * d + k] *= f;
+      }
+    std::vector<uint32_t> qp(nq * d / 2), tp(merge_screen::PackedTargetsSize(nt, d));
+    std::vector<double> rq(nq);
+    merge_screen::PackQueries(q.data(), nq, d, qp.data(), rq.data());
+    const double rt = merge_screen::PackTargets(t.data(), nt, d, tp.data());
+    const int ld = merge_screen::PaddedTargets(nt);
+    std::vector<float> approx(static_cast<size_t>(nq) * ld);
+    merge_screen::ApproxDots(qp.data(), nq, tp.data(), nt, d, approx.data(), ld);
+    double worst = 0;  // the largest error relative to the pair's bound
+    for (int i = 0; i < nq; ++i)
+      for (int j = 0; j < nt; ++j) {
+        const float* a = q.data() + i * d;
+        const float* b = t.data() + j * d;
+        float v;
+        merge_screen::ExactDots(&a, &b, 1, d, &v);
+        const double bound = merge_screen::ErrorBound(d, rq[i], rt) / merge_screen::kSafetyFactor;
+        worst = std::max(worst, std::abs(static_cast<double>(approx[i * ld + j]) - v) / bound);
+      }
+    CHECK(worst <= 1.0);
+  }
+}
+
+TEST_CASE("merge screen: every strategy x filter merges the same with and without the screen",
+          "[merge][screen]") {
+  // The callers read the best slot and its value (Join: the ABOVE_MEAN_SIMILARITY filter's mean and the
+  // WEIGHTED coefficients), so the merged slots must be the same bits either way.
+  constexpr int d = 128, kKept = 400, kEvicted = 1300, n = kKept + kEvicted;
+  const std::vector<float> keys = AwkwardKeys(n, d, 71u), values = AwkwardKeys(n, d, 72u);
+  TraceMeta meta;
+  meta.model.head_dim = d;
+  meta.prefill_length = n;
+  meta.tokens.Resize(n);
+  HeadContext ctx;
+  ctx.meta = &meta;
+  ctx.compress_end = n;
+  ctx.keys = keys.data();
+  ctx.values = values.data();
+  std::vector<int32_t> kept, evicted;
+  for (int32_t j = 0; j < n; ++j) (j % 17 < 4 ? kept : evicted).push_back(j);
+  for (auto strategy : {policy::AVERAGE, policy::PIVOT, policy::WEIGHTED})
+    for (auto filter : {policy::MERGE_ALL, policy::ABOVE_MEAN_SIMILARITY})
+      for (bool once : {false, true}) {
+        CAPTURE(strategy, filter, once);
+        HeadCache with(d), without(d);
+        Merger a(strategy, filter), b(strategy, filter);
+        merge_screen::SetEnabledForTesting(false);
+        once ? b.KeepAndMergeOnce(ctx, kept, evicted, &without)
+             : b.KeepAndMerge(ctx, kept, evicted, &without);
+        merge_screen::SetEnabledForTesting(true);
+        const long before = merge_screen::ThreadStats().screened_queries;
+        once ? a.KeepAndMergeOnce(ctx, kept, evicted, &with) : a.KeepAndMerge(ctx, kept, evicted, &with);
+        if (ScreenOn()) CHECK(merge_screen::ThreadStats().screened_queries > before);
+        REQUIRE(with.size() == without.size());
+        for (int s = 0; s < with.size(); ++s) {
+          REQUIRE(with.is_merged(s) == without.is_merged(s));
+          if (!with.is_merged(s)) continue;
+          CHECK(with.merged(s).members == without.merged(s).members);
+          CHECK(std::memcmp(with.merged(s).key.data(), without.merged(s).key.data(), d * sizeof(float)) == 0);
+          CHECK(std::memcmp(with.merged(s).value.data(), without.merged(s).value.data(), d * sizeof(float)) ==
+                0);
+        }
+      }
 }
 
 }  // namespace kvsim

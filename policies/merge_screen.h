@@ -1,0 +1,64 @@
+#pragma once
+// The bf16 screen of NearestByCosine (issue 14, round 7): approximate cosine similarities of unit-length
+// rows with AVX512-BF16 `vdpbf16ps` (both operands rounded to bf16, fp32 accumulation), a rigorous bound
+// on their distance from the fp32 values NearestByCosine has always computed, and the exact fp32 value of
+// one pair as a sequential fmaf chain. NearestByCosine (policies/merge.cc) uses them to find the same slot
+// and the same similarity, bit for bit, with about half the multiply-adds; the proof is there and in
+// docs/performance.md ("Round 7: merge similarities screened in bf16"). Exposed for tests and bench/.
+
+#include <cstdint>
+
+namespace kvsim::merge_screen {
+
+// True if this CPU has AVX512-BF16 (and AVX512F/BW/VL) and the screen is not switched off: by the
+// environment variable KVSIM_MERGE_SCREEN=0 (read once; for A/B measurements of one binary) or by
+// SetEnabledForTesting(false). Without it NearestByCosine is exactly the sgemm path.
+bool Enabled();
+// Whether the CPU supports the kernel at all (Enabled() also needs the switches on).
+bool Supported();
+// Test hook: forces the fallback (false) or allows the screen again (true; still needs Supported()).
+void SetEnabledForTesting(bool enabled);
+
+// What NearestByCosine did on this thread (counts since the thread started; tests and bench read them).
+struct Stats {
+  long screened_blocks = 0;  // query blocks searched with the screen
+  long sgemm_blocks = 0;  // query blocks searched with sgemm (screen off, small call, irregular rows, odd d)
+  long screened_queries = 0;
+  long candidates = 0;  // exact re-checks of the screened queries
+};
+Stats& ThreadStats();
+
+// ErrorBound's safety factor over the derived bound.
+inline constexpr double kSafetyFactor = 1.5;
+static_assert(kSafetyFactor >= 1.0, "the bound is rigorous only with a factor >= 1");
+
+// The rigorous bound on |approximate similarity − NearestByCosine's fp32 value| for a query and a target of
+// dimension d normalised by NearestByCosine (norm ≤ 1 + 2^-20, finite), whose bf16 rounding errors (as the
+// kernel reads them: bf16 subnormals are zero) have Euclidean norms ≤ rq and ≤ rt (PackQueries /
+// PackTargets return them), times kSafetyFactor. The derivation is in merge_screen.cc.
+double ErrorBound(int d, double rq, double rt);
+// The same for any rows: rq = rt = the largest possible rounding error norm, 2^-8 (1 + 2^-20) + √d 2^-126.
+double ErrorBound(int d);
+
+// Packs `n` rows of d floats (d even) as bf16 dimension pairs, rounded to nearest even:
+// queries: out[r * d/2 + p] = bf16(row r, dim 2p) | bf16(row r, dim 2p + 1) << 16; err[r] ≥ the norm of
+// row r's rounding error (as above).
+void PackQueries(const float* rows, int n, int d, uint32_t* out, double* err);
+// targets in groups of 16 (the last group padded with zero rows): out[((g * d/2) + p) * 16 + i] is the pair
+// p of target 16 g + i. `out` holds PackedTargetsSize(n, d) words. Returns ≥ the largest row's rounding
+// error norm.
+double PackTargets(const float* rows, int n, int d, uint32_t* out);
+inline int PaddedTargets(int n) { return (n + 15) / 16 * 16; }
+inline long PackedTargetsSize(int n, int d) { return static_cast<long>(PaddedTargets(n)) * (d / 2); }
+
+// approx[r * ld + j] for r < num_queries, j < PaddedTargets(num_targets) (padding targets give 0): the
+// bf16 dot products of packed queries and packed targets, fp32 accumulation over the pairs in order.
+// Requires Supported().
+void ApproxDots(const uint32_t* queries, int num_queries, const uint32_t* targets, int num_targets, int d,
+                float* approx, long ld);
+
+// The fp32 value sgemm gives a pair outside OpenBLAS's small-matrix path (docs/performance.md, round 6):
+// one fmaf chain over k from +0. n pairs (a[i], b[i]) of d floats, eight chains interleaved.
+void ExactDots(const float* const* a, const float* const* b, int n, int d, float* out);
+
+}  // namespace kvsim::merge_screen
