@@ -88,10 +88,11 @@ class EntropyCaptureTest(unittest.TestCase):
         t = kv.Trace(self.with_path)
         regions = t.meta["prompt_entropy_regions"]
         n = t.meta["prefill_length"]
+        modality = t.tokens["modality"].cat.codes.to_numpy()[:n]
         for l in range(t.meta["model"]["num_layers"]):
             layer = t.layer(l)
             q = layer.queries[:, :n]  # query_mode all: positions 0..
-            again = entropies.layer_entropies(q, layer.keys[:, :n], t.tokens["modality"].cat.codes.to_numpy()[:n], regions,
+            again = entropies.layer_entropies(q, layer.keys[:, :n], modality, regions,
                                               t.meta["model"]["softmax_scale"], threads=1)
             self.assertTrue(np.array_equal(layer.prompt_entropies, again), l)
             with h5py.File(self.with_path) as f:
@@ -100,8 +101,8 @@ class EntropyCaptureTest(unittest.TestCase):
     def test_thread_count_does_not_change_values(self):
         t = kv.Trace(self.with_path)
         layer, n = t.layer(0), t.meta["prefill_length"]
-        args = (layer.queries[:, :n], layer.keys[:, :n], t.tokens["modality"].cat.codes.to_numpy()[:n], t.meta["prompt_entropy_regions"],
-                t.meta["model"]["softmax_scale"])
+        args = (layer.queries[:, :n], layer.keys[:, :n], t.tokens["modality"].cat.codes.to_numpy()[:n],
+                t.meta["prompt_entropy_regions"], t.meta["model"]["softmax_scale"])
         self.assertTrue(np.array_equal(entropies.layer_entropies(*args, threads=1),
                                        entropies.layer_entropies(*args, threads=3)))
 
