@@ -13,11 +13,14 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -27,6 +30,9 @@
 #include "analysis/trace_stats.h"
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
+#include "sim/attention.h"
+#include "sim/parallel.h"
+#include "sim/replay.h"
 #include "sim/version.h"
 #include "traces/hdf5_trace.h"
 
@@ -570,6 +576,142 @@ nb::list Policies() {
   return out;
 }
 
+// ---- Recorded prompt entropies for trace writers in Python (the capture tool, docs/capture.md)
+// -------------------------------------------------------------------------------------------------
+
+template <typename T>
+using CpuArray = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
+
+// The regions `kvsim synth` records (traces/synth.cc): CompressEnd of the query-agnostic then the query-aware
+// replay, each kept when >= 1 and beyond the previous one; `role`: the prompt's role codes (n entries).
+nb::ndarray<nb::numpy, int32_t> PromptEntropyRegions(CpuArray<uint8_t> role) {
+  if (role.ndim() != 1 || role.shape(0) == 0)
+    Raise(
+        Status::InvalidArgument("prompt_entropy_regions: role must be a non-empty 1-D uint8 array of the "
+                                "prompt's role codes"));
+  TraceMeta meta;
+  meta.prefill_length = static_cast<int>(role.shape(0));
+  meta.tokens.role.resize(role.shape(0));
+  for (size_t i = 0; i < role.shape(0); ++i) {
+    if (role.data()[i] >= kNumRoles)
+      Raise(Status::InvalidArgument("prompt_entropy_regions: role[" + std::to_string(i) +
+                                    "] = " + std::to_string(role.data()[i]) + " is not a role code (0.." +
+                                    std::to_string(kNumRoles - 1) + ")"));
+    meta.tokens.role[i] = static_cast<Role>(role.data()[i]);
+  }
+  std::vector<int32_t> regions;
+  for (QuestionMode mode : {QuestionMode::kQueryAgnostic, QuestionMode::kQueryAware})
+    if (const int ce = CompressEnd(meta, mode); ce >= 1 && (regions.empty() || regions.back() < ce))
+      regions.push_back(ce);
+  const size_t r = regions.size();
+  return ToNumpy(std::move(regions), {r});
+}
+
+// Checks a region list as the reader does (TraceMeta::Validate: ascending, distinct, in [1, n]; 1 to 64).
+Status CheckRegions(const std::vector<int32_t>& regions, int prefill_length) {
+  if (regions.empty() || regions.size() > 64)
+    return Status::InvalidArgument("prompt_entropy_regions must have 1 to 64 entries, got " +
+                                   std::to_string(regions.size()));
+  for (size_t i = 0; i < regions.size(); ++i)
+    if (regions[i] < 1 || regions[i] > prefill_length || (i > 0 && regions[i] <= regions[i - 1]))
+      return Status::InvalidArgument(
+          "prompt_entropy_regions must be ascending, distinct and in [1, prefill_length = " +
+          std::to_string(prefill_length) + "], got " + std::to_string(regions[i]) + " at index " +
+          std::to_string(i));
+  return Status::Ok();
+}
+
+std::vector<int32_t> Regions(CpuArray<int32_t> regions) {
+  if (regions.ndim() != 1) Raise(Status::InvalidArgument("prompt_entropy_regions must be a 1-D int32 array"));
+  return std::vector<int32_t>(regions.data(), regions.data() + regions.shape(0));
+}
+
+// One layer's [regions, kinds, num_heads] entropies, HeadPromptEntropies per (region, query head) exactly as
+// kvsim synth and MEDA compute them. queries: [H, rows, d] float32, positions 0.. (rows >= the last region);
+// keys: [Hkv, rows, d] float32, positions 0..; modality: codes of positions 0.. (>= the last region).
+// Heads run on `threads` threads (<= 0: all cores); each head's result is independent of the thread count.
+nb::ndarray<nb::numpy, double> PromptEntropies(CpuArray<float> queries, CpuArray<float> keys,
+                                               CpuArray<uint8_t> modality, CpuArray<int32_t> regions_in,
+                                               double softmax_scale, int sliding_window, double logit_softcap,
+                                               bool causal, int threads) {
+  const std::vector<int32_t> regions = Regions(regions_in);
+  auto bad = [](const std::string& what) { Raise(Status::InvalidArgument("prompt_entropies: " + what)); };
+  if (queries.ndim() != 3 || keys.ndim() != 3)
+    bad("queries and keys must be 3-D [heads, positions, head_dim]");
+  const int h = static_cast<int>(queries.shape(0)), hkv = static_cast<int>(keys.shape(0));
+  const int d = static_cast<int>(queries.shape(2));
+  if (h < 1 || hkv < 1 || h % hkv != 0)
+    bad("query heads (" + std::to_string(h) + ") must be a positive multiple of KV heads (" +
+        std::to_string(hkv) + ")");
+  if (d < 1 || static_cast<int>(keys.shape(2)) != d)
+    bad("queries and keys must have the same head_dim >= 1, got " + std::to_string(d) + " and " +
+        std::to_string(keys.shape(2)));
+  const int rows = static_cast<int>(std::min(queries.shape(1), keys.shape(1)));
+  if (modality.ndim() != 1) bad("modality must be a 1-D uint8 array");
+  RaiseIfError(CheckRegions(regions, static_cast<int>(std::min<size_t>(rows, modality.shape(0))))
+                   .WithContext("prompt_entropies: queries, keys and modality must cover every region"));
+  if (!(softmax_scale > 0) || !std::isfinite(softmax_scale)) bad("softmax_scale must be finite and > 0");
+  if (sliding_window < 0 || !(logit_softcap >= 0) || !std::isfinite(logit_softcap))
+    bad("sliding_window and logit_softcap must be >= 0");
+  ModelInfo m;
+  m.num_layers = 1;
+  m.num_heads = h;
+  m.num_kv_heads = hkv;
+  m.head_dim = d;
+  m.softmax_scale = softmax_scale;
+  m.causal = causal;
+  m.sliding_window = sliding_window;
+  m.logit_softcap = logit_softcap;
+  const int ce_max = regions.back();
+  std::vector<Modality> mod(ce_max);
+  for (int j = 0; j < ce_max; ++j) {
+    if (modality.data()[j] >= kNumModalities)
+      bad("modality[" + std::to_string(j) + "] = " + std::to_string(modality.data()[j]) +
+          " is not a modality code (0.." + std::to_string(kNumModalities - 1) + ")");
+    mod[j] = static_cast<Modality>(modality.data()[j]);
+  }
+  const size_t r = regions.size();
+  std::vector<double> out(r * kNumPromptEntropyKinds * h);
+  {
+    nb::gil_scoped_release release;
+    EnsureSingleThreadedBlas();
+    const float* q = queries.data();
+    const float* k = keys.data();
+    const size_t q_rows = queries.shape(1), k_rows = keys.shape(1), group = h / hkv;
+    ParallelFor(h, threads, [&](int head) {
+      for (size_t i = 0; i < r; ++i) {
+        double e[kNumPromptEntropyKinds];
+        HeadPromptEntropies(m, std::span<const Modality>(mod).first(regions[i]),
+                            q + static_cast<size_t>(head) * q_rows * d, k + head / group * k_rows * d,
+                            regions[i], true, true, e);
+        for (int kind = 0; kind < kNumPromptEntropyKinds; ++kind)
+          out[(i * kNumPromptEntropyKinds + kind) * h + head] = e[kind];
+      }
+    });
+  }
+  return ToNumpy(std::move(out), {r, static_cast<size_t>(kNumPromptEntropyKinds), static_cast<size_t>(h)});
+}
+
+// The reader's checks of one layer's recorded entropies (ValidatePromptEntropies: shape, range
+// [0, log ce] with its slack, NaN) and of the region list, so a Python writer refuses what kvsim would.
+void CheckPromptEntropies(nb::ndarray<const double, nb::c_contig, nb::device::cpu> values,
+                          CpuArray<int32_t> regions_in, int num_heads, int prefill_length,
+                          const std::string& where) {
+  TraceMeta meta;
+  meta.model.num_heads = num_heads;
+  meta.prefill_length = prefill_length;
+  meta.prompt_entropy_regions = Regions(regions_in);
+  RaiseIfError(CheckRegions(meta.prompt_entropy_regions, prefill_length).WithContext(where));
+  const size_t want[3] = {meta.prompt_entropy_regions.size(), static_cast<size_t>(kNumPromptEntropyKinds),
+                          static_cast<size_t>(num_heads)};
+  if (values.ndim() != 3 || values.shape(0) != want[0] || values.shape(1) != want[1] ||
+      values.shape(2) != want[2])
+    Raise(Status::InvalidArgument(
+        where + " dataset 'prompt_entropies' must have shape [regions=" + std::to_string(want[0]) +
+        ", kinds=" + std::to_string(want[1]) + ", num_heads=" + std::to_string(want[2]) + "]"));
+  RaiseIfError(ValidatePromptEntropies(meta, std::span<const double>(values.data(), values.size()), where));
+}
+
 }  // namespace
 }  // namespace kvsim
 
@@ -587,6 +729,12 @@ NB_MODULE(_core, m) {
         nb::arg("threads"), nb::arg("latency_model"), nb::arg("device"), nb::arg("model"),
         nb::arg("prefill_chunk"), nb::arg("progress"), nb::arg("out_dir"), nb::arg("resume") = false);
   m.def("policies", &Policies);
+  m.def("prompt_entropy_regions", &PromptEntropyRegions, nb::arg("role"));
+  m.def("prompt_entropies", &PromptEntropies, nb::arg("queries"), nb::arg("keys"), nb::arg("modality"),
+        nb::arg("regions"), nb::arg("softmax_scale"), nb::arg("sliding_window"), nb::arg("logit_softcap"),
+        nb::arg("causal"), nb::arg("threads"));
+  m.def("check_prompt_entropies", &CheckPromptEntropies, nb::arg("values"), nb::arg("regions"),
+        nb::arg("num_heads"), nb::arg("prefill_length"), nb::arg("where"));
   nb::class_<PySweepPlan>(m, "SweepPlan")
       .def_static("from_args", &PySweepPlan::FromArgs, nb::arg("config"), nb::arg("traces"),
                   nb::arg("manifest"), nb::arg("latency_model"), nb::arg("device"), nb::arg("model"),

@@ -15,7 +15,24 @@ from kvsim_capture import CaptureOptions, Recorder, build_token_metadata, captur
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 KVSIM = os.environ.get("KVSIM_BIN", os.path.join(REPO, "build", "kvsim"))
+# What a capture subprocess needs on PYTHONPATH (as scripts/kvsim-capture sets it): the capture package, the
+# kvsim package and its extension from the build folder holding KVSIM (prompt entropies, docs/capture.md).
+CAPTURE_PYTHONPATH = os.pathsep.join([os.path.join(REPO, "traces", "capture"), os.path.join(REPO, "python"),
+                                      os.path.join(os.path.dirname(os.path.abspath(KVSIM)), "python")])
 GRIDS = ((3, 3), (2, 4))
+
+# Builds without kvsim's extension (the sanitizer stage: CMake sets this variable) cannot record prompt entropies,
+# which the capture does by default: there the tests capture without them (CaptureOptions' default turned off,
+# the command line given --no-prompt-entropies) and test_entropies.py is skipped. Every other build runs it all.
+NO_EXTENSION = os.environ.get("KVSIM_CAPTURE_TESTS_NO_EXTENSION") == "1"
+CLI_EXTRA = ["--no-prompt-entropies"] if NO_EXTENSION else []
+if NO_EXTENSION:
+    import dataclasses  # noqa: E402
+
+    _names = [f.name for f in dataclasses.fields(CaptureOptions) if f.default is not dataclasses.MISSING]
+    _defaults = list(CaptureOptions.__init__.__defaults__)
+    _defaults[_names.index("prompt_entropies")] = False
+    CaptureOptions.__init__.__defaults__ = tuple(_defaults)
 
 tm.ATTENTION_FUNCTIONS["kvsim_capture"] = capture_attention
 

@@ -8,11 +8,12 @@ import capture_util  # noqa: F401 (skips without torch)
 
 from kvsim_capture.cli import parse_indices
 
-ENV = dict(os.environ, PYTHONPATH=os.path.join(capture_util.REPO, "traces", "capture"))
+ENV = dict(os.environ, PYTHONPATH=capture_util.CAPTURE_PYTHONPATH)
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "kvsim_capture", *args], capture_output=True, text=True, env=ENV)
+    return subprocess.run([sys.executable, "-m", "kvsim_capture", *args, *capture_util.CLI_EXTRA], capture_output=True,
+                          text=True, env=ENV)
 
 
 class CliTest(unittest.TestCase):

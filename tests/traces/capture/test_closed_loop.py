@@ -22,6 +22,9 @@ from kvsim_capture import CaptureOptions, closed_loop as cl, hf
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 KVSIM = os.environ.get("KVSIM_BIN", os.path.join(REPO, "build", "kvsim"))
+# The capture package, the kvsim package and its extension (prompt entropies), as scripts/kvsim-capture sets them.
+CAPTURE_PYTHONPATH = os.pathsep.join([os.path.join(REPO, "traces", "capture"), os.path.join(REPO, "python"),
+                                      os.path.join(os.path.dirname(os.path.abspath(KVSIM)), "python")])
 NEW_TOKENS = 16
 
 
@@ -33,7 +36,7 @@ def kvsim(*args):
 
 
 def cli(*args):
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "traces", "capture"), HF_HUB_OFFLINE="1",
+    env = dict(os.environ, PYTHONPATH=CAPTURE_PYTHONPATH, HF_HUB_OFFLINE="1",
                KVSIM_BIN=KVSIM)
     return subprocess.run([sys.executable, "-m", "kvsim_capture", *args], capture_output=True, text=True, env=env,
                           timeout=600)

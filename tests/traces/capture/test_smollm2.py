@@ -23,6 +23,9 @@ from kvsim_capture.writer import attr_str
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 KVSIM = os.environ.get("KVSIM_BIN", os.path.join(REPO, "build", "kvsim"))
+# The capture package, the kvsim package and its extension (prompt entropies), as scripts/kvsim-capture sets them.
+CAPTURE_PYTHONPATH = os.pathsep.join([os.path.join(REPO, "traces", "capture"), os.path.join(REPO, "python"),
+                                      os.path.join(os.path.dirname(os.path.abspath(KVSIM)), "python")])
 PROMPT_TOKENS = 2048
 DEPTH = 0.5
 NEW_TOKENS = 33  # 32 decode steps in the trace
@@ -35,7 +38,7 @@ def kvsim(*args):
 
 
 def capture_cli(*args, preexec_fn=None):
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "traces", "capture"), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=CAPTURE_PYTHONPATH, HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, "-m", "kvsim_capture", *args], capture_output=True, text=True, env=env,
                           preexec_fn=preexec_fn, timeout=600)
 
@@ -105,6 +108,35 @@ class SmolLM2Passkey(unittest.TestCase):
         v = kvsim("validate", self.path)
         self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
         self.assertIn("-> ok", v.stdout)
+
+    def test_recorded_prompt_entropies_are_kvsims_and_leave_meda_unchanged(self):
+        with h5py.File(self.path) as f:
+            n = int(f.attrs["prefill_length"])
+            q0 = int(np.flatnonzero(f["tokens/role"][:n] == 2)[0])  # the question ("What is the passkey?")
+            self.assertEqual(list(f["aggregates/prompt_entropy_regions"][...]), [q0, n])
+            self.assertEqual(f["aggregates/layer_029/prompt_entropies"].shape, (2, 3, 9))
+        v = kvsim("validate", self.path)
+        self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+        self.assertRegex(v.stdout, r"prompt_entropies vs recomputed from Q/K \(HeadPromptEntropies\): 0 of 1620 "
+                         r"values differ, max abs deviation 0 nats")
+        # The same trace without the record: MEDA computes the entropies itself, with identical results.
+        without = os.path.join(self.tmp, "without_entropies.h5")
+        shutil.copyfile(self.path, without)
+        with h5py.File(without, "r+") as f:
+            del f["aggregates/prompt_entropy_regions"]
+            for l in range(30):
+                del f["aggregates/layer_%03d/prompt_entropies" % l]
+        import kvsim as kv  # noqa: PLC0415 - the Python API (python/kvsim), same engine as the CLI
+
+        def sweep(trace, mode):
+            runs = kv.sweep(traces=[trace], policies=[{"name": "meda"}, {"name": "meda", "params": {
+                "entropy": "FULL_SELF"}}], budgets=[0.1], question_mode=mode, threads=2)
+            for r in runs:
+                for k in ("trace_path", "trace_hash", "sample_id"):  # name the file, not the results
+                    r.pop(k)
+            return runs
+        for mode in ("aware", "agnostic"):
+            self.assertEqual(sweep(self.path, mode), sweep(without, mode), mode)
 
     def test_kvsim_replays_the_trace(self):
         out = os.path.join(self.tmp, "snapkv.json")

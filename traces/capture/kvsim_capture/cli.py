@@ -52,6 +52,8 @@ def build_parser():
     p.add_argument("--all-queries", action="store_true", help="store every prompt query (lets kvsim validate "
                    "recompute the aggregates)")
     p.add_argument("--no-column-sums", action="store_true", help="do not record prefill column sums")
+    p.add_argument("--no-prompt-entropies", action="store_true", help="do not record the prompt attention "
+                   "entropies MEDA uses (recorded by default; computed by kvsim's extension kvsim._core)")
     p.add_argument("--decode-rows", action="store_true", help="also record decode attention rows (extension)")
     p.add_argument("--stream-blocks", type=parse_indices, default=[],
                    help="MuKV/ReKV block encodings at these granularities, e.g. 49,196,784 (video only)")
@@ -123,6 +125,8 @@ def build_dataset_parser():
     p.add_argument("--query-window", type=int, default=64, help="store queries of the last W prompt tokens")
     p.add_argument("--all-queries", action="store_true", help="store every prompt query")
     p.add_argument("--no-column-sums", action="store_true", help="do not record prefill column sums")
+    p.add_argument("--no-prompt-entropies", action="store_true", help="do not record the prompt attention "
+                   "entropies MEDA uses (recorded by default; computed by kvsim's extension kvsim._core)")
     return p
 
 
@@ -158,7 +162,8 @@ def main_dataset(argv):
     args = build_dataset_parser().parse_args(argv)
     opts = CaptureOptions(layers=args.layers, kv_heads=args.kv_heads, storage_dtype=args.dtype,
                           query_window=args.query_window, all_queries=args.all_queries,
-                          column_sums=not args.no_column_sums, scratch_dir=None)
+                          column_sums=not args.no_column_sums,
+                          prompt_entropies=not args.no_prompt_entropies, scratch_dir=None)
     n = 0
     try:
         opts.validate()
@@ -195,6 +200,7 @@ def main(argv=None):
     opts = CaptureOptions(layers=args.layers, kv_heads=args.kv_heads, storage_dtype=args.dtype,
                           query_window=args.query_window, all_queries=args.all_queries,
                           column_sums=not args.no_column_sums, decode_rows=args.decode_rows,
+                          prompt_entropies=not args.no_prompt_entropies,
                           scratch_dir=args.scratch_dir)
     try:
         opts.validate()

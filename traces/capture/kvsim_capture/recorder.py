@@ -60,13 +60,14 @@ def set_active(recorder):
 @dataclasses.dataclass
 class CaptureOptions:
     """What to record. Defaults: every layer and head, float16, last 64 prompt queries + decode queries,
-    prefill column sums, no decode rows."""
+    prefill column sums, prompt entropies, no decode rows."""
     layers: Optional[Sequence[int]] = None     # model layer indices to record (ascending); None = all
     kv_heads: Optional[Sequence[int]] = None   # KV head indices; their query heads come along; None = all
     storage_dtype: str = "float16"             # float16 | float32
     query_window: int = 64                     # W: queries of the last W prompt tokens are stored
     all_queries: bool = False                  # store every prompt query (query_mode 'all')
     column_sums: bool = True                   # /aggregates/layer_XXX/prefill_column_sums
+    prompt_entropies: bool = True              # /aggregates/layer_XXX/prompt_entropies (needs kvsim._core)
     decode_rows: bool = False                  # /capture/decode_attention/layer_XXX (extension)
     scratch_dir: Optional[str] = None          # where spill files go (default: beside the output / TMPDIR)
     aggregate_chunk_elems: int = 1 << 25       # float32 logits per aggregate chunk (128 MiB)
@@ -83,6 +84,9 @@ class CaptureOptions:
                 if not v or v != sorted(set(v)) or v[0] < 0:
                     raise CaptureError("%s must be a non-empty ascending list of distinct indices >= 0, got %s"
                                        % (name, v))
+        if self.prompt_entropies:
+            from . import entropies  # noqa: PLC0415
+            entropies.native()  # fails here, before a model is loaded or run, when kvsim's extension is missing
 
 
 class _LayerSpill:
@@ -104,7 +108,7 @@ class _LayerSpill:
         self.keys = mm("k", (hkv, t_cap, d), dtype)
         self.values = mm("v", (hkv, t_cap, d), dtype)
         self.queries = mm("q", (h, q_cap, d), dtype)
-        self.q_first = q_first                 # first prompt position whose query is stored
+        self.q_first = q_first                 # first prompt position whose query is spilled
         self.column_sums = None                # [H, n] float32
         self.decode_rows = mm("rows", (h, max(steps_cap, 1), t_cap), np.float32) if decode_rows else None
         self.count = 0                         # tokens recorded so far
@@ -134,6 +138,7 @@ class Recorder:
         self._scratch = None
         self._spill: Dict[int, _LayerSpill] = {}
         self.n = None                # prefill length
+        self.q_store_first = None    # first prompt position whose query the trace stores
         self.num_heads = self.num_kv_heads = self.head_dim = None  # of the model (before head subsetting)
         self.kv_sel = self.q_sel = None
         self.scaling = None
@@ -204,6 +209,8 @@ class Recorder:
         if h % hkv:
             raise UnsupportedModelError("query heads (%d) are not a multiple of KV heads (%d)" % (h, hkv))
         self.n, self.num_heads, self.num_kv_heads, self.head_dim = n, h, hkv, d
+        o = self.options
+        self.q_store_first = 0 if o.all_queries else max(n - o.query_window, 0)
         if d > 1024:
             raise UnsupportedModelError("head_dim %d > 1024 is not supported by kvsim trace v1" % d)
         kv_sel = list(range(hkv)) if self.options.kv_heads is None else list(self.options.kv_heads)
@@ -302,7 +309,9 @@ class Recorder:
                 raise CaptureError("layer %d: first call has %d tokens, expected the %d-token prefill"
                                    % (layer, q_len, n))
             t_cap = n + max(self.max_new_tokens - 1, 0)
-            q_first = 0 if o.all_queries else max(n - o.query_window, 0)
+            # Prompt entropies need every prompt query (as stored), so they are spilled; the trace keeps
+            # only those from q_store_first on.
+            q_first = 0 if o.prompt_entropies else self.q_store_first
             spill = _LayerSpill(self._scratch, layer, len(self.kv_sel), len(self.q_sel), self.head_dim, t_cap,
                                 (n - q_first) + (t_cap - n), q_first, t_cap - n,
                                 STORAGE_DTYPES[o.storage_dtype], o.decode_rows)
@@ -373,9 +382,7 @@ class Recorder:
 
     # ------------------------------------------------------------------------------------------ output
     def query_positions(self):
-        t = self.total_tokens
-        q_first = next(iter(self._spill.values())).q_first
-        return np.arange(q_first, t, dtype=np.int32)
+        return np.arange(self.q_store_first, self.total_tokens, dtype=np.int32)
 
     def write_trace(self, path, tokens, model_name, model_family="unknown", rope_theta=0.0,
                     config_text="", extra=None):
@@ -403,13 +410,24 @@ class Recorder:
                      storage_dtype=o.storage_dtype, prefill_length=n, num_decode_steps=t - n, source="captured",
                      generator=GENERATOR, generator_version=VERSION, seed=0,
                      has_prefill_column_sums=o.column_sums, config_text=config_text)
+        regions = None
+        if o.prompt_entropies:
+            from . import entropies  # noqa: PLC0415
+            regions = entropies.regions(np.asarray(tokens.role)[:n])
         try:
             with TraceWriter(path) as w:
-                w.begin(attrs, tokens.as_dict(), qpos)
+                w.begin(attrs, tokens.as_dict(), qpos, prompt_entropy_regions=regions)
                 for out_layer, layer in enumerate(self.layers):
                     s = self._spill[layer]
-                    nq = len(qpos)
-                    w.write_layer(out_layer, s.keys[:, :t], s.values[:, :t], s.queries[:, :nq], s.column_sums)
+                    nq, skip = len(qpos), self.q_store_first - s.q_first
+                    ent = None
+                    if regions is not None:
+                        # From the stored-precision prompt queries and keys, before the window drops queries.
+                        ent = entropies.layer_entropies(
+                            s.queries[:, :n], s.keys[:, :n], np.asarray(tokens.modality)[:n], regions,
+                            self.scaling, self.sliding_window, self.softcap)
+                    w.write_layer(out_layer, s.keys[:, :t], s.values[:, :t], s.queries[:, skip:skip + nq],
+                                  s.column_sums, prompt_entropies=ent)
                 cap = w.extra_group("capture")
                 cap.attrs["layer_indices"] = np.asarray(self.layers, dtype=np.int64)
                 cap.attrs["kv_head_indices"] = np.asarray(self.kv_sel, dtype=np.int64)

@@ -102,10 +102,12 @@ class TraceWriter:
         if os.path.exists(self.tmp_path):
             os.remove(self.tmp_path)
 
-    def begin(self, attrs, tokens, query_positions):
+    def begin(self, attrs, tokens, query_positions, prompt_entropy_regions=None):
         """attrs: the root attributes of docs/trace-format.md (format, version, query_mode and seed are
         filled in); tokens: dict of per-token arrays (modality, segment_id, patch_row, patch_col,
-        position_id, role, token_id, optional text); query_positions: ascending int array."""
+        position_id, role, token_id, optional text); query_positions: ascending int array;
+        prompt_entropy_regions: the region ends of recorded prompt entropies (entropies.regions), or None
+        for none; with it every write_layer() needs its prompt_entropies."""
         for k in _INT_ATTRS + _REAL_ATTRS + _STR_ATTRS:
             if k not in attrs:
                 raise CaptureError("%s: internal: root attribute '%s' missing" % (self.path, k))
@@ -155,9 +157,18 @@ class TraceWriter:
                 "utf-8", max([1] + [len(b) for b in text]))))
         create_dataset(f.create_group("queries"), "positions", data=qpos)
         f.create_group("layers")
-        if attrs.get("has_prefill_column_sums"):
+        regions = None
+        if prompt_entropy_regions is not None:
+            from . import entropies  # noqa: PLC0415 - needs kvsim's extension, only when recording them
+            regions = np.asarray(prompt_entropy_regions, dtype=np.int32)
+            # The reader's region rules, checked with an all-zero (valid) layer.
+            entropies.check(np.zeros((len(regions), 3, int(attrs["num_heads"]))), regions, attrs["num_heads"], n,
+                            "%s: prompt_entropy_regions" % self.path)
+        if attrs.get("has_prefill_column_sums") or regions is not None:
             f.create_group("aggregates")
-        self._meta = dict(attrs, t=t, tq=len(qpos))
+        if regions is not None:
+            create_dataset(f["aggregates"], "prompt_entropy_regions", data=regions.astype("<i4"))
+        self._meta = dict(attrs, t=t, tq=len(qpos), prompt_entropy_regions=regions)
 
     def _tensor(self, group, name, data, heads, rows):
         m = self._meta
@@ -171,7 +182,9 @@ class TraceWriter:
         for h in range(heads):  # one head at a time: bounded host memory when `data` is a memmap
             ds[h] = np.asarray(data[h], dtype=dtype)
 
-    def write_layer(self, layer, keys, values, queries, prefill_column_sums=None):
+    def write_layer(self, layer, keys, values, queries, prefill_column_sums=None, prompt_entropies=None):
+        """prompt_entropies: [regions, 3, num_heads] float64, exactly when begin() had prompt_entropy_regions;
+        checked as kvsim's reader checks them (shape, every value in [0, log ce])."""
         m = self._meta
         if m is None or layer != self._next_layer or layer >= m["num_layers"]:
             raise CaptureError("%s: internal: layers must be written in order after begin(); expected %d, got %d"
@@ -184,7 +197,20 @@ class TraceWriter:
             s = np.asarray(prefill_column_sums, dtype="<f4")
             if s.shape != (m["num_heads"], m["prefill_length"]):
                 raise CaptureError("%s: internal: prefill_column_sums shape %s" % (self.path, s.shape))
-            create_dataset(self._file["aggregates"].create_group("layer_%03d" % layer), "prefill_column_sums", data=s)
+            create_dataset(self._file["aggregates"].require_group("layer_%03d" % layer), "prefill_column_sums",
+                           data=s)
+        regions = m["prompt_entropy_regions"]
+        if (prompt_entropies is None) != (regions is None):
+            raise CaptureError("%s: internal: layer %d %s prompt_entropies but begin() %s prompt_entropy_regions; "
+                               "every layer must have them, or none" % (
+                                   self.path, layer, "lacks" if prompt_entropies is None else "has",
+                                   "was given" if regions is not None else "had no"))
+        if regions is not None:
+            from . import entropies  # noqa: PLC0415
+            e = entropies.check(prompt_entropies, regions, m["num_heads"], m["prefill_length"],
+                                "%s: layer %d" % (self.path, layer))
+            create_dataset(self._file["aggregates"].require_group("layer_%03d" % layer), "prompt_entropies",
+                           data=e.astype("<f8"))
         self._next_layer += 1
 
     def write_extra(self, name, data, attrs=None, chunks=None):
