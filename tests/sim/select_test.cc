@@ -316,6 +316,23 @@ TEST_CASE("TopKSums: every top-k sum equals a full sort's prefix sum, bit for bi
     for (float& x : v) x = scale * std::exp(logit(rng) / 2.0f) * 1e-6f;
     rows.push_back(v);
   }
+  // Sum's second level (a bucket of more than 48 values is split by the next 4 bits): one bucket of ~2000
+  // values in [1, 1.0625) (every sub-bucket, ties at sub-bucket boundaries 1 + i/256 and the floats just
+  // below them), with buckets above and below it; and a bucket of 100 ties (one sub-bucket holds all).
+  {
+    std::vector<float> v;
+    std::uniform_real_distribution<float> in(1.0f, 1.0625f);
+    for (int i = 0; i < 2000; ++i) v.push_back(in(rng));
+    for (int sb = 0; sb < 16; ++sb) {
+      const float x = 1.0f + static_cast<float>(sb) / 256.0f;
+      v.insert(v.end(), {x, x, std::nextafter(x, 0.0f)});
+    }
+    for (int i = 0; i < 300; ++i) v.push_back(std::ldexp(in(rng), -1 - i % 12));
+    for (int i = 0; i < 50; ++i) v.push_back(2.0f * in(rng));
+    std::shuffle(v.begin(), v.end(), rng);
+    rows.push_back(v);
+    rows.push_back(std::vector<float>(100, 0.75f));
+  }
   // An order-sensitive row: 1 and many values of 2^-60 .. 2^-40, all below the threshold (the tail).
   {
     std::vector<float> v{1.0f};
