@@ -838,30 +838,13 @@ Status MakeChunkPlan(hid_t ds, hid_t type, const std::string& name, const std::v
   return Status::Ok();
 }
 
-// Sizes a layer buffer to n floats. A buffer that must grow (a LayerData's first layer: Replay recycles its
-// two layer buffers afterwards) is allocated afresh, its old values dropped (every value is overwritten or,
-// for query rows not read, unspecified), and its 2 MB-aligned interior is advised to use transparent huge
-// pages: a ~100 MB layer then faults in ~50 huge pages instead of ~25 K small ones (where THP is
-// `madvise` or `always`; elsewhere the advice is ignored).
-void SizeLayerBuffer(std::vector<float>* out, size_t n) {
-  if (out->capacity() < n) {
-    out->clear();
-    out->reserve(n);
-    constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-    const uintptr_t begin = (reinterpret_cast<uintptr_t>(out->data()) + kHuge - 1) & ~(kHuge - 1);
-    const uintptr_t end = (reinterpret_cast<uintptr_t>(out->data() + n)) & ~(kHuge - 1);
-    if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-  }
-  out->resize(n);
-}
-
 // Reads float dataset `name` into fp32 `out` ([dims], fully sized), checking its shape and dtype. Only
 // rows in `rows` of the second-to-last dimension are read when `rows` is not all (queries); the others are
-// left as they were (unspecified when the buffer grew, SizeLayerBuffer). With `direct`, plain checksummed
-// chunks are read by DirectChunkReader; otherwise (and for every other layout) one H5Dread of the selected
-// rows. `finite` (optional): set when the direct path read the dataset; then *finite is the flat index of its
-// first non-finite value among the rows read (SIZE_MAX: none), found in the conversion threads while the rows
-// are in cache, so ValidateLayer need not scan them again. Left unset on the H5Dread path.
+// left as they were. With `direct`, plain checksummed chunks are read by DirectChunkReader; otherwise (and
+// for every other layout) one H5Dread of the selected rows.
+// `finite` (optional): set when the direct path read the dataset; then *finite is the flat index of its first
+// non-finite value among the rows read (SIZE_MAX: none), found in the conversion threads while the rows are
+// in cache, so ValidateLayer need not scan them again. Left unset on the H5Dread path.
 Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t>& dims,
                   const std::string& desc, StorageDtype dtype, std::vector<uint16_t>* scratch,
                   std::vector<float>* out, const QueryRows& rows = QueryRows(),
@@ -879,7 +862,7 @@ Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t
         " (IEEE, little-endian) as root attribute 'storage_dtype' says");
   size_t n = 1;
   for (hsize_t d : dims) n *= d;
-  SizeLayerBuffer(out, n);
+  out->resize(n);
   const int rank = static_cast<int>(dims.size());
   const size_t nrows = rank >= 2 ? dims[rank - 2] : 1, inner = rank >= 2 ? dims[rank - 1] : n;
   const size_t outer = nrows * inner > 0 ? n / (nrows * inner) : 0;
