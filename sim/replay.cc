@@ -213,17 +213,52 @@ struct WorkerScratch {
 // Steps whose merged slots' member sums are computed together (one AVX2 register pair per member).
 constexpr int kMemberChunk = 16;
 
+// Buffers that outlive one LayerPass (owned by Replay, reused by every layer): the worker scratch and the
+// units' largest buffers, the full-attention references (probabilities [S][T]: 1.7 MB per query head on
+// the demo trace) and the top-k sums. They were allocated per (layer, KV head) and freed by the unit's last
+// run; glibc handed those pages back to the kernel, so each unit faulted them in (zeroed) again. Here a
+// finished unit's buffers go back to the pool and the next unit's Prefill takes them: the pool holds at most
+// the buffers of the units alive at once (one chunk plus one per worker, see LayerPass::Run), as before.
+// Results do not depend on what a buffer held: ComputeDecodeReference overwrites every field of a
+// reference, and the top-k sums are cleared before their rows are added.
+struct UnitBuffers {
+  std::vector<DecodeReference> refs;
+  TopKSums sums, all_sums;
+};
+class PassBuffers {
+ public:
+  std::vector<WorkerScratch> scratch;  // per worker
+
+  UnitBuffers Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return {};
+    UnitBuffers b = std::move(free_.back());
+    free_.pop_back();
+    return b;
+  }
+  void Give(UnitBuffers&& b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(b));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<UnitBuffers> free_;
+};
+
 class LayerPass {
  public:
   LayerPass(const TraceMeta& meta, const LayerData& layer, std::span<const RunPlan> plans,
-            std::vector<RunAccum>& acc, int threads, DecisionRecorder* recorder)
+            std::vector<RunAccum>& acc, int threads, DecisionRecorder* recorder, PassBuffers& buffers)
       : meta_(meta),
         m_(meta.model),
         layer_(layer),
         plans_(plans),
         acc_(acc),
         threads_(threads),
-        recorder_(recorder) {}
+        recorder_(recorder),
+        buffers_(buffers),
+        scratch_(buffers.scratch) {}
 
   // Two kinds of work item over the layer's work units. Prefill: per KV head, the full-attention reference
   // (shared by every run) and every run's compression hook (runs share the head's prompt scores). Decode:
@@ -275,7 +310,7 @@ class LayerPass {
           prefilled[u].notify_all();
           throw;
         }
-        if (runs == 0) units_[u] = UnitWork{};
+        if (runs == 0) ReleaseUnit(u);
         prefilled[u].store(state);
         prefilled[u].notify_all();
         return;
@@ -289,13 +324,19 @@ class LayerPass {
       FinishRun(u, r, ws);
       units_[u].policies[r].reset();  // the run is done on this head: its state goes now
       units_[u].caches[r] = HeadCache(m_.head_dim);
-      if (remaining[u].fetch_sub(1) == 1) units_[u] = UnitWork{};  // the head's last run: its state goes
+      if (remaining[u].fetch_sub(1) == 1) ReleaseUnit(u);  // the head's last run: its state goes
     });
   }
 
  private:
   size_t Sample(int qh, int t) const {
     return (static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * meta_.num_decode_steps + t;
+  }
+  // A unit's state goes; its largest buffers go back to the pool for the next unit (PassBuffers).
+  void ReleaseUnit(int u) {
+    UnitWork& w = units_[u];
+    buffers_.Give({std::move(w.refs), std::move(w.sums), std::move(w.all_sums)});
+    w = UnitWork{};
   }
   size_t UnitIndex(int u) const { return static_cast<size_t>(layer_.layer) * m_.num_kv_heads + u; }
   // Decode steps [t, num_decode_steps) of query head qh (their rows are consecutive; checked: read).
@@ -312,6 +353,11 @@ class LayerPass {
     const int d = m_.head_dim, group = m_.GroupSize();
     const float* keys = layer_.keys.data() + static_cast<size_t>(u) * t_all * d;
     const float* values = layer_.values.data() + static_cast<size_t>(u) * t_all * d;
+    // Buffers recycled from a finished unit (PassBuffers).
+    UnitBuffers recycled = buffers_.Take();
+    w.refs = std::move(recycled.refs);
+    w.sums = std::move(recycled.sums);
+    w.all_sums = std::move(recycled.all_sums);
     // Full-attention reference, shared by every run.
     w.refs.resize(group);
     for (int g = 0; g < group; ++g)
@@ -495,6 +541,7 @@ class LayerPass {
   const TopKSums& AllSums(UnitWork& w) {
     std::call_once(*w.all_once, [&] {
       const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
+      w.all_sums.Clear();  // its buffers may be a finished unit's (PassBuffers)
       w.all_sums.Reserve(group * steps, static_cast<size_t>(group) * steps * t_all);
       for (int g = 0; g < group; ++g)
         for (int t = 0; t < steps; ++t) {  // row g * steps + t
@@ -1082,8 +1129,9 @@ class LayerPass {
   std::vector<RunAccum>& acc_;
   int threads_;
   DecisionRecorder* recorder_;
+  PassBuffers& buffers_;
   std::vector<UnitWork> units_;
-  std::vector<WorkerScratch> scratch_;
+  std::vector<WorkerScratch>& scratch_;  // buffers_.scratch
 };
 
 void SetByModality(ByModality* b, const double v[4]) {
@@ -1424,6 +1472,11 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     a.merge_max.assign(a.bound_checks.size(), 0);
     a.tokens.assign(a.bound_checks.size() * (steps + 1), 0);
   }
+  // The two layer buffers (one replayed or observed, the next read in the background), shared by the first
+  // pass and the replay: ReadLayer reuses a buffer's capacity (a fresh ~100 MB layer faulted ~25 K pages
+  // in), and a layer read with fewer query rows than the buffer's last one refuses the rows it lacks
+  // (LayerData::query_rows).
+  LayerData current, next;
   // First pass for policies that need cross-layer information: one plan per (policy object, compressible
   // region), shared by every budget. Then every run's per-layer budgets.
   std::map<std::pair<const Policy*, int>, std::shared_ptr<PolicyPlan>> shared_plans;
@@ -1452,7 +1505,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     }
     for (int l = 0; l < num_layers; ++l)
       if (any[l]) needed.push_back(l);
-    LayerData layer, next_layer;
+    LayerData &layer = current, &next_layer = next;
     // Each layer read with only the rows of the plans that need that layer (HAE: every prompt row of its
     // dap_layer only).
     std::vector<LayerReadOptions> first_read(num_layers);
@@ -1553,7 +1606,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
   }
   // Layer l + 1 is read in the background while layer l is replayed (at most two layers resident).
   // Only the query rows the runs read (ReplayQueryRows).
-  LayerData current, next;
+  PassBuffers buffers;  // every layer's passes reuse them
   const LayerReadOptions read{ReplayQueryRows(meta, runs, /*first_pass=*/false), options.threads};
   Status read_status = trace.ReadLayer(0, &current, read);
   for (int l = 0; l < num_layers && read_status.ok(); ++l) {
@@ -1562,7 +1615,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
       prefetch = std::async(std::launch::async,
                             [&trace, &next, &read, l] { return trace.ReadLayer(l + 1, &next, read); });
     current.layer = l;
-    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder);
+    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder, buffers);
     pass.Run();
     if (options.progress) options.progress->Update("layer", l + 1, num_layers);
     if (prefetch.valid()) {

@@ -1103,6 +1103,39 @@ void CheckDirectEqualsLibrary(const std::string& path, int threads) {
     CHECK(SameQueryRows(meta, lib, lib_some, tq - 5, tq));
     CHECK(SameQueryRows(meta, lib, direct_some, 1, 3));
     CHECK(SameQueryRows(meta, lib, direct_some, tq - 5, tq));
+    // Replay reads each layer into the buffers of the layer before last (sim/replay.cc): a layer read into
+    // a LayerData that held another layer equals a fresh read, in place (no new allocation), on both paths;
+    // read with fewer query rows, it holds exactly the rows read.
+    for (const bool use_direct : {false, true}) {
+      INFO("recycled, direct " << use_direct);
+      LayerData recycled;
+      const int other = (l + 1) % meta.model.num_layers;
+      REQUIRE((*r)->ReadLayer(other, &recycled, LayerReadOptions{.threads = threads}).ok());
+      const float* keys_at = recycled.keys.data();
+      const float* queries_at = recycled.queries.data();
+      REQUIRE((*r)->ReadLayer(l, &recycled, LayerReadOptions{.threads = threads, .direct_chunks = use_direct})
+                  .ok());
+      CHECK(recycled.layer == l);
+      CHECK(recycled.keys.data() == keys_at);
+      CHECK(recycled.queries.data() == queries_at);
+      CHECK(SameBits(lib.keys, recycled.keys));
+      CHECK(SameBits(lib.values, recycled.values));
+      CHECK(SameBits(lib.queries, recycled.queries));
+      CHECK(SameBits(lib.prefill_column_sums, recycled.prefill_column_sums));
+      CHECK(lib.prompt_entropies == recycled.prompt_entropies);
+      CHECK(recycled.query_rows.all());
+      REQUIRE((*r)->ReadLayer(
+                      other, &recycled,
+                      LayerReadOptions{.query_rows = some, .threads = threads, .direct_chunks = use_direct})
+                  .ok());
+      LayerData fresh;
+      REQUIRE((*r)->ReadLayer(other, &fresh, LayerReadOptions{.direct_chunks = false}).ok());
+      CHECK(recycled.queries.data() == queries_at);
+      CHECK(recycled.query_rows == some);
+      CHECK(SameBits(fresh.keys, recycled.keys));
+      CHECK(SameQueryRows(meta, fresh, recycled, 1, 3));
+      CHECK(SameQueryRows(meta, fresh, recycled, tq - 5, tq));
+    }
   }
 }
 
