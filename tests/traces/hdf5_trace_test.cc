@@ -19,6 +19,7 @@
 #include <random>
 #include <thread>
 
+#include "sim/sanitizers.h"
 #include "tests/test_util.h"
 #include "traces/half.h"
 #include "traces/synth.h"
@@ -942,6 +943,14 @@ TEST_CASE("hdf5 trace: the guarded open", "[hdf5][integrity]") {
   SECTION("opening while other threads read: every open succeeds promptly") {
     // A fork while another thread is inside HDF5 would leave the child waiting for HDF5's lock until the
     // timeout (a good trace reported as damaged); the fork waits for the readers, and they cannot starve it.
+    // Not under AddressSanitizer: GCC 12's libsanitizer does not lock its allocator around fork() (LLVM
+    // added that in 2023, llvm-project PR 75290), so a child forked while a reader thread allocates can
+    // hang in ASan's allocator, whatever our lock does (CI's ASan stage failed one open in 20 this way
+    // under load). The Release build runs this section.
+    if (kAddressSanitizer) {
+      WARN("skipped under AddressSanitizer (its allocator is not fork-safe with other threads allocating)");
+      return;
+    }
     ScopedEnv env("KVSIM_TRACE_GUARD_TIMEOUT", "5");
     auto open_20 = [&] {
       const auto start = std::chrono::steady_clock::now();
