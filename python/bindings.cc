@@ -582,9 +582,9 @@ nb::list Policies() {
 template <typename T>
 using CpuArray = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
 
-// The regions `kvsim synth` records (traces/synth.cc): CompressEnd of the query-agnostic then the query-aware
-// replay, each kept when >= 1 and beyond the previous one; `role`: the prompt's role codes (n entries).
-nb::ndarray<nb::numpy, int32_t> PromptEntropyRegions(CpuArray<uint8_t> role) {
+// The regions `kvsim synth` records (PromptEntropyRegions, sim/replay.h); `role`: the prompt's role codes
+// (n entries).
+nb::ndarray<nb::numpy, int32_t> PromptEntropyRegionsOfRoles(CpuArray<uint8_t> role) {
   if (role.ndim() != 1 || role.shape(0) == 0)
     Raise(
         Status::InvalidArgument("prompt_entropy_regions: role must be a non-empty 1-D uint8 array of the "
@@ -599,25 +599,19 @@ nb::ndarray<nb::numpy, int32_t> PromptEntropyRegions(CpuArray<uint8_t> role) {
                                     std::to_string(kNumRoles - 1) + ")"));
     meta.tokens.role[i] = static_cast<Role>(role.data()[i]);
   }
-  std::vector<int32_t> regions;
-  for (QuestionMode mode : {QuestionMode::kQueryAgnostic, QuestionMode::kQueryAware})
-    if (const int ce = CompressEnd(meta, mode); ce >= 1 && (regions.empty() || regions.back() < ce))
-      regions.push_back(ce);
+  std::vector<int32_t> regions = PromptEntropyRegions(meta);
   const size_t r = regions.size();
   return ToNumpy(std::move(regions), {r});
 }
 
-// Checks a region list as the reader does (TraceMeta::Validate: ascending, distinct, in [1, n]; 1 to 64).
+// Checks a region list as the reader does (1 to 64 entries; PromptEntropyRegionsIssue, as
+// TraceMeta::Validate).
 Status CheckRegions(const std::vector<int32_t>& regions, int prefill_length) {
   if (regions.empty() || regions.size() > 64)
     return Status::InvalidArgument("prompt_entropy_regions must have 1 to 64 entries, got " +
                                    std::to_string(regions.size()));
-  for (size_t i = 0; i < regions.size(); ++i)
-    if (regions[i] < 1 || regions[i] > prefill_length || (i > 0 && regions[i] <= regions[i - 1]))
-      return Status::InvalidArgument(
-          "prompt_entropy_regions must be ascending, distinct and in [1, prefill_length = " +
-          std::to_string(prefill_length) + "], got " + std::to_string(regions[i]) + " at index " +
-          std::to_string(i));
+  if (std::string issue = PromptEntropyRegionsIssue(regions, prefill_length); !issue.empty())
+    return Status::InvalidArgument("prompt_entropy_regions " + issue);
   return Status::Ok();
 }
 
@@ -729,7 +723,7 @@ NB_MODULE(_core, m) {
         nb::arg("threads"), nb::arg("latency_model"), nb::arg("device"), nb::arg("model"),
         nb::arg("prefill_chunk"), nb::arg("progress"), nb::arg("out_dir"), nb::arg("resume") = false);
   m.def("policies", &Policies);
-  m.def("prompt_entropy_regions", &PromptEntropyRegions, nb::arg("role"));
+  m.def("prompt_entropy_regions", &PromptEntropyRegionsOfRoles, nb::arg("role"));
   m.def("prompt_entropies", &PromptEntropies, nb::arg("queries"), nb::arg("keys"), nb::arg("modality"),
         nb::arg("regions"), nb::arg("softmax_scale"), nb::arg("sliding_window"), nb::arg("logit_softcap"),
         nb::arg("causal"), nb::arg("threads"));

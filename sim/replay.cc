@@ -31,6 +31,14 @@ int CompressEnd(const TraceMeta& meta, QuestionMode mode) {
   return meta.prefill_length;
 }
 
+std::vector<int32_t> PromptEntropyRegions(const TraceMeta& meta) {
+  std::vector<int32_t> regions;
+  for (QuestionMode mode : {QuestionMode::kQueryAgnostic, QuestionMode::kQueryAware})
+    if (const int ce = CompressEnd(meta, mode); ce >= 1 && (regions.empty() || regions.back() < ce))
+      regions.push_back(ce);
+  return regions;
+}
+
 namespace {
 
 struct RunPlan {

@@ -64,6 +64,10 @@ struct ReplayOptions {
 
 // Start of the compressible region for a question mode: n (aware) or the first question token (agnostic).
 int CompressEnd(const TraceMeta& meta, QuestionMode mode);
+// The compressible-region ends a trace records prompt entropies for (`kvsim synth`, the capture tool): the
+// query-agnostic replay's CompressEnd, then the query-aware one's, each kept when >= 1 and beyond the
+// previous one (one entry when the prompt has no question).
+std::vector<int32_t> PromptEntropyRegions(const TraceMeta& meta);
 
 // The query rows (indices into meta.query_positions) a replay of `runs` reads, decided in this one place from
 // each run's PolicyRequirements: every decode step's row (reference, steps, regret, bound), each run's

@@ -303,13 +303,8 @@ Status TraceMeta::Validate() const {
   if (num_decode_steps < 0) return Bad("num_decode_steps", "must be >= 0");
   if (source != "synthetic" && source != "captured")
     return Bad("source", "must be 'synthetic' or 'captured', got '" + ForMessage(source) + "'");
-  for (size_t i = 0; i < prompt_entropy_regions.size(); ++i) {
-    const int32_t ce = prompt_entropy_regions[i];
-    if (ce < 1 || ce > prefill_length || (i > 0 && ce <= prompt_entropy_regions[i - 1]))
-      return Bad("aggregates/prompt_entropy_regions",
-                 "must be ascending, distinct and in [1, prefill_length = " + std::to_string(prefill_length) +
-                     "], got " + std::to_string(ce) + " at index " + std::to_string(i));
-  }
+  if (std::string issue = PromptEntropyRegionsIssue(prompt_entropy_regions, prefill_length); !issue.empty())
+    return Bad("aggregates/prompt_entropy_regions", issue);
   if (!prompt_entropies.empty() && prompt_entropies.size() != static_cast<size_t>(m.num_layers) *
                                                                   prompt_entropy_regions.size() *
                                                                   kNumPromptEntropyKinds * m.num_heads)
@@ -668,6 +663,16 @@ Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::s
           "key); re-capture the trace or write it without aggregates");
   }
   return Status::Ok();
+}
+
+std::string PromptEntropyRegionsIssue(std::span<const int32_t> regions, int prefill_length) {
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const int32_t ce = regions[i];
+    if (ce < 1 || ce > prefill_length || (i > 0 && ce <= regions[i - 1]))
+      return "must be ascending, distinct and in [1, prefill_length = " + std::to_string(prefill_length) +
+             "], got " + std::to_string(ce) + " at index " + std::to_string(i);
+  }
+  return "";
 }
 
 Status ValidatePromptEntropies(const TraceMeta& meta, std::span<const double> v, const std::string& where) {

@@ -321,6 +321,9 @@ Status ValidateLayerBlocks(const TraceMeta& meta, const LayerData& layer, const 
 // Checks one layer's recorded prompt entropies ([regions][kinds][num_heads]) against the meta: shape, and
 // every value in [0, log(compress_end)] (NaN refused). `where` names the layer for messages.
 Status ValidatePromptEntropies(const TraceMeta& meta, std::span<const double> v, const std::string& where);
+// Empty when `regions` is a valid prompt_entropy_regions list for a prompt of `prefill_length` tokens
+// (ascending, distinct, each in [1, prefill_length]); otherwise what is wrong ("must be ...").
+std::string PromptEntropyRegionsIssue(std::span<const int32_t> regions, int prefill_length);
 // Checks that layer.prompt_entropies is present exactly when meta.prompt_entropy_regions is non-empty (sinks'
 // WriteLayer; ValidateLayer checks their shape and range).
 Status CheckLayerPromptEntropies(const TraceMeta& meta, const LayerData& layer, const std::string& what);

@@ -870,12 +870,8 @@ Status Synthesize(const synth::SynthConfig& config, TraceSink* sink, int threads
   if (config.has_streaming()) return SynthesizeStreaming(config, sink, threads);
   KVSIM_RETURN_IF_ERROR(CheckSynthMemory(config));
   TokenLayout layout = BuildLayout(config);
-  if (config.storage().record_prompt_entropies()) {  // the regions of both question modes (replay.cc)
-    std::vector<int32_t>& regions = layout.meta.prompt_entropy_regions;
-    for (QuestionMode mode : {QuestionMode::kQueryAgnostic, QuestionMode::kQueryAware})
-      if (const int ce = CompressEnd(layout.meta, mode); ce >= 1 && (regions.empty() || regions.back() < ce))
-        regions.push_back(ce);
-  }
+  if (config.storage().record_prompt_entropies())  // the regions of both question modes (replay.h)
+    layout.meta.prompt_entropy_regions = PromptEntropyRegions(layout.meta);
   KVSIM_RETURN_IF_ERROR(layout.meta.Validate().WithContext("synth config produced invalid trace metadata"));
   KVSIM_RETURN_IF_ERROR(sink->Begin(layout.meta));
   Generator gen(config, std::move(layout));
