@@ -214,10 +214,18 @@ StatusOr<SearchResult> SearchBudgets(TraceSource& trace, const SearchSpec& spec,
 StatusOr<SearchResult> RunSearch(const std::string& trace_path, const SearchSpec& spec, bool progress) {
   KVSIM_RETURN_IF_ERROR(CheckSearchSpec(spec));
   KVSIM_ASSIGN_OR_RETURN(auto trace, OpenTrace(trace_path));
-  KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
   Progress reporter = Progress::FromEnv("search", progress);
-  auto result = SearchBudgets(*trace, spec, hash, &reporter);
-  if (!result.ok()) return result.status().WithContext(trace_path);
+  // Hashed beside the first pass's replay when that pays (HashConcurrently); only the result records it.
+  SearchResult result;
+  KVSIM_ASSIGN_OR_RETURN(
+      std::string hash,
+      HashBesideReplay(trace_path, HashConcurrently(trace_path, spec.threads), [&](const std::string& h) {
+        auto searched = SearchBudgets(*trace, spec, h, &reporter);
+        if (!searched.ok()) return searched.status().WithContext(trace_path);
+        result = std::move(*searched);
+        return Status::Ok();
+      }));
+  result.set_trace_hash(hash);
   reporter.Finish();
   return result;
 }

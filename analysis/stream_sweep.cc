@@ -71,10 +71,16 @@ StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std:
       MakeLatencyModel(LatencySpec{options.latency_model, options.device, options.model}, trace->meta()));
   std::vector<StreamRunSpec> runs{StreamRunSpec{p, RunLabel(policy, sets), budget_tokens}};
   KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(trace_path));
-  KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(trace_path));
   Progress progress = Progress::FromEnv("streaming run", options.progress);
-  StreamReplayOptions ro{options.threads, latency.get(), &progress, hash, trace_path};
-  KVSIM_ASSIGN_OR_RETURN(auto results, ReplayStream(*trace, runs, ro));
+  std::vector<StreamRunResult> results;
+  KVSIM_ASSIGN_OR_RETURN(
+      std::string hash,
+      HashBesideReplay(trace_path, HashConcurrently(trace_path, options.threads), [&](const std::string& h) {
+        StreamReplayOptions ro{options.threads, latency.get(), &progress, h, trace_path};
+        KVSIM_ASSIGN_OR_RETURN(results, ReplayStream(*trace, runs, ro));
+        return Status::Ok();
+      }));
+  results[0].set_trace_hash(hash);
   progress.Finish();
   return results[0];
 }
@@ -131,8 +137,8 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
     return results;
   };
   std::vector<StreamSweepUnit> done;
-  KVSIM_RETURN_IF_ERROR(RunUnits(samples, def_hash, static_cast<int>(runs.size()), units, progress, replay,
-                                 &done, out.mutable_failed_units()));
+  KVSIM_RETURN_IF_ERROR(RunUnits(samples, def_hash, static_cast<int>(runs.size()), options.threads, units,
+                                 progress, replay, &done, out.mutable_failed_units()));
   progress.Finish();
   for (StreamSweepUnit& u : done)
     for (auto& r : *u.mutable_runs()) *out.add_runs() = std::move(r);

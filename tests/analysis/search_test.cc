@@ -1,5 +1,7 @@
 #include "analysis/search.h"
 
+#include <google/protobuf/util/message_differencer.h>
+
 #include <catch2/catch.hpp>
 #include <map>
 #include <string>
@@ -8,6 +10,7 @@
 #include "analysis/sweep.h"
 #include "policies/registry.h"
 #include "tests/test_util.h"
+#include "traces/hdf5_trace.h"
 
 namespace kvsim {
 namespace {
@@ -133,6 +136,26 @@ TEST_CASE("search: the smallest budget meeting the target, as a brute-force scan
     CHECK(res->compressed_prompt_tokens() == ce);
   }
   CHECK(compared >= 10);
+}
+
+TEST_CASE("search: the trace hash beside the first pass (page cache warm) is the serial one", "[search]") {
+  const std::string path = SearchTrace();
+  REQUIRE(HashFile(path).ok());  // read: in the page cache
+  REQUIRE(HashConcurrently(path, 2));
+  SearchSpec spec;
+  spec.policies = {"snapkv", "h2o"};
+  spec.target = 0.9;
+  spec.threads = 1;
+  auto serial = RunSearch(path, spec, false);
+  spec.threads = 2;
+  auto concurrent = RunSearch(path, spec, false);
+  REQUIRE(serial.ok());
+  REQUIRE(concurrent.ok());
+  CHECK(serial->trace_hash() == *HashFile(path));
+  CHECK(google::protobuf::util::MessageDifferencer::Equals(*concurrent, *serial));
+  // A missing trace is the open's error, as before.
+  auto missing = RunSearch(path + ".missing", spec, false);
+  CHECK_FALSE(missing.ok());
 }
 
 TEST_CASE("search: unreachable targets, budget-free policies and bad specs are reported", "[search]") {

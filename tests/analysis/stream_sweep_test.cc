@@ -4,13 +4,16 @@
 
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
+#include <google/protobuf/util/message_differencer.h>
 
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "analysis/sweep.h"
 #include "tests/test_util.h"
+#include "traces/hdf5_trace.h"
 #include "traces/synth.h"
 
 namespace kvsim {
@@ -136,6 +139,32 @@ TEST_CASE("stream cli: sweep writes every output; fractions and mixed experiment
   }
   CHECK(testing::RunCommand(Kvsim() + " sweep --config " + cfg + " --out " + dir + "/o3", &out) != 0);
   CHECK(out.find("mixes streaming and non-streaming") != std::string::npos);
+}
+
+TEST_CASE("streaming run and sweep: the trace hash beside the replay (page cache warm) is the serial one",
+          "[stream_sweep]") {
+  const std::string path = TinyStream();
+  REQUIRE(HashFile(path).ok());  // read: in the page cache
+  REQUIRE(HashConcurrently(path, 2));
+  const RunOptions serial{1, false, "", -1, "", ""}, concurrent{2, false, "", -1, "", ""};
+  auto a = RunStreamOne(path, "rekv", {}, 32, serial);
+  auto b = RunStreamOne(path, "rekv", {}, 32, concurrent);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(a->trace_hash() == *HashFile(path));
+  CHECK(google::protobuf::util::MessageDifferencer::Equals(*a, *b));
+  config::Experiment e;
+  e.add_traces(path);
+  e.add_policies()->set_name("stream_full");
+  e.add_policies()->set_name("rekv");
+  e.add_budget_tokens(32);
+  auto x = RunStreamSweep(e, ".", serial, nullptr);
+  auto y = RunStreamSweep(e, ".", concurrent, nullptr);
+  REQUIRE(x.ok());
+  REQUIRE(y.ok());
+  REQUIRE(x->runs_size() == 2);
+  for (const StreamRunResult& r : y->runs()) CHECK(r.trace_hash() == *HashFile(path));
+  CHECK(google::protobuf::util::MessageDifferencer::Equals(*x, *y));
 }
 
 TEST_CASE("stream report: CSV rows and summary columns", "[stream_cli]") {
