@@ -24,6 +24,23 @@ def parse_indices(text):
     return sorted(set(out))
 
 
+def add_model_and_storage_flags(p):
+    """The flags a single capture and a dataset capture share: which layers and heads are captured, how the
+    model runs, and how the trace stores them (one definition, so the two subcommands cannot drift apart)."""
+    p.add_argument("--layers", type=parse_indices, help="layer subset, e.g. 0-7,31 (default all)")
+    p.add_argument("--kv-heads", type=parse_indices, help="KV head subset (their query heads come along)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage dtype of Q/K/V")
+    p.add_argument("--model-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
+    p.add_argument("--device", help="torch device (default cuda when available)")
+    p.add_argument("--attn", default="sdpa", help="attention implementation the capture wraps: sdpa or eager")
+    p.add_argument("--query-window", type=int, default=64, help="store queries of the last W prompt tokens")
+    p.add_argument("--all-queries", action="store_true", help="store every prompt query (lets kvsim validate "
+                   "recompute the aggregates)")
+    p.add_argument("--no-column-sums", action="store_true", help="do not record prefill column sums")
+    p.add_argument("--no-prompt-entropies", action="store_true", help="do not record the prompt attention "
+                   "entropies MEDA uses (recorded by default; computed by kvsim's extension kvsim._core)")
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="kvsim-capture",
                                 description="Record a Hugging Face model run (text or vision-language) into a kvsim "
@@ -42,18 +59,7 @@ def build_parser():
     p.add_argument("--system-prompt", help="optional system message")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", required=True, help="trace path (.h5); written to a temporary name, then renamed")
-    p.add_argument("--layers", type=parse_indices, help="layer subset, e.g. 0-7,31 (default all)")
-    p.add_argument("--kv-heads", type=parse_indices, help="KV head subset (their query heads come along)")
-    p.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage dtype of Q/K/V")
-    p.add_argument("--model-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
-    p.add_argument("--device", help="torch device (default cuda when available)")
-    p.add_argument("--attn", default="sdpa", help="attention implementation the capture wraps: sdpa or eager")
-    p.add_argument("--query-window", type=int, default=64, help="store queries of the last W prompt tokens")
-    p.add_argument("--all-queries", action="store_true", help="store every prompt query (lets kvsim validate "
-                   "recompute the aggregates)")
-    p.add_argument("--no-column-sums", action="store_true", help="do not record prefill column sums")
-    p.add_argument("--no-prompt-entropies", action="store_true", help="do not record the prompt attention "
-                   "entropies MEDA uses (recorded by default; computed by kvsim's extension kvsim._core)")
+    add_model_and_storage_flags(p)
     p.add_argument("--decode-rows", action="store_true", help="also record decode attention rows (extension)")
     p.add_argument("--stream-blocks", type=parse_indices, default=[],
                    help="MuKV/ReKV block encodings at these granularities, e.g. 49,196,784 (video only)")
@@ -116,17 +122,7 @@ def build_dataset_parser():
                    "resolve against the file's folder")
     p.add_argument("--out", required=True, help="output folder (created): the traces and manifest.csv")
     p.add_argument("--max-new-tokens", type=int, default=32, help="default for items that do not set it")
-    p.add_argument("--layers", type=parse_indices, help="layer subset, e.g. 0-7,31 (default all)")
-    p.add_argument("--kv-heads", type=parse_indices, help="KV head subset (their query heads come along)")
-    p.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage dtype of Q/K/V")
-    p.add_argument("--model-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
-    p.add_argument("--device", help="torch device (default cuda when available)")
-    p.add_argument("--attn", default="sdpa", help="attention implementation the capture wraps: sdpa or eager")
-    p.add_argument("--query-window", type=int, default=64, help="store queries of the last W prompt tokens")
-    p.add_argument("--all-queries", action="store_true", help="store every prompt query")
-    p.add_argument("--no-column-sums", action="store_true", help="do not record prefill column sums")
-    p.add_argument("--no-prompt-entropies", action="store_true", help="do not record the prompt attention "
-                   "entropies MEDA uses (recorded by default; computed by kvsim's extension kvsim._core)")
+    add_model_and_storage_flags(p)
     return p
 
 
