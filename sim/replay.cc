@@ -1,6 +1,7 @@
 #include "sim/replay.h"
 
 #include <cblas.h>
+#include <immintrin.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -253,6 +254,53 @@ class PassBuffers {
   std::mutex mu_;
   std::vector<UnitBuffers> free_;
 };
+
+}  // namespace
+
+// PlainSlotSums (replay.h). With AVX2, lane j's four modality sums live in one register and every slot adds
+// p[tok_s] masked to its modality (the others get +0.0): x + (+0.0) = x for every x these sums hold (they
+// start at +0.0, and a NaN or infinity is masked to +0.0 outside its modality), so each sum gets the same
+// additions in the same order as the scalar loop, whose rm[s & 3][mod] += p kept the sums in memory, every
+// add waiting on the store four slots earlier (issue 14, round 8).
+int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* mod, int first, float* cp,
+                  double rm[4][4]) {
+  int visible = 0, s = 0;
+#ifdef __AVX2__
+  static_assert(kNumModalities == 4);
+  const __m256d only[4] = {_mm256_castsi256_pd(_mm256_setr_epi64x(-1, 0, 0, 0)),
+                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, -1, 0, 0)),
+                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, 0, -1, 0)),
+                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, 0, 0, -1))};
+  __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;  // named: kept in registers
+  auto add = [&](__m256d& acc, int slot) {
+    const int32_t tok = tk[slot];
+    const float pt = p[tok];
+    if (cp) cp[slot] = pt;
+    visible += tok >= first;
+    acc = _mm256_add_pd(acc, _mm256_and_pd(_mm256_set1_pd(pt), only[static_cast<int>(mod[tok])]));
+  };
+  for (; s + 4 <= slots; s += 4) {
+    add(a0, s);
+    add(a1, s + 1);
+    add(a2, s + 2);
+    add(a3, s + 3);
+  }
+  _mm256_storeu_pd(rm[0], a0);
+  _mm256_storeu_pd(rm[1], a1);
+  _mm256_storeu_pd(rm[2], a2);
+  _mm256_storeu_pd(rm[3], a3);
+#endif
+  for (; s < slots; ++s) {  // the tail (s & 3 continues the lanes), or every slot without AVX2
+    const int32_t tok = tk[s];
+    const float pt = p[tok];
+    if (cp) cp[s] = pt;
+    visible += tok >= first;
+    rm[s & 3][static_cast<int>(mod[tok])] += pt;
+  }
+  return visible;
+}
+
+namespace {
 
 class LayerPass {
  public:
@@ -893,25 +941,8 @@ class LayerPass {
       if (!cache.has_merges()) {
         // Plain slots only: w_s = p_{a(s)}, and p is zero outside the visible keys, so no branch. The
         // modality sums go to four interleaved accumulators (no serial dependency through one of them).
-        const Modality* mod = meta_.tokens.modality.data();
         double rm[4][4] = {};
-        const int32_t* tk = tokens.data();
-        if (cp) {
-          for (int s = 0; s < slots; ++s) {
-            const int32_t tok = tk[s];
-            const float pt = p[tok];
-            cp[s] = pt;
-            visible += tok >= first;
-            rm[s & 3][static_cast<int>(mod[tok])] += pt;
-          }
-        } else {
-          for (int s = 0; s < slots; ++s) {
-            const int32_t tok = tk[s];
-            const float pt = p[tok];
-            visible += tok >= first;
-            rm[s & 3][static_cast<int>(mod[tok])] += pt;
-          }
-        }
+        visible = PlainSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, cp, rm);
         for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
         retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
         wsum = covered = retained;

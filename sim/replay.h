@@ -84,6 +84,13 @@ QueryRows ReplayQueryRows(const TraceMeta& meta, std::span<const RunSpec> runs, 
 // work starts. The message names the run, the requirement and the fix.
 Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs);
 
+// A decode step's sums over a cache of plain slots (the replay's inner loop, exposed for its tests): for the
+// slots s = 0..slots-1 holding tokens tk[s], rm[j][mo] += p[tk[s]] for s ≡ j (mod 4) and mo = mod[tk[s]],
+// each sum's additions in slot order (rm zeroed by the caller); cp[s] = p[tk[s]] when cp is not null.
+// Returns the number of slots with tk[s] >= first.
+int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* mod, int first, float* cp,
+                  double rm[4][4]);
+
 // Replays all runs; one RunResult per run, in order.
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options);

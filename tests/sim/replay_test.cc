@@ -4,13 +4,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <csignal>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -1593,6 +1596,68 @@ TEST_CASE("replay: append-only steps give the same results with or without per-s
       CHECK((*res)[0].SerializeAsString() == (*res)[1].SerializeAsString());
     }
   }
+}
+
+TEST_CASE("replay: the plain-slot sums add in slot order per lane and modality, as the scalar loop does",
+          "[replay]") {
+  // The scalar loop the engine had: rm[s & 3][mod] += p, in slot order.
+  auto scalar = [](const std::vector<int32_t>& tk, const std::vector<float>& p,
+                   const std::vector<Modality>& mod, int first, std::vector<float>* cp, double rm[4][4]) {
+    int visible = 0;
+    for (size_t s = 0; s < tk.size(); ++s) {
+      const float pt = p[tk[s]];
+      if (cp) (*cp)[s] = pt;
+      visible += tk[s] >= first;
+      rm[s & 3][static_cast<int>(mod[tk[s]])] += pt;
+    }
+    return visible;
+  };
+  std::mt19937 rng(7);
+  const int n = 300;
+  for (int slots : {0, 1, 3, 4, 5, 7, 8, 64, 131, 300}) {
+    for (bool with_cp : {false, true}) {
+      std::vector<float> p(n);
+      std::vector<Modality> mod(n);
+      // Values over many binades, so that a different order of additions would change the double sums.
+      for (int i = 0; i < n; ++i) {
+        p[i] = std::ldexp(std::uniform_real_distribution<float>(1, 2)(rng), -static_cast<int>(rng() % 40));
+        mod[i] = static_cast<Modality>(rng() % 4);
+      }
+      p[5] = 0.0f;
+      p[6] = std::numeric_limits<float>::denorm_min();
+      std::vector<int32_t> tk(slots);
+      for (int s = 0; s < slots; ++s) tk[s] = static_cast<int32_t>(rng() % n);
+      std::vector<float> cp_a(slots, -1), cp_b(slots, -1);
+      double a[4][4] = {}, b[4][4] = {};
+      const int first = 100;
+      const int va = scalar(tk, p, mod, first, with_cp ? &cp_a : nullptr, a);
+      const int vb =
+          PlainSlotSums(tk.data(), slots, p.data(), mod.data(), first, with_cp ? cp_b.data() : nullptr, b);
+      INFO("slots " << slots << " cp " << with_cp);
+      CHECK(va == vb);
+      CHECK(cp_a == cp_b);
+      for (int j = 0; j < 4; ++j)
+        for (int mo = 0; mo < 4; ++mo)
+          CHECK(std::bit_cast<uint64_t>(a[j][mo]) == std::bit_cast<uint64_t>(b[j][mo]));
+    }
+  }
+  // A NaN or an infinity reaches only its own modality's sum (the others are masked to +0.0).
+  std::vector<float> p = {1.0f, std::numeric_limits<float>::quiet_NaN(),
+                          std::numeric_limits<float>::infinity()};
+  std::vector<Modality> mod = {Modality::kText, Modality::kImage, Modality::kVideo};
+  std::vector<int32_t> tk = {0, 1, 2, 0, 0, 1, 2, 0, 0};
+  double rm[4][4] = {};
+  CHECK(PlainSlotSums(tk.data(), 9, p.data(), mod.data(), 1, nullptr, rm) == 4);
+  for (int j = 0; j < 4; ++j) {
+    CHECK(rm[j][3] == 0.0);
+    CHECK_FALSE(std::signbit(rm[j][3]));
+  }
+  CHECK(rm[0][0] == 3.0);       // slots 0, 4 and 8
+  CHECK(std::isnan(rm[1][1]));  // slots 1 and 5
+  CHECK(std::isinf(rm[2][2]));  // slot 2 (slot 6 too)
+  CHECK(rm[3][0] == 2.0);       // slots 3 and 7
+  CHECK(rm[1][0] == 0.0);
+  CHECK(rm[0][1] == 0.0);
 }
 
 }  // namespace kvsim
