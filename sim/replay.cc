@@ -7,7 +7,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <exception>
 #include <future>
 #include <map>
 #include <mutex>
@@ -176,10 +175,8 @@ struct UnitWork {
   std::vector<Checked> checked;
 };
 
-// The decode state of one run on one KV head, from BeginRun to FinishRun (the steps' slots, weights and
-// merged-slot blocks). A decode item steps several runs together (LayerPass::StepRuns), so each has its own;
-// a worker keeps them across the units and layers it replays (PassBuffers).
-struct RunScratch {
+// Scratch of one worker, reused across the (KV head, run) items it replays.
+struct WorkerScratch {
   std::vector<uint32_t> stamp;  // [T] for CheckCache
   uint32_t epoch = 0;
   std::vector<float> cache_probs;  // [g][slots] of the current step
@@ -195,12 +192,11 @@ struct RunScratch {
   bool prefix = false;
   uint64_t prefix_version = 0;
   std::vector<int32_t> ptok;
-  std::vector<double> wsum;      // [g][t] Σ_s w_s over visible slots
-  std::vector<double> retained;  // [g][t]
-  std::vector<char> checked;     // [t]: the bound is checked (no merged slot in the cache)
-  std::vector<char> has_extra;   // [t]: a merged slot was visible
-  std::vector<float> extra;      // [g][t][d] Σ w_s ṽ_s over visible merged slots
-  // FinishRun's product buffers: the worker's (ProductBuffers), lent to the run it finishes; empty otherwise.
+  std::vector<double> wsum;       // [g][t] Σ_s w_s over visible slots
+  std::vector<double> retained;   // [g][t]
+  std::vector<char> checked;      // [t]: the bound is checked (no merged slot in the cache)
+  std::vector<char> has_extra;    // [t]: a merged slot was visible
+  std::vector<float> extra;       // [g][t][d] Σ w_s ṽ_s over visible merged slots
   std::vector<int32_t> col;       // [T] column of a token in the compact product, -1 if unused
   std::vector<int32_t> used;      // columns' tokens, ascending
   std::vector<float> a, vu, out;  // the compact product: [g*S][|U|] x [|U|][d] = [g*S][d]
@@ -224,40 +220,6 @@ struct RunScratch {
 
 // Steps whose merged slots' member sums are computed together (one AVX2 register pair per member).
 constexpr int kMemberChunk = 16;
-
-// FinishRun's product buffers (RunScratch::col, used, a, vu, out; `a` is up to rows x |U| floats, 1.7 MB on
-// the demo trace): FinishRun is their only user, so a worker keeps one set and lends it to the run it
-// finishes (LentProducts swaps them in and back), instead of one set per run of its group.
-struct ProductBuffers {
-  std::vector<int32_t> col;  // all -1 between uses (FinishRun restores it)
-  std::vector<int32_t> used;
-  std::vector<float> a, vu, out;
-};
-class LentProducts {
- public:
-  LentProducts(ProductBuffers& p, RunScratch& rs) : p_(p), rs_(rs) { Swap(); }
-  ~LentProducts() { Swap(); }
-  LentProducts(const LentProducts&) = delete;
-  LentProducts& operator=(const LentProducts&) = delete;
-
- private:
-  void Swap() {
-    p_.col.swap(rs_.col);
-    p_.used.swap(rs_.used);
-    p_.a.swap(rs_.a);
-    p_.vu.swap(rs_.vu);
-    p_.out.swap(rs_.out);
-  }
-  ProductBuffers& p_;
-  RunScratch& rs_;
-};
-
-// Scratch of one worker, reused across the decode items it replays: one RunScratch per run of the largest
-// group it stepped, and FinishRun's product buffers.
-struct WorkerScratch {
-  std::vector<RunScratch> runs;
-  ProductBuffers product;
-};
 
 // Buffers that outlive one LayerPass (owned by Replay, reused by every layer): the worker scratch and the
 // units' largest buffers, the full-attention references (probabilities [S][T]: 1.7 MB per query head on
@@ -295,30 +257,27 @@ class PassBuffers {
 class LayerPass {
  public:
   LayerPass(const TraceMeta& meta, const LayerData& layer, std::span<const RunPlan> plans,
-            std::vector<RunAccum>& acc, int threads, int run_group, DecisionRecorder* recorder,
-            PassBuffers& buffers)
+            std::vector<RunAccum>& acc, int threads, DecisionRecorder* recorder, PassBuffers& buffers)
       : meta_(meta),
         m_(meta.model),
         layer_(layer),
         plans_(plans),
         acc_(acc),
         threads_(threads),
-        run_group_(run_group),
         recorder_(recorder),
         buffers_(buffers),
         scratch_(buffers.scratch) {}
 
   // Two kinds of work item over the layer's work units. Prefill: per KV head, the full-attention reference
   // (shared by every run) and every run's compression hook (runs share the head's prompt scores). Decode:
-  // per (KV head, group of runs), every decode step in event order, each step for all the group's runs,
-  // then the outputs of all steps at once (StepRuns). Each item writes only its own accumulator slots, so
-  // results never depend on the thread count, on the groups or on scheduling.
+  // per (KV head, run), every decode step in event order, then the outputs of all steps at once. Each item
+  // writes only its own accumulator slots, so results never depend on the thread count or on scheduling.
   //
   // The KV heads go in chunks of a few heads (twice the workers): the item list is each chunk's Prefill
   // items, then its decode items, chunk after chunk, handed out in that order by one ParallelForWorkers
   // with no barrier between phases or chunks. A decode item waits (rarely: its Prefill was handed out at
   // least a chunk's other Prefill items earlier) until its head's Prefill is done, and a head's reference
-  // and scores are freed by the last of its groups to finish. So the next chunk's Prefill runs while the
+  // and scores are freed by the last of its runs to finish. So the next chunk's Prefill runs while the
   // current chunk's last decode items finish (a barrier per phase left a worker idle behind the longest
   // item). What is resident stays O(chunk) units' state: at most the units whose Prefill was handed out and
   // whose decode items were not all handed out (one chunk) plus those with an item in flight (one per
@@ -328,30 +287,28 @@ class LayerPass {
     const int hkv = m_.num_kv_heads, runs = static_cast<int>(plans_.size());
     const int workers = threads_ > 0 ? threads_ : DefaultThreads();
     const int chunk = std::min(hkv, 2 * workers);
-    const std::vector<int> group = RunGroups(runs);  // group i: runs [group[i], group[i + 1])
-    const int groups = static_cast<int>(group.size()) - 1;
     units_.resize(hkv);
-    scratch_.resize(std::max(1, std::min(workers, chunk * (groups + 1))));
+    scratch_.resize(std::max(1, std::min(workers, chunk * (runs + 1))));
     struct Item {
-      int u, g;  // g < 0: Prefill(u)
+      int u, r;  // r < 0: Prefill(u)
     };
     std::vector<Item> items;
-    items.reserve(static_cast<size_t>(hkv) * (groups + 1));
+    items.reserve(static_cast<size_t>(hkv) * (runs + 1));
     for (int u0 = 0; u0 < hkv; u0 += chunk) {
       const int nu = std::min(chunk, hkv - u0);
       for (int u = u0; u < u0 + nu; ++u) items.push_back({u, -1});
       for (int u = u0; u < u0 + nu; ++u)
-        for (int g = 0; g < groups; ++g) items.push_back({u, g});
+        for (int r = 0; r < runs; ++r) items.push_back({u, r});
     }
     // Per unit: 0 while its Prefill is pending, 1 once done, 2 if it threw (its decode items are skipped;
-    // ParallelForWorkers rethrows the Prefill's exception, the lowest item index); and its groups still to
+    // ParallelForWorkers rethrows the Prefill's exception, the lowest item index); and its runs still to
     // finish.
     std::vector<std::atomic<int>> prefilled(hkv);
     std::vector<std::atomic<int>> remaining(hkv);
-    for (int u = 0; u < hkv; ++u) remaining[u].store(groups);
+    for (int u = 0; u < hkv; ++u) remaining[u].store(runs);
     ParallelForWorkers(static_cast<int>(items.size()), threads_, [&](int item, int worker) {
-      const int u = items[item].u, g = items[item].g;
-      if (g < 0) {
+      const int u = items[item].u, r = items[item].r;
+      if (r < 0) {
         int state = 2;
         try {
           Prefill(u);
@@ -361,71 +318,25 @@ class LayerPass {
           prefilled[u].notify_all();
           throw;
         }
-        if (groups == 0) ReleaseUnit(u);
+        if (runs == 0) ReleaseUnit(u);
         prefilled[u].store(state);
         prefilled[u].notify_all();
         return;
       }
       prefilled[u].wait(0);
       if (prefilled[u].load() != 1) return;
-      StepRuns(u, group[g], group[g + 1], scratch_[worker]);
-      if (remaining[u].fetch_sub(1) == 1) ReleaseUnit(u);  // the head's last group: its state goes
+      WorkerScratch& ws = scratch_[worker];
+      BeginRun(ws);
+      ws.prev_version = units_[u].caches[r].version();  // the cache as the prefill left it
+      for (int t = 0; t < meta_.num_decode_steps; ++t) Step(u, r, t, ws);
+      FinishRun(u, r, ws);
+      units_[u].policies[r].reset();  // the run is done on this head: its state goes now
+      units_[u].caches[r] = HeadCache(m_.head_dim);
+      if (remaining[u].fetch_sub(1) == 1) ReleaseUnit(u);  // the head's last run: its state goes
     });
   }
 
  private:
-  // The decode items' groups of runs, as boundaries: group i is runs [b[i], b[i + 1]), contiguous, of
-  // run_group_ runs at most (0: every run in one group), as many groups as that needs and their sizes
-  // within one of each other. Contiguous groups in run order keep the exception an item surfaces the one of
-  // the lowest (KV head, run), as with one run per item (StepRuns).
-  std::vector<int> RunGroups(int runs) const {
-    const int size = run_group_ > 0 ? run_group_ : std::max(1, runs);
-    const int groups = (runs + size - 1) / size;
-    std::vector<int> b(groups + 1, 0);
-    if (groups == 0) return b;
-    for (int i = 0; i <= groups; ++i) b[i] = static_cast<int>(static_cast<int64_t>(runs) * i / groups);
-    return b;
-  }
-
-  // The decode item of runs [r0, r1) on KV head u: every decode step in event order, each step for all the
-  // runs in run order (so a step's reference rows, read by every run, come from L1/L2 for every run after
-  // the first), then each run's outputs (FinishRun). Each run has its own state (RunScratch) and its own
-  // accumulator slots, and reads only the unit's shared, read-only data (references, top-k sums, built once
-  // under call_once), so it computes what it computes in an item of its own. A run whose step throws stops
-  // the runs after it; the runs before it go on (one may throw later), and the lowest run's exception ends
-  // the item: the one an item per run, in run order, would have surfaced.
-  void StepRuns(int u, int r0, int r1, WorkerScratch& wk) {
-    const int n = r1 - r0, steps = meta_.num_decode_steps, t_all = meta_.total_tokens();
-    if (wk.runs.size() < static_cast<size_t>(n)) wk.runs.resize(n);
-    for (int i = 0; i < n; ++i) {
-      RunScratch& ws = wk.runs[i];
-      BeginRun(ws);
-      ws.prev_version = units_[u].caches[r0 + i].version();  // the cache as the prefill left it
-    }
-    int live = n;  // runs [r0, r0 + live) still step
-    std::exception_ptr error;
-    for (int t = 0; t < steps && live > 0; ++t)
-      for (int i = 0; i < live; ++i) {
-        try {
-          Step(u, r0 + i, t, wk.runs[i]);
-        } catch (...) {
-          error = std::current_exception();
-          live = i;
-        }
-      }
-    if (error) std::rethrow_exception(error);
-    if (wk.product.col.size() != static_cast<size_t>(t_all)) wk.product.col.assign(t_all, -1);
-    for (int i = 0; i < n; ++i) {
-      const int r = r0 + i;
-      {
-        LentProducts lent(wk.product, wk.runs[i]);
-        FinishRun(u, r, wk.runs[i]);
-      }
-      units_[u].policies[r].reset();  // the run is done on this head: its state goes now
-      units_[u].caches[r] = HeadCache(m_.head_dim);
-    }
-  }
-
   size_t Sample(int qh, int t) const {
     return (static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * meta_.num_decode_steps + t;
   }
@@ -490,7 +401,7 @@ class LayerPass {
                            : *std::max_element(vnorm.begin() + first, vnorm.begin() + n + t + 1);
     }
     // Compression hook of every run.
-    RunScratch check;  // CheckCache's marker for the prefill checks (few per unit)
+    WorkerScratch check;  // CheckCache's marker for the prefill checks (few per unit)
     check.stamp.assign(t_all, 0);
     w.policies.resize(plans_.size());
     w.caches.assign(plans_.size(), HeadCache(d));
@@ -683,7 +594,8 @@ class LayerPass {
   // one eviction and one append per step): each must be a plain slot newer than every token any check saw
   // (so it cannot be held twice) and not from the future. A slot that fails this (a policy appending an old
   // token) gets the full check, which decides.
-  static void CheckCache(UnitWork& w, RunScratch& ws, const HeadCache& cache, int32_t last_token, size_t r) {
+  static void CheckCache(UnitWork& w, WorkerScratch& ws, const HeadCache& cache, int32_t last_token,
+                         size_t r) {
     UnitWork::Checked& c = w.checked[r];
     if (cache.rewrites() == c.rewrites) {
       const uint64_t added = cache.appends() - c.appends;
@@ -721,12 +633,13 @@ class LayerPass {
     }
   }
 
-  void BeginRun(RunScratch& ws) const {
+  void BeginRun(WorkerScratch& ws) const {
     const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
     const size_t gs = static_cast<size_t>(group) * steps;
     if (ws.stamp.size() != static_cast<size_t>(t_all)) {
       ws.stamp.assign(t_all, 0);
       ws.epoch = 0;
+      ws.col.assign(t_all, -1);
     }
     ws.plain.clear();
     ws.step_begin.assign(1, 0);
@@ -750,7 +663,7 @@ class LayerPass {
   // followed by blocks of twice the steps it lasted (at least 4), so a policy that changes its merges every
   // few steps does not pay for dots it never uses. The blocks depend only on the cache's history, never on
   // threads or scheduling.
-  void BeginMergedBlock(int u, int t, const HeadCache& cache, RunScratch& ws) {
+  void BeginMergedBlock(int u, int t, const HeadCache& cache, WorkerScratch& ws) {
     FlushMergedBlock(ws);
     const int steps = meta_.num_decode_steps, d = m_.head_dim, group = m_.GroupSize();
     const int slots = cache.size(), mm = cache.num_merged_slots(), rows = std::min(steps - t, ws.mlen);
@@ -786,7 +699,7 @@ class LayerPass {
   // inner loop is a vector add. Each (step, slot) sum keeps its additions and their order: members
   // i = 0, 1, 2, ... go to float lanes i mod 4 (the tail after the last multiple of 4 to lane 0), in
   // member order, and the lanes are added as (m0 + m1) + (m2 + m3) in double, as in Step's per-step path.
-  void MemberSums(int u, int t, const HeadCache& cache, RunScratch& ws) {
+  void MemberSums(int u, int t, const HeadCache& cache, WorkerScratch& ws) {
     UnitWork& w = units_[u];
     const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
     const size_t ts = static_cast<size_t>(t_all) * steps;
@@ -844,7 +757,7 @@ class LayerPass {
 
   // Adds the block's merged values, weighted by its steps' weights, to those steps' `extra` (one GEMM per
   // group member over the steps [mt0, mt_end) it was used for), and ends the block.
-  void FlushMergedBlock(RunScratch& ws) const {
+  void FlushMergedBlock(WorkerScratch& ws) const {
     if (ws.mt0 < 0) return;
     const int steps = meta_.num_decode_steps, d = m_.head_dim, group = m_.GroupSize();
     const int rows = ws.mrows, used = ws.mt_end - ws.mt0;
@@ -862,8 +775,8 @@ class LayerPass {
     ws.ms0 = -1;
   }
 
-  // Ends the prefix mode (RunScratch::prefix): writes the steps so far into `plain`.
-  static void ExpandPrefix(RunScratch& ws) {
+  // Ends the prefix mode (WorkerScratch::prefix): writes the steps so far into `plain`.
+  static void ExpandPrefix(WorkerScratch& ws) {
     if (!ws.prefix) return;
     ws.plain.clear();
     for (size_t t = 0; t + 1 < ws.step_begin.size(); ++t)
@@ -875,7 +788,7 @@ class LayerPass {
 
   // One decode step of run r on KV head u: the policy's hooks, the cache checks and every metric of the
   // step except the output error, which needs Σ_s w_s v_s and is computed for all steps in FinishRun.
-  void Step(int u, int r, int t, RunScratch& ws) {
+  void Step(int u, int r, int t, WorkerScratch& ws) {
     UnitWork& w = units_[u];
     const int n = meta_.prefill_length, steps = meta_.num_decode_steps, t_all = meta_.total_tokens();
     const int d = m_.head_dim, group = m_.GroupSize();
@@ -1107,7 +1020,7 @@ class LayerPass {
   // tokens any step kept as themselves, A[g·S + t][U] = p_t (zero where step t did not keep the token) times
   // V[U] (a run whose every step kept every visible token is the reference product itself). When the union
   // is much wider than the steps' caches (a cache re-selected every step), a per-step gather is cheaper.
-  void FinishRun(int u, int r, RunScratch& ws) {
+  void FinishRun(int u, int r, WorkerScratch& ws) {
     FlushMergedBlock(ws);
     UnitWork& w = units_[u];
     const int steps = meta_.num_decode_steps, d = m_.head_dim;
@@ -1223,7 +1136,6 @@ class LayerPass {
   std::span<const RunPlan> plans_;
   std::vector<RunAccum>& acc_;
   int threads_;
-  int run_group_;
   DecisionRecorder* recorder_;
   PassBuffers& buffers_;
   std::vector<UnitWork> units_;
@@ -1711,8 +1623,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
       prefetch = std::async(std::launch::async,
                             [&trace, &next, &read, l] { return trace.ReadLayer(l + 1, &next, read); });
     current.layer = l;
-    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.run_group,
-                   options.recorder, buffers);
+    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder, buffers);
     pass.Run();
     if (options.progress) options.progress->Update("layer", l + 1, num_layers);
     if (prefetch.valid()) {

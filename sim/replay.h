@@ -31,9 +31,8 @@ struct RunSpec {
 
 // Optional observer of every cache decision (gpu_replay builds its plans from it). The engine calls it from
 // its worker threads, each call for one (run, layer, KV head) unit; calls for one unit are sequential and in
-// event order, calls for different units may be concurrent or interleaved (a decode item steps a KV head's
-// runs together: step t of every run of its group, then step t + 1). `run` is the index into Replay's `runs`.
-// The recorder must store per unit (no shared mutable state without its own locking) so that what it records
+// event order, calls for different units may be concurrent. `run` is the index into Replay's `runs`. The
+// recorder must store per unit (no shared mutable state without its own locking) so that what it records
 // never depends on the thread count.
 class DecisionRecorder {
  public:
@@ -61,10 +60,6 @@ struct ReplayOptions {
   // at the end of the last chunk.
   int prefill_chunk = 0;
   DecisionRecorder* recorder = nullptr;  // optional: sees every cache decision (gpu_replay plans)
-  // Runs a decode work item steps together on one KV head (each step for all of them, so the step's
-  // reference rows are read once from memory): 0 = every run, 1 = one run per item. A tuning and test knob:
-  // results never depend on it.
-  int run_group = 0;
 };
 
 // Start of the compressible region for a question mode: n (aware) or the first question token (agnostic).

@@ -1032,59 +1032,9 @@ TEST_CASE("replay: merging runs together equal each run alone, at any thread cou
   }
 }
 
-// LayerPass steps a KV head's runs together (each step for every run of a group, ReplayOptions::run_group):
-// one run per item (the order before grouping), groups of 2 and 5 (uneven: 14 runs), and every run in one
-// item give the same bytes, at 1, 2 and 3 threads. GQA, a sliding window, merging, decode-evicting,
-// re-selecting and oracle runs, each at two budgets, so runs of one group have equal and different cache
-// sizes (their regret sums come from the same top-k rows).
-TEST_CASE("replay: a KV head's runs stepped together give the same bytes in any groups", "[replay]") {
-  testing::TinyTraceSpec spec;
-  spec.num_heads = 6;
-  spec.num_kv_heads = 3;
-  spec.prefill_length = 40;
-  spec.decode_steps = 9;
-  spec.image_end = 30;
-  spec.seed = 53;
-  for (int window : {0, 24}) {
-    MemoryTrace trace = testing::MakeTinyTrace(spec);
-    if (window > 0) {
-      TraceMeta meta = trace.meta();
-      meta.model.sliding_window = window;
-      std::vector<LayerData> layers;
-      for (int l = 0; l < meta.model.num_layers; ++l) {
-        LayerData d;
-        REQUIRE(trace.ReadLayer(l, &d).ok());
-        d.layer = l;
-        d.prefill_column_sums.clear();
-        layers.push_back(d);
-      }
-      meta.has_prefill_column_sums = false;
-      REQUIRE(trace.Begin(meta).ok());
-      for (const LayerData& d : layers) REQUIRE(trace.WriteLayer(d).ok());
-    }
-    std::vector<RunSpec> runs;
-    for (const char* name :
-         {"full", "streaming_llm", "h2o", "snapkv", "oracle", "snapkv+average", "look_m"}) {
-      auto p = PolicyRegistry::Default().Create(name);
-      REQUIRE(p.ok());
-      for (double b : {0.1, 0.5}) runs.push_back(RunSpec{*p, name, b, 0, QuestionMode::kQueryAware});
-    }
-    auto one = Replay(trace, runs, ReplayOptions{.threads = 1, .run_group = 1});
-    REQUIRE(one.ok());
-    for (int group : {2, 5, 0, 100})
-      for (int threads : {1, 2, 3}) {
-        auto res = Replay(trace, runs, ReplayOptions{.threads = threads, .run_group = group});
-        REQUIRE(res.ok());
-        for (size_t i = 0; i < runs.size(); ++i) {
-          INFO(runs[i].label << " budget " << runs[i].budget_fraction << " window " << window << " group "
-                             << group << " threads " << threads);
-          CHECK((*res)[i].SerializeAsString() == (*one)[i].SerializeAsString());
-        }
-      }
-  }
-}
-
-TEST_CASE("replay: no runs, and one KV head, in any groups", "[replay]") {
+// No runs: every layer's Prefill items and no decode item. One KV head: one unit per layer, fewer units than
+// workers. Both at 1, 2 and 3 threads.
+TEST_CASE("replay: no runs, and one KV head, at any thread count", "[replay]") {
   testing::TinyTraceSpec spec;
   spec.num_heads = 2;
   spec.num_kv_heads = 1;
@@ -1093,30 +1043,27 @@ TEST_CASE("replay: no runs, and one KV head, in any groups", "[replay]") {
   spec.image_end = 20;
   spec.seed = 59;
   MemoryTrace trace = testing::MakeTinyTrace(spec);
-  for (int group : {0, 1, 2})
-    for (int threads : {1, 3}) {
-      auto none =
-          Replay(trace, std::vector<RunSpec>{}, ReplayOptions{.threads = threads, .run_group = group});
-      REQUIRE(none.ok());
-      CHECK(none->empty());
-    }
+  for (int threads : {1, 3}) {
+    auto none = Replay(trace, std::vector<RunSpec>{}, ReplayOptions{.threads = threads});
+    REQUIRE(none.ok());
+    CHECK(none->empty());
+  }
   std::vector<RunSpec> runs;
   for (const char* name : {"full", "streaming_llm", "h2o", "look_m"}) {
     auto p = PolicyRegistry::Default().Create(name);
     REQUIRE(p.ok());
     runs.push_back(RunSpec{*p, name, 0.3, 0, QuestionMode::kQueryAware});
   }
-  auto one = Replay(trace, runs, ReplayOptions{.threads = 1, .run_group = 1});
+  auto one = Replay(trace, runs, ReplayOptions{.threads = 1});
   REQUIRE(one.ok());
-  for (int group : {0, 3})
-    for (int threads : {1, 3}) {
-      auto res = Replay(trace, runs, ReplayOptions{.threads = threads, .run_group = group});
-      REQUIRE(res.ok());
-      for (size_t i = 0; i < runs.size(); ++i) {
-        INFO(runs[i].label << " group " << group << " threads " << threads);
-        CHECK((*res)[i].SerializeAsString() == (*one)[i].SerializeAsString());
-      }
+  for (int threads : {2, 3}) {
+    auto res = Replay(trace, runs, ReplayOptions{.threads = threads});
+    REQUIRE(res.ok());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      INFO(runs[i].label << " threads " << threads);
+      CHECK((*res)[i].SerializeAsString() == (*one)[i].SerializeAsString());
     }
+  }
 }
 
 // Keeps the first B tokens; before decode step `step` on KV head `head` (-1: every head) it throws
@@ -1152,11 +1099,11 @@ class ThrowingStepPolicy final : public Policy {
   std::string message_;
 };
 
-// A run whose step throws fails the replay with its exception in any groups and at any thread count. Two
-// runs throw: the earlier one in run order at a later step; the replay reports the earlier run's error, as
-// one item per run in run order does (a group's later run throwing first does not win).
-TEST_CASE("replay: a decode step that throws ends the replay with the lowest run's error in any groups",
-          "[replay]") {
+// A run whose decode step throws fails the replay with its exception at any thread count. Two runs throw: the
+// earlier one in run order at a later step; the replay reports the earlier run's error (the lowest work item
+// that threw), not the one thrown first in time. An engine that steps a KV head's runs together must keep
+// this (docs/performance.md, "Round 8: a unit's runs stepped together").
+TEST_CASE("replay: a decode step that throws ends the replay with the lowest run's error", "[replay]") {
   testing::TinyTraceSpec spec;
   spec.num_heads = 4;
   spec.num_kv_heads = 4;
@@ -1176,20 +1123,16 @@ TEST_CASE("replay: a decode step that throws ends the replay with the lowest run
                               RunSpec{*h2o, "h2o", 0.3, 0, QuestionMode::kQueryAware},
                               RunSpec{std::make_shared<ThrowingStepPolicy>(bad, 1, "run 3 failed at step 1"),
                                       "b", 0.5, 0, QuestionMode::kQueryAware}};
-    for (int group : {1, 2, 0})
-      for (int threads : {1, 2, 3}) {
-        INFO("bad head " << bad << " group " << group << " threads " << threads);
-        CHECK_THROWS_WITH(Replay(trace, runs, ReplayOptions{.threads = threads, .run_group = group}),
-                          "run 1 failed at step 5");
-      }
+    for (int threads : {1, 2, 3}) {
+      INFO("bad head " << bad << " threads " << threads);
+      CHECK_THROWS_WITH(Replay(trace, runs, ReplayOptions{.threads = threads}), "run 1 failed at step 5");
+    }
     // Without the earlier thrower, the later one's error.
     runs.erase(runs.begin() + 1);
-    for (int group : {1, 0})
-      for (int threads : {1, 3}) {
-        INFO("bad head " << bad << " group " << group << " threads " << threads);
-        CHECK_THROWS_WITH(Replay(trace, runs, ReplayOptions{.threads = threads, .run_group = group}),
-                          "run 3 failed at step 1");
-      }
+    for (int threads : {1, 3}) {
+      INFO("bad head " << bad << " threads " << threads);
+      CHECK_THROWS_WITH(Replay(trace, runs, ReplayOptions{.threads = threads}), "run 3 failed at step 1");
+    }
   }
 }
 
@@ -1217,9 +1160,9 @@ class UnitLogRecorder final : public DecisionRecorder {
   std::mutex mu_;
 };
 
-// The recorder sees each (run, layer, KV head) unit's calls in event order whatever the groups and threads
-// (calls of different units interleave when a group steps its runs together; the contract is per unit).
-TEST_CASE("replay: the decision recorder sees each unit's calls in event order in any groups", "[replay]") {
+// The recorder sees each (run, layer, KV head) unit's calls in event order at any thread count (the
+// contract is per unit: calls of different units may be concurrent).
+TEST_CASE("replay: the decision recorder sees each unit's calls in event order", "[replay]") {
   testing::TinyTraceSpec spec;
   spec.num_heads = 4;
   spec.num_kv_heads = 2;
@@ -1235,7 +1178,7 @@ TEST_CASE("replay: the decision recorder sees each unit's calls in event order i
     runs.push_back(RunSpec{*p, name, 0.3, 0, QuestionMode::kQueryAware});
   }
   UnitLogRecorder ref;
-  REQUIRE(Replay(trace, runs, ReplayOptions{.threads = 1, .recorder = &ref, .run_group = 1}).ok());
+  REQUIRE(Replay(trace, runs, ReplayOptions{.threads = 1, .recorder = &ref}).ok());
   REQUIRE(ref.log.size() == runs.size() * spec.num_layers * spec.num_kv_heads);
   for (const auto& [unit, calls] : ref.log) {
     REQUIRE(calls.size() == 1 + 2 * static_cast<size_t>(spec.decode_steps));
@@ -1245,14 +1188,12 @@ TEST_CASE("replay: the decision recorder sees each unit's calls in event order i
       CHECK(calls[2 + 2 * t].rfind("after " + std::to_string(t) + ":", 0) == 0);
     }
   }
-  for (int group : {0, 3})
-    for (int threads : {1, 3}) {
-      INFO("group " << group << " threads " << threads);
-      UnitLogRecorder rec;
-      REQUIRE(
-          Replay(trace, runs, ReplayOptions{.threads = threads, .recorder = &rec, .run_group = group}).ok());
-      CHECK(rec.log == ref.log);
-    }
+  for (int threads : {2, 3}) {
+    INFO("threads " << threads);
+    UnitLogRecorder rec;
+    REQUIRE(Replay(trace, runs, ReplayOptions{.threads = threads, .recorder = &rec}).ok());
+    CHECK(rec.log == ref.log);
+  }
 }
 
 // Merges pairs of compressible tokens once at prefill (each even token's slot holds the pair's averaged key
