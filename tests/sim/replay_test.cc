@@ -10,12 +10,15 @@
 #include <csignal>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "policies/registry.h"
@@ -1029,6 +1032,170 @@ TEST_CASE("replay: merging runs together equal each run alone, at any thread cou
       CHECK((*together)[i].metrics().merged_tokens_mean() > 0);
       CHECK((*together)[i].SerializeAsString() == alone[i]);
     }
+  }
+}
+
+// No runs: every layer's Prefill items and no decode item. One KV head: one unit per layer, fewer units than
+// workers. Both at 1, 2 and 3 threads.
+TEST_CASE("replay: no runs, and one KV head, at any thread count", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 2;
+  spec.num_kv_heads = 1;
+  spec.prefill_length = 30;
+  spec.decode_steps = 5;
+  spec.image_end = 20;
+  spec.seed = 59;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  for (int threads : {1, 3}) {
+    auto none = Replay(trace, std::vector<RunSpec>{}, ReplayOptions{.threads = threads});
+    REQUIRE(none.ok());
+    CHECK(none->empty());
+  }
+  std::vector<RunSpec> runs;
+  for (const char* name : {"full", "streaming_llm", "h2o", "look_m"}) {
+    auto p = PolicyRegistry::Default().Create(name);
+    REQUIRE(p.ok());
+    runs.push_back(RunSpec{*p, name, 0.3, 0, QuestionMode::kQueryAware});
+  }
+  auto one = Replay(trace, runs, ReplayOptions{.threads = 1});
+  REQUIRE(one.ok());
+  for (int threads : {2, 3}) {
+    auto res = Replay(trace, runs, ReplayOptions{.threads = threads});
+    REQUIRE(res.ok());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      INFO(runs[i].label << " threads " << threads);
+      CHECK((*res)[i].SerializeAsString() == (*one)[i].SerializeAsString());
+    }
+  }
+}
+
+// Keeps the first B tokens; before decode step `step` on KV head `head` (-1: every head) it throws
+// `message`.
+class ThrowingStepPolicy final : public Policy {
+ public:
+  ThrowingStepPolicy(int head, int step, std::string message)
+      : head_(head), step_(step), message_(std::move(message)) {}
+  std::string name() const override { return "throwing_step"; }
+  std::string ParamsText() const override { return ""; }
+  PolicyRequirements requirements() const override { return {}; }
+  bool evicts_during_decode() const override { return false; }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+    class Head final : public HeadPolicy {
+     public:
+      explicit Head(const ThrowingStepPolicy& p) : p_(p) {}
+      void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
+        cache->AssignRange(0, std::min(budget, ctx.compress_end));
+      }
+      void BeforeStep(const HeadContext& ctx, const StepAttention& att, int, HeadCache*) override {
+        if ((p_.head_ < 0 || ctx.kv_head == p_.head_) && att.step == p_.step_)
+          throw std::runtime_error(p_.message_);
+      }
+
+     private:
+      const ThrowingStepPolicy& p_;
+    };
+    return std::make_unique<Head>(*this);
+  }
+
+ private:
+  int head_, step_;
+  std::string message_;
+};
+
+// A run whose decode step throws fails the replay with its exception at any thread count. Two runs throw: the
+// earlier one in run order at a later step; the replay reports the earlier run's error (the lowest work item
+// that threw), not the one thrown first in time. An engine that steps a KV head's runs together must keep
+// this (docs/performance.md, "Round 8: a unit's runs stepped together").
+TEST_CASE("replay: a decode step that throws ends the replay with the lowest run's error", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 4;
+  spec.prefill_length = 36;
+  spec.decode_steps = 7;
+  spec.image_end = 24;
+  spec.seed = 61;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  auto full = PolicyRegistry::Default().Create("full");
+  auto h2o = PolicyRegistry::Default().Create("h2o");
+  REQUIRE(full.ok());
+  REQUIRE(h2o.ok());
+  for (int bad : {-1, 0, 3}) {
+    std::vector<RunSpec> runs{RunSpec{*full, "full", 0.5, 0, QuestionMode::kQueryAware},
+                              RunSpec{std::make_shared<ThrowingStepPolicy>(bad, 5, "run 1 failed at step 5"),
+                                      "a", 0.5, 0, QuestionMode::kQueryAware},
+                              RunSpec{*h2o, "h2o", 0.3, 0, QuestionMode::kQueryAware},
+                              RunSpec{std::make_shared<ThrowingStepPolicy>(bad, 1, "run 3 failed at step 1"),
+                                      "b", 0.5, 0, QuestionMode::kQueryAware}};
+    for (int threads : {1, 2, 3}) {
+      INFO("bad head " << bad << " threads " << threads);
+      CHECK_THROWS_WITH(Replay(trace, runs, ReplayOptions{.threads = threads}), "run 1 failed at step 5");
+    }
+    // Without the earlier thrower, the later one's error.
+    runs.erase(runs.begin() + 1);
+    for (int threads : {1, 3}) {
+      INFO("bad head " << bad << " threads " << threads);
+      CHECK_THROWS_WITH(Replay(trace, runs, ReplayOptions{.threads = threads}), "run 3 failed at step 1");
+    }
+  }
+}
+
+// Records every DecisionRecorder call per (run, layer, KV head) unit, in call order.
+class UnitLogRecorder final : public DecisionRecorder {
+ public:
+  void AfterPrefill(int run, int layer, int kv_head, const HeadCache& cache) override {
+    Log(run, layer, kv_head, "prefill", -1, cache);
+  }
+  void BeforeAttention(int run, int layer, int kv_head, int step, const HeadCache& cache) override {
+    Log(run, layer, kv_head, "attend", step, cache);
+  }
+  void AfterStep(int run, int layer, int kv_head, int step, const HeadCache& cache) override {
+    Log(run, layer, kv_head, "after", step, cache);
+  }
+  std::map<std::tuple<int, int, int>, std::vector<std::string>> log;
+
+ private:
+  void Log(int run, int layer, int kv_head, const char* what, int step, const HeadCache& cache) {
+    std::string e = std::string(what) + " " + std::to_string(step) + ":";
+    for (int32_t t : cache.tokens()) e += " " + std::to_string(t);
+    std::lock_guard<std::mutex> lock(mu_);
+    log[{run, layer, kv_head}].push_back(e);
+  }
+  std::mutex mu_;
+};
+
+// The recorder sees each (run, layer, KV head) unit's calls in event order at any thread count (the
+// contract is per unit: calls of different units may be concurrent).
+TEST_CASE("replay: the decision recorder sees each unit's calls in event order", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 36;
+  spec.decode_steps = 6;
+  spec.image_end = 24;
+  spec.seed = 67;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  std::vector<RunSpec> runs;
+  for (const char* name : {"full", "streaming_llm", "h2o", "look_m"}) {
+    auto p = PolicyRegistry::Default().Create(name);
+    REQUIRE(p.ok());
+    runs.push_back(RunSpec{*p, name, 0.3, 0, QuestionMode::kQueryAware});
+  }
+  UnitLogRecorder ref;
+  REQUIRE(Replay(trace, runs, ReplayOptions{.threads = 1, .recorder = &ref}).ok());
+  REQUIRE(ref.log.size() == runs.size() * spec.num_layers * spec.num_kv_heads);
+  for (const auto& [unit, calls] : ref.log) {
+    REQUIRE(calls.size() == 1 + 2 * static_cast<size_t>(spec.decode_steps));
+    CHECK(calls[0].rfind("prefill -1:", 0) == 0);
+    for (int t = 0; t < spec.decode_steps; ++t) {
+      CHECK(calls[1 + 2 * t].rfind("attend " + std::to_string(t) + ":", 0) == 0);
+      CHECK(calls[2 + 2 * t].rfind("after " + std::to_string(t) + ":", 0) == 0);
+    }
+  }
+  for (int threads : {2, 3}) {
+    INFO("threads " << threads);
+    UnitLogRecorder rec;
+    REQUIRE(Replay(trace, runs, ReplayOptions{.threads = threads, .recorder = &rec}).ok());
+    CHECK(rec.log == ref.log);
   }
 }
 
