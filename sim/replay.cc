@@ -146,7 +146,8 @@ struct RunAccum {
 struct UnitWork {
   HeadContext ctx;
   std::unique_ptr<UnitScores> scores;
-  std::unique_ptr<UnitShared> shared;  // HeadContext::shared of the unit's runs (merge memo), freed with it
+  // HeadContext::shared of the unit's runs (the merging runs' similarity memo), freed with the unit.
+  std::unique_ptr<UnitShared> shared;
   std::vector<DecodeReference> refs;  // per group member
   std::vector<float> sorted;    // [g][t][T]: the step's probabilities, descending (only for future_attention)
   int kpre = 0;                 // the largest k of top_sum / sums (see RegretSums)
@@ -419,7 +420,8 @@ class LayerPass {
       }
       HeadContext ctx{
           &meta_,         layer_.layer,           u,          group, plan.compress_end, keys, values,
-          w.scores.get(), plan.policy_plan.get(), plan.budget,      w.shared.get()};
+          w.scores.get(), plan.policy_plan.get(), plan.budget};
+      ctx.shared = w.shared.get();
       w.ctx = ctx;
       w.policies[r] = plan.spec->policy->NewHeadPolicy(ctx);
       HeadCache& cache = w.caches[r];
