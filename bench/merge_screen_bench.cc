@@ -4,9 +4,14 @@
 // and of one cblas_sgemm of the whole e x k; the mean number of exact re-checks per query; and whether both
 // paths gave the same slots and values bit for bit. Keys are synthetic (measured: times; modelled: the keys):
 // Gaussian, optionally plus a shared direction (--mean, as real keys have) so that cosines are not centred
-// on 0. Usage: kvsim_merge_screen_bench [--shapes 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
+// on 0. Then (round 8) one unit's merge-once compressions at nested budgets 5/10/20/50% of --tokens keys
+// (half random "important" tokens, half a recent window, as the policies keep), without and with the
+// similarity memo (merge_memo): CPU time, screened products and whether the merged slots are the same bits.
+// Usage: kvsim_merge_screen_bench [--shapes 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
+//        [--tokens 3280]
 #include <cblas.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +23,7 @@
 #include "policies/merge.h"
 #include "policies/merge_screen.h"
 #include "sim/attention.h"
+#include "sim/policy.h"
 
 namespace {
 
@@ -38,12 +44,90 @@ double Best(int reps, F&& f) {
   return best;
 }
 
+// One unit's merge-once compressions at nested budgets, without and with the memo (see the header).
+void NestedBudgets(int n, int reps, double mean) {
+  using namespace kvsim;
+  constexpr int d = 128;
+  if (n < 40) return;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> g;
+  std::vector<float> dir(d), keys(static_cast<size_t>(n) * d);
+  for (float& x : dir) x = g(rng);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = g(rng) + static_cast<float>(mean) * dir[i % d];
+  TraceMeta meta;
+  meta.model.head_dim = d;
+  meta.prefill_length = n;
+  meta.tokens.Resize(n);
+  HeadContext ctx;
+  ctx.meta = &meta;
+  ctx.compress_end = n;
+  ctx.keys = keys.data();
+  ctx.values = keys.data();
+  std::vector<int32_t> order(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<std::vector<int32_t>> kept, evicted;
+  for (double f : {0.05, 0.10, 0.20, 0.50}) {
+    const int k = static_cast<int>(f * n);
+    std::vector<int32_t> s(order.begin(), order.begin() + k / 2);
+    for (int j = n - (k - k / 2); j < n; ++j) s.push_back(j);
+    std::sort(s.begin(), s.end());
+    s.erase(std::unique(s.begin(), s.end()), s.end());
+    std::vector<char> in(n, 0);
+    for (int32_t j : s) in[j] = 1;
+    std::vector<int32_t> e;
+    for (int32_t j = 0; j < n; ++j)
+      if (!in[j]) e.push_back(j);
+    kept.push_back(std::move(s));
+    evicted.push_back(std::move(e));
+  }
+  std::vector<HeadCache> out_off, out_on;
+  auto sweep = [&](bool memo, std::vector<HeadCache>* out) {
+    UnitShared shared;  // a fresh unit per repetition
+    HeadContext c = ctx;
+    c.shared = memo ? &shared : nullptr;
+    out->assign(kept.size(), HeadCache(d));
+    for (size_t b = 0; b < kept.size(); ++b) {
+      Merger m(policy::WEIGHTED, policy::MERGE_ALL);
+      m.KeepAndMergeOnce(c, kept[b], evicted[b], &(*out)[b]);
+    }
+  };
+  merge_memo::SetEnabledForTesting(true);
+  const merge_screen::Stats before = merge_screen::ThreadStats();
+  const double off_s = Best(reps, [&] { sweep(false, &out_off); });
+  const double on_s = Best(reps, [&] { sweep(true, &out_on); });
+  const merge_screen::Stats& st = merge_screen::ThreadStats();
+  const long calls = st.memo_calls - before.memo_calls;
+  const double ratio = st.memo_products_without > before.memo_products_without
+                           ? double(st.memo_products - before.memo_products) /
+                                 double(st.memo_products_without - before.memo_products_without)
+                           : 1.0;
+  bool same = true;
+  for (size_t b = 0; b < kept.size(); ++b) {
+    const HeadCache &x = out_off[b], &y = out_on[b];
+    same &= x.size() == y.size();
+    for (int s = 0; same && s < x.size(); ++s) {
+      same &= x.is_merged(s) == y.is_merged(s);
+      if (same && x.is_merged(s))
+        same &= x.merged(s).members == y.merged(s).members &&
+                std::memcmp(x.merged(s).key.data(), y.merged(s).key.data(), d * sizeof(float)) == 0;
+    }
+  }
+  std::printf("\nnested budgets 5/10/20/50%% of %d keys (merge-once, one unit), CPU s (best of %d):\n", n,
+              reps);
+  std::printf("%12s %12s %7s %22s %6s %9s\n", "memo off", "memo on", "ratio", "screened products", "calls",
+              "identical");
+  std::printf("%12.4f %12.4f %6.2fx %21.2fx %6ld %9s\n", off_s, on_s, off_s / on_s, ratio, calls,
+              same ? "yes" : "NO");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string shapes = "3078x162,2600x640,1640x1600";
   int reps = 5;
   double mean = 0.0;
+  int tokens = 3280;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--shapes"))
       shapes = argv[i + 1];
@@ -51,9 +135,13 @@ int main(int argc, char** argv) {
       reps = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--mean"))
       mean = std::atof(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--tokens"))
+      tokens = std::atoi(argv[i + 1]);
     else {
-      std::fprintf(stderr, "kvsim: error: unknown argument %s (use --shapes ExK,..., --reps N, --mean M)\n",
-                   argv[i]);
+      std::fprintf(
+          stderr,
+          "kvsim: error: unknown argument %s (use --shapes ExK,..., --reps N, --mean M, --tokens N)\n",
+          argv[i]);
       return 2;
     }
   }
@@ -112,5 +200,6 @@ int main(int argc, char** argv) {
     std::printf("%-11s %10.4f %10.4f %6.2fx %10.4f %10.4f %8.2f %9s\n", shape.c_str(), old_s, new_s,
                 old_s / new_s, bf16_s, gemm_s, cand, same ? "yes" : "NO");
   }
+  NestedBudgets(tokens, reps, mean);
   return 0;
 }

@@ -6,9 +6,13 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <mutex>
+#include <string>
 
 #include "policies/merge_screen.h"
 #include "sim/attention.h"
@@ -189,10 +193,100 @@ void ScreenBlock(const float* q, int rows, const float* t, const uint32_t* tp, d
   stats.candidates += n;
 }
 
-}  // namespace
+// ---- the similarity memo of a unit's merging runs (merge.h, merge_memo; issue 14, round 8) ----
 
-void NearestByCosine(const float* const* queries, int num_queries, const float* const* targets,
-                     int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity) {
+std::atomic<bool> g_memo_test_enabled{true};
+bool MemoEnvAllows() {
+  const char* v = std::getenv("KVSIM_MERGE_MEMO");
+  return v == nullptr || std::string(v) != "0";
+}
+const bool kMemoEnvAllows = MemoEnvAllows();
+
+struct AtomicTotals {
+  std::atomic<long> calls{0}, reuse_calls{0}, superset_calls{0}, queries{0}, products{0}, products_without{0};
+};
+AtomicTotals g_totals;
+
+// One stored answer set: for every query token a call answered on the screen path, the token of its first
+// most similar target and that fmaf-chain similarity (NearestByCosine's value). Immutable once stored.
+struct MemoEntry {
+  const float* keys = nullptr;  // the unit's key buffer (queries and targets are its rows)
+  int d = 0;
+  std::vector<int32_t> targets;  // target tokens, in slot order
+  std::vector<int32_t> best;     // by query token: the best target's token; -1: no answer
+  std::vector<float> value;      // by query token: its similarity
+};
+
+// The memo of one unit (UnitShared::merge): at most merge_memo::kMaxEntries answer sets, the least recently
+// used replaced first. Runs of a unit may use it concurrently; entries are shared immutable objects, so a
+// call reads its source entry without holding the lock.
+class SimilarityMemo final : public UnitShared::State {
+ public:
+  int size() {
+    std::lock_guard lock(mu_);
+    return static_cast<int>(entries_.size());
+  }
+  std::vector<std::shared_ptr<const MemoEntry>> Snapshot() {
+    std::lock_guard lock(mu_);
+    return entries_;
+  }
+  void Touch(const MemoEntry* e) {
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < entries_.size(); ++i)
+      if (entries_[i].get() == e) stamp_[i] = ++clock_;
+  }
+  void Store(std::shared_ptr<const MemoEntry> e) {
+    std::lock_guard lock(mu_);
+    if (static_cast<int>(entries_.size()) >= merge_memo::kMaxEntries) {
+      const size_t old = std::min_element(stamp_.begin(), stamp_.end()) - stamp_.begin();
+      entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(old));
+      stamp_.erase(stamp_.begin() + static_cast<std::ptrdiff_t>(old));
+    }
+    entries_.push_back(std::move(e));
+    stamp_.push_back(++clock_);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::shared_ptr<const MemoEntry>> entries_;
+  std::vector<uint64_t> stamp_;
+  uint64_t clock_ = 0;
+};
+
+SimilarityMemo* MemoOf(UnitShared* shared) {
+  std::lock_guard lock(shared->mu);
+  if (!shared->merge) shared->merge = std::make_unique<SimilarityMemo>();
+  return static_cast<SimilarityMemo*>(shared->merge.get());  // only this file creates `merge`
+}
+
+// A call that may use the memo: the queries and targets are the rows `tokens` of `keys` (plain original keys,
+// no merged slot).
+struct MemoCall {
+  SimilarityMemo* memo;
+  const float* keys;
+  std::span<const int32_t> queries, targets;
+};
+
+// The search. With `mc` (Merger::KeepAndMergeOnce on a unit with a memo), the screened blocks reuse a stored
+// answer set over a subset of the targets. Why every slot and value is still today's, bit for bit:
+//  - Which rows use it: exactly the query rows today's call screens (the same 256-row blocks, the same
+//    regularity checks and kMinScreenedWork test); every other block is searched as before (sgemm).
+//  - Values: a screened value is the fmaf chain (ExactDots) of the two normalised rows, whatever block or
+//    target subset it was searched in (NormalizeRows normalises each row alone; the screen's result is exact
+//    for any target set and any number of rows, ScreenBlock's proof), and today's screened value is that
+//    chain. The memo's entry holds, for query token e, (b, v_A) = the first maximum of these values over its
+//    targets A (in A's slot order) from the same key buffer; so for our call, with target set K ⊇ A whose
+//    slot order lists A's tokens in A's order (checked: A's tokens map to increasing slots of K), b is the
+//    K-first maximum over A.
+//  - Combination: today's answer j* is the first slot of K with value V = max over K. Split K = A ∪ B
+//    (B = K \ A, searched now by the screen in slot order: first maximum (j_B, v_B) over B). V = max(v_A,
+//    v_B) and j* = the smaller slot among the parts that reach V: v_A > v_B → b's slot; v_B > v_A → j_B;
+//    equal → the smaller of the two slots (each part's first maximum is its smallest slot reaching V), with
+//    its own value (+0 and −0 compare equal; the first slot's bits are today's). B empty: (b, v_A).
+//  Only the amount of work depends on which entries exist, i.e. on the order in which runs searched.
+void NearestWithMemo(const float* const* queries, int num_queries, const float* const* targets,
+                     int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity,
+                     const MemoCall* mc) {
   nearest->assign(num_queries, -1);
   similarity->assign(num_queries, 0.0f);
   if (num_queries == 0 || num_targets == 0) return;
@@ -208,20 +302,153 @@ void NearestByCosine(const float* const* queries, int num_queries, const float* 
   const bool screen = targets_regular && d % 2 == 0 && d <= (1 << 16) && merge_screen::Enabled();
   bool packed = false;
   double t_err = 0;
+  auto pack = [&] {
+    if (packed) return;
+    uint32_t* tp = Scratch(tp_buf, merge_screen::PackedTargetsSize(num_targets, d));
+    t_err = merge_screen::PackTargets(t, num_targets, d, tp);
+    packed = true;
+  };
+  merge_screen::Stats& stats = merge_screen::ThreadStats();
+  const merge_screen::Stats before = stats;
+  // The memo's source: the stored answer set over a subset A of our targets that covers the most products.
+  const bool use_memo = mc != nullptr && screen;
+  std::shared_ptr<const MemoEntry> src;
+  thread_local std::vector<int32_t> slot_of;  // by token: our slot, -1
+  thread_local std::vector<int> rest;         // B = our slots not in A, in slot order
+  thread_local std::vector<float> tb_buf, qg_buf, simg;
+  thread_local std::vector<uint32_t> tpb_buf;
+  thread_local std::vector<int> rows_hit, rows_miss, nearg;
+  thread_local std::vector<char> in_a;
+  bool superset = false;
+  if (use_memo) {
+    ++stats.memo_calls;
+    int32_t max_tok = 0;
+    for (int32_t tok : mc->targets) max_tok = std::max(max_tok, tok);
+    slot_of.assign(static_cast<size_t>(max_tok) + 1, -1);
+    bool unique = true;
+    for (int s = 0; s < num_targets; ++s) {
+      int32_t& so = slot_of[mc->targets[s]];
+      unique &= so < 0;
+      so = s;
+    }
+    long best_score = 0;
+    for (const std::shared_ptr<const MemoEntry>& e :
+         unique ? mc->memo->Snapshot() : std::vector<std::shared_ptr<const MemoEntry>>{}) {
+      if (e->keys != mc->keys || e->d != d) continue;
+      const int na = static_cast<int>(e->targets.size());
+      bool subset = na <= num_targets;
+      int prev = -1, found = 0;
+      for (int i = 0; i < na && subset; ++i) {
+        const int32_t tok = e->targets[i];
+        const int so = tok <= max_tok ? slot_of[tok] : -1;
+        if (so >= 0) ++found;
+        subset = so > prev;  // in K, and in A's order
+        prev = so;
+      }
+      if (!subset) {
+        // A strict superset of K (a larger budget searched first)? Counted for the order statistics only.
+        if (na > num_targets) {
+          found = 0;
+          for (int32_t tok : e->targets) found += tok <= max_tok && slot_of[tok] >= 0;
+          superset |= found == num_targets;
+        }
+        continue;
+      }
+      long covered = 0;
+      for (int32_t tok : mc->queries)
+        covered += tok < static_cast<int32_t>(e->best.size()) && e->best[tok] >= 0;
+      if (covered * na > best_score) best_score = covered * na, src = e;
+    }
+    if (superset) ++stats.memo_superset_calls;
+    if (src) {
+      ++stats.memo_reuse_calls;
+      mc->memo->Touch(src.get());
+      in_a.assign(num_targets, 0);
+      for (int32_t tok : src->targets) in_a[slot_of[tok]] = 1;
+      rest.clear();
+      for (int s = 0; s < num_targets; ++s)
+        if (!in_a[s]) rest.push_back(s);
+    }
+  }
+  bool packed_b = false;
+  double tb_err = 0;
+  const int nb = src ? static_cast<int>(rest.size()) : 0;
+  float* tb = nullptr;
+  std::vector<char> answered;  // by query: searched on the screen path (storable)
+  if (use_memo) answered.assign(num_queries, 0);
   for (int b = 0; b < num_queries; b += kBlock) {
     const int rows = std::min(kBlock, num_queries - b);
     const bool queries_regular = NormalizeRows(queries + b, rows, d, q);
     if (screen && queries_regular && static_cast<long>(rows) * num_targets * d >= kMinScreenedWork) {
-      if (!packed) {
-        uint32_t* tp = Scratch(tp_buf, merge_screen::PackedTargetsSize(num_targets, d));
-        t_err = merge_screen::PackTargets(t, num_targets, d, tp);
-        packed = true;
+      if (use_memo) {
+        std::fill(answered.begin() + b, answered.begin() + b + rows, 1);
+        stats.memo_products_without += static_cast<long>(rows) * num_targets;
       }
-      ScreenBlock(q, rows, t, tp_buf.data(), t_err, num_targets, d, nearest->data() + b,
-                  similarity->data() + b);
+      rows_hit.clear(), rows_miss.clear();
+      for (int r = 0; r < rows; ++r) {
+        const int32_t tok = src ? mc->queries[b + r] : -1;
+        (tok >= 0 && tok < static_cast<int32_t>(src->best.size()) && src->best[tok] >= 0 ? rows_hit
+                                                                                         : rows_miss)
+            .push_back(r);
+      }
+      if (rows_hit.empty()) {  // today's search
+        pack();
+        ScreenBlock(q, rows, t, tp_buf.data(), t_err, num_targets, d, nearest->data() + b,
+                    similarity->data() + b);
+        if (use_memo) stats.memo_products += static_cast<long>(rows) * num_targets;
+        continue;
+      }
+      // Rows without a stored answer: over every target, as today.
+      auto gather = [&](const std::vector<int>& rs) {
+        float* g = Scratch(qg_buf, rs.size() * d);
+        for (size_t i = 0; i < rs.size(); ++i) std::copy_n(q + static_cast<size_t>(rs[i]) * d, d, g + i * d);
+        nearg.resize(rs.size());
+        simg.resize(rs.size());
+        return g;
+      };
+      if (!rows_miss.empty()) {
+        pack();
+        const float* g = gather(rows_miss);
+        ScreenBlock(g, static_cast<int>(rows_miss.size()), t, tp_buf.data(), t_err, num_targets, d,
+                    nearg.data(), simg.data());
+        for (size_t i = 0; i < rows_miss.size(); ++i) {
+          (*nearest)[b + rows_miss[i]] = nearg[i];
+          (*similarity)[b + rows_miss[i]] = simg[i];
+        }
+        stats.memo_products += static_cast<long>(rows_miss.size()) * num_targets;
+      }
+      // Rows with one: the better of the stored answer over A and a search over B = K \ A (proof above).
+      const int hits = static_cast<int>(rows_hit.size());
+      if (nb > 0) {
+        if (!packed_b) {
+          tb = Scratch(tb_buf, static_cast<size_t>(nb) * d);
+          for (int i = 0; i < nb; ++i)
+            std::copy_n(t + static_cast<size_t>(rest[i]) * d, d, tb + static_cast<size_t>(i) * d);
+          uint32_t* tpb = Scratch(tpb_buf, merge_screen::PackedTargetsSize(nb, d));
+          tb_err = merge_screen::PackTargets(tb, nb, d, tpb);
+          packed_b = true;
+        }
+        const float* g = gather(rows_hit);
+        ScreenBlock(g, hits, tb, tpb_buf.data(), tb_err, nb, d, nearg.data(), simg.data());
+        stats.memo_products += static_cast<long>(hits) * nb;
+      }
+      for (int i = 0; i < hits; ++i) {
+        const int r = b + rows_hit[i];
+        const int32_t tok = mc->queries[r];
+        int slot = slot_of[src->best[tok]];
+        float value = src->value[tok];
+        if (nb > 0) {
+          const int sb = rest[nearg[i]];
+          const float vb = simg[i];
+          if (vb > value || (vb == value && sb < slot)) slot = sb, value = vb;
+        }
+        (*nearest)[r] = slot;
+        (*similarity)[r] = value;
+      }
+      stats.memo_queries += hits;
       continue;
     }
-    ++merge_screen::ThreadStats().sgemm_blocks;
+    ++stats.sgemm_blocks;
     float* sim = Scratch(sim_buf, static_cast<size_t>(kBlock) * num_targets);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, num_targets, d, 1.0f, q, d, t, d, 0.0f, sim,
                 num_targets);
@@ -232,6 +459,57 @@ void NearestByCosine(const float* const* queries, int num_queries, const float* 
       (*similarity)[b + r] = row[best];
     }
   }
+  if (!use_memo) return;
+  // Store this call's screened answers (every one is the fmaf-chain first maximum over our targets).
+  auto entry = std::make_shared<MemoEntry>();
+  int32_t max_q = -1;
+  for (int i = 0; i < num_queries; ++i)
+    if (answered[i]) max_q = std::max(max_q, mc->queries[i]);
+  if (max_q >= 0) {
+    entry->keys = mc->keys;
+    entry->d = d;
+    entry->targets.assign(mc->targets.begin(), mc->targets.end());
+    entry->best.assign(static_cast<size_t>(max_q) + 1, -1);
+    entry->value.assign(static_cast<size_t>(max_q) + 1, 0.0f);
+    for (int i = 0; i < num_queries; ++i)
+      if (answered[i]) {
+        entry->best[mc->queries[i]] = mc->targets[(*nearest)[i]];
+        entry->value[mc->queries[i]] = (*similarity)[i];
+      }
+    mc->memo->Store(std::move(entry));
+  }
+  g_totals.calls += stats.memo_calls - before.memo_calls;
+  g_totals.reuse_calls += stats.memo_reuse_calls - before.memo_reuse_calls;
+  g_totals.superset_calls += stats.memo_superset_calls - before.memo_superset_calls;
+  g_totals.queries += stats.memo_queries - before.memo_queries;
+  g_totals.products += stats.memo_products - before.memo_products;
+  g_totals.products_without += stats.memo_products_without - before.memo_products_without;
+}
+
+}  // namespace
+
+namespace merge_memo {
+bool Enabled() { return kMemoEnvAllows && g_memo_test_enabled.load(std::memory_order_relaxed); }
+void SetEnabledForTesting(bool enabled) { g_memo_test_enabled.store(enabled, std::memory_order_relaxed); }
+Totals ProcessTotals() {
+  Totals t;
+  t.calls = g_totals.calls.load();
+  t.reuse_calls = g_totals.reuse_calls.load();
+  t.superset_calls = g_totals.superset_calls.load();
+  t.queries = g_totals.queries.load();
+  t.products = g_totals.products.load();
+  t.products_without = g_totals.products_without.load();
+  return t;
+}
+int StoredSets(UnitShared& shared) {
+  std::lock_guard lock(shared.mu);
+  return shared.merge ? static_cast<SimilarityMemo*>(shared.merge.get())->size() : 0;
+}
+}  // namespace merge_memo
+
+void NearestByCosine(const float* const* queries, int num_queries, const float* const* targets,
+                     int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity) {
+  NearestWithMemo(queries, num_queries, targets, num_targets, d, nearest, similarity, nullptr);
 }
 
 void NearestByCosine(const float* queries, int num_queries, const float* targets, int num_targets, int d,
@@ -279,7 +557,7 @@ void Merger::KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> k
   Release();
   thread_local std::vector<int> join_slot;
   thread_local std::vector<float> join_coef;
-  if (!Join(ctx, evicted, *cache, &join_slot, &join_coef)) return;
+  if (!Join(ctx, evicted, *cache, &join_slot, &join_coef, /*memo=*/true)) return;
   // The same sums as MergeTokens' (per slot, in token order, from zero, the same float operations), kept
   // flat by slot instead of in the running sums' map: a policy that merges once never reads them again, so
   // they need not outlive this call (one allocation per merged slot's key, value and members instead of
@@ -324,14 +602,21 @@ void Merger::KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> k
 }
 
 bool Merger::Join(const HeadContext& ctx, std::span<const int32_t> tokens, const HeadCache& cache,
-                  std::vector<int>* slot, std::vector<float>* coef) const {
+                  std::vector<int>* slot, std::vector<float>* coef, bool memo) const {
   if (strategy_ == policy::NO_MERGE || tokens.empty() || cache.size() == 0) return false;
   const int d = ctx.head_dim(), slots = cache.size(), e = static_cast<int>(tokens.size());
   std::vector<const float*> targets(slots), x(e);  // the keys in place: NearestByCosine normalises copies
   for (int s = 0; s < slots; ++s)
     targets[s] = cache.is_merged(s) ? cache.merged(s).key.data() : OriginalKey(ctx, cache.token(s));
   for (int i = 0; i < e; ++i) x[i] = OriginalKey(ctx, tokens[i]);
-  NearestByCosine(x.data(), e, targets.data(), slots, d, slot, coef);
+  // The unit's similarity memo, for plain original keys of this unit only (a merged slot's key is no row of
+  // ctx.keys).
+  if (memo && ctx.shared != nullptr && !cache.has_merges() && merge_memo::Enabled()) {
+    const MemoCall mc{MemoOf(ctx.shared), ctx.keys, tokens, cache.tokens()};
+    NearestWithMemo(x.data(), e, targets.data(), slots, d, slot, coef, &mc);
+  } else {
+    NearestByCosine(x.data(), e, targets.data(), slots, d, slot, coef);
+  }
   double threshold = -2;  // below every cosine
   if (filter_ == policy::ABOVE_MEAN_SIMILARITY) {
     double mean = 0;

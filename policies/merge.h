@@ -29,6 +29,29 @@ void NearestByCosine(const float* queries, int num_queries, const float* targets
 void NearestByCosine(const float* const* queries, int num_queries, const float* const* targets,
                      int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity);
 
+// The similarity memo of a unit's merging runs (issue 14, round 8). A sweep runs MEDA / LOOK-M at several
+// budgets on the same (layer, KV head), and their kept sets are typically nested (K_5 ⊂ K_10 ⊂ ...): an
+// evicted token's best slot over K is the better of its stored best over a subset K_i ⊆ K and its best over
+// K \ K_i. Merger::KeepAndMergeOnce keeps such answers in HeadContext::shared (per unit, a few answer sets)
+// and reuses them; every slot and similarity is bit for bit NearestByCosine's (the proof is at
+// NearestWithMemo in merge.cc and in docs/performance.md, "Round 8"). Only the amount of work depends on
+// which run searched first.
+namespace merge_memo {
+// False if switched off: by KVSIM_MERGE_MEMO=0 (read once; an A/B switch of one binary) or by
+// SetEnabledForTesting(false). The memo also needs the bf16 screen (merge_screen::Enabled()).
+bool Enabled();
+void SetEnabledForTesting(bool enabled);
+// Answer sets a unit keeps (the least recently used goes first).
+inline constexpr int kMaxEntries = 8;
+// The memo counters of merge_screen::Stats summed over every thread of the process (tests, bench/).
+struct Totals {
+  long calls = 0, reuse_calls = 0, superset_calls = 0, queries = 0, products = 0, products_without = 0;
+};
+Totals ProcessTotals();
+// How many answer sets a unit's memo holds (≤ kMaxEntries; 0 if none was made).
+int StoredSets(UnitShared& shared);
+}  // namespace merge_memo
+
 // Per-(layer, KV head) merge state: the running sums behind every merged slot, so later evictions can merge
 // into (or dissolve) an existing merge.
 class Merger {
@@ -68,8 +91,9 @@ class Merger {
   void Apply(const HeadContext& ctx, int slot, Sums& s, HeadCache* cache) const;
   // The slot each of `tokens` joins (-1: filtered out) and its coefficient (1, 0.5 or the cosine); false if
   // nothing merges.
+  // `memo`: the merge-once path may use the unit's similarity memo (merge_memo).
   bool Join(const HeadContext& ctx, std::span<const int32_t> tokens, const HeadCache& cache,
-            std::vector<int>* slot, std::vector<float>* coef) const;
+            std::vector<int>* slot, std::vector<float>* coef, bool memo = false) const;
 
   policy::MergeStrategy strategy_;
   policy::MergeFilter filter_;

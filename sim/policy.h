@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -29,6 +30,20 @@ class PromptScores {
   virtual std::span<const float> ColumnSums(int group_member) = 0;
   // Σ_i A[i, j] over the last `window` compressible prompt queries (SnapKV's observation window).
   virtual std::span<const float> WindowColumnSums(int group_member, int window) = 0;
+};
+
+// State a policy library shares among the runs of one (layer, KV head) unit: owned by the replay's per-unit
+// state (sim/replay.cc UnitWork), created empty with the unit's Prefill, freed with the unit. The unit's runs
+// may call into it concurrently (decode items of one unit run on several workers): `mu` guards creating the
+// members; each member guards itself after that. Whatever it holds may change how much work a run does, never
+// a run's results.
+struct UnitShared {
+  class State {
+   public:
+    virtual ~State() = default;
+  };
+  std::mutex mu;
+  std::unique_ptr<State> merge;  // policies/merge.cc: the similarity answers of the unit's merging runs
 };
 
 // State built by a policy's first pass over all layers (cross-layer information: MEDA's per-layer entropy,
@@ -66,6 +81,7 @@ struct HeadContext {
   PromptScores* scores = nullptr;
   const PolicyPlan* plan = nullptr;  // the run's first-pass plan, or null
   int run_budget = 0;                // the run's requested budget B (tokens per layer per KV head)
+  UnitShared* shared = nullptr;      // state shared by this unit's runs (the replay's; null: none)
   int head_dim() const { return meta->model.head_dim; }
   int prefill_length() const { return meta->prefill_length; }
   Modality modality(int32_t token) const { return meta->tokens.modality[token]; }

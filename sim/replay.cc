@@ -147,6 +147,8 @@ struct RunAccum {
 struct UnitWork {
   HeadContext ctx;
   std::unique_ptr<UnitScores> scores;
+  // HeadContext::shared of the unit's runs (the merging runs' similarity memo), freed with the unit.
+  std::unique_ptr<UnitShared> shared;
   std::vector<DecodeReference> refs;  // per group member
   std::vector<float> sorted;    // [g][t][T]: the step's probabilities, descending (only for future_attention)
   int kpre = 0;                 // the largest k of top_sum / sums (see RegretSums)
@@ -420,6 +422,7 @@ class LayerPass {
       ComputeDecodeReference(m_, n, steps, DecodeQuery(u * group + g, 0), keys, values, &w.refs[g]);
     w.probs_t_once = std::make_unique<std::once_flag>();
     w.all_once = std::make_unique<std::once_flag>();
+    w.shared = std::make_unique<UnitShared>();
     // ‖v_j‖, 8 keys at a time: each key's sum is still added over k in order, but the 8 chains are
     // independent (one serial chain per key kept the core waiting on the adder).
     std::vector<float> vnorm(t_all);
@@ -466,6 +469,7 @@ class LayerPass {
       HeadContext ctx{
           &meta_,         layer_.layer,           u,          group, plan.compress_end, keys, values,
           w.scores.get(), plan.policy_plan.get(), plan.budget};
+      ctx.shared = w.shared.get();
       w.ctx = ctx;
       w.policies[r] = plan.spec->policy->NewHeadPolicy(ctx);
       HeadCache& cache = w.caches[r];

@@ -709,4 +709,283 @@ TEST_CASE("merge screen: every strategy x filter merges the same with and withou
       }
 }
 
+// ---- the similarity memo of a unit's merging runs (merge_memo; issue 14, round 8) ----
+namespace {
+
+// Every evicted token's slot and similarity as KeepAndMergeOnce assigned them: WEIGHTED + MERGE_ALL records
+// each token with its cosine as the coefficient (bit for bit), so (slot, cosine bits) per token.
+struct Assignment {
+  std::vector<std::pair<int, uint32_t>> by_token;  // by evicted index
+  bool operator==(const Assignment&) const = default;
+};
+
+struct MemoHead {
+  TraceMeta meta;
+  std::vector<float> keys, values;
+  HeadContext ctx;
+  UnitShared shared;
+  MemoHead(std::vector<float> k, int d) : keys(std::move(k)) {
+    const int n = static_cast<int>(keys.size() / d);
+    values = keys;
+    meta.model.head_dim = d;
+    meta.prefill_length = n;
+    meta.tokens.Resize(n);
+    ctx.meta = &meta;
+    ctx.compress_end = n;
+    ctx.keys = keys.data();
+    ctx.values = values.data();
+  }
+  int n() const { return meta.prefill_length; }
+  // One merge-once compression keeping `kept` (slot order as given), with (memo = true) or without the
+  // unit's memo; the strategy and filter of the merger.
+  HeadCache Compress(std::span<const int32_t> kept, bool memo,
+                     policy::MergeStrategy strategy = policy::WEIGHTED,
+                     policy::MergeFilter filter = policy::MERGE_ALL) {
+    std::vector<char> in(n(), 0);
+    for (int32_t j : kept) in[j] = 1;
+    std::vector<int32_t> evicted;
+    for (int32_t j = 0; j < n(); ++j)
+      if (!in[j]) evicted.push_back(j);
+    HeadContext c = ctx;
+    c.shared = memo ? &shared : nullptr;
+    HeadCache cache(meta.model.head_dim);
+    Merger m(strategy, filter);
+    m.KeepAndMergeOnce(c, kept, evicted, &cache);
+    return cache;
+  }
+  Assignment Assign(std::span<const int32_t> kept, bool memo) {
+    const HeadCache cache = Compress(kept, memo);
+    std::vector<std::pair<int, uint32_t>> by_tok(n(), {-2, 0});
+    for (int s = 0; s < cache.size(); ++s)
+      if (cache.is_merged(s))
+        for (const auto& [tok, c] : cache.merged(s).members) by_tok[tok] = {s, std::bit_cast<uint32_t>(c)};
+    Assignment a;
+    std::vector<char> in(n(), 0);
+    for (int32_t j : kept) in[j] = 1;
+    for (int32_t j = 0; j < n(); ++j)
+      if (!in[j]) a.by_token.push_back(by_tok[j]);
+    return a;
+  }
+};
+
+// Kept sets like the policies' (a share of "important" tokens plus a recent window), nested by budget.
+std::vector<std::vector<int32_t>> NestedSets(int n, std::initializer_list<double> fractions, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> order(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<std::vector<int32_t>> out;
+  for (double f : fractions) {
+    const int k = std::max(1, static_cast<int>(f * n));
+    std::vector<int32_t> s(order.begin(), order.begin() + k / 2);
+    for (int j = n - (k - k / 2); j < n; ++j) s.push_back(j);
+    std::sort(s.begin(), s.end());
+    s.erase(std::unique(s.begin(), s.end()), s.end());
+    out.push_back(s);
+  }
+  return out;
+}
+
+long MemoReuses() { return merge_screen::ThreadStats().memo_reuse_calls; }
+
+// With the memo (shared by the calls in the given order) == without, for every set; returns the reuses.
+long CheckMemoEqualsPlain(MemoHead& h, const std::vector<std::vector<int32_t>>& sets) {
+  const long before = MemoReuses();
+  for (const auto& kept : sets) {
+    const Assignment plain = h.Assign(kept, false), memo = h.Assign(kept, true);
+    REQUIRE(plain.by_token.size() == memo.by_token.size());
+    int differ = 0;
+    for (size_t i = 0; i < plain.by_token.size(); ++i) differ += plain.by_token[i] != memo.by_token[i];
+    CHECK(differ == 0);
+  }
+  return MemoReuses() - before;
+}
+
+}  // namespace
+
+TEST_CASE("merge memo: the memo's answers equal NearestByCosine's bit for bit", "[merge][memo]") {
+  constexpr int d = 128, n = 1500;
+  merge_memo::SetEnabledForTesting(true);
+  const bool on = ScreenOn() && merge_memo::Enabled();
+  SECTION("random keys, nested budgets in increasing order: reused") {
+    MemoHead h(Gaussian(n, d, 3u), d);
+    const long reuses = CheckMemoEqualsPlain(h, NestedSets(n, {0.05, 0.10, 0.20, 0.50}, 5u));
+    if (on) CHECK(reuses == 3);
+  }
+  SECTION("clustered keys and a large shared direction") {
+    MemoHead h(Gaussian(n, d, 7u, 3.0f), d);
+    const long reuses = CheckMemoEqualsPlain(h, NestedSets(n, {0.10, 0.20, 0.50}, 9u));
+    if (on) CHECK(reuses == 2);
+  }
+  SECTION("decreasing order (a superset first), non-nested sets, another call's subset") {
+    MemoHead h(Gaussian(n, d, 11u), d);
+    auto sets = NestedSets(n, {0.50, 0.20, 0.05}, 13u);
+    const long before = merge_screen::ThreadStats().memo_superset_calls;
+    CHECK(CheckMemoEqualsPlain(h, sets) == 0);
+    if (on) CHECK(merge_screen::ThreadStats().memo_superset_calls - before == 2);
+    // Unrelated sets: no subset, nothing reused; then a set containing the stored 5% set (another
+    // "policy"'s entry) reuses it.
+    auto other = NestedSets(n, {0.3}, 99u);
+    CHECK(CheckMemoEqualsPlain(h, other) == 0);
+    std::vector<int32_t> super = sets[2];
+    for (int32_t j = 0; j < n; j += 7) super.push_back(j);
+    std::sort(super.begin(), super.end());
+    super.erase(std::unique(super.begin(), super.end()), super.end());
+    const long reuses = CheckMemoEqualsPlain(h, {super});
+    if (on) CHECK(reuses == 1);
+  }
+  SECTION("a subset listed in another slot order is not used") {
+    MemoHead h(Gaussian(n, d, 17u), d);
+    auto sets = NestedSets(n, {0.1, 0.3}, 19u);
+    std::reverse(sets[1].begin(), sets[1].end());  // slots in descending token order
+    CHECK(CheckMemoEqualsPlain(h, sets) == 0);
+  }
+  SECTION("exact duplicates and near ties split between the stored targets and the rest") {
+    // Tokens 2i and 2i + 1 share one key (the even copy of every pair in the stored 10% set for i % 2 == 0,
+    // the odd copy for i % 2 == 1), plus near copies scaled by 1 + 2^-20 … : every query equal to a pair's
+    // key ties between a slot of A and a slot of B, the earlier slot on either side. A combination that
+    // broke ties towards the stored answer or towards the rest would pick the later slot for half of them.
+    std::vector<float> k = Gaussian(n, d, 23u);
+    for (int i = 0; i + 1 < n; i += 2)
+      std::copy_n(&k[static_cast<size_t>(i) * d], d, &k[static_cast<size_t>(i + 1) * d]);
+    for (int i = 0; i + 2 < 300; i += 4)
+      k[static_cast<size_t>(i + 2) * d] *= 1.0f + std::ldexp(1.0f, -20 + i % 5);
+    MemoHead h(std::move(k), d);
+    // Queries: every token of [1000, n) (evicted); targets: the pairs [0, 600), A = one copy of each pair.
+    std::vector<int32_t> a, full;
+    for (int32_t p = 0; p < 300; ++p) a.push_back(2 * p + (p % 2));
+    for (int32_t j = 0; j < 600; ++j) full.push_back(j);
+    // Queries equal to target keys: tokens [1000, n) copy pairs' keys.
+    for (int j = 1000; j < n; ++j)
+      std::copy_n(&h.keys[static_cast<size_t>(j % 600) * d], d, &h.keys[static_cast<size_t>(j) * d]);
+    h.values = h.keys;
+    h.ctx.values = h.values.data();
+    const long reuses = CheckMemoEqualsPlain(h, {a, full});
+    if (on) CHECK(reuses == 1);
+    // And the answer is the earlier copy: a query j ≥ 1000 equal to an unperturbed pair p's key (p even, or
+    // p ≥ 150) joins slot 2p, which is in A for even p and in B for odd p.
+    h.shared.merge.reset();
+    CheckMemoEqualsPlain(h, {a});
+    const Assignment got = h.Assign(full, true);
+    int wrong = 0, checked = 0;
+    for (int j = 1000; j < n; ++j) {
+      const int p = (j % 600) / 2;
+      if (p % 2 == 1 && p < 150) continue;  // perturbed pair
+      ++checked;
+      wrong += got.by_token[j - 600].first != 2 * p;  // evicted index: tokens [600, n) are evicted
+    }
+    CHECK(checked > 300);
+    CHECK(wrong == 0);
+  }
+  SECTION("blocks on sgemm (small or irregular) keep today's path") {
+    // 5 targets x 256 queries x 128 < 2^18: sgemm; an irregular query row (norm ~1e-40) sends its block to
+    // sgemm; the last block (n - 1280 = 220 rows) of a large call is screened or not by its own size.
+    std::vector<float> k = Gaussian(n, d, 29u);
+    for (int c = 0; c < d; ++c) k[static_cast<size_t>(700) * d + c] *= 1e-41f;
+    MemoHead h(std::move(k), d);
+    std::vector<int32_t> tiny{0, 1, 2, 3, 4}, small{0, 1, 2, 3, 4, 5, 6, 7}, mid;
+    for (int32_t j = 0; j < 40; ++j) mid.push_back(j);
+    std::vector<int32_t> last = NestedSets(n, {0.3}, 31u)[0];
+    last.insert(last.end(), mid.begin(), mid.end());
+    std::sort(last.begin(), last.end());
+    last.erase(std::unique(last.begin(), last.end()), last.end());
+    const long reuses = CheckMemoEqualsPlain(h, {tiny, small, mid, last});
+    if (on) CHECK(reuses >= 1);
+  }
+}
+
+TEST_CASE("merge memo: every strategy x filter merges the same with and without it", "[merge][memo]") {
+  constexpr int d = 128, n = 1400;
+  merge_memo::SetEnabledForTesting(true);
+  const auto sets = NestedSets(n, {0.05, 0.10, 0.20, 0.50}, 37u);
+  for (auto strategy : {policy::AVERAGE, policy::PIVOT, policy::WEIGHTED})
+    for (auto filter : {policy::MERGE_ALL, policy::ABOVE_MEAN_SIMILARITY}) {
+      CAPTURE(strategy, filter);
+      MemoHead h(Gaussian(n, d, 41u, 1.0f), d);
+      for (const auto& kept : sets) {
+        const HeadCache without = h.Compress(kept, false, strategy, filter),
+                        with = h.Compress(kept, true, strategy, filter);
+        REQUIRE(with.size() == without.size());
+        for (int s = 0; s < with.size(); ++s) {
+          REQUIRE(with.is_merged(s) == without.is_merged(s));
+          if (!with.is_merged(s)) continue;
+          CHECK(with.merged(s).members == without.merged(s).members);
+          CHECK(std::memcmp(with.merged(s).key.data(), without.merged(s).key.data(), d * sizeof(float)) == 0);
+          CHECK(std::memcmp(with.merged(s).value.data(), without.merged(s).value.data(), d * sizeof(float)) ==
+                0);
+        }
+      }
+    }
+}
+
+TEST_CASE("merge memo: switched off, nothing is stored or reused; the memo keeps a bounded number of sets",
+          "[merge][memo]") {
+  constexpr int d = 128, n = 1200;
+  MemoHead h(Gaussian(n, d, 43u), d);
+  const auto sets = NestedSets(n, {0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9}, 47u);
+  merge_memo::SetEnabledForTesting(false);
+  const merge_screen::Stats before = merge_screen::ThreadStats();
+  for (const auto& kept : sets) h.Compress(kept, true);
+  CHECK(merge_screen::ThreadStats().memo_calls == before.memo_calls);
+  CHECK(h.shared.merge == nullptr);
+  merge_memo::SetEnabledForTesting(true);
+  const bool on = ScreenOn() && merge_memo::Enabled();  // KVSIM_MERGE_MEMO=0 keeps it off
+  const merge_screen::Stats mid = merge_screen::ThreadStats();
+  // Ten nested sets, at most kMaxEntries stored: each set still finds the one before it.
+  CHECK(CheckMemoEqualsPlain(h, sets) == (on ? 9 : 0));
+  CHECK(merge_memo::StoredSets(h.shared) == (on ? merge_memo::kMaxEntries : 0));
+  if (on) {
+    const merge_screen::Stats& now = merge_screen::ThreadStats();
+    CHECK(now.memo_products - mid.memo_products < now.memo_products_without - mid.memo_products_without);
+  }
+}
+
+TEST_CASE(
+    "merge memo: meda / official / look_m sweeps are the same with and without the similarity memo, at 1 and "
+    "3 threads",
+    "[merge][memo]") {
+  // Long enough prompts and d = 64 that NearestByCosine screens (and so may reuse) most query blocks.
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 2;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 4;
+  spec.head_dim = 64;
+  spec.prefill_length = 900;
+  spec.decode_steps = 4;
+  spec.image_begin = 100;
+  spec.image_end = 850;
+  spec.question_tokens = 8;
+  spec.seed = 53;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  std::vector<RunSpec> runs;
+  const std::vector<std::pair<const char*, std::vector<std::string>>> policies{
+      {"meda", {}}, {"meda", {"variant=OFFICIAL_CODE"}}, {"look_m", {}}};
+  for (const auto& [name, sets] : policies) {
+    auto p = PolicyRegistry::Default().Create(name, sets);
+    REQUIRE(p.ok());
+    for (double b : {0.05, 0.1, 0.2, 0.5})
+      runs.push_back(
+          RunSpec{*p, name + std::string(sets.empty() ? "" : " official"), b, 0, QuestionMode::kQueryAware});
+  }
+  merge_memo::SetEnabledForTesting(false);
+  auto off = Replay(trace, runs, ReplayOptions{.threads = 1});
+  REQUIRE(off.ok());
+  merge_memo::SetEnabledForTesting(true);
+  for (int threads : {1, 3}) {
+    const merge_memo::Totals before = merge_memo::ProcessTotals();
+    auto on = Replay(trace, runs, ReplayOptions{.threads = threads});
+    REQUIRE(on.ok());
+    const merge_memo::Totals after = merge_memo::ProcessTotals();
+    if (merge_screen::Enabled() && merge_memo::Enabled()) {
+      CHECK(after.reuse_calls > before.reuse_calls);
+      CHECK(after.products - before.products < after.products_without - before.products_without);
+    }
+    for (size_t i = 0; i < runs.size(); ++i) {
+      INFO(runs[i].label << " budget " << runs[i].budget_fraction << " threads " << threads);
+      CHECK((*on)[i].metrics().merged_tokens_mean() > 0);
+      CHECK((*on)[i].SerializeAsString() == (*off)[i].SerializeAsString());
+    }
+  }
+}
+
 }  // namespace kvsim
