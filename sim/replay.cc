@@ -344,11 +344,19 @@ class LayerPass {
     };
     std::vector<Item> items;
     items.reserve(static_cast<size_t>(hkv) * (runs + 1));
+    // A unit's decode items by ascending budget (plan order among equal budgets): a policy that compresses
+    // in its decode item (MEDA OFFICIAL_CODE, at step 0) then finds its smaller budgets' similarity answers
+    // stored (the merge memo, policies/merge.cc) instead of searching at the same time on the other worker.
+    // Only the work depends on the order; every run's results are its own.
+    std::vector<int> order(runs);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return plans_[a].budget < plans_[b].budget; });
     for (int u0 = 0; u0 < hkv; u0 += chunk) {
       const int nu = std::min(chunk, hkv - u0);
       for (int u = u0; u < u0 + nu; ++u) items.push_back({u, -1});
       for (int u = u0; u < u0 + nu; ++u)
-        for (int r = 0; r < runs; ++r) items.push_back({u, r});
+        for (int r : order) items.push_back({u, r});
     }
     // Per unit: 0 while its Prefill is pending, 1 once done, 2 if it threw (its decode items are skipped;
     // ParallelForWorkers rethrows the Prefill's exception, the lowest item index); and its runs still to
