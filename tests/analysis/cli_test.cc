@@ -646,6 +646,14 @@ TEST_CASE("cli: progress is plain lines without carriage returns off a terminal;
   CHECK(Has(out, "KVSIM_PROGRESS='maybe'"));
   CHECK(testing::RunCommand("KVSIM_PROGRESS_INTERVAL=soon " + Kvsim() + cmds[0].first, &out) == 1);
   CHECK(Has(out, "KVSIM_PROGRESS_INTERVAL='soon'"));
+  for (const char* name : {"KVSIM_MERGE_SCREEN", "KVSIM_MERGE_MEMO"}) {
+    CHECK(testing::RunCommand(std::string(name) + "=yes " + Kvsim() + cmds[0].first, &out) == 1);
+    CHECK(Has(out, std::string("kvsim: error: environment variable ") + name +
+                       "='yes': expected 0 (off) or 1 (on)"));
+    CHECK(std::count(out.begin(), out.end(), '\n') == 1);
+    CHECK(testing::RunCommand("KVSIM_PROGRESS=off " + std::string(name) + "=0 " + Kvsim() + cmds[0].first,
+                              &out) == 0);
+  }
   // A failing command prints its error alone: no "done" line before it.
   CHECK(testing::RunCommand("KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + " sweep --config " + exp + " --trace " +
                                 trace + " --out " + dir + "/into_a_file/x --trace " + dir + "/missing.h5",
