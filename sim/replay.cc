@@ -1086,17 +1086,12 @@ class LayerPass {
                     static_cast<int>(nu), 1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f,
                     ws.out.data(), d);
       } else {
+        // Per step: out[k] += p[tok] * v[k] over the step's slots in order, the row kept in registers.
         for (int g = 0; g < group; ++g)
-          for (int t = 0; t < steps; ++t) {
-            const float* p = w.refs[g].row(t);
-            float* out = ws.out.data() + (static_cast<size_t>(g) * steps + t) * d;
-            for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i) {
-              const int32_t tok = ws.plain[i];
-              const float pt = p[tok];
-              const float* v = values + static_cast<size_t>(tok) * d;
-              for (int k = 0; k < d; ++k) out[k] += pt * v[k];
-            }
-          }
+          for (int t = 0; t < steps; ++t)
+            GatherWeightedRows(w.refs[g].row(t), ws.plain.data() + ws.step_begin[t],
+                               ws.step_begin[t + 1] - ws.step_begin[t], values, d,
+                               ws.out.data() + (static_cast<size_t>(g) * steps + t) * d);
       }
       for (int32_t tok : ws.used) ws.col[tok] = -1;
     }

@@ -1,7 +1,10 @@
 #include "sim/attention.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -260,6 +263,52 @@ TEST_CASE("SoftmaxEntropy: hand-computed rows", "[attention]") {
   CHECK(SoftmaxEntropy(one.data(), 1) == 0);
   std::vector<float> peaked{0, -200};
   CHECK(SoftmaxEntropy(peaked.data(), 2) == Approx(0).margin(1e-6));
+}
+
+// Today's loop of FinishRun's per-step gather, as it was written there: the row zeroed, then
+// out[k] += p[tok] * v[k] slot by slot (compiled with the same flags, so contracted the same way).
+namespace {
+void GatherWeightedRowsReplica(const float* p, const int32_t* tok, size_t n, const float* values, int d,
+                               float* out) {
+  for (int k = 0; k < d; ++k) out[k] = 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    const float pt = p[tok[i]];
+    const float* v = values + static_cast<size_t>(tok[i]) * d;
+    for (int k = 0; k < d; ++k) out[k] += pt * v[k];
+  }
+}
+}  // namespace
+
+TEST_CASE("GatherWeightedRows: bit-identical to the slot-by-slot loop for any head dim", "[attention]") {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  const int tokens = 300;
+  bool order_matters = false;
+  for (int d : {1, 5, 8, 13, 64, 72, 100, 128, 136, 200, 256}) {
+    std::vector<float> values(static_cast<size_t>(tokens) * d), p(tokens);
+    for (float& x : values) x = g(rng);
+    for (float& x : p) x = u(rng) * u(rng);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{3}, size_t{40}, size_t{257}}) {
+      std::vector<int32_t> tok(n);
+      for (int32_t& t : tok) t = static_cast<int32_t>(rng() % tokens);  // repeats allowed
+      std::vector<float> got(d), want(d), rev(d);
+      GatherWeightedRowsReplica(p.data(), tok.data(), n, values.data(), d, want.data());
+      for (bool avx512 : {true, false}) {  // where the CPU has AVX-512, both code paths
+        SetGatherAvx512ForTesting(avx512);
+        std::fill(got.begin(), got.end(), std::numeric_limits<float>::quiet_NaN());
+        GatherWeightedRows(p.data(), tok.data(), n, values.data(), d, got.data());
+        INFO("d " << d << ", slots " << n << ", AVX-512 allowed " << avx512);
+        CHECK(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
+      }
+      SetGatherAvx512ForTesting(true);
+      // The comparison sees an order change: the slots backwards give other bits somewhere.
+      std::vector<int32_t> back(tok.rbegin(), tok.rend());
+      GatherWeightedRowsReplica(p.data(), back.data(), n, values.data(), d, rev.data());
+      if (std::memcmp(rev.data(), want.data(), want.size() * sizeof(float)) != 0) order_matters = true;
+    }
+  }
+  CHECK(order_matters);
 }
 
 }  // namespace kvsim
