@@ -255,10 +255,13 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
   out->num_steps = num_steps;
   out->num_keys = t_all;
   out->head_dim = d;
-  out->probs.assign(static_cast<size_t>(num_steps) * t_all, 0.0f);
-  out->log_z.assign(num_steps, 0.0f);
-  out->output.assign(static_cast<size_t>(num_steps) * d, 0.0f);
-  out->first.assign(num_steps, 0);
+  // Every element is written below (the products with beta 0, the masked keys' zeros row by row), so a
+  // recycled buffer (sim/replay.cc PassBuffers) is resized, not zero-filled first: whatever it held is
+  // overwritten.
+  out->probs.resize(static_cast<size_t>(num_steps) * t_all);
+  out->log_z.resize(num_steps);
+  out->output.resize(static_cast<size_t>(num_steps) * d);
+  out->first.resize(num_steps);
   if (num_steps == 0) return;
   // Logits for all steps at once: [S][T] = scale * Qd [S][d] x K^T.
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, num_steps, t_all, d,

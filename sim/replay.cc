@@ -1027,8 +1027,8 @@ class LayerPass {
     const int group = m_.GroupSize();
     const float* values = w.ctx.values;
     const size_t rows = static_cast<size_t>(group) * steps;
-    ws.out.assign(rows * d, 0.0f);
-    bool everything = true;  // every step kept every visible token as itself
+    ws.out.resize(rows * d);  // every path below writes every element (the products with beta 0)
+    bool everything = true;   // every step kept every visible token as itself
     for (int t = 0; t < steps && everything; ++t)
       everything = static_cast<int>(ws.step_begin[t + 1] - ws.step_begin[t]) ==
                    w.refs[0].last(t) - w.refs[0].first[t] + 1;
@@ -1070,7 +1070,7 @@ class LayerPass {
       const size_t nu = ws.used.size(), gathered = ws.plain.size();
       if (nu > 0 && nu * steps <= 4 * gathered) {
         for (size_t c = 0; c < nu; ++c) ws.col[ws.used[c]] = static_cast<int32_t>(c);
-        ws.a.assign(rows * nu, 0.0f);
+        ws.a.resize(rows * nu);  // zeroed row by row below, just before its scatter
         ws.vu.resize(nu * d);
         for (size_t c = 0; c < nu; ++c)
           std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
@@ -1078,6 +1078,7 @@ class LayerPass {
           for (int t = 0; t < steps; ++t) {
             const float* p = w.refs[g].row(t);
             float* row = ws.a.data() + (static_cast<size_t>(g) * steps + t) * nu;
+            std::fill(row, row + nu, 0.0f);
             for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i)
               row[ws.col[ws.plain[i]]] = p[ws.plain[i]];
           }

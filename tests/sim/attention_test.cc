@@ -311,4 +311,46 @@ TEST_CASE("GatherWeightedRows: bit-identical to the slot-by-slot loop for any he
   CHECK(order_matters);
 }
 
+// Recycled references (sim/replay.cc PassBuffers) hold another unit's values, or anything: the reference
+// computed into a buffer full of NaN, of another size or of the same size, equals the one computed fresh.
+TEST_CASE("ComputeDecodeReference: a recycled buffer's stale contents change nothing", "[attention]") {
+  ModelInfo m;
+  m.num_layers = 1;
+  m.num_heads = m.num_kv_heads = 1;
+  m.head_dim = 16;
+  m.softmax_scale = 0.25;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  for (int window : {0, 20}) {
+    m.sliding_window = window;
+    const int n = 37, steps = 9, t_all = n + steps;
+    std::vector<float> q(static_cast<size_t>(steps) * m.head_dim), k(static_cast<size_t>(t_all) * m.head_dim),
+        v(k.size());
+    for (float& x : q) x = g(rng);
+    for (float& x : k) x = g(rng);
+    for (float& x : v) x = g(rng);
+    DecodeReference fresh;
+    ComputeDecodeReference(m, n, steps, q.data(), k.data(), v.data(), &fresh);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (size_t extra : {size_t{0}, size_t{5}, size_t{1000}}) {
+      DecodeReference stale;
+      stale.probs.assign(static_cast<size_t>(steps) * t_all + extra, nan);
+      stale.probs.resize(static_cast<size_t>(steps) * t_all - (extra == 5 ? 7 : 0));  // also a smaller one
+      stale.log_z.assign(steps + extra, nan);
+      stale.output.assign(static_cast<size_t>(steps) * m.head_dim + extra, nan);
+      stale.first.assign(steps + extra, -5);
+      ComputeDecodeReference(m, n, steps, q.data(), k.data(), v.data(), &stale);
+      INFO("window " << window << ", extra " << extra);
+      CHECK(stale.probs.size() == fresh.probs.size());
+      CHECK(std::memcmp(stale.probs.data(), fresh.probs.data(), fresh.probs.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(stale.log_z.data(), fresh.log_z.data(), fresh.log_z.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(stale.output.data(), fresh.output.data(), fresh.output.size() * sizeof(float)) == 0);
+      CHECK(stale.first == fresh.first);
+      for (int t = 0; t < steps; ++t)  // the masked keys are exact zeros
+        for (int j = 0; j < t_all; ++j)
+          if (j < fresh.first[t] || j > fresh.last(t)) CHECK(stale.row(t)[j] == 0.0f);
+    }
+  }
+}
+
 }  // namespace kvsim
