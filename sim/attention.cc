@@ -2,7 +2,12 @@
 
 #include <cblas.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -78,6 +83,155 @@ float LogitTransform::operator()(float dot) const {
   return z;
 }
 
+namespace {
+
+// GatherWeightedRows' vector code. Each works on columns [0, width) of rows of stride d (values and out
+// offset to the first column) and returns the columns it did (whole register groups); each lane does the
+// same fused multiply-adds in the same slot order as the scalar loop, so the bits do not depend on which
+// one runs.
+#if defined(__AVX2__) && defined(__FMA__)
+// NV accumulators of 8 columns.
+template <int NV>
+inline void GatherWeightedBlock(const float* p, const int32_t* tok, size_t n, const float* values, size_t d,
+                                float* out) {
+  __m256 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t t = tok[i];
+    const __m256 w = _mm256_set1_ps(p[t]);
+    const float* v = values + static_cast<size_t>(t) * d;
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
+// Blocks of 64 columns (8 of the 16 ymm registers; the rest hold the weight and the loads), then one
+// block of the remaining whole 8-column groups.
+size_t GatherWeightedAvx2(const float* p, const int32_t* tok, size_t n, const float* values, size_t d,
+                          size_t width, float* out) {
+  size_t k0 = 0;
+  for (; k0 + 64 <= width; k0 += 64) GatherWeightedBlock<8>(p, tok, n, values + k0, d, out + k0);
+  switch ((width - k0) / 8) {
+    case 7:
+      GatherWeightedBlock<7>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 6:
+      GatherWeightedBlock<6>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 5:
+      GatherWeightedBlock<5>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 4:
+      GatherWeightedBlock<4>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 3:
+      GatherWeightedBlock<3>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 2:
+      GatherWeightedBlock<2>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 1:
+      GatherWeightedBlock<1>(p, tok, n, values + k0, d, out + k0);
+      break;
+    default:
+      break;
+  }
+  return width / 8 * 8;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVSIM_GATHER_AVX512 1
+#define KVSIM_AVX512F_TARGET __attribute__((target("avx512f")))
+const bool kGatherAvx512 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") != 0;
+}();
+std::atomic<bool> g_gather_avx512_allowed{true};
+
+// NV accumulators of 16 columns: a 128-column row in 8 zmm registers, one pass over the slots (the AVX2
+// blocks read each value row in two passes).
+template <int NV>
+KVSIM_AVX512F_TARGET inline __attribute__((always_inline)) void GatherWeightedBlock512(
+    const float* p, const int32_t* tok, size_t n, const float* values, size_t d, float* out) {
+  __m512 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t t = tok[i];
+    const __m512 w = _mm512_set1_ps(p[t]);
+    const float* v = values + static_cast<size_t>(t) * d;
+    for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * j), acc[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + 16 * j, acc[j]);
+}
+
+// Blocks of 128 columns, then one block of the remaining whole 16-column groups.
+KVSIM_AVX512F_TARGET size_t GatherWeightedAvx512(const float* p, const int32_t* tok, size_t n,
+                                                 const float* values, size_t d, size_t width, float* out) {
+  size_t k0 = 0;
+  for (; k0 + 128 <= width; k0 += 128) GatherWeightedBlock512<8>(p, tok, n, values + k0, d, out + k0);
+  switch ((width - k0) / 16) {
+    case 7:
+      GatherWeightedBlock512<7>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 6:
+      GatherWeightedBlock512<6>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 5:
+      GatherWeightedBlock512<5>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 4:
+      GatherWeightedBlock512<4>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 3:
+      GatherWeightedBlock512<3>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 2:
+      GatherWeightedBlock512<2>(p, tok, n, values + k0, d, out + k0);
+      break;
+    case 1:
+      GatherWeightedBlock512<1>(p, tok, n, values + k0, d, out + k0);
+      break;
+    default:
+      break;
+  }
+  return width / 16 * 16;
+}
+#endif
+#endif
+
+}  // namespace
+
+void SetGatherAvx512ForTesting(bool allowed) {
+#ifdef KVSIM_GATHER_AVX512
+  g_gather_avx512_allowed.store(allowed, std::memory_order_relaxed);
+#else
+  (void)allowed;
+#endif
+}
+
+void GatherWeightedRows(const float* p, const int32_t* tok, size_t n, const float* values, int d,
+                        float* out) {
+  const size_t dd = static_cast<size_t>(d);
+  size_t k0 = 0;
+#ifdef KVSIM_GATHER_AVX512
+  if (kGatherAvx512 && g_gather_avx512_allowed.load(std::memory_order_relaxed))
+    k0 = GatherWeightedAvx512(p, tok, n, values, dd, dd, out);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  k0 += GatherWeightedAvx2(p, tok, n, values + k0, dd, dd - k0, out + k0);
+#endif
+  // The remaining columns (all of them without AVX2 and FMA): today's loop itself, contracted by the
+  // build as it contracts any `o += w * v`.
+  float* o = out + k0;
+  const size_t rest = dd - k0;
+  for (size_t k = 0; k < rest; ++k) o[k] = 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    const float pt = p[tok[i]];
+    const float* v = values + static_cast<size_t>(tok[i]) * dd + k0;
+    for (size_t k = 0; k < rest; ++k) o[k] += pt * v[k];
+  }
+}
+
 float SoftmaxInPlace(float* x, int n) {
   const float mx = RowMax(x, n);
   for (int i = 0; i < n; ++i) x[i] = ExpNonPositive(x[i] - mx);
@@ -101,10 +255,13 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
   out->num_steps = num_steps;
   out->num_keys = t_all;
   out->head_dim = d;
-  out->probs.assign(static_cast<size_t>(num_steps) * t_all, 0.0f);
-  out->log_z.assign(num_steps, 0.0f);
-  out->output.assign(static_cast<size_t>(num_steps) * d, 0.0f);
-  out->first.assign(num_steps, 0);
+  // Every element is written below (the products with beta 0, the masked keys' zeros row by row), so a
+  // recycled buffer (sim/replay.cc PassBuffers) is resized, not zero-filled first: whatever it held is
+  // overwritten.
+  out->probs.resize(static_cast<size_t>(num_steps) * t_all);
+  out->log_z.resize(num_steps);
+  out->output.resize(static_cast<size_t>(num_steps) * d);
+  out->first.resize(num_steps);
   if (num_steps == 0) return;
   // Logits for all steps at once: [S][T] = scale * Qd [S][d] x K^T.
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, num_steps, t_all, d,

@@ -60,6 +60,15 @@ inline float Dot(const float* a, const float* b, int d) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+// out[k] = Σ_i p[tok[i]] v_{tok[i]}[k], k < d, over the slots i = 0 .. n-1 in that order: the value of
+// `out` zeroed, then `out[k] += p[tok] * v[k]` slot by slot (the same multiply-add per element, contracted to
+// one fused multiply-add where the build has FMA, in the same slot order: bit-identical), with the row kept
+// in registers across the slots instead of loaded and stored per slot. values: [*][d]; out: [d].
+// AVX-512 is used where the CPU has it (the build's AVX2 + FMA otherwise; the same bits either way).
+void GatherWeightedRows(const float* p, const int32_t* tok, size_t n, const float* values, int d, float* out);
+// Test hook: false keeps GatherWeightedRows off its AVX-512 code (true: allowed again where the CPU has it).
+void SetGatherAvx512ForTesting(bool allowed);
+
 // Softmax of one row of logits in place, numerically stable; returns log-sum-exp.
 float SoftmaxInPlace(float* x, int n);
 

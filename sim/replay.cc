@@ -1070,8 +1070,8 @@ class LayerPass {
     const int group = m_.GroupSize();
     const float* values = w.ctx.values;
     const size_t rows = static_cast<size_t>(group) * steps;
-    ws.out.assign(rows * d, 0.0f);
-    bool everything = true;  // every step kept every visible token as itself
+    ws.out.resize(rows * d);  // every path below writes every element (the products with beta 0)
+    bool everything = true;   // every step kept every visible token as itself
     for (int t = 0; t < steps && everything; ++t)
       everything = static_cast<int>(ws.step_begin[t + 1] - ws.step_begin[t]) ==
                    w.refs[0].last(t) - w.refs[0].first[t] + 1;
@@ -1113,7 +1113,7 @@ class LayerPass {
       const size_t nu = ws.used.size(), gathered = ws.plain.size();
       if (nu > 0 && nu * steps <= 4 * gathered) {
         for (size_t c = 0; c < nu; ++c) ws.col[ws.used[c]] = static_cast<int32_t>(c);
-        ws.a.assign(rows * nu, 0.0f);
+        ws.a.resize(rows * nu);  // zeroed row by row below, just before its scatter
         ws.vu.resize(nu * d);
         for (size_t c = 0; c < nu; ++c)
           std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
@@ -1121,6 +1121,7 @@ class LayerPass {
           for (int t = 0; t < steps; ++t) {
             const float* p = w.refs[g].row(t);
             float* row = ws.a.data() + (static_cast<size_t>(g) * steps + t) * nu;
+            std::fill(row, row + nu, 0.0f);
             for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i)
               row[ws.col[ws.plain[i]]] = p[ws.plain[i]];
           }
@@ -1129,17 +1130,12 @@ class LayerPass {
                     static_cast<int>(nu), 1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f,
                     ws.out.data(), d);
       } else {
+        // Per step: out[k] += p[tok] * v[k] over the step's slots in order, the row kept in registers.
         for (int g = 0; g < group; ++g)
-          for (int t = 0; t < steps; ++t) {
-            const float* p = w.refs[g].row(t);
-            float* out = ws.out.data() + (static_cast<size_t>(g) * steps + t) * d;
-            for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i) {
-              const int32_t tok = ws.plain[i];
-              const float pt = p[tok];
-              const float* v = values + static_cast<size_t>(tok) * d;
-              for (int k = 0; k < d; ++k) out[k] += pt * v[k];
-            }
-          }
+          for (int t = 0; t < steps; ++t)
+            GatherWeightedRows(w.refs[g].row(t), ws.plain.data() + ws.step_begin[t],
+                               ws.step_begin[t + 1] - ws.step_begin[t], values, d,
+                               ws.out.data() + (static_cast<size_t>(g) * steps + t) * d);
       }
       for (int32_t tok : ws.used) ws.col[tok] = -1;
     }

@@ -1,7 +1,10 @@
 #include "sim/attention.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -260,6 +263,94 @@ TEST_CASE("SoftmaxEntropy: hand-computed rows", "[attention]") {
   CHECK(SoftmaxEntropy(one.data(), 1) == 0);
   std::vector<float> peaked{0, -200};
   CHECK(SoftmaxEntropy(peaked.data(), 2) == Approx(0).margin(1e-6));
+}
+
+// Today's loop of FinishRun's per-step gather, as it was written there: the row zeroed, then
+// out[k] += p[tok] * v[k] slot by slot (compiled with the same flags, so contracted the same way).
+namespace {
+void GatherWeightedRowsReplica(const float* p, const int32_t* tok, size_t n, const float* values, int d,
+                               float* out) {
+  for (int k = 0; k < d; ++k) out[k] = 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    const float pt = p[tok[i]];
+    const float* v = values + static_cast<size_t>(tok[i]) * d;
+    for (int k = 0; k < d; ++k) out[k] += pt * v[k];
+  }
+}
+}  // namespace
+
+TEST_CASE("GatherWeightedRows: bit-identical to the slot-by-slot loop for any head dim", "[attention]") {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  const int tokens = 300;
+  bool order_matters = false;
+  for (int d : {1, 5, 8, 13, 64, 72, 100, 128, 136, 200, 256}) {
+    std::vector<float> values(static_cast<size_t>(tokens) * d), p(tokens);
+    for (float& x : values) x = g(rng);
+    for (float& x : p) x = u(rng) * u(rng);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{3}, size_t{40}, size_t{257}}) {
+      std::vector<int32_t> tok(n);
+      for (int32_t& t : tok) t = static_cast<int32_t>(rng() % tokens);  // repeats allowed
+      std::vector<float> got(d), want(d), rev(d);
+      GatherWeightedRowsReplica(p.data(), tok.data(), n, values.data(), d, want.data());
+      for (bool avx512 : {true, false}) {  // where the CPU has AVX-512, both code paths
+        SetGatherAvx512ForTesting(avx512);
+        std::fill(got.begin(), got.end(), std::numeric_limits<float>::quiet_NaN());
+        GatherWeightedRows(p.data(), tok.data(), n, values.data(), d, got.data());
+        INFO("d " << d << ", slots " << n << ", AVX-512 allowed " << avx512);
+        CHECK(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
+      }
+      SetGatherAvx512ForTesting(true);
+      // The comparison sees an order change: the slots backwards give other bits somewhere.
+      std::vector<int32_t> back(tok.rbegin(), tok.rend());
+      GatherWeightedRowsReplica(p.data(), back.data(), n, values.data(), d, rev.data());
+      if (std::memcmp(rev.data(), want.data(), want.size() * sizeof(float)) != 0) order_matters = true;
+    }
+  }
+  CHECK(order_matters);
+}
+
+// Recycled references (sim/replay.cc PassBuffers) hold another unit's values, or anything: the reference
+// computed into a buffer full of NaN, of another size or of the same size, equals the one computed fresh.
+TEST_CASE("ComputeDecodeReference: a recycled buffer's stale contents change nothing", "[attention]") {
+  ModelInfo m;
+  m.num_layers = 1;
+  m.num_heads = m.num_kv_heads = 1;
+  m.head_dim = 16;
+  m.softmax_scale = 0.25;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  for (int window : {0, 20}) {
+    m.sliding_window = window;
+    const int n = 37, steps = 9, t_all = n + steps;
+    std::vector<float> q(static_cast<size_t>(steps) * m.head_dim), k(static_cast<size_t>(t_all) * m.head_dim),
+        v(k.size());
+    for (float& x : q) x = g(rng);
+    for (float& x : k) x = g(rng);
+    for (float& x : v) x = g(rng);
+    DecodeReference fresh;
+    ComputeDecodeReference(m, n, steps, q.data(), k.data(), v.data(), &fresh);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (size_t extra : {size_t{0}, size_t{5}, size_t{1000}}) {
+      DecodeReference stale;
+      stale.probs.assign(static_cast<size_t>(steps) * t_all + extra, nan);
+      stale.probs.resize(static_cast<size_t>(steps) * t_all - (extra == 5 ? 7 : 0));  // also a smaller one
+      stale.log_z.assign(steps + extra, nan);
+      stale.output.assign(static_cast<size_t>(steps) * m.head_dim + extra, nan);
+      stale.first.assign(steps + extra, -5);
+      ComputeDecodeReference(m, n, steps, q.data(), k.data(), v.data(), &stale);
+      INFO("window " << window << ", extra " << extra);
+      CHECK(stale.probs.size() == fresh.probs.size());
+      CHECK(std::memcmp(stale.probs.data(), fresh.probs.data(), fresh.probs.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(stale.log_z.data(), fresh.log_z.data(), fresh.log_z.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(stale.output.data(), fresh.output.data(), fresh.output.size() * sizeof(float)) == 0);
+      CHECK(stale.first == fresh.first);
+      for (int t = 0; t < steps; ++t)  // the masked keys are exact zeros
+        for (int j = 0; j < t_all; ++j)
+          if (j < fresh.first[t] || j > fresh.last(t)) CHECK(stale.row(t)[j] == 0.0f);
+    }
+  }
 }
 
 }  // namespace kvsim

@@ -1827,4 +1827,105 @@ TEST_CASE("replay: the plain-slot sums add in slot order per lane and modality, 
   CHECK(rm[0][1] == 0.0);
 }
 
+// FinishRun's three ways to the outputs Σ_s p_s v_s (the compact GEMM over gathered rows of a prefix-closed
+// run, the GEMM over scattered rows, the per-step gather of a cache re-selected every step) and the
+// reference's own output (a run that keeps everything), each against a plain double computation of the
+// output error from the trace: softmax(scale q . k) over the visible keys, the kept tokens' renormalised
+// output against the full one. head_dim 20: the gather's 8-column blocks and its scalar tail.
+TEST_CASE("replay: every output path of FinishRun gives the plain computation's output error", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 1;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.head_dim = 20;
+  spec.prefill_length = 40;
+  spec.image_begin = 4;
+  spec.image_end = 30;
+  spec.decode_steps = 12;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  const TraceMeta& meta = tr.meta();
+  const int n = meta.prefill_length, steps = meta.num_decode_steps, d = meta.model.head_dim;
+  const int t_all = n + steps, group = meta.model.GroupSize();
+  // The prompt tokens each run holds at step t, before the engine appends the step's token.
+  using Kept = std::function<std::vector<int32_t>(int t)>;
+  std::vector<int32_t> all(n);
+  std::iota(all.begin(), all.end(), 0);
+  const Kept everything = [&](int t) {
+    std::vector<int32_t> k = all;
+    for (int s = 0; s < t; ++s) k.push_back(n + s);
+    return k;
+  };
+  const Kept prefix = [&](int t) {  // evicts token 5 before step 0, then only appends: prefix-closed
+    std::vector<int32_t> k = everything(t);
+    k.erase(k.begin() + 5);
+    return k;
+  };
+  const Kept scatter = [&](int t) {  // evicts one more prompt token every step: the scattered GEMM rows
+    std::vector<int32_t> k = everything(t);
+    k.erase(k.begin(), k.begin() + t + 1);
+    return k;
+  };
+  const Kept reselect = [&](int t) {  // two new prompt tokens every step: the per-step gather
+    return std::vector<int32_t>{3 * t, 3 * t + 1};
+  };
+  const std::vector<Kept> kept{everything, prefix, scatter, reselect};
+  std::vector<RunSpec> runs;
+  for (const Kept& k : kept)
+    runs.push_back(Spec(std::make_shared<ActPolicy>([k](int step, HeadCache* c) {
+                          const std::vector<int32_t> want = k(step);
+                          if (std::vector<int32_t>(c->tokens().begin(), c->tokens().end()) != want)
+                            c->Assign(want);
+                        }),
+                        n));
+  LayerData layer;
+  REQUIRE(tr.ReadLayer(0, &layer).ok());
+  for (size_t r = 0; r < kept.size(); ++r) {
+    double sum = 0;
+    for (int h = 0; h < meta.model.num_heads; ++h) {
+      const int u = h / group;
+      const float* keys = layer.keys.data() + static_cast<size_t>(u) * t_all * d;
+      const float* values = layer.values.data() + static_cast<size_t>(u) * t_all * d;
+      for (int t = 0; t < steps; ++t) {
+        const int pos = n + t;
+        const int qi = meta.QueryIndex(pos);
+        const float* q = layer.HeadQueries(meta, h, qi, qi + 1) + static_cast<size_t>(qi) * d;
+        std::vector<double> p(pos + 1);
+        double mx = -1e300, z = 0;
+        for (int j = 0; j <= pos; ++j) {
+          double dot = 0;
+          for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * keys[static_cast<size_t>(j) * d + c];
+          p[j] = meta.model.softmax_scale * dot;
+          mx = std::max(mx, p[j]);
+        }
+        for (double& x : p) z += (x = std::exp(x - mx));
+        std::vector<int32_t> held = kept[r](t);
+        held.push_back(pos);
+        std::vector<double> o(d, 0.0), oh(d, 0.0);
+        double w = 0;
+        for (int j = 0; j <= pos; ++j)
+          for (int c = 0; c < d; ++c) o[c] += p[j] / z * values[static_cast<size_t>(j) * d + c];
+        for (int32_t j : held) {
+          w += p[j] / z;
+          for (int c = 0; c < d; ++c) oh[c] += p[j] / z * values[static_cast<size_t>(j) * d + c];
+        }
+        double diff2 = 0, o2 = 0;
+        for (int c = 0; c < d; ++c) {
+          diff2 += (oh[c] / w - o[c]) * (oh[c] / w - o[c]);
+          o2 += o[c] * o[c];
+        }
+        sum += std::sqrt(diff2 / o2);
+      }
+    }
+    const double want = sum / (meta.model.num_heads * steps);
+    for (int threads : {1, 3}) {
+      ReplayOptions o = Options();
+      o.threads = threads;
+      auto res = Replay(tr, runs, o);
+      REQUIRE(res.ok());
+      INFO("run " << r << ", threads " << threads);
+      CHECK((*res)[r].metrics().output_rel_error_mean() == Approx(want).epsilon(1e-4).margin(1e-7));
+      if (r > 0) CHECK(want > 1e-3);  // the run's cache misses attention mass
+    }
+  }
+}
+
 }  // namespace kvsim
