@@ -139,7 +139,10 @@ size_t GatherWeightedAvx2(const float* p, const int32_t* tok, size_t n, const fl
   return width / 8 * 8;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+// Only in a build with FMA: the AVX-512 code always fuses the multiply-add, which the portable loop does only
+// where the build contracts it (an x86-64-v3 build); a build without FMA keeps that loop on every CPU, so its
+// results do not depend on whether the CPU has AVX-512.
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__FMA__)
 #define KVSIM_GATHER_AVX512 1
 #define KVSIM_AVX512F_TARGET __attribute__((target("avx512f")))
 const bool kGatherAvx512 = [] {

@@ -64,7 +64,8 @@ inline float Dot(const float* a, const float* b, int d) {
 // `out` zeroed, then `out[k] += p[tok] * v[k]` slot by slot (the same multiply-add per element, contracted to
 // one fused multiply-add where the build has FMA, in the same slot order: bit-identical), with the row kept
 // in registers across the slots instead of loaded and stored per slot. values: [*][d]; out: [d].
-// AVX-512 is used where the CPU has it (the build's AVX2 + FMA otherwise; the same bits either way).
+// AVX-512 is used where the CPU has it and the build has FMA (the build's AVX2 + FMA otherwise; the same
+// bits).
 void GatherWeightedRows(const float* p, const int32_t* tok, size_t n, const float* values, int d, float* out);
 // Test hook: false keeps GatherWeightedRows off its AVX-512 code (true: allowed again where the CPU has it).
 void SetGatherAvx512ForTesting(bool allowed);
