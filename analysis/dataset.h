@@ -13,7 +13,6 @@
 #include <set>
 #include <sstream>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "analysis/experiment.pb.h"
@@ -72,16 +71,17 @@ std::string DatasetMarkdown(const std::vector<Aggregate>& aggregates,
                             const std::vector<AggregateColumn>& columns);
 
 // The unit loop, for a unit message `Unit` with the fields sample_id, trace_path, trace_hash,
-// definition_hash and repeated runs (SweepUnit, StreamSweepUnit), whose runs have a trace_hash field. For
-// each sample in order: with units->resume and a unit file, hash its trace first and reuse
-// units_dir/ID-DEFHASH.json when its definition hash, sample id, trace path, trace hash and run count match;
-// else `replay(i, trace_hash)` (returns the unit's runs, tagged with the sample), with the trace hashed
-// beside it when HashConcurrently(path, threads) (replay then gets "" and the runs get the hash after it:
-// HashBesideReplay), and write the unit atomically. A sample whose unit fails becomes a FailedUnit (the rest
-// completes). At the end, unit files not of this sweep are removed. `done` gets the units in sample order.
+// definition_hash and repeated runs (SweepUnit, StreamSweepUnit). For each sample in order: hash its trace;
+// with units->resume, reuse units_dir/ID-DEFHASH.json when its definition hash, sample id, trace path,
+// trace hash and run count match; else `replay(i, trace_hash)` (returns the unit's runs, tagged with the
+// sample) and write the unit atomically. The hash comes first, not beside the replay: `replay` opens the
+// trace, and the guarded open forks, which is unsafe under AddressSanitizer while a hashing thread allocates
+// (docs/hardening.md); `kvsim run` and the plain sweep open first and hash beside the replay. A sample whose
+// unit fails becomes a FailedUnit (the rest completes). At the end, unit files not of this sweep are removed.
+// `done` gets the units in sample order.
 template <class Unit, class Replay>
 Status RunUnits(const std::vector<config::Sample>& samples, const std::string& def_hash, int runs_per_unit,
-                int threads, SweepUnits* units, Progress& progress, Replay replay, std::vector<Unit>* done,
+                SweepUnits* units, Progress& progress, Replay replay, std::vector<Unit>* done,
                 google::protobuf::RepeatedPtrField<FailedUnit>* failed) {
   namespace fs = std::filesystem;
   const bool keep = units && !units->units_dir.empty();
@@ -99,9 +99,8 @@ Status RunUnits(const std::vector<config::Sample>& samples, const std::string& d
         keep ? (fs::path(units->units_dir) / (s.id() + "-" + def_hash + ".json")).string() : "";
     if (keep) unit_files.insert(fs::path(unit_path).filename().string());
     auto compute = [&]() -> StatusOr<Unit> {
-      std::string hash;
+      KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(s.path()));
       if (keep && units->resume && fs::exists(unit_path)) {
-        KVSIM_ASSIGN_OR_RETURN(hash, HashFile(s.path()));
         Unit old;
         std::ifstream in(unit_path, std::ios::binary);
         std::stringstream ss;
@@ -113,26 +112,13 @@ Status RunUnits(const std::vector<config::Sample>& samples, const std::string& d
           return old;
         }
       }
-      std::remove_cvref_t<decltype(*replay(i, hash))> runs;  // the unit's runs (unevaluated: not called here)
-      auto replay_into = [&](const std::string& h) -> Status {
-        KVSIM_ASSIGN_OR_RETURN(runs, replay(i, h));
-        return Status::Ok();
-      };
-      if (hash.empty()) {
-        KVSIM_ASSIGN_OR_RETURN(hash,
-                               HashBesideReplay(s.path(), HashConcurrently(s.path(), threads), replay_into));
-      } else {
-        KVSIM_RETURN_IF_ERROR(replay_into(hash));
-      }
       Unit unit;
       unit.set_sample_id(s.id());
       unit.set_trace_path(s.path());
       unit.set_trace_hash(hash);
       unit.set_definition_hash(def_hash);
-      for (auto& r : runs) {
-        r.set_trace_hash(hash);
-        *unit.add_runs() = std::move(r);
-      }
+      KVSIM_ASSIGN_OR_RETURN(auto runs, replay(i, hash));
+      for (auto& r : runs) *unit.add_runs() = std::move(r);
       if (keep) KVSIM_RETURN_IF_ERROR(WriteFileAtomic(unit_path, ToJson(unit)));
       if (units) ++units->computed;
       return unit;

@@ -137,8 +137,8 @@ StatusOr<StreamSweepResult> RunStreamSweep(const config::Experiment& experiment,
     return results;
   };
   std::vector<StreamSweepUnit> done;
-  KVSIM_RETURN_IF_ERROR(RunUnits(samples, def_hash, static_cast<int>(runs.size()), options.threads, units,
-                                 progress, replay, &done, out.mutable_failed_units()));
+  KVSIM_RETURN_IF_ERROR(RunUnits(samples, def_hash, static_cast<int>(runs.size()), units, progress, replay,
+                                 &done, out.mutable_failed_units()));
   progress.Finish();
   for (StreamSweepUnit& u : done)
     for (auto& r : *u.mutable_runs()) *out.add_runs() = std::move(r);

@@ -223,15 +223,20 @@ void GatherWeightedRows(const float* p, const int32_t* tok, size_t n, const floa
 #if defined(__AVX2__) && defined(__FMA__)
   k0 += GatherWeightedAvx2(p, tok, n, values + k0, dd, dd - k0, out + k0);
 #endif
-  // The remaining columns (all of them without AVX2 and FMA): today's loop itself, contracted by the
-  // build as it contracts any `o += w * v`.
+  // The remaining columns (all of them without AVX2 and FMA): the same loop, fused explicitly where the
+  // build has FMA (as an optimised build contracts `o += w * v`; an unoptimised one would not, and its
+  // columns would then differ from the vector paths' fused ones), two roundings without FMA.
   float* o = out + k0;
   const size_t rest = dd - k0;
   for (size_t k = 0; k < rest; ++k) o[k] = 0.0f;
   for (size_t i = 0; i < n; ++i) {
     const float pt = p[tok[i]];
     const float* v = values + static_cast<size_t>(tok[i]) * dd + k0;
+#ifdef __FMA__
+    for (size_t k = 0; k < rest; ++k) o[k] = std::fma(pt, v[k], o[k]);
+#else
     for (size_t k = 0; k < rest; ++k) o[k] += pt * v[k];
+#endif
   }
 }
 

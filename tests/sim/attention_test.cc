@@ -265,8 +265,10 @@ TEST_CASE("SoftmaxEntropy: hand-computed rows", "[attention]") {
   CHECK(SoftmaxEntropy(peaked.data(), 2) == Approx(0).margin(1e-6));
 }
 
-// Today's loop of FinishRun's per-step gather, as it was written there: the row zeroed, then
-// out[k] += p[tok] * v[k] slot by slot (compiled with the same flags, so contracted the same way).
+// The loop FinishRun's per-step gather had: the row zeroed, then out[k] += p[tok] * v[k] slot by slot, as an
+// optimised build with FMA contracted it (one fused multiply-add per element; an unoptimised build, such as
+// the sanitizer stage's Debug build, does not contract, so the fusion is written out), and a build without
+// FMA as two roundings.
 namespace {
 void GatherWeightedRowsReplica(const float* p, const int32_t* tok, size_t n, const float* values, int d,
                                float* out) {
@@ -274,7 +276,11 @@ void GatherWeightedRowsReplica(const float* p, const int32_t* tok, size_t n, con
   for (size_t i = 0; i < n; ++i) {
     const float pt = p[tok[i]];
     const float* v = values + static_cast<size_t>(tok[i]) * d;
+#ifdef __FMA__
+    for (int k = 0; k < d; ++k) out[k] = std::fma(pt, v[k], out[k]);
+#else
     for (int k = 0; k < d; ++k) out[k] += pt * v[k];
+#endif
   }
 }
 }  // namespace
