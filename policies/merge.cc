@@ -374,7 +374,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   double tb_err = 0;
   const int nb = src ? static_cast<int>(rest.size()) : 0;
   float* tb = nullptr;
-  std::vector<char> answered;  // by query: searched on the screen path (storable)
+  thread_local std::vector<char> answered;  // by query: searched on the screen path (storable)
   if (use_memo) answered.assign(num_queries, 0);
   for (int b = 0; b < num_queries; b += kBlock) {
     const int rows = std::min(kBlock, num_queries - b);

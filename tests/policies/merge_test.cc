@@ -667,6 +667,20 @@ TEST_CASE("merge screen: the error bound holds and adversarial rows nearly reach
   }
 }
 
+namespace {
+// Two caches hold the same slots, merged alike: the same members and the same key and value bits.
+void CheckSameMerges(const HeadCache& with, const HeadCache& without, int d) {
+  REQUIRE(with.size() == without.size());
+  for (int s = 0; s < with.size(); ++s) {
+    REQUIRE(with.is_merged(s) == without.is_merged(s));
+    if (!with.is_merged(s)) continue;
+    CHECK(with.merged(s).members == without.merged(s).members);
+    CHECK(std::memcmp(with.merged(s).key.data(), without.merged(s).key.data(), d * sizeof(float)) == 0);
+    CHECK(std::memcmp(with.merged(s).value.data(), without.merged(s).value.data(), d * sizeof(float)) == 0);
+  }
+}
+}  // namespace
+
 TEST_CASE("merge screen: every strategy x filter merges the same with and without the screen",
           "[merge][screen]") {
   // The callers read the best slot and its value (Join: the ABOVE_MEAN_SIMILARITY filter's mean and the
@@ -697,15 +711,7 @@ TEST_CASE("merge screen: every strategy x filter merges the same with and withou
         const long before = merge_screen::ThreadStats().screened_queries;
         once ? a.KeepAndMergeOnce(ctx, kept, evicted, &with) : a.KeepAndMerge(ctx, kept, evicted, &with);
         if (ScreenOn()) CHECK(merge_screen::ThreadStats().screened_queries > before);
-        REQUIRE(with.size() == without.size());
-        for (int s = 0; s < with.size(); ++s) {
-          REQUIRE(with.is_merged(s) == without.is_merged(s));
-          if (!with.is_merged(s)) continue;
-          CHECK(with.merged(s).members == without.merged(s).members);
-          CHECK(std::memcmp(with.merged(s).key.data(), without.merged(s).key.data(), d * sizeof(float)) == 0);
-          CHECK(std::memcmp(with.merged(s).value.data(), without.merged(s).value.data(), d * sizeof(float)) ==
-                0);
-        }
+        CheckSameMerges(with, without, d);
       }
 }
 
@@ -905,15 +911,7 @@ TEST_CASE("merge memo: every strategy x filter merges the same with and without 
       for (const auto& kept : sets) {
         const HeadCache without = h.Compress(kept, false, strategy, filter),
                         with = h.Compress(kept, true, strategy, filter);
-        REQUIRE(with.size() == without.size());
-        for (int s = 0; s < with.size(); ++s) {
-          REQUIRE(with.is_merged(s) == without.is_merged(s));
-          if (!with.is_merged(s)) continue;
-          CHECK(with.merged(s).members == without.merged(s).members);
-          CHECK(std::memcmp(with.merged(s).key.data(), without.merged(s).key.data(), d * sizeof(float)) == 0);
-          CHECK(std::memcmp(with.merged(s).value.data(), without.merged(s).value.data(), d * sizeof(float)) ==
-                0);
-        }
+        CheckSameMerges(with, without, d);
       }
     }
 }
