@@ -1,12 +1,17 @@
 #include "sim/select.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <numeric>
 
 #include "sim/status.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 namespace kvsim {
 
@@ -27,25 +32,85 @@ std::vector<int32_t> TopKIndices(std::span<const float> scores, int k) {
   return TopKIndicesWithThreshold(scores, k, v[k - 1]);
 }
 
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVSIM_SELECT_AVX512 1
+const bool kSelectAvx512 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") != 0;
+}();
+std::atomic<bool> g_select_avx512_allowed{true};
+
+// The portable scan's result, 16 scores at a time: a comparison mask per block (the same ordered
+// comparisons: a NaN is neither above nor equal), the block's ties limited to the lowest `ties` of them, and
+// the taken indices compressed in order into idx (which has 16 spare elements past `most`). Integer work
+// only, so the indices are the portable scan's on any build.
+__attribute__((target("avx512f"))) int TakeAboveAvx512(const float* scores, int n, float tau, int ties,
+                                                       int most, int32_t* idx) {
+  const __m512 t = _mm512_set1_ps(tau);
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int m = 0;
+  for (int b = 0; b < n && m < most; b += 16, j = _mm512_add_epi32(j, step)) {
+    const __mmask16 in = n - b >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - b)) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(in, scores + b);
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(in, s, t, _CMP_GT_OQ);
+    unsigned eq = 0;
+    if (ties > 0) {
+      eq = _mm512_mask_cmp_ps_mask(in, s, t, _CMP_EQ_OQ);
+      int c = __builtin_popcount(eq);
+      while (c > ties) {  // keep the lowest `ties` equal scores: drop the highest until that many are left
+        eq &= ~(1u << (31 - __builtin_clz(eq)));
+        --c;
+      }
+      ties -= c;
+    }
+    const __mmask16 take = static_cast<__mmask16>(gt | eq);
+    _mm512_storeu_si512(idx + m, _mm512_maskz_compress_epi32(take, j));
+    m += __builtin_popcount(take);
+  }
+  return m;
+}
+#endif
+
+}  // namespace
+
+void SetSelectAvx512ForTesting(bool allowed) {
+#ifdef KVSIM_SELECT_AVX512
+  g_select_avx512_allowed.store(allowed, std::memory_order_relaxed);
+#else
+  (void)allowed;
+#endif
+}
+
 std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int k, float tau) {
   const int n = static_cast<int>(scores.size());
   k = std::clamp(k, 0, n);
   int above = 0;
   for (float s : scores) above += s > tau;
-  int ties = k - above;
+  const int ties = k - above;
+  // Takes every score above tau and the first `ties` equal to it in index order (more than k if tau is
+  // below the k-th largest, as before), ascending.
+  const int most = std::max(k, above);
+#ifdef KVSIM_SELECT_AVX512
+  if (kSelectAvx512 && g_select_avx512_allowed.load(std::memory_order_relaxed)) {
+    std::vector<int32_t> idx(static_cast<size_t>(most) + 16);
+    idx.resize(static_cast<size_t>(TakeAboveAvx512(scores.data(), n, tau, ties, most, idx.data())));
+    return idx;
+  }
+#endif
   // One in-order scan without branches (whether a score is taken is data-dependent and unpredictable):
   // every index is written at the next free place, which advances only when the index is taken; one
-  // spare element takes the last write. Takes every score above tau and the first `ties` equal to it
-  // (more than k if tau is below the k-th largest, as before).
-  const int most = std::max(k, above);
+  // spare element takes the last write.
   std::vector<int32_t> idx(static_cast<size_t>(most) + 1);
-  int m = 0;
+  int m = 0, left = ties;
   for (int32_t j = 0; j < n && m < most; ++j) {
     const float s = scores[j];
-    const int tie = (s == tau) & (ties > 0);
+    const int tie = (s == tau) & (left > 0);
     idx[m] = j;
     m += (s > tau) | tie;
-    ties -= tie;
+    left -= tie;
   }
   idx.resize(m);
   return idx;

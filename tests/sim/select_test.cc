@@ -406,4 +406,53 @@ TEST_CASE("TopKIndicesWithThreshold equals the plain two-branch scan, for any th
   }
 }
 
+TEST_CASE("TopKIndicesWithThreshold: the AVX-512 scan and the portable scan agree index for index",
+          "[select]") {
+  // Every tail length (n % 16), ties split across blocks, NaN (neither above nor equal), -0 equal to +0, and
+  // thresholds at, above and below the k-th largest; each path also against the two-branch reference.
+  auto reference = [](const std::vector<float>& s, int k, float tau) {
+    int above = 0;
+    for (float x : s) above += x > tau;
+    int ties = k - above;
+    std::vector<int32_t> idx;
+    for (int32_t j = 0; j < static_cast<int32_t>(s.size()); ++j)
+      if (s[j] > tau || (s[j] == tau && ties-- > 0)) idx.push_back(j);
+    return idx;
+  };
+  std::mt19937 rng(29);
+  std::uniform_int_distribution<int> level(0, 5);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  int compared = 0;
+  for (int n = 1; n <= 70; ++n) {
+    for (int trial = 0; trial < 3; ++trial) {
+      std::vector<float> s(n);
+      for (float& x : s) {
+        const int l = level(rng);
+        x = l == 5 ? nan : l == 0 ? (rng() % 2 ? -0.0f : 0.0f) : 0.5f * static_cast<float>(l);
+      }
+      std::vector<float> finite;
+      for (float x : s)
+        if (!std::isnan(x)) finite.push_back(x);
+      std::sort(finite.begin(), finite.end(), std::greater<float>());
+      for (int k : {0, 1, n / 3, n / 2, n - 1, n}) {
+        const int kk = std::clamp(k, 0, n);
+        std::vector<float> taus = {0.0f, -0.0f, 1.0f, 2.5f, 9.0f, -1.0f};
+        if (kk > 0 && kk <= static_cast<int>(finite.size())) taus.push_back(finite[kk - 1]);
+        for (float tau : taus) {
+          INFO("n " << n << " k " << k << " tau " << tau);
+          const std::vector<int32_t> want = reference(s, kk, tau);
+          SetSelectAvx512ForTesting(false);
+          const std::vector<int32_t> portable = TopKIndicesWithThreshold(s, k, tau);
+          SetSelectAvx512ForTesting(true);
+          const std::vector<int32_t> fast = TopKIndicesWithThreshold(s, k, tau);
+          CHECK(portable == want);
+          CHECK(fast == want);
+          ++compared;
+        }
+      }
+    }
+  }
+  CHECK(compared > 1000);
+}
+
 }  // namespace kvsim
