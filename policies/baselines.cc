@@ -115,10 +115,10 @@ class OracleHead final : public HeadPolicy {
     const int pos = ctx.prefill_length() + att.step;
     if (growth_) cap += att.step + 1;  // as many slots as a prefill-compressing cache holds at this step
     std::vector<int32_t> keep;
-    if (ctx.group_size == 1) {  // MHA: the engine's sorted copy gives the threshold without a selection
+    if (ctx.group_size == 1) {  // MHA: the engine gives the threshold without a selection
       const std::span<const float> row(att.full_probs[0], pos + 1);
       const int k = std::min(cap, pos + 1);
-      keep = k > 0 ? TopKIndicesWithThreshold(row, k, att.full_sorted[0][k - 1]) : std::vector<int32_t>{};
+      keep = k > 0 ? TopKIndicesWithThreshold(row, k, (*att.full_kth)(0, k)) : std::vector<int32_t>{};
     } else {
       std::vector<std::span<const float>> rows;
       for (int g = 0; g < ctx.group_size; ++g) rows.emplace_back(att.full_probs[g], pos + 1);

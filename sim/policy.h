@@ -7,6 +7,7 @@
 // Reusable pieces (scorers, selection, per-layer allocation, decode eviction) live in policies/.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -98,9 +99,10 @@ struct StepAttention {
   // Only for policies with Requirements::future_attention: full-cache attention of this step's queries over
   // every token [0, prefill_length + step], [group][prefill_length + step + 1]. Null otherwise.
   const float* const* full_probs = nullptr;
-  // Alongside full_probs: each query head's full_probs sorted descending (length prefill_length + step + 1,
-  // zeros last), so a policy can read the k-th largest value without sorting.
-  const float* const* full_sorted = nullptr;
+  // Alongside full_probs: (*full_kth)(g, k) is the k-th largest value of query head g's full_probs
+  // (1 <= k <= prefill_length + step + 1), the value a descending sort puts at place k - 1, so a policy
+  // gets its top-k threshold without a selection of its own.
+  const std::function<float(int g, int k)>* full_kth = nullptr;
 };
 
 class HeadPolicy {

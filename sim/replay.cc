@@ -150,9 +150,8 @@ struct UnitWork {
   // HeadContext::shared of the unit's runs (the merging runs' similarity memo), freed with the unit.
   std::unique_ptr<UnitShared> shared;
   std::vector<DecodeReference> refs;  // per group member
-  std::vector<float> sorted;    // [g][t][T]: the step's probabilities, descending (only for future_attention)
-  int kpre = 0;                 // the largest k of top_sum / sums (see RegretSums)
-  bool use_sums = false;        // the top-k sums come from `sums`, not `top_sum`
+  int kpre = 0;                       // the largest k of top_sum / sums (see RegretSums)
+  bool use_sums = false;              // the top-k sums come from `sums`, not `top_sum`
   TopKSums sums;                // row g * steps + t: Σ of the k largest, as if added in descending order
   std::vector<double> top_sum;  // [g][t][kpre + 1]: Σ of the k largest, added in descending order
   std::vector<double> top_all;  // [g][t]: Σ of every visible probability, added in descending order
@@ -256,6 +255,8 @@ class PassBuffers {
   std::mutex mu_;
   std::vector<UnitBuffers> free_;
 };
+
+std::atomic<bool> g_kth_from_sums{true};  // SetFullKthFromSumsForTesting
 
 }  // namespace
 
@@ -506,32 +507,24 @@ class LayerPass {
   // A run's k is min(its visible slots, the visible tokens). Step's checks bound a run's cache size (and so
   // its visible slots) by its cap, so the prefix sums are kept up to `kpre`, the largest bound below T of
   // any run; a run whose bound is T or more (`full`) reads `top_all` when it sees every visible token and
-  // `all_sums` otherwise (AllSums). Only the kpre largest values and the ones too small to be added
-  // exactly are sorted (SortForDescendingSums): every value is bit-identical to a full sort's prefix sum.
-  // With an oracle (future_attention) every row is sorted in full, as it reads the sorted rows. Otherwise,
-  // when some run needs top-k sums (kpre > 0), no row is sorted: TopKSums keeps each row's values in
-  // buckets, and each run's one k per step is answered by selection in one bucket (sim/select.h), again
-  // bit-identical to the sorted prefix sums.
+  // `all_sums` otherwise (AllSums). When some run needs top-k sums (kpre > 0), no row is sorted: TopKSums
+  // keeps each row's values in buckets, and each run's one k per step is answered by selection in one
+  // bucket (sim/select.h), bit-identical to the sorted prefix sums; an oracle's k-th largest value comes
+  // from the same buckets (FullKth).
   void RegretSums(int u) {
     UnitWork& w = units_[u];
     const int n = meta_.prefill_length, steps = meta_.num_decode_steps;
     const int t_all = meta_.total_tokens(), group = m_.GroupSize();
-    bool keep_sorted = false;  // a run's policy reads the sorted rows (the oracle)
     int kpre = 0;
     for (size_t r = 0; r < plans_.size(); ++r) {
       const RunPlan& plan = plans_[r];
-      keep_sorted |= plan.req.future_attention;
       const int cap = plan.head_budgets[UnitIndex(u)] + (n - plan.compress_end);
       const int64_t limit = (plan.may_exceed ? std::max(cap, w.prefill_size[r]) : cap) + plan.headroom;
       const int64_t bound = plan.evicts ? limit : limit + steps;  // Step's check of the cache size
       if (bound < t_all) kpre = std::max(kpre, static_cast<int>(bound));
     }
-    if (keep_sorted) {
-      kpre = t_all;
-      w.sorted.assign(static_cast<size_t>(group) * steps * t_all, 0.0f);
-    }
     w.kpre = kpre;
-    w.use_sums = kpre > 0 && !keep_sorted;
+    w.use_sums = kpre > 0;
     w.sums.Clear();
     if (w.use_sums) w.sums.Reserve(group * steps, static_cast<size_t>(group) * steps * t_all);
     w.top_sum.resize(w.use_sums ? 0 : static_cast<size_t>(group) * steps * (kpre + 1));
@@ -565,8 +558,6 @@ class LayerPass {
           float* dst = hblock.data() + static_cast<size_t>(b) * kpre;
           std::copy(head.begin(), head.end(), dst);
           std::fill(dst + head.size(), dst + kpre, 0.0f);
-          if (keep_sorted)
-            std::copy(head.begin(), head.end(), &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all]);
           hlen = std::max(hlen, static_cast<int>(head.size()));
           tlen = std::max(tlen, static_cast<int>(tails[b].size()));
         }
@@ -846,20 +837,34 @@ class LayerPass {
     ws.ptok.clear();
   }
 
+  // The k-th largest of step t's full probabilities of group member g (zeros beyond the visible keys), the
+  // value a descending sort of the row puts at place k - 1: from the regret's buckets when the unit has
+  // them and they hold it, else a selection in a copy of the row.
+  float FullKth(const UnitWork& w, WorkerScratch& ws, int g, int t, int k) const {
+    const DecodeReference& ref = w.refs[g];
+    const int first = ref.first[t], len = ref.last(t) - first + 1;
+    if (k > len) return 0.0f;
+    if (w.use_sums && g_kth_from_sums.load(std::memory_order_relaxed))
+      if (const std::optional<float> v = w.sums.Kth(g * meta_.num_decode_steps + t, k, &ws.sorted)) return *v;
+    ws.sorted.assign(ref.row(t) + first, ref.row(t) + first + len);
+    const auto at = ws.sorted.begin() + (k - 1);
+    std::nth_element(ws.sorted.begin(), at, ws.sorted.end(), std::greater<float>());
+    return *at;
+  }
+
   // One decode step of run r on KV head u: the policy's hooks, the cache checks and every metric of the
   // step except the output error, which needs Σ_s w_s v_s and is computed for all steps in FinishRun.
   void Step(int u, int r, int t, WorkerScratch& ws) {
     UnitWork& w = units_[u];
-    const int n = meta_.prefill_length, steps = meta_.num_decode_steps, t_all = meta_.total_tokens();
+    const int n = meta_.prefill_length, steps = meta_.num_decode_steps;
     const int d = m_.head_dim, group = m_.GroupSize();
     const int32_t pos = n + t;
     const LogitTransform tf(m_);
-    std::vector<const float*> full(group), full_sorted(group);
-    for (int g = 0; g < group; ++g) {
-      full[g] = w.refs[g].row(t);
-      if (!w.sorted.empty()) full_sorted[g] = &w.sorted[(static_cast<size_t>(g) * steps + t) * t_all];
-    }
+    std::vector<const float*> full(group);
+    for (int g = 0; g < group; ++g) full[g] = w.refs[g].row(t);
     const RunPlan& plan = plans_[r];
+    std::function<float(int, int)> kth;
+    if (plan.req.future_attention) kth = [&](int g, int k) { return FullKth(w, ws, g, t, k); };
     HeadCache& cache = w.caches[r];
     HeadPolicy& hp = *w.policies[r];
     HeadContext ctx = w.ctx;
@@ -870,7 +875,7 @@ class LayerPass {
     const int appended = n - plan.compress_end;
     const int cap = plan.head_budgets[UnitIndex(u)] + appended;
     StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr,
-                         plan.req.future_attention ? full_sorted.data() : nullptr};
+                         plan.req.future_attention ? &kth : nullptr};
     hp.BeforeStep(ctx, before, cap, &cache);
     if (hp.AppendNewToken()) cache.Append(pos);
     CheckCache(w, ws, cache, pos, r);
@@ -1048,7 +1053,7 @@ class LayerPass {
     }
     StepAttention after{t, slots, want_cp ? ws.cache_probs.data() : nullptr,
                         plan.req.future_attention ? full.data() : nullptr,
-                        plan.req.future_attention ? full_sorted.data() : nullptr};
+                        plan.req.future_attention ? &kth : nullptr};
     hp.AfterStep(ctx, after, &cache);
     if (recorder_) recorder_->AfterStep(plan.index, layer_.layer, u, t, cache);
     if (t == 0 && plan.compression_step == 0) {
@@ -1479,6 +1484,8 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
   }
   return Status::Ok();
 }
+
+void SetFullKthFromSumsForTesting(bool allowed) { g_kth_from_sums.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

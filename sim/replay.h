@@ -91,6 +91,10 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs);
 int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* mod, int first, float* cp,
                   double rm[4][4]);
 
+// Tests only: false makes the oracle's k-th largest value come from a selection in a copy of the row
+// instead of the regret's buckets (TopKSums::Kth), so a test can compare the two.
+void SetFullKthFromSumsForTesting(bool allowed);
+
 // Replays all runs; one RunResult per run, in order.
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options);

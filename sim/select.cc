@@ -321,6 +321,7 @@ void TopKSums::Clear() {
   cc_.clear();
   cs_.clear();
   tail_.clear();
+  tailv_.clear();
 }
 
 void TopKSums::Reserve(int rows, size_t values) {
@@ -446,10 +447,15 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   row.ntail = static_cast<int>(m);
   row.kept_tail = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(kmax) - nbig, 0, m));
   tail_.resize(row.tail + row.kept_tail);
+  tailv_.resize(row.tail + row.kept_tail);
   double acc = cs[nb];
   for (size_t j = 0; j < m; ++j) {
-    acc += KeyValue(a[j]);
-    if (j < static_cast<size_t>(row.kept_tail)) tail_[row.tail + j] = acc;
+    const float v = KeyValue(a[j]);
+    acc += v;
+    if (j < static_cast<size_t>(row.kept_tail)) {
+      tail_[row.tail + j] = acc;
+      tailv_[row.tail + j] = v;
+    }
   }
   row.total = acc;
   rows_.push_back(row);
@@ -525,6 +531,27 @@ double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
   std::nth_element(scratch->begin(), scratch->begin() + (size - need - 1), scratch->end());
   for (int i = 0; i < size - need; ++i) part += (*scratch)[i];
   return cs[j + 1] - part;
+}
+
+std::optional<float> TopKSums::Kth(int r, int k, std::vector<float>* scratch) const {
+  const Row& row = rows_[r];
+  KVSIM_CHECK_MSG(k >= 1, "TopKSums::Kth: k must be at least 1");
+  if (k > row.n) return 0.0f;
+  const int32_t* cc = cc_.data() + row.bucket;
+  const int nbig = cc[row.nb];
+  if (k > nbig) {  // below 2^L: the sorted values kept up to kmax, then zeros
+    const int i = k - nbig;
+    if (i > row.ntail) return 0.0f;
+    if (i > row.kept_tail) return std::nullopt;
+    return tailv_[row.tail + i - 1];
+  }
+  // The bucket j with cc[j] < k <= cc[j + 1] holds it: the (k - cc[j])-th largest of that bucket.
+  const int j = static_cast<int>(std::upper_bound(cc, cc + row.nb + 1, k - 1) - cc) - 1;
+  const float* el = elems_.data() + row.elem + cc[j];
+  scratch->assign(el, el + (cc[j + 1] - cc[j]));
+  const auto at = scratch->begin() + (k - cc[j] - 1);
+  std::nth_element(scratch->begin(), at, scratch->end(), std::greater<float>());
+  return *at;
 }
 
 }  // namespace kvsim

@@ -2,6 +2,7 @@
 // Deterministic selection helpers shared by the engine and policies.
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -64,6 +65,10 @@ class TopKSums {
   double AddRow(std::span<const float> values, int kmax);
   // S[k] of row `row`, k in [0, kmax] (k >= n is S[n]). `scratch` holds one bucket's values.
   double Sum(int row, int k, std::vector<float>* scratch) const;
+  // The k-th largest value of row `row` (k >= 1; 0 for k > n, as zeros fill a descending sort), exactly
+  // the value a full descending sort puts at place k - 1: a selection in the one bucket holding it. Empty
+  // when that value lies below 2^L and beyond the row's kmax (those values are not kept).
+  std::optional<float> Kth(int row, int k, std::vector<float>* scratch) const;
 
  private:
   struct Row {
@@ -77,6 +82,7 @@ class TopKSums {
   std::vector<int32_t> cc_;   // per row: [j] how many values the top j buckets hold
   std::vector<double> cs_;    // per row: [j] their exact sum
   std::vector<double> tail_;  // per row: S[|big| + i], i = 1 .. kept_tail
+  std::vector<float> tailv_;  // per row: the values added there (descending), i = 1 .. kept_tail
 };
 
 }  // namespace kvsim

@@ -5,6 +5,7 @@
 #include "policies/baselines.h"
 
 #include <catch2/catch.hpp>
+#include <functional>
 #include <vector>
 
 #include "policies/pieces.h"
@@ -70,8 +71,9 @@ HeadCache Prefill(HeadPolicy& hp, const HeadContext& ctx, int budget) {
 
 // One decode step without attention feedback: BeforeStep, then append the new token.
 void Step(HeadPolicy& hp, const HeadContext& ctx, int step, int cap, HeadCache* cache,
-          const float* const* full_probs = nullptr, const float* const* full_sorted = nullptr) {
-  StepAttention att{step, cache->size(), nullptr, full_probs, full_sorted};
+          const float* const* full_probs = nullptr,
+          const std::function<float(int, int)>* full_kth = nullptr) {
+  StepAttention att{step, cache->size(), nullptr, full_probs, full_kth};
   hp.BeforeStep(ctx, att, cap, cache);
   if (hp.AppendNewToken()) cache->Append(ctx.prefill_length() + step);
 }
@@ -490,7 +492,7 @@ TEST_CASE("oracle: decode_growth keeps cap + t + 1 slots, a prefill-compressing 
   CHECK(Tokens(cache) == std::vector<int32_t>{0, 1, 3, 5});
 }
 
-TEST_CASE("oracle: MHA selection uses the engine's sorted row as the threshold", "[baselines]") {
+TEST_CASE("oracle: MHA selection uses the engine's k-th largest value as the threshold", "[baselines]") {
   const TraceMeta meta = Meta(4, 3, 1, 1);  // n = 4, MHA
   const HeadContext ctx = Ctx(meta, 1, 4, nullptr);
   OraclePolicy p{policy::OracleParams()};
@@ -500,13 +502,19 @@ TEST_CASE("oracle: MHA selection uses the engine's sorted row as the threshold",
   // token (.1) is left out.
   const std::vector<float> row{.1f, .4f, .2f, .2f, .1f}, sorted{.4f, .2f, .2f, .1f, .1f};
   const float* probs[1] = {row.data()};
-  const float* sorted_rows[1] = {sorted.data()};
-  Step(*hp, ctx, 0, 3, &cache, probs, sorted_rows);
+  std::vector<int> asked;
+  const std::function<float(int, int)> kth = [&](int g, int k) {
+    CHECK(g == 0);
+    asked.push_back(k);
+    return sorted[k - 1];
+  };
+  Step(*hp, ctx, 0, 3, &cache, probs, &kth);
   CHECK_FALSE(hp->AppendNewToken());
   CHECK(Tokens(cache) == std::vector<int32_t>{1, 2, 3});
   // cap 2: .4 and the first .2 (tie to the lower index).
-  Step(*hp, ctx, 0, 2, &cache, probs, sorted_rows);
+  Step(*hp, ctx, 0, 2, &cache, probs, &kth);
   CHECK(Tokens(cache) == std::vector<int32_t>{1, 2});
+  CHECK(asked == std::vector<int>{3, 2});
 }
 
 TEST_CASE("oracle: GQA selection follows the group aggregation", "[baselines]") {

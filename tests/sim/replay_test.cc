@@ -300,12 +300,11 @@ TEST_CASE("replay: metrics of a fixed token set on the hand trace", "[replay]") 
 
 TEST_CASE("replay: the regret's top-k sums agree whichever way the engine gets them", "[replay]") {
   // The engine answers top-k sums for k up to the largest cache size any run's cap allows (below T) from
-  // each row's buckets (TopKSums), or from the sorted rows' prefix sums when an oracle in the sweep needs
-  // them sorted, keeps the sum of the whole row for runs that see every visible token, and sorts a row
-  // itself for a run allowed T slots or more that keeps fewer. The same cache {0, 2} (+ decode tokens) with
-  // budget 2 (bound 2 + 2 steps = 4 < T = 6: the buckets), with budget 2 next to an oracle (the sorted
-  // prefix sums) and with budget 4 (bound 6: the run's own sort) must give the same regret, bit for bit,
-  // and the hand values of "metrics of a fixed token set".
+  // each row's buckets (TopKSums), keeps the sum of the whole row for runs that see every visible token,
+  // and builds all-k sums for a run allowed T slots or more that keeps fewer. The same cache {0, 2} (+
+  // decode tokens) with budget 2 (bound 2 + 2 steps = 4 < T = 6: the buckets), with budget 2 next to an
+  // oracle (which reads its thresholds from the same buckets) and with budget 4 (bound 6: the all-k sums)
+  // must give the same regret, bit for bit, and the hand values of "metrics of a fixed token set".
   MemoryTrace tr = MakeHandTrace();
   auto fixed = std::make_shared<FixedSetPolicy>(std::vector<int32_t>{0, 2});
   std::vector<RunSpec> prefix{Spec(fixed, 2)}, own{Spec(fixed, 4)}, full{Spec(Registered("full"), 4)};
@@ -910,6 +909,42 @@ TEST_CASE("replay: a layer's results do not depend on the layers before it (recy
         CHECK(x.budget_tokens_mean() == y.budget_tokens_mean());
         CHECK(x.metrics().SerializeAsString() == y.metrics().SerializeAsString());
       }
+    }
+  }
+}
+
+TEST_CASE("replay: the oracle's k-th largest from the regret's buckets equals a selection in the row",
+          "[replay]") {
+  // FullKth answers from TopKSums::Kth when the unit has the buckets; the test switch makes it select in a
+  // copy of each row instead (nth_element, independent of the buckets). Oracles at several budgets, with
+  // and without decode growth, MHA, beside runs that set the buckets' kmax: every result equal.
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 4;
+  spec.prefill_length = 40;
+  spec.decode_steps = 9;
+  spec.image_end = 24;
+  spec.seed = 41;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  std::vector<RunSpec> runs;
+  for (const char* set : {"", "decode_growth=false", "decode_growth=true"}) {
+    const std::string name = *set ? "oracle" : "snapkv";
+    auto p = *set ? PolicyRegistry::Default().Create(name, std::vector<std::string>{set})
+                  : PolicyRegistry::Default().Create(name);
+    REQUIRE(p.ok());
+    for (double b : {0.05, 0.2, 0.5, 0.9})
+      runs.push_back(RunSpec{*p, name + " " + set, b, 0, QuestionMode::kQueryAware});
+  }
+  for (int threads : {1, 3}) {
+    auto from_sums = Replay(trace, runs, ReplayOptions{.threads = threads});
+    SetFullKthFromSumsForTesting(false);
+    auto selected = Replay(trace, runs, ReplayOptions{.threads = threads});
+    SetFullKthFromSumsForTesting(true);
+    REQUIRE(from_sums.ok());
+    REQUIRE(selected.ok());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      INFO(runs[i].label << " budget " << runs[i].budget_fraction << " threads " << threads);
+      CHECK((*from_sums)[i].SerializeAsString() == (*selected)[i].SerializeAsString());
     }
   }
 }

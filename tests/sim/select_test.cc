@@ -5,6 +5,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -245,6 +246,16 @@ void CheckTopKSums(const std::vector<std::vector<float>>& rows) {
       for (int k = 0; k <= kmax[r]; ++k) REQUIRE(sums.Sum(static_cast<int>(r), k, &scratch) == want[r][k]);
       REQUIRE(sums.Sum(static_cast<int>(r), n, &scratch) == want[r][n]);
       REQUIRE(sums.Sum(static_cast<int>(r), n + 5, &scratch) == want[r][n]);
+      // Kth: the value a descending sort puts at k - 1 (zeros past n), for every k up to kmax; above kmax
+      // it may be unavailable (a value below 2^L), never different.
+      std::vector<float> sorted = rows[r];
+      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+      for (int k = 1; k <= n + 2; ++k) {
+        const std::optional<float> v = sums.Kth(static_cast<int>(r), k, &scratch);
+        const float expect = k <= n ? sorted[k - 1] : 0.0f;
+        if (k <= kmax[r]) REQUIRE(v.has_value());
+        if (v) REQUIRE(*v == expect);
+      }
     }
   }
 }
