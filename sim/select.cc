@@ -46,6 +46,18 @@ std::atomic<bool> g_select_avx512_allowed{true};
 // comparisons: a NaN is neither above nor equal), the block's ties limited to the lowest `ties` of them, and
 // the taken indices compressed in order into idx (which has 16 spare elements past `most`). Integer work
 // only, so the indices are the portable scan's on any build.
+// How many scores are above tau (the portable count's ordered comparison, 16 at a time).
+__attribute__((target("avx512f"))) int CountAboveAvx512(const float* scores, int n, float tau) {
+  const __m512 t = _mm512_set1_ps(tau);
+  int above = 0;
+  for (int b = 0; b < n; b += 16) {
+    const __mmask16 in = n - b >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - b)) - 1);
+    above +=
+        __builtin_popcount(_mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, scores + b), t, _CMP_GT_OQ));
+  }
+  return above;
+}
+
 __attribute__((target("avx512f"))) int TakeAboveAvx512(const float* scores, int n, float tau, int ties,
                                                        int most, int32_t* idx) {
   const __m512 t = _mm512_set1_ps(tau);
@@ -85,32 +97,32 @@ void SetSelectAvx512ForTesting(bool allowed) {
 }
 
 std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int k, float tau) {
+  // Takes every score above tau and the first k - above equal to it in index order (more than k if tau is
+  // below the k-th largest, as before), ascending.
   const int n = static_cast<int>(scores.size());
   k = std::clamp(k, 0, n);
-  int above = 0;
-  for (float s : scores) above += s > tau;
-  const int ties = k - above;
-  // Takes every score above tau and the first `ties` equal to it in index order (more than k if tau is
-  // below the k-th largest, as before), ascending.
-  const int most = std::max(k, above);
 #ifdef KVSIM_SELECT_AVX512
   if (kSelectAvx512 && g_select_avx512_allowed.load(std::memory_order_relaxed)) {
+    const int above = CountAboveAvx512(scores.data(), n, tau), most = std::max(k, above);
     std::vector<int32_t> idx(static_cast<size_t>(most) + 16);
-    idx.resize(static_cast<size_t>(TakeAboveAvx512(scores.data(), n, tau, ties, most, idx.data())));
+    idx.resize(static_cast<size_t>(TakeAboveAvx512(scores.data(), n, tau, k - above, most, idx.data())));
     return idx;
   }
 #endif
+  int above = 0;
+  for (float s : scores) above += s > tau;
+  const int most = std::max(k, above);
   // One in-order scan without branches (whether a score is taken is data-dependent and unpredictable):
   // every index is written at the next free place, which advances only when the index is taken; one
   // spare element takes the last write.
   std::vector<int32_t> idx(static_cast<size_t>(most) + 1);
-  int m = 0, left = ties;
+  int m = 0, ties = k - above;
   for (int32_t j = 0; j < n && m < most; ++j) {
     const float s = scores[j];
-    const int tie = (s == tau) & (left > 0);
+    const int tie = (s == tau) & (ties > 0);
     idx[m] = j;
     m += (s > tau) | tie;
-    left -= tie;
+    ties -= tie;
   }
   idx.resize(m);
   return idx;
