@@ -358,31 +358,24 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   row.elem = elems_.size();
   row.bucket = cc_.size();
   row.tail = tail_.size();
-  // One pass: an upper bound of the sum (as SortForDescendingSums), the sign check, the largest and
-  // smallest value, and per bucket (absolute: by the value's top bits, so before 2^L is known) the count
-  // and sum. The buckets at or above 2^L (a normal power of two: a bucket boundary) hold the big values, and
-  // their sums are exact (any order); the sums of lower buckets are not, and not used. The bucket arrays
-  // are kept zero between rows (a failed check aborts): only [umin's bucket, umax's bucket] is cleared after
-  // use.
-  thread_local std::vector<int32_t> count(kTopBuckets, 0);
-  thread_local std::vector<double> bsum(kTopBuckets, 0.0);
-  int32_t* cnt = count.data();
-  double* bs = bsum.data();
+  // An upper bound of the sum (as SortForDescendingSums), the sign check, the largest and smallest value
+  // (a pass without stores, so it vectorises: four lanes, each adding its values in index order).
   double s4[4] = {};
-  uint32_t negative = 0, umax = 0, umin = 0x7fffffffu;
+  uint32_t neg4[4] = {}, umax4[4] = {}, umin4[4] = {0x7fffffffu, 0x7fffffffu, 0x7fffffffu, 0x7fffffffu};
   size_t i = 0;
   for (; i + 4 <= n; i += 4)
     for (int l = 0; l < 4; ++l) {
       uint32_t u;
       std::memcpy(&u, &values[i + l], 4);
-      negative |= u > 0x80000000u;
+      neg4[l] |= u > 0x80000000u;
       u &= 0x7fffffffu;
-      umax = std::max(umax, u);
-      umin = std::min(umin, u);
+      umax4[l] = std::max(umax4[l], u);
+      umin4[l] = std::min(umin4[l], u);
       s4[l] += values[i + l];
-      ++cnt[u >> kBucketShift];
-      bs[u >> kBucketShift] += values[i + l];
     }
+  uint32_t negative = (neg4[0] | neg4[1]) | (neg4[2] | neg4[3]);
+  uint32_t umax = std::max(std::max(umax4[0], umax4[1]), std::max(umax4[2], umax4[3]));
+  uint32_t umin = std::min(std::min(umin4[0], umin4[1]), std::min(umin4[2], umin4[3]));
   for (; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, &values[i], 4);
@@ -391,8 +384,34 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
     umax = std::max(umax, u);
     umin = std::min(umin, u);
     s4[0] += values[i];
-    ++cnt[u >> kBucketShift];
-    bs[u >> kBucketShift] += values[i];
+  }
+  // Per bucket (absolute: by the value's top bits, so before 2^L is known) the count and sum, for the two
+  // halves of the row separately ([0, h) and [h, n)): two independent chains of increments instead of one
+  // whose every increment of a repeated bucket waits on the previous one's store. The buckets at or above
+  // 2^L (a normal power of two: a bucket boundary) hold the big values, and their sums are exact (any
+  // order, any split); the sums of lower buckets are not, and not used. The bucket arrays are kept zero
+  // between rows (a failed check aborts): only [umin's bucket, umax's bucket] is cleared after use.
+  thread_local std::vector<int32_t> count0(kTopBuckets, 0), count1(kTopBuckets, 0);
+  thread_local std::vector<double> bsum0(kTopBuckets, 0.0), bsum1(kTopBuckets, 0.0);
+  int32_t *cnt0 = count0.data(), *cnt1 = count1.data();
+  double *bs0 = bsum0.data(), *bs1 = bsum1.data();
+  const size_t h = n / 2;
+  auto bucket = [&](size_t at) {
+    uint32_t u;
+    std::memcpy(&u, &values[at], 4);
+    return (u & 0x7fffffffu) >> kBucketShift;
+  };
+  for (i = 0; i < h; ++i) {
+    const uint32_t b0 = bucket(i), b1 = bucket(h + i);
+    ++cnt0[b0];
+    bs0[b0] += values[i];
+    ++cnt1[b1];
+    bs1[b1] += values[h + i];
+  }
+  if (n % 2) {
+    const uint32_t b1 = bucket(n - 1);
+    ++cnt1[b1];
+    bs1[b1] += values[n - 1];
   }
   const uint32_t hi = umax >> kBucketShift, bmin = n > 0 ? umin >> kBucketShift : hi;
   KVSIM_CHECK_MSG(!negative, "TopKSums: values must be non-negative");
@@ -416,32 +435,39 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   cs_.resize(row.bucket + nb + 1);
   int32_t* cc = cc_.data() + row.bucket;
   double* cs = cs_.data() + row.bucket;
+  int32_t run_count = 0;  // running values in registers (cc and cnt may alias as far as the compiler knows)
+  double run_sum = 0;
   cc[0] = 0;
   cs[0] = 0;
   for (int j = 0; j < nb; ++j) {
-    cc[j + 1] = cc[j] + cnt[hi - j];
-    cs[j + 1] = cs[j] + bs[hi - j];
+    run_count += cnt0[hi - j] + cnt1[hi - j];
+    run_sum += bs0[hi - j] + bs1[hi - j];
+    cc[j + 1] = run_count;
+    cs[j + 1] = run_sum;
   }
   const int nbig = cc[nb];
   int32_t place = 0;
-  for (uint32_t b = hi + 1; b-- > bmin;) {  // now: the bucket's next free place
-    const int32_t c = cnt[b];
-    cnt[b] = place;
-    place += c;
+  for (uint32_t b = hi + 1; b-- > bmin;) {  // now: each half's next free place in the bucket
+    const int32_t c0 = cnt0[b], c1 = cnt1[b];
+    cnt0[b] = place;
+    cnt1[b] = place + c0;
+    place += c0 + c1;
   }
-  // The scatter: the big values by bucket (and the others into the scratch places after them).
+  // The scatter: the big values by bucket (and the others into the scratch places after them), each
+  // bucket's values in index order (the first half's places come first), as one sequential scatter puts
+  // them.
   if (nbig > 0) {
     elems_.resize(row.elem + (umin < ubig ? n : nbig));  // scratch places only when a value is below 2^L
     float* el = elems_.data() + row.elem;
-    for (i = 0; i < n; ++i) {
-      uint32_t u;
-      std::memcpy(&u, &values[i], 4);
-      el[cnt[(u & 0x7fffffffu) >> kBucketShift]++] = values[i];
+    for (i = 0; i < h; ++i) {
+      el[cnt0[bucket(i)]++] = values[i];
+      el[cnt1[bucket(h + i)]++] = values[h + i];
     }
+    if (n % 2) el[cnt1[bucket(n - 1)]++] = values[n - 1];
     elems_.resize(row.elem + nbig);
   }
-  std::fill(cnt + bmin, cnt + hi + 1, 0);  // the touched buckets back to zero for the next row
-  std::fill(bs + bmin, bs + hi + 1, 0.0);
+  for (int32_t* c : {cnt0, cnt1}) std::fill(c + bmin, c + hi + 1, 0);  // back to zero for the next row
+  for (double* c : {bs0, bs1}) std::fill(c + bmin, c + hi + 1, 0.0);
   // The nonzero values below 2^L, in descending order, added one by one after the big ones.
   thread_local std::vector<uint32_t> a, b;
   size_t m = 0;
