@@ -206,19 +206,25 @@ struct WorkerScratch {
   // Merged slots in bulk (see BeginMergedBlock): while the cache's version is unchanged, its merged slots
   // (keys, values, slot indices) are too, so the dots of steps [mt0, mt0 + mrows) with them are one product
   // per group member and their values' output contribution another, added to `extra` when the block ends.
-  uint64_t prev_version = 0;  // the cache's version at the previous step's attention
-  uint64_t mversion = 0;      // the version the block was built for
-  int mt0 = -1;               // first step of the block; -1: no block
-  int mt_end = -1;            // one past the last step the block's weights were written for
-  int mrows = 0;              // steps the block covers: [mt0, mt0 + mrows)
-  int mlen = 0;               // steps the next block covers at most (adapts to how long blocks last)
-  std::vector<int32_t> mcol;  // [slot] the merged slot's column, -1 for plain slots
-  std::vector<float> mk, mv;  // [M][d] the merged keys / values, in slot order
-  std::vector<float> mdot;    // [g][mrows][M] q_t . k_m
-  std::vector<float> mw;      // [g][mrows][M] the steps' merged weights (0 when not visible)
+  uint64_t prev_version = 0;   // the cache's version at the previous step's attention
+  uint64_t mversion = 0;       // the version the block was built for
+  int mt0 = -1;                // first step of the block; -1: no block
+  int mt_end = -1;             // one past the last step the block's weights were written for
+  int mrows = 0;               // steps the block covers: [mt0, mt0 + mrows)
+  int mlen = 0;                // steps the next block covers at most (adapts to how long blocks last)
+  std::vector<int32_t> mcol;   // [slot] the merged slot's column, -1 for plain slots
+  std::vector<int32_t> mslot;  // [M] the merged slots (column c's slot), in slot order
+  std::vector<float> mk, mv;   // [M][d] the merged keys / values, in slot order
+  std::vector<float> mdot;     // [g][mrows][M] q_t . k_m
+  std::vector<float> mw;       // [g][mrows][M] the steps' merged weights (0 when not visible)
   // The block's member sums of steps [ms0, ms0 + kMemberChunk) (see MemberSums); ms0 = -1: none.
   int ms0 = -1;
   std::vector<double> msum;  // [g][kMemberChunk][M]
+  // The step's merged slots in slot order (outside a block; in one: mslot) and, per group member, their
+  // weights and member sums (entries of masked slots are not written): MergedSlotSums' input.
+  std::vector<int32_t> step_mslot;
+  std::vector<float> step_mw;
+  std::vector<double> step_members;
 };
 
 // Steps whose merged slots' member sums are computed together (one AVX2 register pair per member).
@@ -300,6 +306,79 @@ int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* 
     rm[s & 3][static_cast<int>(mod[tok])] += pt;
   }
   return visible;
+}
+
+// MergedSlotSums (replay.h). The sums are locals the compiler keeps in registers: the loop has no calls (the
+// merged slots' weights and member sums come precomputed), and runs of plain slots between two merged ones
+// are a tight inner loop. With AVX2 the four modality sums live in one register and every plain slot adds
+// p[tok] masked to its modality (the others get +0.0, which changes none of them: they start at +0.0 and
+// a NaN or infinity is masked to +0.0 outside its modality), as in PlainSlotSums: each sum gets the same
+// additions in the same order as the per-slot loop Step had (issue 14, round 9).
+MergedSlotSumsResult MergedSlotSums(const int32_t* tk, int slots, const float* p, const Modality* mod,
+                                    int first, const int32_t* merged, int num_merged, const float* mw,
+                                    const double* members, float* cp) {
+  double wsum = 0, retained = 0, anchor = 0, covered = 0, merged_w = 0, merged_mass = 0;
+  int visible = 0;
+#ifdef __AVX2__
+  static_assert(kNumModalities == 4);
+  const __m256d only[4] = {_mm256_castsi256_pd(_mm256_setr_epi64x(-1, 0, 0, 0)),
+                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, -1, 0, 0)),
+                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, 0, -1, 0)),
+                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, 0, 0, -1))};
+  __m256d rm = _mm256_setzero_pd();
+#else
+  double rm[4] = {0, 0, 0, 0};
+#endif
+  // The plain slots [s0, s1).
+  auto plain = [&](int s0, int s1) {
+    for (int s = s0; s < s1; ++s) {
+      const int32_t tok = tk[s];
+      if (tok < first) continue;  // outside a sliding window: masked
+      ++visible;
+      const float pt = p[tok];
+      retained += pt;
+      covered += pt;
+      wsum += pt;
+#ifdef __AVX2__
+      rm = _mm256_add_pd(rm, _mm256_and_pd(_mm256_set1_pd(pt), only[static_cast<int>(mod[tok])]));
+#else
+      rm[static_cast<int>(mod[tok])] += pt;
+#endif
+      if (cp) cp[s] = pt;
+    }
+  };
+  int s = 0;
+  for (int j = 0; j < num_merged; ++j) {
+    const int sm = merged[j];
+    plain(s, sm);
+    s = sm + 1;
+    if (tk[sm] < first) continue;
+    ++visible;
+    const float pt = p[tk[sm]], wgt = mw[j];
+    const double mem = members[j];
+    anchor += pt;  // its key and value were replaced: covered, not retained
+    covered += pt;
+    covered += mem;
+    merged_w += wgt;
+    merged_mass += pt + mem;
+    wsum += wgt;
+    if (cp) cp[sm] = wgt;
+  }
+  plain(s, slots);
+  MergedSlotSumsResult r;
+  r.wsum = wsum;
+  r.retained = retained;
+  r.anchor = anchor;
+  r.covered = covered;
+  r.merged_w = merged_w;
+  r.merged_mass = merged_mass;
+#ifdef __AVX2__
+  _mm256_storeu_pd(r.ret_mod, rm);
+#else
+  std::copy_n(rm, 4, r.ret_mod);
+#endif
+  r.visible = visible;
+  return r;
 }
 
 namespace {
@@ -728,6 +807,7 @@ class LayerPass {
     const int steps = meta_.num_decode_steps, d = m_.head_dim, group = m_.GroupSize();
     const int slots = cache.size(), mm = cache.num_merged_slots(), rows = std::min(steps - t, ws.mlen);
     ws.mcol.assign(slots, -1);
+    ws.mslot.resize(mm);
     ws.mk.resize(static_cast<size_t>(mm) * d);
     ws.mv.resize(static_cast<size_t>(mm) * d);
     int c = 0;
@@ -736,6 +816,7 @@ class LayerPass {
       const MergedSlot& ms = cache.merged(s);
       std::copy_n(ms.key.data(), d, ws.mk.data() + static_cast<size_t>(c) * d);
       std::copy_n(ms.value.data(), d, ws.mv.data() + static_cast<size_t>(c) * d);
+      ws.mslot[c] = s;
       ws.mcol[s] = c++;
     }
     KVSIM_CHECK(c == mm);
@@ -940,6 +1021,23 @@ class LayerPass {
       if (ws.ms0 < 0 || t >= ws.ms0 + kMemberChunk) MemberSums(u, t, cache, ws);
     }
     const double* msum = bulk ? ws.msum.data() + static_cast<size_t>(t - ws.ms0) * mm : nullptr;
+    // The merged slots in slot order: the block's, else listed here.
+    const int32_t* mslot = nullptr;
+    int num_merged = 0;
+    if (bulk) {
+      mslot = ws.mslot.data();
+      num_merged = mm;
+    } else if (cache.has_merges()) {
+      ws.step_mslot.clear();
+      for (int s = 0; s < slots; ++s)
+        if (cache.is_merged(s)) ws.step_mslot.push_back(s);
+      mslot = ws.step_mslot.data();
+      num_merged = static_cast<int>(ws.step_mslot.size());
+    }
+    if (static_cast<int>(ws.step_mw.size()) < num_merged) {
+      ws.step_mw.resize(num_merged);
+      ws.step_members.resize(num_merged);
+    }
     for (int g = 0; g < group; ++g) {
       const int qh = u * group + g;
       const DecodeReference& ref = w.refs[g];
@@ -958,30 +1056,21 @@ class LayerPass {
         for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
         retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
         wsum = covered = retained;
-      }
-      for (int s = 0; s < slots && cache.has_merges(); ++s) {
-        const int32_t tok = tokens[s];
-        if (tok < first) continue;  // outside a sliding window: masked
-        ++visible;
-        const float pt = p[tok];
-        float wgt;
-        if (!cache.is_merged(s)) {  // kept as itself: retained
-          retained += pt;
-          ret_mod[static_cast<int>(meta_.tokens.modality[tok])] += pt;
-          wgt = pt;
-          covered += pt;
-        } else {
+      } else {
+        // First the merged slots alone (their dots, weights, member sums and output contributions: every
+        // call of the step), then the sums over all slots in slot order (MergedSlotSums: no calls, the sums
+        // in registers), which adds the same values in the same order as one loop doing both did.
+        for (int j = 0; j < num_merged; ++j) {
+          const int s = mslot[j];
+          if (tokens[s] < first) continue;  // outside a sliding window: masked
           const MergedSlot& ms = cache.merged(s);
-          const float dot =
-              bulk ? ws.mdot[g * mrows + mrow0 + ws.mcol[s]] : Dot(DecodeQuery(qh, t), ms.key.data(), d);
-          wgt = static_cast<float>(std::exp(static_cast<double>(tf(dot)) - lse));
-          anchor += pt;  // its key and value were replaced: covered, not retained
-          covered += pt;
+          const float dot = bulk ? ws.mdot[g * mrows + mrow0 + j] : Dot(DecodeQuery(qh, t), ms.key.data(), d);
+          const float wgt = static_cast<float>(std::exp(static_cast<double>(tf(dot)) - lse));
           // Σ p over the members: in a block from MemberSums (the same additions in the same order), else
           // here with four independent partial sums in registers (no serial dependency chain).
           double members;
           if (bulk) {
-            members = msum[static_cast<size_t>(g) * kMemberChunk * mm + ws.mcol[s]];
+            members = msum[static_cast<size_t>(g) * kMemberChunk * mm + j];
           } else {
             const auto* mem = ms.members.data();
             const size_t nm = ms.members.size();
@@ -996,9 +1085,8 @@ class LayerPass {
             for (; i < nm; ++i) m0 += p[mem[i].first];
             members = (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
           }
-          covered += members;
-          merged_w += wgt;
-          merged_mass += pt + members;
+          ws.step_mw[j] = wgt;
+          ws.step_members[j] = members;
           // The merged value is no original row: its contribution is added to the step's output here (in
           // a block: its weight is kept, and FlushMergedBlock adds all steps' contributions at once).
           if (!ws.has_extra[t]) {
@@ -1006,15 +1094,24 @@ class LayerPass {
             ws.has_extra[t] = 1;
           }
           if (bulk) {
-            ws.mw[g * mrows + mrow0 + ws.mcol[s]] = wgt;
+            ws.mw[g * mrows + mrow0 + j] = wgt;
           } else {
             float* ex = &ws.extra[(static_cast<size_t>(g) * steps + t) * d];
             const float* v = ms.value.data();
             for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
           }
         }
-        if (cp) cp[s] = wgt;
-        wsum += wgt;
+        const MergedSlotSumsResult sums =
+            MergedSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, mslot, num_merged,
+                           ws.step_mw.data(), ws.step_members.data(), cp);
+        wsum = sums.wsum;
+        retained = sums.retained;
+        anchor = sums.anchor;
+        covered = sums.covered;
+        merged_w = sums.merged_w;
+        merged_mass = sums.merged_mass;
+        std::copy_n(sums.ret_mod, 4, ret_mod);
+        visible = sums.visible;
       }
       const size_t gt = static_cast<size_t>(g) * steps + t;
       ws.wsum[gt] = wsum;
