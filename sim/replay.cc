@@ -212,7 +212,6 @@ struct WorkerScratch {
   int mt_end = -1;             // one past the last step the block's weights were written for
   int mrows = 0;               // steps the block covers: [mt0, mt0 + mrows)
   int mlen = 0;                // steps the next block covers at most (adapts to how long blocks last)
-  std::vector<int32_t> mcol;   // [slot] the merged slot's column, -1 for plain slots
   std::vector<int32_t> mslot;  // [M] the merged slots (column c's slot), in slot order
   std::vector<float> mk, mv;   // [M][d] the merged keys / values, in slot order
   std::vector<float> mdot;     // [g][mrows][M] q_t . k_m
@@ -806,7 +805,6 @@ class LayerPass {
     FlushMergedBlock(ws);
     const int steps = meta_.num_decode_steps, d = m_.head_dim, group = m_.GroupSize();
     const int slots = cache.size(), mm = cache.num_merged_slots(), rows = std::min(steps - t, ws.mlen);
-    ws.mcol.assign(slots, -1);
     ws.mslot.resize(mm);
     ws.mk.resize(static_cast<size_t>(mm) * d);
     ws.mv.resize(static_cast<size_t>(mm) * d);
@@ -816,8 +814,7 @@ class LayerPass {
       const MergedSlot& ms = cache.merged(s);
       std::copy_n(ms.key.data(), d, ws.mk.data() + static_cast<size_t>(c) * d);
       std::copy_n(ms.value.data(), d, ws.mv.data() + static_cast<size_t>(c) * d);
-      ws.mslot[c] = s;
-      ws.mcol[s] = c++;
+      ws.mslot[c++] = s;
     }
     KVSIM_CHECK(c == mm);
     ws.mdot.resize(static_cast<size_t>(group) * rows * mm);
@@ -859,20 +856,76 @@ class LayerPass {
         }
       }
     });
-    // The block's slots (appends since its start are plain slots after them).
-    const int slots = static_cast<int>(ws.mcol.size()), mm = static_cast<int>(ws.mk.size() / m_.head_dim);
+    // The block's merged slots (appends since its start are plain slots after them).
+    const int mm = static_cast<int>(ws.mslot.size());
     ws.msum.resize(static_cast<size_t>(group) * kMemberChunk * mm);
     for (int g = 0; g < group; ++g) {
       const float* pt = w.probs_t.data() + g * ts + t;
       double* out = ws.msum.data() + static_cast<size_t>(g) * kMemberChunk * mm;
-      for (int s = 0; s < slots; ++s) {
-        const int c = ws.mcol[s];
-        if (c < 0) continue;
-        const auto* mem = cache.merged(s).members.data();
-        const size_t nm = cache.merged(s).members.size();
+      // The members' rows lie scattered over the transposed probabilities, and most slots have a few
+      // members: each member added prefetches the row kAhead members further in the block's member order
+      // (across slots), so the loads are in flight before their adds wait on them.
+      constexpr int kAhead = 8;
+      int pc = 0;  // the next row to prefetch: member pi of the block's merged slot pc
+      size_t pi = 0;
+      const std::pair<int32_t, float>* pmem = mm > 0 ? cache.merged(ws.mslot[0]).members.data() : nullptr;
+      size_t pn = mm > 0 ? cache.merged(ws.mslot[0]).members.size() : 0;
+      auto prefetch = [&] {
+        while (pi >= pn) {
+          if (++pc >= mm) return;
+          const auto& next = cache.merged(ws.mslot[pc]).members;
+          pmem = next.data();
+          pn = next.size();
+          pi = 0;
+        }
+        const float* row = pt + static_cast<size_t>(pmem[pi++].first) * steps;
+        __builtin_prefetch(row);
+        __builtin_prefetch(row + kMemberChunk - 1);
+      };
+      for (int a = 0; a < kAhead; ++a) prefetch();
+      for (int c = 0; c < mm; ++c) {
+        const auto& members = cache.merged(ws.mslot[c]).members;
+        const auto* mem = members.data();
+        const size_t nm = members.size();
         float m0[kMemberChunk] = {}, m1[kMemberChunk] = {}, m2[kMemberChunk] = {}, m3[kMemberChunk] = {};
         size_t i = 0;
+#ifdef __AVX2__
+        // Lane k of a register pair is step t + k's sum (m0[k] etc.): the same float additions in the same
+        // order as the scalar loops below.
+        static_assert(kMemberChunk == 16);
+        __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
         for (; i + 4 <= nm; i += 4) {
+          for (int a = 0; a < 4; ++a) prefetch();
+          const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
+          const float* p1 = pt + static_cast<size_t>(mem[i + 1].first) * steps;
+          const float* p2 = pt + static_cast<size_t>(mem[i + 2].first) * steps;
+          const float* p3 = pt + static_cast<size_t>(mem[i + 3].first) * steps;
+          a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p0));
+          b0 = _mm256_add_ps(b0, _mm256_loadu_ps(p0 + 8));
+          a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p1));
+          b1 = _mm256_add_ps(b1, _mm256_loadu_ps(p1 + 8));
+          a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p2));
+          b2 = _mm256_add_ps(b2, _mm256_loadu_ps(p2 + 8));
+          a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p3));
+          b3 = _mm256_add_ps(b3, _mm256_loadu_ps(p3 + 8));
+        }
+        for (; i < nm; ++i) {
+          prefetch();
+          const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
+          a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p0));
+          b0 = _mm256_add_ps(b0, _mm256_loadu_ps(p0 + 8));
+        }
+        _mm256_storeu_ps(m0, a0);
+        _mm256_storeu_ps(m0 + 8, b0);
+        _mm256_storeu_ps(m1, a1);
+        _mm256_storeu_ps(m1 + 8, b1);
+        _mm256_storeu_ps(m2, a2);
+        _mm256_storeu_ps(m2 + 8, b2);
+        _mm256_storeu_ps(m3, a3);
+        _mm256_storeu_ps(m3 + 8, b3);
+#else
+        for (; i + 4 <= nm; i += 4) {
+          for (int a = 0; a < 4; ++a) prefetch();
           const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
           const float* p1 = pt + static_cast<size_t>(mem[i + 1].first) * steps;
           const float* p2 = pt + static_cast<size_t>(mem[i + 2].first) * steps;
@@ -885,9 +938,11 @@ class LayerPass {
           }
         }
         for (; i < nm; ++i) {
+          prefetch();
           const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
           for (int k = 0; k < kMemberChunk; ++k) m0[k] += p0[k];
         }
+#endif
         for (int k = 0; k < kMemberChunk; ++k)
           out[static_cast<size_t>(k) * mm + c] =
               (static_cast<double>(m0[k]) + m1[k]) + (static_cast<double>(m2[k]) + m3[k]);
