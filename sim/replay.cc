@@ -1047,9 +1047,16 @@ class LayerPass {
       ws.step_begin.push_back(ws.step_begin.back() + slots);
     else if (whole)
       ws.plain.insert(ws.plain.end(), tokens.begin(), tokens.end());
-    else
-      for (int s = 0; s < slots; ++s)
-        if (tokens[s] >= first0 && !cache.is_merged(s)) ws.plain.push_back(tokens[s]);
+    else {  // every token written, the kept ones counted (no call per slot)
+      size_t k = ws.plain.size();
+      ws.plain.resize(k + slots);
+      int32_t* out = ws.plain.data();
+      for (int s = 0; s < slots; ++s) {
+        out[k] = tokens[s];
+        k += tokens[s] >= first0 && !cache.is_merged(s);
+      }
+      ws.plain.resize(k);
+    }
     if (!ws.prefix) ws.step_begin.push_back(ws.plain.size());
     ws.checked[t] = !cache.has_merges();
     // Merged slots in bulk while the cache is unchanged since the previous step (else per step, below).
