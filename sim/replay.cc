@@ -205,19 +205,24 @@ struct WorkerScratch {
   // Merged slots in bulk (see BeginMergedBlock): while the cache's version is unchanged, its merged slots
   // (keys, values, slot indices) are too, so the dots of steps [mt0, mt0 + mrows) with them are one product
   // per group member and their values' output contribution another, added to `extra` when the block ends.
-  uint64_t prev_version = 0;  // the cache's version at the previous step's attention
-  uint64_t mversion = 0;      // the version the block was built for
-  int mt0 = -1;               // first step of the block; -1: no block
-  int mt_end = -1;            // one past the last step the block's weights were written for
-  int mrows = 0;              // steps the block covers: [mt0, mt0 + mrows)
-  int mlen = 0;               // steps the next block covers at most (adapts to how long blocks last)
-  std::vector<int32_t> mcol;  // [slot] the merged slot's column, -1 for plain slots
-  std::vector<float> mk, mv;  // [M][d] the merged keys / values, in slot order
-  std::vector<float> mdot;    // [g][mrows][M] q_t . k_m
-  std::vector<float> mw;      // [g][mrows][M] the steps' merged weights (0 when not visible)
+  uint64_t prev_version = 0;   // the cache's version at the previous step's attention
+  uint64_t mversion = 0;       // the version the block was built for
+  int mt0 = -1;                // first step of the block; -1: no block
+  int mt_end = -1;             // one past the last step the block's weights were written for
+  int mrows = 0;               // steps the block covers: [mt0, mt0 + mrows)
+  int mlen = 0;                // steps the next block covers at most (adapts to how long blocks last)
+  std::vector<int32_t> mslot;  // [M] the merged slots (column c's slot), in slot order
+  std::vector<float> mk, mv;   // [M][d] the merged keys / values, in slot order
+  std::vector<float> mdot;     // [g][mrows][M] q_t . k_m
+  std::vector<float> mw;       // [g][mrows][M] the steps' merged weights (0 when not visible)
   // The block's member sums of steps [ms0, ms0 + kMemberChunk) (see MemberSums); ms0 = -1: none.
   int ms0 = -1;
   std::vector<double> msum;  // [g][kMemberChunk][M]
+  // The step's merged slots in slot order (outside a block; in one: mslot) and, per group member, their
+  // weights and member sums (entries of masked slots are not written): MergedSlotSums' input.
+  std::vector<int32_t> step_mslot;
+  std::vector<float> step_mw;
+  std::vector<double> step_members;
 };
 
 // Steps whose merged slots' member sums are computed together (one AVX2 register pair per member).
@@ -301,6 +306,79 @@ int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* 
     rm[s & 3][static_cast<int>(mod[tok])] += pt;
   }
   return visible;
+}
+
+// MergedSlotSums (replay.h). The sums are locals the compiler keeps in registers: the loop has no calls (the
+// merged slots' weights and member sums come precomputed), and runs of plain slots between two merged ones
+// are a tight inner loop. With AVX2 the four modality sums live in one register and every plain slot adds
+// p[tok] masked to its modality (the others get +0.0, which changes none of them: they start at +0.0 and
+// a NaN or infinity is masked to +0.0 outside its modality), as in PlainSlotSums: each sum gets the same
+// additions in the same order as the per-slot loop Step had (issue 14, round 9).
+MergedSlotSumsResult MergedSlotSums(const int32_t* tk, int slots, const float* p, const Modality* mod,
+                                    int first, const int32_t* merged, int num_merged, const float* mw,
+                                    const double* members, float* cp) {
+  double wsum = 0, retained = 0, anchor = 0, covered = 0, merged_w = 0, merged_mass = 0;
+  int visible = 0;
+#ifdef __AVX2__
+  static_assert(kNumModalities == 4);
+  const __m256d only[4] = {_mm256_castsi256_pd(_mm256_setr_epi64x(-1, 0, 0, 0)),
+                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, -1, 0, 0)),
+                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, 0, -1, 0)),
+                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, 0, 0, -1))};
+  __m256d rm = _mm256_setzero_pd();
+#else
+  double rm[4] = {0, 0, 0, 0};
+#endif
+  // The plain slots [s0, s1).
+  auto plain = [&](int s0, int s1) {
+    for (int s = s0; s < s1; ++s) {
+      const int32_t tok = tk[s];
+      if (tok < first) continue;  // outside a sliding window: masked
+      ++visible;
+      const float pt = p[tok];
+      retained += pt;
+      covered += pt;
+      wsum += pt;
+#ifdef __AVX2__
+      rm = _mm256_add_pd(rm, _mm256_and_pd(_mm256_set1_pd(pt), only[static_cast<int>(mod[tok])]));
+#else
+      rm[static_cast<int>(mod[tok])] += pt;
+#endif
+      if (cp) cp[s] = pt;
+    }
+  };
+  int s = 0;
+  for (int j = 0; j < num_merged; ++j) {
+    const int sm = merged[j];
+    plain(s, sm);
+    s = sm + 1;
+    if (tk[sm] < first) continue;
+    ++visible;
+    const float pt = p[tk[sm]], wgt = mw[j];
+    const double mem = members[j];
+    anchor += pt;  // its key and value were replaced: covered, not retained
+    covered += pt;
+    covered += mem;
+    merged_w += wgt;
+    merged_mass += pt + mem;
+    wsum += wgt;
+    if (cp) cp[sm] = wgt;
+  }
+  plain(s, slots);
+  MergedSlotSumsResult r;
+  r.wsum = wsum;
+  r.retained = retained;
+  r.anchor = anchor;
+  r.covered = covered;
+  r.merged_w = merged_w;
+  r.merged_mass = merged_mass;
+#ifdef __AVX2__
+  _mm256_storeu_pd(r.ret_mod, rm);
+#else
+  std::copy_n(rm, 4, r.ret_mod);
+#endif
+  r.visible = visible;
+  return r;
 }
 
 namespace {
@@ -718,7 +796,7 @@ class LayerPass {
     FlushMergedBlock(ws);
     const int steps = meta_.num_decode_steps, d = m_.head_dim, group = m_.GroupSize();
     const int slots = cache.size(), mm = cache.num_merged_slots(), rows = std::min(steps - t, ws.mlen);
-    ws.mcol.assign(slots, -1);
+    ws.mslot.resize(mm);
     ws.mk.resize(static_cast<size_t>(mm) * d);
     ws.mv.resize(static_cast<size_t>(mm) * d);
     int c = 0;
@@ -727,7 +805,7 @@ class LayerPass {
       const MergedSlot& ms = cache.merged(s);
       std::copy_n(ms.key.data(), d, ws.mk.data() + static_cast<size_t>(c) * d);
       std::copy_n(ms.value.data(), d, ws.mv.data() + static_cast<size_t>(c) * d);
-      ws.mcol[s] = c++;
+      ws.mslot[c++] = s;
     }
     KVSIM_CHECK(c == mm);
     ws.mdot.resize(static_cast<size_t>(group) * rows * mm);
@@ -769,20 +847,76 @@ class LayerPass {
         }
       }
     });
-    // The block's slots (appends since its start are plain slots after them).
-    const int slots = static_cast<int>(ws.mcol.size()), mm = static_cast<int>(ws.mk.size() / m_.head_dim);
+    // The block's merged slots (appends since its start are plain slots after them).
+    const int mm = static_cast<int>(ws.mslot.size());
     ws.msum.resize(static_cast<size_t>(group) * kMemberChunk * mm);
     for (int g = 0; g < group; ++g) {
       const float* pt = w.probs_t.data() + g * ts + t;
       double* out = ws.msum.data() + static_cast<size_t>(g) * kMemberChunk * mm;
-      for (int s = 0; s < slots; ++s) {
-        const int c = ws.mcol[s];
-        if (c < 0) continue;
-        const auto* mem = cache.merged(s).members.data();
-        const size_t nm = cache.merged(s).members.size();
+      // The members' rows lie scattered over the transposed probabilities, and most slots have a few
+      // members: each member added prefetches the row kAhead members further in the block's member order
+      // (across slots), so the loads are in flight before their adds wait on them.
+      constexpr int kAhead = 8;
+      int pc = 0;  // the next row to prefetch: member pi of the block's merged slot pc
+      size_t pi = 0;
+      const std::pair<int32_t, float>* pmem = mm > 0 ? cache.merged(ws.mslot[0]).members.data() : nullptr;
+      size_t pn = mm > 0 ? cache.merged(ws.mslot[0]).members.size() : 0;
+      auto prefetch = [&] {
+        while (pi >= pn) {
+          if (++pc >= mm) return;
+          const auto& next = cache.merged(ws.mslot[pc]).members;
+          pmem = next.data();
+          pn = next.size();
+          pi = 0;
+        }
+        const float* row = pt + static_cast<size_t>(pmem[pi++].first) * steps;
+        __builtin_prefetch(row);
+        __builtin_prefetch(row + kMemberChunk - 1);
+      };
+      for (int a = 0; a < kAhead; ++a) prefetch();
+      for (int c = 0; c < mm; ++c) {
+        const auto& members = cache.merged(ws.mslot[c]).members;
+        const auto* mem = members.data();
+        const size_t nm = members.size();
         float m0[kMemberChunk] = {}, m1[kMemberChunk] = {}, m2[kMemberChunk] = {}, m3[kMemberChunk] = {};
         size_t i = 0;
+#ifdef __AVX2__
+        // Lane k of a register pair is step t + k's sum (m0[k] etc.): the same float additions in the same
+        // order as the scalar loops below.
+        static_assert(kMemberChunk == 16);
+        __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
         for (; i + 4 <= nm; i += 4) {
+          for (int a = 0; a < 4; ++a) prefetch();
+          const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
+          const float* p1 = pt + static_cast<size_t>(mem[i + 1].first) * steps;
+          const float* p2 = pt + static_cast<size_t>(mem[i + 2].first) * steps;
+          const float* p3 = pt + static_cast<size_t>(mem[i + 3].first) * steps;
+          a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p0));
+          b0 = _mm256_add_ps(b0, _mm256_loadu_ps(p0 + 8));
+          a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p1));
+          b1 = _mm256_add_ps(b1, _mm256_loadu_ps(p1 + 8));
+          a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p2));
+          b2 = _mm256_add_ps(b2, _mm256_loadu_ps(p2 + 8));
+          a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p3));
+          b3 = _mm256_add_ps(b3, _mm256_loadu_ps(p3 + 8));
+        }
+        for (; i < nm; ++i) {
+          prefetch();
+          const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
+          a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p0));
+          b0 = _mm256_add_ps(b0, _mm256_loadu_ps(p0 + 8));
+        }
+        _mm256_storeu_ps(m0, a0);
+        _mm256_storeu_ps(m0 + 8, b0);
+        _mm256_storeu_ps(m1, a1);
+        _mm256_storeu_ps(m1 + 8, b1);
+        _mm256_storeu_ps(m2, a2);
+        _mm256_storeu_ps(m2 + 8, b2);
+        _mm256_storeu_ps(m3, a3);
+        _mm256_storeu_ps(m3 + 8, b3);
+#else
+        for (; i + 4 <= nm; i += 4) {
+          for (int a = 0; a < 4; ++a) prefetch();
           const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
           const float* p1 = pt + static_cast<size_t>(mem[i + 1].first) * steps;
           const float* p2 = pt + static_cast<size_t>(mem[i + 2].first) * steps;
@@ -795,9 +929,11 @@ class LayerPass {
           }
         }
         for (; i < nm; ++i) {
+          prefetch();
           const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
           for (int k = 0; k < kMemberChunk; ++k) m0[k] += p0[k];
         }
+#endif
         for (int k = 0; k < kMemberChunk; ++k)
           out[static_cast<size_t>(k) * mm + c] =
               (static_cast<double>(m0[k]) + m1[k]) + (static_cast<double>(m2[k]) + m3[k]);
@@ -916,9 +1052,16 @@ class LayerPass {
       ws.step_begin.push_back(ws.step_begin.back() + slots);
     else if (whole)
       ws.plain.insert(ws.plain.end(), tokens.begin(), tokens.end());
-    else
-      for (int s = 0; s < slots; ++s)
-        if (tokens[s] >= first0 && !cache.is_merged(s)) ws.plain.push_back(tokens[s]);
+    else {  // every token written, the kept ones counted (no call per slot)
+      size_t k = ws.plain.size();
+      ws.plain.resize(k + slots);
+      int32_t* out = ws.plain.data();
+      for (int s = 0; s < slots; ++s) {
+        out[k] = tokens[s];
+        k += tokens[s] >= first0 && !cache.is_merged(s);
+      }
+      ws.plain.resize(k);
+    }
     if (!ws.prefix) ws.step_begin.push_back(ws.plain.size());
     ws.checked[t] = !cache.has_merges();
     // Merged slots in bulk while the cache is unchanged since the previous step (else per step, below).
@@ -945,6 +1088,23 @@ class LayerPass {
       if (ws.ms0 < 0 || t >= ws.ms0 + kMemberChunk) MemberSums(u, t, cache, ws);
     }
     const double* msum = bulk ? ws.msum.data() + static_cast<size_t>(t - ws.ms0) * mm : nullptr;
+    // The merged slots in slot order: the block's, else listed here.
+    const int32_t* mslot = nullptr;
+    int num_merged = 0;
+    if (bulk) {
+      mslot = ws.mslot.data();
+      num_merged = mm;
+    } else if (cache.has_merges()) {
+      ws.step_mslot.clear();
+      for (int s = 0; s < slots; ++s)
+        if (cache.is_merged(s)) ws.step_mslot.push_back(s);
+      mslot = ws.step_mslot.data();
+      num_merged = static_cast<int>(ws.step_mslot.size());
+    }
+    if (static_cast<int>(ws.step_mw.size()) < num_merged) {
+      ws.step_mw.resize(num_merged);
+      ws.step_members.resize(num_merged);
+    }
     for (int g = 0; g < group; ++g) {
       const int qh = u * group + g;
       const DecodeReference& ref = w.refs[g];
@@ -963,30 +1123,21 @@ class LayerPass {
         for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
         retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
         wsum = covered = retained;
-      }
-      for (int s = 0; s < slots && cache.has_merges(); ++s) {
-        const int32_t tok = tokens[s];
-        if (tok < first) continue;  // outside a sliding window: masked
-        ++visible;
-        const float pt = p[tok];
-        float wgt;
-        if (!cache.is_merged(s)) {  // kept as itself: retained
-          retained += pt;
-          ret_mod[static_cast<int>(meta_.tokens.modality[tok])] += pt;
-          wgt = pt;
-          covered += pt;
-        } else {
+      } else {
+        // First the merged slots alone (their dots, weights, member sums and output contributions: every
+        // call of the step), then the sums over all slots in slot order (MergedSlotSums: no calls, the sums
+        // in registers), which adds the same values in the same order as one loop doing both did.
+        for (int j = 0; j < num_merged; ++j) {
+          const int s = mslot[j];
+          if (tokens[s] < first) continue;  // outside a sliding window: masked
           const MergedSlot& ms = cache.merged(s);
-          const float dot =
-              bulk ? ws.mdot[g * mrows + mrow0 + ws.mcol[s]] : Dot(DecodeQuery(qh, t), ms.key.data(), d);
-          wgt = static_cast<float>(std::exp(static_cast<double>(tf(dot)) - lse));
-          anchor += pt;  // its key and value were replaced: covered, not retained
-          covered += pt;
+          const float dot = bulk ? ws.mdot[g * mrows + mrow0 + j] : Dot(DecodeQuery(qh, t), ms.key.data(), d);
+          const float wgt = static_cast<float>(std::exp(static_cast<double>(tf(dot)) - lse));
           // Σ p over the members: in a block from MemberSums (the same additions in the same order), else
           // here with four independent partial sums in registers (no serial dependency chain).
           double members;
           if (bulk) {
-            members = msum[static_cast<size_t>(g) * kMemberChunk * mm + ws.mcol[s]];
+            members = msum[static_cast<size_t>(g) * kMemberChunk * mm + j];
           } else {
             const auto* mem = ms.members.data();
             const size_t nm = ms.members.size();
@@ -1001,9 +1152,8 @@ class LayerPass {
             for (; i < nm; ++i) m0 += p[mem[i].first];
             members = (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
           }
-          covered += members;
-          merged_w += wgt;
-          merged_mass += pt + members;
+          ws.step_mw[j] = wgt;
+          ws.step_members[j] = members;
           // The merged value is no original row: its contribution is added to the step's output here (in
           // a block: its weight is kept, and FlushMergedBlock adds all steps' contributions at once).
           if (!ws.has_extra[t]) {
@@ -1011,15 +1161,24 @@ class LayerPass {
             ws.has_extra[t] = 1;
           }
           if (bulk) {
-            ws.mw[g * mrows + mrow0 + ws.mcol[s]] = wgt;
+            ws.mw[g * mrows + mrow0 + j] = wgt;
           } else {
             float* ex = &ws.extra[(static_cast<size_t>(g) * steps + t) * d];
             const float* v = ms.value.data();
             for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
           }
         }
-        if (cp) cp[s] = wgt;
-        wsum += wgt;
+        const MergedSlotSumsResult sums =
+            MergedSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, mslot, num_merged,
+                           ws.step_mw.data(), ws.step_members.data(), cp);
+        wsum = sums.wsum;
+        retained = sums.retained;
+        anchor = sums.anchor;
+        covered = sums.covered;
+        merged_w = sums.merged_w;
+        merged_mass = sums.merged_mass;
+        std::copy_n(sums.ret_mod, 4, ret_mod);
+        visible = sums.visible;
       }
       const size_t gt = static_cast<size_t>(g) * steps + t;
       ws.wsum[gt] = wsum;

@@ -95,6 +95,23 @@ int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* 
 // instead of the regret's buckets (TopKSums::Kth), so a test can compare the two.
 void SetFullKthFromSumsForTesting(bool allowed);
 
+// A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
+// its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in
+// ascending slot order, the j-th with weight mw[j] and member mass members[j] (read only when visible). In
+// slot order, every visible slot (tk[s] >= first; the others are masked) adds, with pt = p[tk[s]]:
+//   plain:  retained += pt, ret_mod[mod[tk[s]]] += pt, covered += pt, wsum += pt, cp[s] = pt
+//   merged: anchor += pt, covered += pt then += members[j], merged_w += mw[j],
+//           merged_mass += pt + members[j] (in double), wsum += mw[j], cp[s] = mw[j]
+// each sum's additions in slot order, from +0.0 (cp written only when not null).
+struct MergedSlotSumsResult {
+  double wsum = 0, retained = 0, anchor = 0, covered = 0, merged_w = 0, merged_mass = 0;
+  double ret_mod[4] = {0, 0, 0, 0};
+  int visible = 0;
+};
+MergedSlotSumsResult MergedSlotSums(const int32_t* tk, int slots, const float* p, const Modality* mod,
+                                    int first, const int32_t* merged, int num_merged, const float* mw,
+                                    const double* members, float* cp);
+
 // Replays all runs; one RunResult per run, in order.
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options);

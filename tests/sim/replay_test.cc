@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "policies/registry.h"
+#include "sim/attention.h"
 #include "tests/test_util.h"
 #include "traces/hdf5_trace.h"
 #include "traces/synth.h"
@@ -1961,6 +1962,360 @@ TEST_CASE("replay: every output path of FinishRun gives the plain computation's 
       if (r > 0) CHECK(want > 1e-3);  // the run's cache misses attention mass
     }
   }
+}
+
+}  // namespace kvsim
+
+namespace kvsim {
+namespace {
+
+// Holds the prompt token groups it is given from the prefill on: a group of one token is a plain slot, a
+// longer one a merged slot anchored at its first token, its other tokens members in the listed order,
+// holding the mean of the group's keys and values. At the `touch` steps the first merged slot is set again
+// (a new cache version: that step takes the per-step path, the others the block path). `append`: whether
+// the engine appends decode tokens (without, an all-merged selection stays all merged).
+class ListMergePolicy final : public Policy {
+ public:
+  ListMergePolicy(std::vector<std::vector<int32_t>> groups, std::vector<int> touch, bool append)
+      : groups_(std::move(groups)), touch_(std::move(touch)), append_(append) {}
+  std::string name() const override { return "list_merge"; }
+  std::string ParamsText() const override { return ""; }
+  PolicyRequirements requirements() const override { return {.decode_attention = true}; }
+  bool evicts_during_decode() const override { return false; }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+    class Head final : public HeadPolicy {
+     public:
+      explicit Head(const ListMergePolicy& p) : p_(p) {}
+      void OnPrefill(const HeadContext& ctx, int, HeadCache* cache) override {
+        const int d = ctx.head_dim();
+        std::vector<int32_t> anchors;
+        for (const auto& g : p_.groups_) anchors.push_back(g[0]);
+        cache->Assign(anchors);
+        for (size_t s = 0; s < p_.groups_.size(); ++s) {
+          const auto& g = p_.groups_[s];
+          if (g.size() < 2) continue;
+          MergedSlot m;
+          m.key.assign(d, 0.0f);
+          m.value.assign(d, 0.0f);
+          for (int32_t tok : g)
+            for (int c = 0; c < d; ++c) {
+              m.key[c] += ctx.keys[static_cast<size_t>(tok) * d + c] / static_cast<float>(g.size());
+              m.value[c] += ctx.values[static_cast<size_t>(tok) * d + c] / static_cast<float>(g.size());
+            }
+          for (size_t i = 1; i < g.size(); ++i) m.members.emplace_back(g[i], 1.0f);
+          cache->SetMerge(static_cast<int>(s), std::move(m));
+        }
+      }
+      void BeforeStep(const HeadContext&, const StepAttention& att, int, HeadCache* cache) override {
+        if (std::find(p_.touch_.begin(), p_.touch_.end(), att.step) == p_.touch_.end()) return;
+        for (int s = 0; s < cache->size(); ++s)
+          if (cache->is_merged(s)) {
+            MergedSlot same = cache->merged(s);
+            cache->SetMerge(s, std::move(same));
+            return;
+          }
+      }
+      bool AppendNewToken() const override { return p_.append_; }
+
+     private:
+      const ListMergePolicy& p_;
+    };
+    return std::make_unique<Head>(*this);
+  }
+
+ private:
+  std::vector<std::vector<int32_t>> groups_;
+  std::vector<int> touch_;
+  bool append_;
+};
+
+struct PlainMergedMetrics {
+  double retained = 0, anchor = 0, covered = 0, share = 0, regret = 0, error = 0, image = 0;
+};
+
+// The metrics of a ListMergePolicy run computed plainly, in double, from the trace: softmax over the
+// visible keys, a merged slot's weight exp(scale q . k_m - log Z) with k_m the mean of its group's keys.
+PlainMergedMetrics PlainMergedRun(MemoryTrace& tr, const std::vector<std::vector<int32_t>>& groups,
+                                  bool append) {
+  const TraceMeta& meta = tr.meta();
+  const int n = meta.prefill_length, steps = meta.num_decode_steps, d = meta.model.head_dim;
+  const int t_all = n + steps, group = meta.model.GroupSize(), heads = meta.model.num_heads;
+  const double scale = meta.model.softmax_scale;
+  PlainMergedMetrics out;
+  double share_n = 0;
+  for (int l = 0; l < meta.model.num_layers; ++l) {
+    LayerData layer;
+    REQUIRE(tr.ReadLayer(l, &layer).ok());
+    for (int h = 0; h < heads; ++h) {
+      const int u = h / group;
+      const float* keys = layer.keys.data() + static_cast<size_t>(u) * t_all * d;
+      const float* values = layer.values.data() + static_cast<size_t>(u) * t_all * d;
+      for (int t = 0; t < steps; ++t) {
+        const int pos = n + t, first = FirstVisibleKey(meta.model, pos);
+        const int qi = meta.QueryIndex(pos);
+        const float* q = layer.HeadQueries(meta, h, qi, qi + 1) + static_cast<size_t>(qi) * d;
+        auto logit = [&](const std::vector<double>& k) {
+          double dot = 0;
+          for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * k[c];
+          return scale * dot;
+        };
+        auto row = [&](const float* base, int32_t j) {
+          return std::vector<double>(base + static_cast<size_t>(j) * d,
+                                     base + static_cast<size_t>(j + 1) * d);
+        };
+        std::vector<double> p(t_all, 0.0);
+        double mx = -1e300, z = 0;
+        for (int j = first; j <= pos; ++j) mx = std::max(mx, p[j] = logit(row(keys, j)));
+        for (int j = first; j <= pos; ++j) z += (p[j] = std::exp(p[j] - mx));
+        for (int j = first; j <= pos; ++j) p[j] /= z;
+        const double lse = mx + std::log(z);
+        // The cache: the groups, then the question tokens and the decode tokens up to this step's.
+        std::vector<std::vector<int32_t>> slots = groups;
+        for (int32_t j = CompressEnd(meta, QuestionMode::kQueryAware); j < n; ++j) slots.push_back({j});
+        if (append)
+          for (int32_t j = n; j <= pos; ++j) slots.push_back({j});
+        double retained = 0, anchor = 0, covered = 0, mw = 0, mmass = 0, wsum = 0;
+        int visible = 0;
+        std::vector<double> o(d, 0.0), oh(d, 0.0);
+        for (int j = first; j <= pos; ++j)
+          for (int c = 0; c < d; ++c) o[c] += p[j] * values[static_cast<size_t>(j) * d + c];
+        for (const auto& g : slots) {
+          if (g[0] < first) continue;
+          ++visible;
+          if (g.size() == 1) {
+            retained += p[g[0]];
+            covered += p[g[0]];
+            if (meta.tokens.modality[g[0]] == Modality::kImage) out.image += p[g[0]];
+            wsum += p[g[0]];
+            for (int c = 0; c < d; ++c) oh[c] += p[g[0]] * values[static_cast<size_t>(g[0]) * d + c];
+            continue;
+          }
+          std::vector<double> km(d, 0.0), vm(d, 0.0);
+          double mass = 0;
+          for (int32_t tok : g) {
+            mass += p[tok];
+            for (int c = 0; c < d; ++c) {
+              km[c] += keys[static_cast<size_t>(tok) * d + c] / g.size();
+              vm[c] += values[static_cast<size_t>(tok) * d + c] / g.size();
+            }
+          }
+          const double w = std::exp(logit(km) - lse);
+          anchor += p[g[0]];
+          covered += mass;
+          mw += w;
+          mmass += mass;
+          wsum += w;
+          for (int c = 0; c < d; ++c) oh[c] += w * vm[c];
+        }
+        std::vector<double> vis(p.begin() + first, p.begin() + pos + 1);
+        std::sort(vis.rbegin(), vis.rend());
+        double top = 0;
+        for (int k = 0; k < std::min<int>(visible, static_cast<int>(vis.size())); ++k) top += vis[k];
+        double diff2 = 0, o2 = 0;
+        for (int c = 0; c < d; ++c) {
+          diff2 += (oh[c] / wsum - o[c]) * (oh[c] / wsum - o[c]);
+          o2 += o[c] * o[c];
+        }
+        out.retained += retained;
+        out.anchor += anchor;
+        out.covered += covered;
+        out.regret += top - retained;
+        out.error += std::sqrt(diff2 / o2);
+        if (mmass > 0) {
+          out.share += mw / mmass;
+          ++share_n;
+        }
+      }
+    }
+  }
+  const double samples = static_cast<double>(meta.model.num_layers) * heads * steps;
+  out.retained /= samples;
+  out.anchor /= samples;
+  out.covered /= samples;
+  out.regret /= samples;
+  out.error /= samples;
+  out.image /= samples;
+  out.share = share_n > 0 ? out.share / share_n : 0.0;
+  return out;
+}
+
+}  // namespace
+
+// The merged-cache metrics of the replay (retained, anchor and covered mass, the merged weight share,
+// regret, output error, retained mass by modality) against the plain computation of PlainMergedRun, for a
+// cache mixing plain and merged slots, one where every slot is merged (no appends) and one where none is,
+// each with and without a sliding window (which masks plain slots and merged ones, anchors and members),
+// with blocks and per-step steps; bit-identical at 1 and 3 threads.
+TEST_CASE("replay: merged-cache metrics equal a plain computation (mixed, all merged, none merged, window)",
+          "[replay][merge]") {
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 1;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.prefill_length = 40;
+  spec.image_begin = 4;
+  spec.image_end = 30;
+  spec.question_tokens = 0;  // compress_end = n: every prompt token is the policy's
+  spec.decode_steps = 8;
+  spec.seed = 5;
+  MemoryTrace base = testing::MakeTinyTrace(spec);
+  const int n = spec.prefill_length;
+  // Groups of sizes cycling through `sizes`, every `drop`-th group evicted (0: none); members in reverse.
+  auto groups = [&](std::vector<int> sizes, int drop) {
+    std::vector<std::vector<int32_t>> out;
+    int gi = 0;
+    for (int32_t j = 0, k = 0; j < n; ++k) {
+      const int size = std::min(sizes[k % sizes.size()], n - j);
+      std::vector<int32_t> g(size);
+      std::iota(g.begin(), g.end(), j);
+      if (size > 2) std::reverse(g.begin() + 1, g.end());
+      if (drop == 0 || ++gi % drop != 0) out.push_back(g);
+      j += size;
+    }
+    return out;
+  };
+  struct Case {
+    const char* name;
+    std::vector<std::vector<int32_t>> groups;
+    bool append;
+  };
+  const std::vector<Case> cases = {{"mixed", groups({1, 1, 3, 1, 2, 1, 1, 5, 1, 4}, 6), true},
+                                   {"all merged", groups({2, 3, 5, 4}, 0), false},
+                                   {"none merged", groups({1}, 4), true}};
+  for (int window : {0, 17}) {
+    TraceMeta meta = base.meta();
+    meta.model.sliding_window = window;
+    LayerData layer;
+    REQUIRE(base.ReadLayer(0, &layer).ok());
+    MemoryTrace tr(meta, {layer});
+    for (const Case& c : cases) {
+      const PlainMergedMetrics want = PlainMergedRun(tr, c.groups, c.append);
+      std::vector<RunSpec> runs;
+      for (std::vector<int> touch :
+           {std::vector<int>{}, std::vector<int>{2, 5}, std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}})
+        runs.push_back(Spec(std::make_shared<ListMergePolicy>(c.groups, touch, c.append), n));
+      auto a = Replay(tr, runs, ReplayOptions{.threads = 1});
+      auto b = Replay(tr, runs, ReplayOptions{.threads = 3});
+      REQUIRE(a.ok());
+      REQUIRE(b.ok());
+      for (size_t r = 0; r < runs.size(); ++r) {
+        INFO(c.name << ", window " << window << ", touch variant " << r);
+        CHECK((*a)[r].SerializeAsString() == (*b)[r].SerializeAsString());
+        const Metrics& m = (*a)[r].metrics();
+        const double eps = 1e-5;
+        CHECK(m.retained_mass_mean() == Approx(want.retained).epsilon(eps).margin(1e-7));
+        CHECK(m.merged_anchor_mass_mean() == Approx(want.anchor).epsilon(eps).margin(1e-7));
+        CHECK(m.covered_mass_mean() == Approx(want.covered).epsilon(eps).margin(1e-7));
+        CHECK(m.merged_weight_over_mass_mean() == Approx(want.share).epsilon(eps).margin(1e-7));
+        CHECK(m.regret_vs_oracle_mean() == Approx(want.regret).epsilon(eps).margin(1e-7));
+        CHECK(m.output_rel_error_mean() == Approx(want.error).epsilon(1e-4).margin(1e-7));
+        CHECK(m.retained_mass_by_modality().image() == Approx(want.image).epsilon(eps).margin(1e-7));
+      }
+      // The cases are what they claim: merged mass, or none; plain mass, or none; masking with the window.
+      if (std::string(c.name) == "none merged") {
+        CHECK(want.share == 0);
+        CHECK(want.anchor == 0);
+      } else {
+        CHECK(want.share > 0);
+        CHECK(want.covered > want.retained + want.anchor + 0.05);
+      }
+      if (std::string(c.name) == "all merged") CHECK(want.retained == 0);
+      if (std::string(c.name) == "mixed") CHECK(want.retained > 0.05);
+    }
+  }
+}
+
+// MergedSlotSums against the per-slot loop Step had (one pass over the slots in slot order, each sum in its
+// own double), bit for bit: values over many binades, so any other order of any sum's additions changes
+// it; merged slots anywhere (first, last, adjacent, every slot, none), masked slots of both kinds.
+TEST_CASE("replay: the merged-slot sums add in slot order, as the per-slot loop does", "[replay][merge]") {
+  auto loop = [](const std::vector<int32_t>& tk, const std::vector<float>& p,
+                 const std::vector<Modality>& mod, int first, const std::vector<char>& is_merged,
+                 const std::vector<float>& mw, const std::vector<double>& members, std::vector<float>* cp) {
+    MergedSlotSumsResult r;
+    int j = 0;
+    for (size_t s = 0; s < tk.size(); ++s) {
+      const bool merged = is_merged[s];
+      const int jm = merged ? j++ : -1;
+      const int32_t tok = tk[s];
+      if (tok < first) continue;
+      ++r.visible;
+      const float pt = p[tok];
+      float wgt;
+      if (!merged) {
+        r.retained += pt;
+        r.ret_mod[static_cast<int>(mod[tok])] += pt;
+        wgt = pt;
+        r.covered += pt;
+      } else {
+        wgt = mw[jm];
+        r.anchor += pt;
+        r.covered += pt;
+        r.covered += members[jm];
+        r.merged_w += wgt;
+        r.merged_mass += pt + members[jm];
+      }
+      if (cp) (*cp)[s] = wgt;
+      r.wsum += wgt;
+    }
+    return r;
+  };
+  auto bits = [](double x) { return std::bit_cast<uint64_t>(x); };
+  std::mt19937 rng(11);
+  auto binades = [&](int spread) {
+    return std::ldexp(std::uniform_real_distribution<float>(1, 2)(rng), -static_cast<int>(rng() % spread));
+  };
+  const int n = 400;
+  int cases = 0;
+  for (int slots : {0, 1, 2, 3, 7, 64, 131, 400}) {
+    for (int every : {0, 1, 2, 3, 17}) {  // merged: none, all, or every k-th slot from a random offset
+      for (int first : {0, 150}) {
+        for (bool with_cp : {false, true}) {
+          std::vector<float> p(n);
+          std::vector<Modality> mod(n);
+          for (int i = 0; i < n; ++i) {
+            p[i] = binades(40);
+            mod[i] = static_cast<Modality>(rng() % 4);
+          }
+          p[5] = 0.0f;
+          p[6] = std::numeric_limits<float>::denorm_min();
+          std::vector<int32_t> tk(slots);
+          for (int s = 0; s < slots; ++s) tk[s] = static_cast<int32_t>(rng() % n);
+          std::vector<char> is_merged(slots, 0);
+          std::vector<int32_t> merged;
+          const int offset = every > 1 ? static_cast<int>(rng() % every) : 0;
+          for (int s = 0; s < slots; ++s)
+            if (every == 1 || (every > 1 && s % every == offset)) {
+              is_merged[s] = 1;
+              merged.push_back(s);
+            }
+          std::vector<float> mw(merged.size());
+          std::vector<double> members(merged.size());
+          for (size_t j = 0; j < merged.size(); ++j) {
+            mw[j] = binades(30);
+            members[j] = static_cast<double>(binades(30)) * (1 + std::ldexp(static_cast<double>(rng()), -60));
+          }
+          std::vector<float> cp_a(slots, -1), cp_b(slots, -1);
+          const MergedSlotSumsResult a =
+              loop(tk, p, mod, first, is_merged, mw, members, with_cp ? &cp_a : nullptr);
+          const MergedSlotSumsResult b = MergedSlotSums(
+              tk.data(), slots, p.data(), mod.data(), first, merged.data(), static_cast<int>(merged.size()),
+              mw.data(), members.data(), with_cp ? cp_b.data() : nullptr);
+          INFO("slots " << slots << ", merged every " << every << ", first " << first << ", cp " << with_cp);
+          CHECK(a.visible == b.visible);
+          CHECK(cp_a == cp_b);
+          CHECK(bits(a.wsum) == bits(b.wsum));
+          CHECK(bits(a.retained) == bits(b.retained));
+          CHECK(bits(a.anchor) == bits(b.anchor));
+          CHECK(bits(a.covered) == bits(b.covered));
+          CHECK(bits(a.merged_w) == bits(b.merged_w));
+          CHECK(bits(a.merged_mass) == bits(b.merged_mass));
+          for (int mo = 0; mo < 4; ++mo) CHECK(bits(a.ret_mod[mo]) == bits(b.ret_mod[mo]));
+          ++cases;
+        }
+      }
+    }
+  }
+  CHECK(cases == 8 * 5 * 2 * 2);
 }
 
 }  // namespace kvsim
