@@ -162,8 +162,10 @@ struct UnitWork {
   TopKSums all_sums;
   std::vector<float> max_vnorm;  // [t]
   // The reference probabilities transposed, [g][T][S] (+ kMemberChunk floats of padding): a merged slot's
-  // member sums of several steps read each member's steps contiguously (see MemberSums). Built on first use
-  // by a merging run's block (a unit without one never builds it), shared by the unit's runs.
+  // member sums of several steps read each member's steps contiguously (see MemberSums), and so do a
+  // prefix-closed run's deferred plain-slot sums (FlushPrefixSums) and its output product's rows (FinishRun).
+  // Built on first use (ProbsT; a unit whose runs need none of these never builds it), shared read-only by
+  // the unit's runs, freed with the unit.
   std::unique_ptr<std::once_flag> probs_t_once;
   std::vector<float> probs_t;
   std::vector<double> full_mod;                       // [g][t][4]
@@ -195,6 +197,13 @@ struct WorkerScratch {
   bool prefix = false;
   uint64_t prefix_version = 0;
   std::vector<int32_t> ptok;
+  // Steps [0, deferred) were prefix-closed and their plain-slot sums (and every metric Step derives from
+  // them) are not computed yet: FlushPrefixSums computes them for all those steps at once, when the run
+  // stops being prefix-closed or in FinishRun. Only for runs whose policy does not read the step's
+  // attention (PolicyRequirements::decode_attention): nothing else reads the sums before the run ends.
+  int deferred = 0;
+  std::vector<int> pcount;        // [t] step t's slots (FlushPrefixSums)
+  std::vector<double> psums;      // [t][4][4] step t's PlainSlotSums (FlushPrefixSums)
   std::vector<double> wsum;       // [g][t] Σ_s w_s over visible slots
   std::vector<double> retained;   // [g][t]
   std::vector<char> checked;      // [t]: the bound is checked (no merged slot in the cache)
@@ -258,6 +267,34 @@ class PassBuffers {
 };
 
 }  // namespace
+
+// PrefixSlotSums (replay.h). The sums of all steps live in memory, [j][mo][t] (contiguous in steps), and each
+// slot, in slot order, adds its token's transposed row pt[tok][t] for the steps t that hold it (t >= the
+// first step whose count exceeds the slot: a contiguous range, one vectorised loop of float-to-double adds).
+// Each (t, j, mo) sum gets the additions PlainSlotSums makes, in its order (slot order), from +0.0; the +0.0
+// that PlainSlotSums' AVX2 path adds to the other modalities' sums changes none of them (see there), so
+// nothing is added for those here. The per-step gather p_t[tok] and mod[tok] of every slot (load-bound,
+// about 1.8 ns per slot and step) becomes one gather per slot for all steps.
+void PrefixSlotSums(const int32_t* tk, const int* count, int steps, const float* pt, size_t stride,
+                    const Modality* mod, double (*rm)[4][4]) {
+  if (steps <= 0) return;
+  thread_local std::vector<double> acc;
+  const size_t ns = static_cast<size_t>(steps);
+  acc.assign(16 * ns, 0.0);
+  for (int t = 1; t < steps; ++t) KVSIM_CHECK_MSG(count[t] >= count[t - 1], "prefix step counts decrease");
+  const int slots = count[steps - 1];
+  int t0 = 0;  // the first step holding slot s
+  for (int s = 0; s < slots; ++s) {
+    while (count[t0] <= s) ++t0;
+    const int32_t tok = tk[s];
+    double* a = acc.data() + static_cast<size_t>((s & 3) * 4 + static_cast<int>(mod[tok])) * ns;
+    const float* x = pt + static_cast<size_t>(tok) * stride;
+    for (int t = t0; t < steps; ++t) a[t] += x[t];
+  }
+  for (int t = 0; t < steps; ++t)
+    for (int j = 0; j < 4; ++j)
+      for (int mo = 0; mo < 4; ++mo) rm[t][j][mo] = acc[static_cast<size_t>(j * 4 + mo) * ns + t];
+}
 
 // PlainSlotSums (replay.h). With AVX2, lane j's four modality sums live in one register and every slot adds
 // p[tok_s] masked to its modality (the others get +0.0): x + (+0.0) = x for every x these sums hold (they
@@ -705,6 +742,7 @@ class LayerPass {
     ws.step_begin.assign(1, 0);
     ws.prefix = false;
     ws.ptok.clear();
+    ws.deferred = 0;
     ws.wsum.assign(gs, 0.0);
     ws.retained.assign(gs, 0.0);
     ws.checked.assign(steps, 0);
@@ -752,15 +790,8 @@ class LayerPass {
     ws.mrows = rows;
   }
 
-  // The member sums Σ_{j ∈ members(s)} p_t[j] of every merged slot s of the block, for the steps
-  // [t, t + kMemberChunk) (those past the block or the request are computed and never read), into ws.msum.
-  // The loops are interchanged against a per-step gather: for each slot, each member in member order, all
-  // the chunk's steps at once, read from the unit's transposed probabilities (contiguous in steps), so the
-  // inner loop is a vector add. Each (step, slot) sum keeps its additions and their order: members
-  // i = 0, 1, 2, ... go to float lanes i mod 4 (the tail after the last multiple of 4 to lane 0), in
-  // member order, and the lanes are added as (m0 + m1) + (m2 + m3) in double, as in Step's per-step path.
-  void MemberSums(int u, int t, const HeadCache& cache, WorkerScratch& ws) {
-    UnitWork& w = units_[u];
+  // The unit's transposed reference probabilities (UnitWork::probs_t), built by the first caller.
+  const float* ProbsT(UnitWork& w) const {
     const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
     const size_t ts = static_cast<size_t>(t_all) * steps;
     std::call_once(*w.probs_t_once, [&] {
@@ -778,6 +809,21 @@ class LayerPass {
         }
       }
     });
+    return w.probs_t.data();
+  }
+
+  // The member sums Σ_{j ∈ members(s)} p_t[j] of every merged slot s of the block, for the steps
+  // [t, t + kMemberChunk) (those past the block or the request are computed and never read), into ws.msum.
+  // The loops are interchanged against a per-step gather: for each slot, each member in member order, all
+  // the chunk's steps at once, read from the unit's transposed probabilities (contiguous in steps), so the
+  // inner loop is a vector add. Each (step, slot) sum keeps its additions and their order: members
+  // i = 0, 1, 2, ... go to float lanes i mod 4 (the tail after the last multiple of 4 to lane 0), in
+  // member order, and the lanes are added as (m0 + m1) + (m2 + m3) in double, as in Step's per-step path.
+  void MemberSums(int u, int t, const HeadCache& cache, WorkerScratch& ws) {
+    UnitWork& w = units_[u];
+    const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
+    const size_t ts = static_cast<size_t>(t_all) * steps;
+    ProbsT(w);
     // The block's slots (appends since its start are plain slots after them).
     const int slots = static_cast<int>(ws.mcol.size()), mm = static_cast<int>(ws.mk.size() / m_.head_dim);
     ws.msum.resize(static_cast<size_t>(group) * kMemberChunk * mm);
@@ -846,6 +892,74 @@ class LayerPass {
     ws.ptok.clear();
   }
 
+  // What step t of a run records from its sums for group member g: the step's wsum and retained mass (for
+  // FinishRun), its samples' retained / anchor / covered mass and regret, and the run's modality sums.
+  void RecordSums(UnitWork& w, RunAccum& a, WorkerScratch& ws, int u, int g, int t, double wsum,
+                  double retained, double anchor, double covered, const double ret_mod[4], int visible) {
+    const int qh = u * m_.GroupSize() + g, steps = meta_.num_decode_steps;
+    const int32_t pos = meta_.prefill_length + t;
+    const int first = w.refs[g].first[t];
+    const size_t gt = static_cast<size_t>(g) * steps + t;
+    ws.wsum[gt] = wsum;
+    ws.retained[gt] = retained;
+    const size_t si = Sample(qh, t);
+    a.retained[si] = static_cast<float>(retained);
+    a.anchor[si] = static_cast<float>(anchor);
+    a.covered[si] = static_cast<float>(covered);
+    // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
+    const int len = pos - first + 1, k = std::min(visible, len);
+    const double top = k == len      ? w.top_all[gt]
+                       : k <= w.kpre ? (w.use_sums ? w.sums.Sum(static_cast<int>(gt), k, &ws.sorted)
+                                                   : w.top_sum[gt * (w.kpre + 1) + k])
+                                     : AllSums(w).Sum(static_cast<int>(gt), k, &ws.sorted);
+    a.regret[si] = static_cast<float>(top - retained);
+    double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
+    double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
+    const double* wfm = &w.full_mod[gt * 4];
+    for (int mo = 0; mo < 4; ++mo) {
+      rm[mo] += ret_mod[mo];
+      fm[mo] += wfm[mo];
+    }
+  }
+
+  // The deferred steps [0, ws.deferred) of a prefix-closed run (WorkerScratch::deferred): their plain-slot
+  // sums at once from the unit's transposed probabilities (PrefixSlotSums, bit-identical to PlainSlotSums
+  // per step), then what Step records from them, step after step in step order per group member (so the
+  // run's modality sums get the same additions in the same order as when Step recorded them). Step's plain
+  // path with wsum = covered = retained and no anchor; a step's visible slots are its slots at or after
+  // the window's first key.
+  void FlushPrefixSums(int u, int r, WorkerScratch& ws) {
+    if (ws.deferred == 0) return;
+    KVSIM_CHECK(ws.prefix);
+    UnitWork& w = units_[u];
+    const int tp = ws.deferred, steps = meta_.num_decode_steps, group = m_.GroupSize();
+    const size_t ts = static_cast<size_t>(meta_.total_tokens()) * steps;
+    ws.deferred = 0;
+    ws.pcount.resize(tp);
+    for (int t = 0; t < tp; ++t) ws.pcount[t] = static_cast<int>(ws.step_begin[t + 1] - ws.step_begin[t]);
+    ws.psums.resize(static_cast<size_t>(tp) * 16);
+    auto* rmt = reinterpret_cast<double(*)[4][4]>(ws.psums.data());
+    const float* probs_t = ProbsT(w);
+    RunAccum& a = acc_[r];
+    for (int g = 0; g < group; ++g) {
+      PrefixSlotSums(ws.ptok.data(), ws.pcount.data(), tp, probs_t + g * ts, steps,
+                     meta_.tokens.modality.data(), rmt);
+      for (int t = 0; t < tp; ++t) {
+        const int first = w.refs[g].first[t], slots = ws.pcount[t];
+        int visible = slots;
+        if (first > 0) {
+          visible = 0;
+          for (int s = 0; s < slots; ++s) visible += ws.ptok[s] >= first;
+        }
+        const double(*rm)[4] = rmt[t];
+        double ret_mod[4];
+        for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
+        const double retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
+        RecordSums(w, a, ws, u, g, t, retained, retained, 0.0, retained, ret_mod, visible);
+      }
+    }
+  }
+
   // One decode step of run r on KV head u: the policy's hooks, the cache checks and every metric of the
   // step except the output error, which needs Σ_s w_s v_s and is computed for all steps in FinishRun.
   void Step(int u, int r, int t, WorkerScratch& ws) {
@@ -897,11 +1011,13 @@ class LayerPass {
       // Unchanged version: only appends since the previous step; they must be newer than its position.
       bool keeps = whole && cache.version() == ws.prefix_version;
       for (size_t s = ws.ptok.size(); keeps && s < tokens.size(); ++s) keeps = tokens[s] >= pos;
-      if (keeps)
+      if (keeps) {
         ws.ptok.insert(ws.ptok.end(), tokens.begin() + static_cast<std::ptrdiff_t>(ws.ptok.size()),
                        tokens.end());
-      else
+      } else {
+        FlushPrefixSums(u, r, ws);
         ExpandPrefix(ws);
+      }
     } else if (t == 0 && whole) {
       ws.prefix = true;
       ws.prefix_version = cache.version();
@@ -940,7 +1056,11 @@ class LayerPass {
       if (ws.ms0 < 0 || t >= ws.ms0 + kMemberChunk) MemberSums(u, t, cache, ws);
     }
     const double* msum = bulk ? ws.msum.data() + static_cast<size_t>(t - ws.ms0) * mm : nullptr;
-    for (int g = 0; g < group; ++g) {
+    // A prefix-closed step of a run whose policy does not read its attention: its sums later, with the
+    // other such steps' (FlushPrefixSums).
+    const bool defer = ws.prefix && !want_cp;
+    if (defer) ++ws.deferred;
+    for (int g = 0; g < group && !defer; ++g) {
       const int qh = u * group + g;
       const DecodeReference& ref = w.refs[g];
       const float* p = ref.row(t);
@@ -1016,27 +1136,7 @@ class LayerPass {
         if (cp) cp[s] = wgt;
         wsum += wgt;
       }
-      const size_t gt = static_cast<size_t>(g) * steps + t;
-      ws.wsum[gt] = wsum;
-      ws.retained[gt] = retained;
-      const size_t si = Sample(qh, t);
-      a.retained[si] = static_cast<float>(retained);
-      a.anchor[si] = static_cast<float>(anchor);
-      a.covered[si] = static_cast<float>(covered);
-      // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
-      const int len = pos - first + 1, k = std::min(visible, len);
-      const double top = k == len      ? w.top_all[gt]
-                         : k <= w.kpre ? (w.use_sums ? w.sums.Sum(static_cast<int>(gt), k, &ws.sorted)
-                                                     : w.top_sum[gt * (w.kpre + 1) + k])
-                                       : AllSums(w).Sum(static_cast<int>(gt), k, &ws.sorted);
-      a.regret[si] = static_cast<float>(top - retained);
-      double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
-      double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
-      const double* wfm = &w.full_mod[gt * 4];
-      for (int mo = 0; mo < 4; ++mo) {
-        rm[mo] += ret_mod[mo];
-        fm[mo] += wfm[mo];
-      }
+      RecordSums(w, a, ws, u, g, t, wsum, retained, anchor, covered, ret_mod, visible);
       if (merged_mass > 0) {
         a.merged_share_sum[UnitIndex(u)] += merged_w / merged_mass;
         ++a.merged_share_n[UnitIndex(u)];
@@ -1065,6 +1165,7 @@ class LayerPass {
   // is much wider than the steps' caches (a cache re-selected every step), a per-step gather is cheaper.
   void FinishRun(int u, int r, WorkerScratch& ws) {
     FlushMergedBlock(ws);
+    FlushPrefixSums(u, r, ws);
     UnitWork& w = units_[u];
     const int steps = meta_.num_decode_steps, d = m_.head_dim;
     const int group = m_.GroupSize();
