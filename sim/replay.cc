@@ -42,6 +42,34 @@ std::vector<int32_t> PromptEntropyRegions(const TraceMeta& meta) {
 
 namespace {
 
+// dst[i * ld + k] = src[k][off + i] for i, k < 8: an 8 x 8 tile of eight rows, transposed (a copy: every
+// value unchanged). With AVX2 in registers (eight loads, the unpack / shuffle / lane-permute network, eight
+// stores) instead of 64 scalar loads and stores.
+inline void TransposeTile8(const float* const src[8], size_t off, float* dst, size_t ld) {
+#ifdef __AVX2__
+  __m256 r[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(src[k] + off);
+  __m256 t[8], u[8];
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+    t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    u[k] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int k = 0; k < 8; ++k) dst[i * ld + k] = src[k][off + i];
+#endif
+}
+
 struct RunPlan {
   const RunSpec* spec = nullptr;
   int index = 0;                            // position in Replay's `runs` (DecisionRecorder calls)
@@ -802,7 +830,11 @@ class LayerPass {
           const int nb = std::min(8, steps - t0);  // 8 rows read in order, 8 adjacent floats written
           const float* src[8];
           for (int b = 0; b < nb; ++b) src[b] = w.refs[g].row(t0 + b);
-          for (int j = 0; j < t_all; ++j) {
+          int j = 0;
+          if (nb == 8)
+            for (; j + 8 <= t_all; j += 8)
+              TransposeTile8(src, j, dst + static_cast<size_t>(j) * steps + t0, steps);
+          for (; j < t_all; ++j) {
             float* out = dst + static_cast<size_t>(j) * steps + t0;
             for (int b = 0; b < nb; ++b) out[b] = src[b][j];
           }
@@ -1184,7 +1216,9 @@ class LayerPass {
                ws.ptok.size() * steps <= 4 * static_cast<size_t>(ws.step_begin.back())) {
       // Prefix-closed steps: U is the last step's tokens, and every token of U that step t did not hold
       // came later, past step t's position, where p_t is zero: A's rows are gathered whole, the same values
-      // in the same layout as the scatter below writes.
+      // in the same layout as the scatter below writes. A[g·S + t][c] = p_t[used[c]] is copied from the
+      // unit's transposed probabilities, whose row used[c] holds that column's steps contiguously, in 8 x 8
+      // tiles (TransposeTile8) instead of one indexed load per element.
       ws.used.assign(ws.ptok.begin(), ws.ptok.end());
       std::sort(ws.used.begin(), ws.used.end());
       const size_t nu = ws.used.size();
@@ -1193,12 +1227,25 @@ class LayerPass {
       for (size_t c = 0; c < nu; ++c)
         std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
       const int32_t* used = ws.used.data();
-      for (int g = 0; g < group; ++g)
-        for (int t = 0; t < steps; ++t) {
-          const float* p = w.refs[g].row(t);
-          float* row = ws.a.data() + (static_cast<size_t>(g) * steps + t) * nu;
-          for (size_t c = 0; c < nu; ++c) row[c] = p[used[c]];
+      const float* probs_t = ProbsT(w);
+      const size_t ts = static_cast<size_t>(meta_.total_tokens()) * steps;
+      for (int g = 0; g < group; ++g) {
+        const float* pg = probs_t + g * ts;
+        float* ag = ws.a.data() + static_cast<size_t>(g) * steps * nu;
+        size_t c0 = 0;
+        for (; c0 + 8 <= nu; c0 += 8) {
+          const float* src[8];
+          for (int k = 0; k < 8; ++k) src[k] = pg + static_cast<size_t>(used[c0 + k]) * steps;
+          int t = 0;
+          for (; t + 8 <= steps; t += 8) TransposeTile8(src, t, ag + static_cast<size_t>(t) * nu + c0, nu);
+          for (; t < steps; ++t)
+            for (int k = 0; k < 8; ++k) ag[static_cast<size_t>(t) * nu + c0 + k] = src[k][t];
         }
+        for (; c0 < nu; ++c0) {
+          const float* src = pg + static_cast<size_t>(used[c0]) * steps;
+          for (int t = 0; t < steps; ++t) ag[static_cast<size_t>(t) * nu + c0] = src[t];
+        }
+      }
       EnsureSingleThreadedBlas();
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, static_cast<int>(nu),
                   1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f, ws.out.data(), d);
