@@ -1946,30 +1946,26 @@ TEST_CASE("replay: a prefix-closed run's deferred sums give Step's own results, 
       for (int s = 0; s < t; ++s) k.push_back(n + s);
       return k;
     };
-    const std::vector<Kept> kept{
-        [&](int t) {
-          return held(t, {5, 6, 20});
-        },  // prefix-closed
-        [&](int t) {
-          return t < 5 ? held(t, {5}) : held(t, {5, 33});
-        },  // until step 5
-        [&](int t) {
-          return held(t, {t, t + 9});
-        },                                   // never
-        [&](int t) { return held(t, {}); },  // everything
-        [&](int t) {
-          return t < 3 ? held(t, {1, 2, 3}) : held(t, {1, 2, 3, 4 + t});
-        }  // until step 3
-    };
+    // Prefix-closed throughout; until step 5; never; everything kept; until step 3; as the first but
+    // re-assigned (the same tokens) at step 6.
+    const Kept closed = [&](int t) { return held(t, {5, 6, 20}); };
+    const Kept until5 = [&](int t) { return t < 5 ? held(t, {5}) : held(t, {5, 33}); };
+    const Kept never = [&](int t) { return held(t, {t, t + 9}); };
+    const Kept everything = [&](int t) { return held(t, {}); };
+    const Kept until3 = [&](int t) { return t < 3 ? held(t, {1, 2, 3}) : held(t, {1, 2, 3, 4 + t}); };
+    const std::vector<Kept> kept{closed, until5, never, everything, until3, closed};
     std::vector<RunSpec> runs;
     for (bool reads : {false, true})
-      for (const Kept& k : kept) {
+      for (size_t i = 0; i < kept.size(); ++i) {
         PolicyRequirements req;
         req.decode_attention = reads;
+        const Kept k = kept[i];
+        const bool reassign = i + 1 == kept.size();
         runs.push_back(Spec(std::make_shared<ActPolicy>(
-                                [k](int step, HeadCache* c) {
+                                [k, reassign](int step, HeadCache* c) {
                                   const std::vector<int32_t> want = k(step);
-                                  if (std::vector<int32_t>(c->tokens().begin(), c->tokens().end()) != want)
+                                  if (std::vector<int32_t>(c->tokens().begin(), c->tokens().end()) != want ||
+                                      (reassign && step == 6))
                                     c->Assign(want);
                                 },
                                 req),
@@ -1991,6 +1987,11 @@ TEST_CASE("replay: a prefix-closed run's deferred sums give Step's own results, 
       CHECK(res[0][nk + i].SerializeAsString() == res[1][nk + i].SerializeAsString());
       CHECK(res[0][i].metrics().retained_mass_mean() > 0.1);
     }
+    // The re-assignment ends the prefix mode at step 6 (the cache's version changes): the sums of its later
+    // steps come from PlainSlotSums and its outputs from the scattered product, whose A holds the same values
+    // in the same places as the prefix path's (built from the transposed probabilities): every field equal.
+    CHECK(res[0][0].SerializeAsString() == res[0][nk - 1].SerializeAsString());
+    CHECK(res[0][nk].SerializeAsString() == res[0][2 * nk - 1].SerializeAsString());
   }
 }
 
