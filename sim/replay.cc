@@ -42,6 +42,34 @@ std::vector<int32_t> PromptEntropyRegions(const TraceMeta& meta) {
 
 namespace {
 
+// dst[i * ld + k] = src[k][off + i] for i, k < 8: an 8 x 8 tile of eight rows, transposed (a copy: every
+// value unchanged). With AVX2 in registers (eight loads, the unpack / shuffle / lane-permute network, eight
+// stores) instead of 64 scalar loads and stores.
+inline void TransposeTile8(const float* const src[8], size_t off, float* dst, size_t ld) {
+#ifdef __AVX2__
+  __m256 r[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(src[k] + off);
+  __m256 t[8], u[8];
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+    t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    u[k] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int k = 0; k < 8; ++k) dst[i * ld + k] = src[k][off + i];
+#endif
+}
+
 struct RunPlan {
   const RunSpec* spec = nullptr;
   int index = 0;                            // position in Replay's `runs` (DecisionRecorder calls)
@@ -161,8 +189,10 @@ struct UnitWork {
   TopKSums all_sums;
   std::vector<float> max_vnorm;  // [t]
   // The reference probabilities transposed, [g][T][S] (+ kMemberChunk floats of padding): a merged slot's
-  // member sums of several steps read each member's steps contiguously (see MemberSums). Built on first use
-  // by a merging run's block (a unit without one never builds it), shared by the unit's runs.
+  // member sums of several steps read each member's steps contiguously (see MemberSums), and so do a
+  // prefix-closed run's deferred plain-slot sums (FlushPrefixSums) and its output product's rows (FinishRun).
+  // Built on first use (ProbsT; a unit whose runs need none of these never builds it), shared read-only by
+  // the unit's runs, freed with the unit.
   std::unique_ptr<std::once_flag> probs_t_once;
   std::vector<float> probs_t;
   std::vector<double> full_mod;                       // [g][t][4]
@@ -194,6 +224,13 @@ struct WorkerScratch {
   bool prefix = false;
   uint64_t prefix_version = 0;
   std::vector<int32_t> ptok;
+  // Steps [0, deferred) were prefix-closed and their plain-slot sums (and every metric Step derives from
+  // them) are not computed yet: FlushPrefixSums computes them for all those steps at once, when the run
+  // stops being prefix-closed or in FinishRun. Only for runs whose policy does not read the step's
+  // attention (PolicyRequirements::decode_attention): nothing else reads the sums before the run ends.
+  int deferred = 0;
+  std::vector<int> pcount;        // [t] step t's slots (FlushPrefixSums)
+  std::vector<double> psums;      // [t][4][4] step t's PlainSlotSums (FlushPrefixSums)
   std::vector<double> wsum;       // [g][t] Σ_s w_s over visible slots
   std::vector<double> retained;   // [g][t]
   std::vector<char> checked;      // [t]: the bound is checked (no merged slot in the cache)
@@ -264,6 +301,34 @@ class PassBuffers {
 std::atomic<bool> g_kth_from_sums{true};  // SetFullKthFromSumsForTesting
 
 }  // namespace
+
+// PrefixSlotSums (replay.h). The sums of all steps live in memory, [j][mo][t] (contiguous in steps), and each
+// slot, in slot order, adds its token's transposed row pt[tok][t] for the steps t that hold it (t >= the
+// first step whose count exceeds the slot: a contiguous range, one vectorised loop of float-to-double adds).
+// Each (t, j, mo) sum gets the additions PlainSlotSums makes, in its order (slot order), from +0.0; the +0.0
+// that PlainSlotSums' AVX2 path adds to the other modalities' sums changes none of them (see there), so
+// nothing is added for those here. The per-step gather p_t[tok] and mod[tok] of every slot (load-bound,
+// about 1.8 ns per slot and step) becomes one gather per slot for all steps.
+void PrefixSlotSums(const int32_t* tk, const int* count, int steps, const float* pt, size_t stride,
+                    const Modality* mod, double (*rm)[4][4]) {
+  if (steps <= 0) return;
+  thread_local std::vector<double> acc;
+  const size_t ns = static_cast<size_t>(steps);
+  acc.assign(16 * ns, 0.0);
+  for (int t = 1; t < steps; ++t) KVSIM_CHECK_MSG(count[t] >= count[t - 1], "prefix step counts decrease");
+  const int slots = count[steps - 1];
+  int t0 = 0;  // the first step holding slot s
+  for (int s = 0; s < slots; ++s) {
+    while (count[t0] <= s) ++t0;
+    const int32_t tok = tk[s];
+    double* a = acc.data() + static_cast<size_t>((s & 3) * 4 + static_cast<int>(mod[tok])) * ns;
+    const float* x = pt + static_cast<size_t>(tok) * stride;
+    for (int t = t0; t < steps; ++t) a[t] += x[t];
+  }
+  for (int t = 0; t < steps; ++t)
+    for (int j = 0; j < 4; ++j)
+      for (int mo = 0; mo < 4; ++mo) rm[t][j][mo] = acc[static_cast<size_t>(j * 4 + mo) * ns + t];
+}
 
 // PlainSlotSums (replay.h). With AVX2, lane j's four modality sums live in one register and every slot adds
 // p[tok_s] masked to its modality (the others get +0.0): x + (+0.0) = x for every x these sums hold (they
@@ -774,6 +839,7 @@ class LayerPass {
     ws.step_begin.assign(1, 0);
     ws.prefix = false;
     ws.ptok.clear();
+    ws.deferred = 0;
     ws.wsum.assign(gs, 0.0);
     ws.retained.assign(gs, 0.0);
     ws.checked.assign(steps, 0);
@@ -821,6 +887,32 @@ class LayerPass {
     ws.mrows = rows;
   }
 
+  // The unit's transposed reference probabilities (UnitWork::probs_t), built by the first caller.
+  const float* ProbsT(UnitWork& w) const {
+    const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
+    const size_t ts = static_cast<size_t>(t_all) * steps;
+    std::call_once(*w.probs_t_once, [&] {
+      w.probs_t.assign(group * ts + kMemberChunk, 0.0f);
+      for (int g = 0; g < group; ++g) {
+        float* dst = w.probs_t.data() + g * ts;
+        for (int t0 = 0; t0 < steps; t0 += 8) {
+          const int nb = std::min(8, steps - t0);  // 8 rows read in order, 8 adjacent floats written
+          const float* src[8];
+          for (int b = 0; b < nb; ++b) src[b] = w.refs[g].row(t0 + b);
+          int j = 0;
+          if (nb == 8)
+            for (; j + 8 <= t_all; j += 8)
+              TransposeTile8(src, j, dst + static_cast<size_t>(j) * steps + t0, steps);
+          for (; j < t_all; ++j) {
+            float* out = dst + static_cast<size_t>(j) * steps + t0;
+            for (int b = 0; b < nb; ++b) out[b] = src[b][j];
+          }
+        }
+      }
+    });
+    return w.probs_t.data();
+  }
+
   // The member sums Σ_{j ∈ members(s)} p_t[j] of every merged slot s of the block, for the steps
   // [t, t + kMemberChunk) (those past the block or the request are computed and never read), into ws.msum.
   // The loops are interchanged against a per-step gather: for each slot, each member in member order, all
@@ -832,21 +924,7 @@ class LayerPass {
     UnitWork& w = units_[u];
     const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
     const size_t ts = static_cast<size_t>(t_all) * steps;
-    std::call_once(*w.probs_t_once, [&] {
-      w.probs_t.assign(group * ts + kMemberChunk, 0.0f);
-      for (int g = 0; g < group; ++g) {
-        float* dst = w.probs_t.data() + g * ts;
-        for (int t0 = 0; t0 < steps; t0 += 8) {
-          const int nb = std::min(8, steps - t0);  // 8 rows read in order, 8 adjacent floats written
-          const float* src[8];
-          for (int b = 0; b < nb; ++b) src[b] = w.refs[g].row(t0 + b);
-          for (int j = 0; j < t_all; ++j) {
-            float* out = dst + static_cast<size_t>(j) * steps + t0;
-            for (int b = 0; b < nb; ++b) out[b] = src[b][j];
-          }
-        }
-      }
-    });
+    ProbsT(w);
     // The block's merged slots (appends since its start are plain slots after them).
     const int mm = static_cast<int>(ws.mslot.size());
     ws.msum.resize(static_cast<size_t>(group) * kMemberChunk * mm);
@@ -988,6 +1066,74 @@ class LayerPass {
     return *at;
   }
 
+  // What step t of a run records from its sums for group member g: the step's wsum and retained mass (for
+  // FinishRun), its samples' retained / anchor / covered mass and regret, and the run's modality sums.
+  void RecordSums(UnitWork& w, RunAccum& a, WorkerScratch& ws, int u, int g, int t, double wsum,
+                  double retained, double anchor, double covered, const double ret_mod[4], int visible) {
+    const int qh = u * m_.GroupSize() + g, steps = meta_.num_decode_steps;
+    const int32_t pos = meta_.prefill_length + t;
+    const int first = w.refs[g].first[t];
+    const size_t gt = static_cast<size_t>(g) * steps + t;
+    ws.wsum[gt] = wsum;
+    ws.retained[gt] = retained;
+    const size_t si = Sample(qh, t);
+    a.retained[si] = static_cast<float>(retained);
+    a.anchor[si] = static_cast<float>(anchor);
+    a.covered[si] = static_cast<float>(covered);
+    // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
+    const int len = pos - first + 1, k = std::min(visible, len);
+    const double top = k == len      ? w.top_all[gt]
+                       : k <= w.kpre ? (w.use_sums ? w.sums.Sum(static_cast<int>(gt), k, &ws.sorted)
+                                                   : w.top_sum[gt * (w.kpre + 1) + k])
+                                     : AllSums(w).Sum(static_cast<int>(gt), k, &ws.sorted);
+    a.regret[si] = static_cast<float>(top - retained);
+    double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
+    double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
+    const double* wfm = &w.full_mod[gt * 4];
+    for (int mo = 0; mo < 4; ++mo) {
+      rm[mo] += ret_mod[mo];
+      fm[mo] += wfm[mo];
+    }
+  }
+
+  // The deferred steps [0, ws.deferred) of a prefix-closed run (WorkerScratch::deferred): their plain-slot
+  // sums at once from the unit's transposed probabilities (PrefixSlotSums, bit-identical to PlainSlotSums
+  // per step), then what Step records from them, step after step in step order per group member (so the
+  // run's modality sums get the same additions in the same order as when Step recorded them). Step's plain
+  // path with wsum = covered = retained and no anchor; a step's visible slots are its slots at or after
+  // the window's first key.
+  void FlushPrefixSums(int u, int r, WorkerScratch& ws) {
+    if (ws.deferred == 0) return;
+    KVSIM_CHECK(ws.prefix);
+    UnitWork& w = units_[u];
+    const int tp = ws.deferred, steps = meta_.num_decode_steps, group = m_.GroupSize();
+    const size_t ts = static_cast<size_t>(meta_.total_tokens()) * steps;
+    ws.deferred = 0;
+    ws.pcount.resize(tp);
+    for (int t = 0; t < tp; ++t) ws.pcount[t] = static_cast<int>(ws.step_begin[t + 1] - ws.step_begin[t]);
+    ws.psums.resize(static_cast<size_t>(tp) * 16);
+    auto* rmt = reinterpret_cast<double(*)[4][4]>(ws.psums.data());
+    const float* probs_t = ProbsT(w);
+    RunAccum& a = acc_[r];
+    for (int g = 0; g < group; ++g) {
+      PrefixSlotSums(ws.ptok.data(), ws.pcount.data(), tp, probs_t + g * ts, steps,
+                     meta_.tokens.modality.data(), rmt);
+      for (int t = 0; t < tp; ++t) {
+        const int first = w.refs[g].first[t], slots = ws.pcount[t];
+        int visible = slots;
+        if (first > 0) {
+          visible = 0;
+          for (int s = 0; s < slots; ++s) visible += ws.ptok[s] >= first;
+        }
+        const double(*rm)[4] = rmt[t];
+        double ret_mod[4];
+        for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
+        const double retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
+        RecordSums(w, a, ws, u, g, t, retained, retained, 0.0, retained, ret_mod, visible);
+      }
+    }
+  }
+
   // One decode step of run r on KV head u: the policy's hooks, the cache checks and every metric of the
   // step except the output error, which needs Σ_s w_s v_s and is computed for all steps in FinishRun.
   void Step(int u, int r, int t, WorkerScratch& ws) {
@@ -1038,11 +1184,13 @@ class LayerPass {
       // Unchanged version: only appends since the previous step; they must be newer than its position.
       bool keeps = whole && cache.version() == ws.prefix_version;
       for (size_t s = ws.ptok.size(); keeps && s < tokens.size(); ++s) keeps = tokens[s] >= pos;
-      if (keeps)
+      if (keeps) {
         ws.ptok.insert(ws.ptok.end(), tokens.begin() + static_cast<std::ptrdiff_t>(ws.ptok.size()),
                        tokens.end());
-      else
+      } else {
+        FlushPrefixSums(u, r, ws);
         ExpandPrefix(ws);
+      }
     } else if (t == 0 && whole) {
       ws.prefix = true;
       ws.prefix_version = cache.version();
@@ -1105,7 +1253,11 @@ class LayerPass {
       ws.step_mw.resize(num_merged);
       ws.step_members.resize(num_merged);
     }
-    for (int g = 0; g < group; ++g) {
+    // A prefix-closed step of a run whose policy does not read its attention: its sums later, with the
+    // other such steps' (FlushPrefixSums).
+    const bool defer = ws.prefix && !want_cp;
+    if (defer) ++ws.deferred;
+    for (int g = 0; g < group && !defer; ++g) {
       const int qh = u * group + g;
       const DecodeReference& ref = w.refs[g];
       const float* p = ref.row(t);
@@ -1180,27 +1332,7 @@ class LayerPass {
         std::copy_n(sums.ret_mod, 4, ret_mod);
         visible = sums.visible;
       }
-      const size_t gt = static_cast<size_t>(g) * steps + t;
-      ws.wsum[gt] = wsum;
-      ws.retained[gt] = retained;
-      const size_t si = Sample(qh, t);
-      a.retained[si] = static_cast<float>(retained);
-      a.anchor[si] = static_cast<float>(anchor);
-      a.covered[si] = static_cast<float>(covered);
-      // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
-      const int len = pos - first + 1, k = std::min(visible, len);
-      const double top = k == len      ? w.top_all[gt]
-                         : k <= w.kpre ? (w.use_sums ? w.sums.Sum(static_cast<int>(gt), k, &ws.sorted)
-                                                     : w.top_sum[gt * (w.kpre + 1) + k])
-                                       : AllSums(w).Sum(static_cast<int>(gt), k, &ws.sorted);
-      a.regret[si] = static_cast<float>(top - retained);
-      double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
-      double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
-      const double* wfm = &w.full_mod[gt * 4];
-      for (int mo = 0; mo < 4; ++mo) {
-        rm[mo] += ret_mod[mo];
-        fm[mo] += wfm[mo];
-      }
+      RecordSums(w, a, ws, u, g, t, wsum, retained, anchor, covered, ret_mod, visible);
       if (merged_mass > 0) {
         a.merged_share_sum[UnitIndex(u)] += merged_w / merged_mass;
         ++a.merged_share_n[UnitIndex(u)];
@@ -1229,6 +1361,7 @@ class LayerPass {
   // is much wider than the steps' caches (a cache re-selected every step), a per-step gather is cheaper.
   void FinishRun(int u, int r, WorkerScratch& ws) {
     FlushMergedBlock(ws);
+    FlushPrefixSums(u, r, ws);
     UnitWork& w = units_[u];
     const int steps = meta_.num_decode_steps, d = m_.head_dim;
     const int group = m_.GroupSize();
@@ -1247,7 +1380,9 @@ class LayerPass {
                ws.ptok.size() * steps <= 4 * static_cast<size_t>(ws.step_begin.back())) {
       // Prefix-closed steps: U is the last step's tokens, and every token of U that step t did not hold
       // came later, past step t's position, where p_t is zero: A's rows are gathered whole, the same values
-      // in the same layout as the scatter below writes.
+      // in the same layout as the scatter below writes. A[g·S + t][c] = p_t[used[c]] is copied from the
+      // unit's transposed probabilities, whose row used[c] holds that column's steps contiguously, in 8 x 8
+      // tiles (TransposeTile8) instead of one indexed load per element.
       ws.used.assign(ws.ptok.begin(), ws.ptok.end());
       std::sort(ws.used.begin(), ws.used.end());
       const size_t nu = ws.used.size();
@@ -1256,12 +1391,25 @@ class LayerPass {
       for (size_t c = 0; c < nu; ++c)
         std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
       const int32_t* used = ws.used.data();
-      for (int g = 0; g < group; ++g)
-        for (int t = 0; t < steps; ++t) {
-          const float* p = w.refs[g].row(t);
-          float* row = ws.a.data() + (static_cast<size_t>(g) * steps + t) * nu;
-          for (size_t c = 0; c < nu; ++c) row[c] = p[used[c]];
+      const float* probs_t = ProbsT(w);
+      const size_t ts = static_cast<size_t>(meta_.total_tokens()) * steps;
+      for (int g = 0; g < group; ++g) {
+        const float* pg = probs_t + g * ts;
+        float* ag = ws.a.data() + static_cast<size_t>(g) * steps * nu;
+        size_t c0 = 0;
+        for (; c0 + 8 <= nu; c0 += 8) {
+          const float* src[8];
+          for (int k = 0; k < 8; ++k) src[k] = pg + static_cast<size_t>(used[c0 + k]) * steps;
+          int t = 0;
+          for (; t + 8 <= steps; t += 8) TransposeTile8(src, t, ag + static_cast<size_t>(t) * nu + c0, nu);
+          for (; t < steps; ++t)
+            for (int k = 0; k < 8; ++k) ag[static_cast<size_t>(t) * nu + c0 + k] = src[k][t];
         }
+        for (; c0 < nu; ++c0) {
+          const float* src = pg + static_cast<size_t>(used[c0]) * steps;
+          for (int t = 0; t < steps; ++t) ag[static_cast<size_t>(t) * nu + c0] = src[t];
+        }
+      }
       EnsureSingleThreadedBlas();
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, static_cast<int>(nu),
                   1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f, ws.out.data(), d);

@@ -84,6 +84,15 @@ QueryRows ReplayQueryRows(const TraceMeta& meta, std::span<const RunSpec> runs, 
 // work starts. The message names the run, the requirement and the fix.
 Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs);
 
+// PlainSlotSums (below) of the first `steps` decode steps of a prefix-closed run at once, vectorised over
+// the steps: step t holds the slots s < count[t] (count non-decreasing) with tokens tk[s], and its
+// probabilities are pt[tok * stride + t] (the unit's transposed probability matrix). For every step t,
+// rm[t][j][mo] gets exactly what PlainSlotSums(tk, count[t], p_t, mod, ...) writes into zeroed sums: the
+// same additions in the same order (slot order per (j, mo)), from +0.0. Reads pt[tok * stride + t] only for
+// the steps t that hold tok's slot.
+void PrefixSlotSums(const int32_t* tk, const int* count, int steps, const float* pt, size_t stride,
+                    const Modality* mod, double (*rm)[4][4]);
+
 // A decode step's sums over a cache of plain slots (the replay's inner loop, exposed for its tests): for the
 // slots s = 0..slots-1 holding tokens tk[s], rm[j][mo] += p[tk[s]] for s ≡ j (mod 4) and mo = mod[tk[s]],
 // each sum's additions in slot order (rm zeroed by the caller); cp[s] = p[tk[s]] when cp is not null.

@@ -163,10 +163,10 @@ class MergePolicy final : public Policy {
 class ActPolicy final : public Policy {
  public:
   using Act = std::function<void(int step, HeadCache* cache)>;
-  explicit ActPolicy(Act act) : act_(std::move(act)) {}
+  explicit ActPolicy(Act act, PolicyRequirements req = {}) : act_(std::move(act)), req_(req) {}
   std::string name() const override { return "act"; }
   std::string ParamsText() const override { return ""; }
-  PolicyRequirements requirements() const override { return {}; }
+  PolicyRequirements requirements() const override { return req_; }
   bool evicts_during_decode() const override { return false; }
   std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
     class Head final : public HeadPolicy {
@@ -185,6 +185,7 @@ class ActPolicy final : public Policy {
 
  private:
   Act act_;
+  PolicyRequirements req_;
 };
 
 RunSpec Spec(std::shared_ptr<const Policy> p, int budget_tokens,
@@ -1861,6 +1862,173 @@ TEST_CASE("replay: the plain-slot sums add in slot order per lane and modality, 
   CHECK(rm[3][0] == 2.0);       // slots 3 and 7
   CHECK(rm[1][0] == 0.0);
   CHECK(rm[0][1] == 0.0);
+}
+
+TEST_CASE("replay: the prefix-closed steps' sums at once equal PlainSlotSums step by step, bit for bit",
+          "[replay]") {
+  // Random prefix-closed caches: step t holds the first count[t] slots (count non-decreasing, from any
+  // start, growing by 0, 1 or several slots a step), tokens in any order, all four modalities, values over
+  // many binades (a different order or grouping of the additions changes the double sums). The transposed
+  // matrix holds step t's probabilities at pt[tok * stride + t]; the entries of the steps before a slot is
+  // held are NaN, so reading one would show. Tokens below `first` have p = 0, as a sliding window's.
+  std::mt19937 rng(11);
+  const int n = 400;
+  for (int steps : {1, 2, 7, 16, 33}) {
+    for (int start : {0, 1, 5, 64, 203}) {
+      for (int first : {0, 50}) {
+        const size_t stride = static_cast<size_t>(steps) + rng() % 3;  // the row stride may exceed the steps
+        std::vector<Modality> mod(n);
+        for (int i = 0; i < n; ++i) mod[i] = static_cast<Modality>(rng() % 4);
+        std::vector<int> count(steps);
+        int c = start;
+        for (int t = 0; t < steps; ++t) {
+          const int grow = rng() % 4 == 0 ? static_cast<int>(rng() % 6) : static_cast<int>(rng() % 2);
+          c = std::min(n, t == 0 ? c : c + grow);
+          count[t] = c;
+        }
+        std::vector<int32_t> tk(n);
+        std::iota(tk.begin(), tk.end(), 0);
+        std::shuffle(tk.begin(), tk.end(), rng);
+        std::vector<float> pt(static_cast<size_t>(n) * stride, std::numeric_limits<float>::quiet_NaN());
+        for (int s = 0; s < count[steps - 1]; ++s)
+          for (int t = 0; t < steps; ++t) {
+            if (s >= count[t]) continue;  // not held yet: stays NaN
+            const float v = tk[s] < first ? 0.0f
+                                          : std::ldexp(std::uniform_real_distribution<float>(1, 2)(rng),
+                                                       -static_cast<int>(rng() % 40));
+            pt[static_cast<size_t>(tk[s]) * stride + t] = v;
+          }
+        std::vector<double> got(static_cast<size_t>(steps) * 16, -1.0);
+        PrefixSlotSums(tk.data(), count.data(), steps, pt.data(), stride, mod.data(),
+                       reinterpret_cast<double(*)[4][4]>(got.data()));
+        for (int t = 0; t < steps; ++t) {
+          std::vector<float> p(n, 0.0f);
+          for (int s = 0; s < count[t]; ++s) p[tk[s]] = pt[static_cast<size_t>(tk[s]) * stride + t];
+          double want[4][4] = {};
+          PlainSlotSums(tk.data(), count[t], p.data(), mod.data(), first, nullptr, want);
+          INFO("steps " << steps << " start " << start << " first " << first << " step " << t << " slots "
+                        << count[t]);
+          for (int j = 0; j < 4; ++j)
+            for (int mo = 0; mo < 4; ++mo)
+              CHECK(std::bit_cast<uint64_t>(got[static_cast<size_t>(t) * 16 + j * 4 + mo]) ==
+                    std::bit_cast<uint64_t>(want[j][mo]));
+        }
+      }
+    }
+  }
+  // A NaN or an infinity held by a slot reaches only its own (lane, modality) sums, from its first step on.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  // Tokens 0..2 (text, image, video); step 0 holds slots 0 and 1, step 1 slots 0..2.
+  const std::vector<Modality> mod = {Modality::kText, Modality::kImage, Modality::kVideo};
+  const std::vector<int32_t> tk = {0, 1, 2};
+  const std::vector<int> count = {2, 3};
+  const std::vector<float> pt = {1.0f, 2.0f, nan, nan, -1.0f /* never read */, inf};
+  double rm[2][4][4];
+  PrefixSlotSums(tk.data(), count.data(), 2, pt.data(), 2, mod.data(), rm);
+  CHECK(rm[0][0][0] == 1.0);
+  CHECK(std::isnan(rm[0][1][1]));
+  CHECK(rm[0][2][2] == 0.0);
+  CHECK(rm[1][0][0] == 2.0);
+  CHECK(std::isnan(rm[1][1][1]));
+  CHECK(std::isinf(rm[1][2][2]));
+  for (int t = 0; t < 2; ++t)
+    for (int j = 0; j < 4; ++j)
+      for (int mo = 0; mo < 4; ++mo) {
+        if (mo == j && j < 3) continue;
+        CHECK(rm[t][j][mo] == 0.0);
+        CHECK_FALSE(std::signbit(rm[t][j][mo]));
+      }
+}
+
+TEST_CASE("replay: a prefix-closed run's deferred sums give Step's own results, at any thread count",
+          "[replay]") {
+  // The same caches twice: once for a policy that reads the step's attention (Step computes every step's
+  // sums itself) and once for one that does not (the prefix-closed steps' sums are deferred to
+  // FlushPrefixSums); every field of the results must be equal. GQA (groups of 2); runs that stay
+  // prefix-closed, that stop being so at step 5 (an eviction), that never are (an eviction every step), and
+  // with a sliding window that starts to slide at step 4 (no step after it is prefix-closed).
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 2;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 40;
+  spec.image_begin = 4;
+  spec.image_end = 30;
+  spec.decode_steps = 12;
+  spec.seed = 5;
+  for (int window : {0, 44}) {
+    MemoryTrace tr = testing::MakeTinyTrace(spec);
+    if (window > 0) {
+      TraceMeta meta = tr.meta();
+      meta.model.sliding_window = window;
+      std::vector<LayerData> layers;
+      for (int l = 0; l < meta.model.num_layers; ++l) {
+        LayerData d;
+        REQUIRE(tr.ReadLayer(l, &d).ok());
+        d.layer = l;
+        d.prefill_column_sums.clear();
+        layers.push_back(d);
+      }
+      meta.has_prefill_column_sums = false;
+      REQUIRE(tr.Begin(meta).ok());
+      for (const LayerData& d : layers) REQUIRE(tr.WriteLayer(d).ok());
+    }
+    const int n = tr.meta().prefill_length;
+    using Kept = std::function<std::vector<int32_t>(int t)>;
+    auto held = [n](int t, std::vector<int32_t> evicted) {  // the prompt but `evicted`, the decode tokens
+      std::vector<int32_t> k;
+      for (int j = 0; j < n; ++j)
+        if (std::find(evicted.begin(), evicted.end(), j) == evicted.end()) k.push_back(j);
+      for (int s = 0; s < t; ++s) k.push_back(n + s);
+      return k;
+    };
+    // Prefix-closed throughout; until step 5; never; everything kept; until step 3; as the first but
+    // re-assigned (the same tokens) at step 6.
+    const Kept closed = [&](int t) { return held(t, {5, 6, 20}); };
+    const Kept until5 = [&](int t) { return t < 5 ? held(t, {5}) : held(t, {5, 33}); };
+    const Kept never = [&](int t) { return held(t, {t, t + 9}); };
+    const Kept everything = [&](int t) { return held(t, {}); };
+    const Kept until3 = [&](int t) { return t < 3 ? held(t, {1, 2, 3}) : held(t, {1, 2, 3, 4 + t}); };
+    const std::vector<Kept> kept{closed, until5, never, everything, until3, closed};
+    std::vector<RunSpec> runs;
+    for (bool reads : {false, true})
+      for (size_t i = 0; i < kept.size(); ++i) {
+        PolicyRequirements req;
+        req.decode_attention = reads;
+        const Kept k = kept[i];
+        const bool reassign = i + 1 == kept.size();
+        runs.push_back(Spec(std::make_shared<ActPolicy>(
+                                [k, reassign](int step, HeadCache* c) {
+                                  const std::vector<int32_t> want = k(step);
+                                  if (std::vector<int32_t>(c->tokens().begin(), c->tokens().end()) != want ||
+                                      (reassign && step == 6))
+                                    c->Assign(want);
+                                },
+                                req),
+                            n));
+      }
+    std::vector<std::vector<RunResult>> res;
+    for (int threads : {1, 3}) {
+      ReplayOptions o = Options();
+      o.threads = threads;
+      auto r = Replay(tr, runs, o);
+      REQUIRE(r.ok());
+      res.push_back(*r);
+    }
+    const size_t nk = kept.size();
+    for (size_t i = 0; i < nk; ++i) {
+      INFO("cache " << i << " window " << window);
+      CHECK(res[0][i].SerializeAsString() == res[0][nk + i].SerializeAsString());
+      CHECK(res[0][i].SerializeAsString() == res[1][i].SerializeAsString());
+      CHECK(res[0][nk + i].SerializeAsString() == res[1][nk + i].SerializeAsString());
+      CHECK(res[0][i].metrics().retained_mass_mean() > 0.1);
+    }
+    // The re-assignment ends the prefix mode at step 6 (the cache's version changes): the sums of its later
+    // steps come from PlainSlotSums and its outputs from the scattered product, whose A holds the same values
+    // in the same places as the prefix path's (built from the transposed probabilities): every field equal.
+    CHECK(res[0][0].SerializeAsString() == res[0][nk - 1].SerializeAsString());
+    CHECK(res[0][nk].SerializeAsString() == res[0][2 * nk - 1].SerializeAsString());
+  }
 }
 
 // FinishRun's three ways to the outputs Σ_s p_s v_s (the compact GEMM over gathered rows of a prefix-closed
