@@ -192,7 +192,7 @@ struct UnitWork {
   // member sums of several steps read each member's steps contiguously (see MemberSums), and so do a
   // prefix-closed run's deferred plain-slot sums (FlushPrefixSums) and its output product's rows (FinishRun).
   // Built on first use (ProbsT; a unit whose runs need none of these never builds it), shared read-only by
-  // the unit's runs, freed with the unit.
+  // the unit's runs; its memory goes back to PassBuffers with the unit's.
   std::unique_ptr<std::once_flag> probs_t_once;
   std::vector<float> probs_t;
   std::vector<double> full_mod;                       // [g][t][4]
@@ -276,6 +276,7 @@ constexpr int kMemberChunk = 16;
 struct UnitBuffers {
   std::vector<DecodeReference> refs;
   TopKSums sums, all_sums;
+  std::vector<float> probs_t;
 };
 class PassBuffers {
  public:
@@ -545,7 +546,7 @@ class LayerPass {
   // A unit's state goes; its largest buffers go back to the pool for the next unit (PassBuffers).
   void ReleaseUnit(int u) {
     UnitWork& w = units_[u];
-    buffers_.Give({std::move(w.refs), std::move(w.sums), std::move(w.all_sums)});
+    buffers_.Give({std::move(w.refs), std::move(w.sums), std::move(w.all_sums), std::move(w.probs_t)});
     w = UnitWork{};
   }
   size_t UnitIndex(int u) const { return static_cast<size_t>(layer_.layer) * m_.num_kv_heads + u; }
@@ -568,6 +569,7 @@ class LayerPass {
     w.refs = std::move(recycled.refs);
     w.sums = std::move(recycled.sums);
     w.all_sums = std::move(recycled.all_sums);
+    w.probs_t = std::move(recycled.probs_t);  // rebuilt by ProbsT on first use (its memory is what is reused)
     // Full-attention reference, shared by every run.
     w.refs.resize(group);
     for (int g = 0; g < group; ++g)
@@ -892,7 +894,10 @@ class LayerPass {
     const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
     const size_t ts = static_cast<size_t>(t_all) * steps;
     std::call_once(*w.probs_t_once, [&] {
-      w.probs_t.assign(group * ts + kMemberChunk, 0.0f);
+      // Every element below group * ts is written here; the padding is zeroed (a recycled buffer holds a
+      // finished unit's values).
+      w.probs_t.resize(group * ts + kMemberChunk);
+      std::fill(w.probs_t.begin() + group * ts, w.probs_t.end(), 0.0f);
       for (int g = 0; g < group; ++g) {
         float* dst = w.probs_t.data() + g * ts;
         for (int t0 = 0; t0 < steps; t0 += 8) {
