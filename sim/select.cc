@@ -358,11 +358,32 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   row.elem = elems_.size();
   row.bucket = cc_.size();
   row.tail = tail_.size();
-  // An upper bound of the sum (as SortForDescendingSums), the sign check, the largest and smallest value
-  // (a pass without stores, so it vectorises: four lanes, each adding its values in index order).
+  // An upper bound of the sum (as SortForDescendingSums), the sign check, the largest and smallest value:
+  // four lanes, lane l adding values[i + l] of every group of four in index order (then the tail to lane 0).
   double s4[4] = {};
   uint32_t neg4[4] = {}, umax4[4] = {}, umin4[4] = {0x7fffffffu, 0x7fffffffu, 0x7fffffffu, 0x7fffffffu};
   size_t i = 0;
+#if defined(__AVX2__)
+  {  // the same lanes in registers (GCC does not vectorise the loop below: float to double, mixed types)
+    __m256d acc = _mm256_setzero_pd();
+    __m128i vneg = _mm_setzero_si128(), vmax = _mm_setzero_si128(), vmin = _mm_set1_epi32(0x7fffffff);
+    const __m128i abs = _mm_set1_epi32(0x7fffffff), sign = _mm_set1_epi32(static_cast<int>(0x80000000u));
+    for (; i + 4 <= n; i += 4) {
+      const __m128 f = _mm_loadu_ps(&values[i]);
+      const __m128i u = _mm_castps_si128(f);
+      // u > 0x80000000 unsigned <=> (u ^ 0x80000000) > 0 signed
+      vneg = _mm_or_si128(vneg, _mm_cmpgt_epi32(_mm_xor_si128(u, sign), _mm_setzero_si128()));
+      const __m128i a = _mm_and_si128(u, abs);
+      vmax = _mm_max_epu32(vmax, a);
+      vmin = _mm_min_epu32(vmin, a);
+      acc = _mm256_add_pd(acc, _mm256_cvtps_pd(f));
+    }
+    _mm256_storeu_pd(s4, acc);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(neg4), vneg);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(umax4), vmax);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(umin4), vmin);
+  }
+#else
   for (; i + 4 <= n; i += 4)
     for (int l = 0; l < 4; ++l) {
       uint32_t u;
@@ -373,6 +394,7 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
       umin4[l] = std::min(umin4[l], u);
       s4[l] += values[i + l];
     }
+#endif
   uint32_t negative = (neg4[0] | neg4[1]) | (neg4[2] | neg4[3]);
   uint32_t umax = std::max(std::max(umax4[0], umax4[1]), std::max(umax4[2], umax4[3]));
   uint32_t umin = std::min(std::min(umin4[0], umin4[1]), std::min(umin4[2], umin4[3]));
