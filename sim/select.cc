@@ -329,7 +329,7 @@ void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<
 
 void TopKSums::Clear() {
   rows_.clear();
-  elems_.clear();
+  elems_used_ = 0;  // elems_ keeps its size: rows overwrite what they use
   cc_.clear();
   cs_.clear();
   tail_.clear();
@@ -355,7 +355,7 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   const size_t n = values.size();
   Row row;
   row.n = static_cast<int>(n);
-  row.elem = elems_.size();
+  row.elem = elems_used_;
   row.bucket = cc_.size();
   row.tail = tail_.size();
   // An upper bound of the sum (as SortForDescendingSums), the sign check, the largest and smallest value:
@@ -479,14 +479,17 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   // bucket's values in index order (the first half's places come first), as one sequential scatter puts
   // them.
   if (nbig > 0) {
-    elems_.resize(row.elem + (umin < ubig ? n : nbig));  // scratch places only when a value is below 2^L
+    // Scratch places only when a value is below 2^L. elems_ only grows (its size is a high-water mark, so a
+    // row's places are not zero-filled again and again as they were by growing and shrinking it per row).
+    const size_t need = row.elem + (umin < ubig ? n : nbig);
+    if (elems_.size() < need) elems_.resize(need);
     float* el = elems_.data() + row.elem;
     for (i = 0; i < h; ++i) {
       el[cnt0[bucket(i)]++] = values[i];
       el[cnt1[bucket(h + i)]++] = values[h + i];
     }
     if (n % 2) el[cnt1[bucket(n - 1)]++] = values[n - 1];
-    elems_.resize(row.elem + nbig);
+    elems_used_ = row.elem + nbig;
   }
   for (int32_t* c : {cnt0, cnt1}) std::fill(c + bmin, c + hi + 1, 0);  // back to zero for the next row
   for (double* c : {bs0, bs1}) std::fill(c + bmin, c + hi + 1, 0.0);

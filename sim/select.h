@@ -79,6 +79,7 @@ class TopKSums {
   };
   std::vector<Row> rows_;
   std::vector<float> elems_;  // per row: the big values, by bucket from the top (unsorted within one)
+  size_t elems_used_ = 0;     // the rows' part of elems_ (beyond it: scratch, or a cleared use's values)
   std::vector<int32_t> cc_;   // per row: [j] how many values the top j buckets hold
   std::vector<double> cs_;    // per row: [j] their exact sum
   std::vector<double> tail_;  // per row: S[|big| + i], i = 1 .. kept_tail
