@@ -41,15 +41,9 @@ bool ScaleRow(const float* x, double s, int d, float* out) {
 // MergeTokens hands the cache's keys in place instead of copying them first). Eight rows at a time: each
 // row's sum still runs over k in order (so the result is the same as one row at a time), but the eight
 // dependency chains overlap instead of one latency-bound chain per row (it was a third of NearestByCosine's
-// own time, issue 14). Returns whether every row is regular (ScaleRow); `row_regular` (if given) gets each
-// row's flag.
-bool NormalizeRows(const float* const* rows, int n, int d, float* out, char* row_regular = nullptr) {
+// own time, issue 14). Returns whether every row is regular (ScaleRow).
+bool NormalizeRows(const float* const* rows, int n, int d, float* out) {
   bool regular = true;
-  auto scale = [&](int r, double s) {
-    const bool ok = ScaleRow(rows[r], s, d, out + static_cast<size_t>(r) * d);
-    if (row_regular != nullptr) row_regular[r] = ok;
-    regular &= ok;
-  };
   constexpr int kRows = 8;
   int r = 0;
   for (; r + kRows <= n; r += kRows) {
@@ -60,9 +54,10 @@ bool NormalizeRows(const float* const* rows, int n, int d, float* out, char* row
         const double v = xr[i][k];
         s[i] += v * v;  // exact product (float x float fits a double): fused or not, the same sum
       }
-    for (int i = 0; i < kRows; ++i) scale(r + i, s[i]);
+    for (int i = 0; i < kRows; ++i) regular &= ScaleRow(xr[i], s[i], d, out + static_cast<size_t>(r + i) * d);
   }
-  for (; r < n; ++r) scale(r, SquaredNorm(rows[r], d));
+  for (; r < n; ++r)
+    regular &= ScaleRow(rows[r], SquaredNorm(rows[r], d), d, out + static_cast<size_t>(r) * d);
   return regular;
 }
 
@@ -144,25 +139,18 @@ float RowMax(const float* row, int n) {
 // a_j* ≥ V − ε and M ≤ V + ε, so a_j* ≥ M − 2ε: j* is a candidate. Every candidate's v is computed exactly as
 // today, none exceeds V, and every j < j* has v_j < V; so the first maximum among the candidates, in slot
 // order, is j* with value V.
-// `qp_in`, `qe_in`: the queries already packed (PackQueries' words and errors, from the unit's keys), or
-// null.
-void ScreenBlock(const float* q, const uint32_t* qp_in, const double* qe_in, int rows, const float* t,
-                 const uint32_t* tp, double t_err, int num_targets, int d, int* nearest, float* similarity) {
+void ScreenBlock(const float* q, int rows, const float* t, const uint32_t* tp, double t_err, int num_targets,
+                 int d, int* nearest, float* similarity) {
   thread_local std::vector<uint32_t> qp_buf;
   thread_local std::vector<float> approx_buf, values;
   thread_local std::vector<double> q_err;
   thread_local std::vector<const float*> ca, cb;
   thread_local std::vector<int> crow, cidx;
   const long ld = merge_screen::PaddedTargets(num_targets);
-  const uint32_t* qp = qp_in;
-  const double* qe = qe_in;
-  if (qp == nullptr) {
-    uint32_t* qpw = Scratch(qp_buf, static_cast<size_t>(rows) * (d / 2));
-    double* qew = Scratch(q_err, rows);
-    merge_screen::PackQueries(q, rows, d, qpw, qew);
-    qp = qpw, qe = qew;
-  }
+  uint32_t* qp = Scratch(qp_buf, static_cast<size_t>(rows) * (d / 2));
   float* approx = Scratch(approx_buf, static_cast<size_t>(rows) * ld);
+  double* qe = Scratch(q_err, rows);
+  merge_screen::PackQueries(q, rows, d, qp, qe);
   merge_screen::ApproxDots(qp, rows, tp, num_targets, d, approx, ld);
   ca.clear(), cb.clear(), crow.clear(), cidx.clear();
   for (int r = 0; r < rows; ++r) {
@@ -271,103 +259,6 @@ SimilarityMemo* MemoOf(UnitShared* shared) {
   return static_cast<SimilarityMemo*>(shared->merge.get());  // only this file creates `merge`
 }
 
-// ---- the unit's normalised keys (merge.h, merge_keys; issue 14, round 9) ----
-
-std::atomic<bool> g_keys_test_enabled{true};
-bool KeysEnvAllows() {
-  const char* v = std::getenv("KVSIM_MERGE_KEYS");
-  return v == nullptr || std::string(v) != "0";
-}
-const bool kKeysEnvAllows = KeysEnvAllows();
-std::atomic<long> g_keys_target_calls{0}, g_keys_query_blocks{0};
-
-// Rows [0, n) of a unit's key buffer as NearestByCosine prepares them: normalised (NormalizeRows), each row's
-// regular flag, and — where the screen can run (merge_screen::Supported(), d even, d ≤ 2^16) — PackQueries'
-// words and error and PackTargetRow's words and squared error of every normalised row. Every one of them is a
-// function of its row alone (NormalizeRows: the row's own double sum over k in order, whichever 8-row batch
-// it falls in; PackQueries: per row; PackTargets: per row, then a max over rows), so reading them gives the
-// bits the call would have computed; a call's "all rows regular" is the AND of its rows' flags. Immutable
-// once built (by the constructor, under UnitShared::mu).
-class UnitKeys final : public UnitShared::State {
- public:
-  UnitKeys(const float* keys, int n, int d) : keys_(keys), n_(n), d_(d) {
-    std::vector<const float*> rows(n);
-    for (int r = 0; r < n; ++r) rows[r] = keys + static_cast<size_t>(r) * d;
-    unit_.resize(static_cast<size_t>(n) * d);
-    regular_.resize(n);
-    NormalizeRows(rows.data(), n, d, unit_.data(), regular_.data());
-    packed_ = merge_screen::Supported() && d % 2 == 0 && d <= (1 << 16);
-    if (!packed_) return;
-    const size_t pairs = d / 2;
-    qwords_.resize(n * pairs);
-    qerr_.resize(n);
-    twords_.resize(n * pairs);
-    te2_.resize(n);
-    merge_screen::PackQueries(unit_.data(), n, d, qwords_.data(), qerr_.data());
-    for (int r = 0; r < n; ++r)
-      te2_[r] = merge_screen::PackTargetRow(unit_.data() + r * static_cast<size_t>(d), d,
-                                            twords_.data() + r * pairs);
-  }
-  const float* keys() const { return keys_; }
-  int rows() const { return n_; }
-  int d() const { return d_; }
-  bool packed() const { return packed_; }
-  // The rows of the buffer `rows` point to (each row's first float), into `idx`; false if any is not one.
-  bool Find(const float* const* rows, int n, std::vector<int>* idx) const {
-    idx->resize(n);
-    const uintptr_t base = reinterpret_cast<uintptr_t>(keys_);
-    const uintptr_t row_bytes = static_cast<uintptr_t>(d_) * sizeof(float);
-    for (int i = 0; i < n; ++i) {
-      const uintptr_t off = reinterpret_cast<uintptr_t>(rows[i]) - base;  // wraps below the buffer
-      if (off % row_bytes != 0 || off / row_bytes >= static_cast<uintptr_t>(n_)) return false;
-      (*idx)[i] = static_cast<int>(off / row_bytes);
-    }
-    return true;
-  }
-  // NormalizeRows' output and result for the rows `idx`.
-  bool Normalized(const int* idx, int n, float* out) const {
-    bool regular = true;
-    for (int i = 0; i < n; ++i) {
-      std::copy_n(unit_.data() + static_cast<size_t>(idx[i]) * d_, d_, out + static_cast<size_t>(i) * d_);
-      regular &= regular_[idx[i]] != 0;
-    }
-    return regular;
-  }
-  // PackQueries' words and errors for the rows `idx` (requires packed()).
-  void QueryPack(const int* idx, int n, uint32_t* out, double* err) const {
-    const size_t pairs = d_ / 2;
-    for (int i = 0; i < n; ++i) {
-      std::copy_n(qwords_.data() + idx[i] * pairs, pairs, out + i * pairs);
-      err[i] = qerr_[idx[i]];
-    }
-  }
-  // PackTargets' output and result for the rows `idx` (requires packed()).
-  double TargetPack(const int* idx, int n, uint32_t* out) const {
-    return merge_screen::PackTargetsFrom(twords_.data(), te2_.data(), idx, n, d_, out);
-  }
-
- private:
-  const float* keys_;
-  int n_, d_;
-  bool packed_ = false;
-  std::vector<float> unit_;
-  std::vector<char> regular_;
-  std::vector<uint32_t> qwords_, twords_;
-  std::vector<double> qerr_, te2_;
-};
-
-// The unit's cache for this context's key buffer (built on first use), or null (switched off, no shared
-// state, or a cache of another buffer).
-const UnitKeys* KeysOf(const HeadContext& ctx) {
-  if (!merge_keys::Enabled() || ctx.shared == nullptr || ctx.keys == nullptr || ctx.meta == nullptr)
-    return nullptr;
-  std::lock_guard lock(ctx.shared->mu);
-  if (!ctx.shared->merge_keys)
-    ctx.shared->merge_keys = std::make_unique<UnitKeys>(ctx.keys, ctx.prefill_length(), ctx.head_dim());
-  const auto* k = static_cast<const UnitKeys*>(ctx.shared->merge_keys.get());  // only this file creates it
-  return k->keys() == ctx.keys && k->d() == ctx.head_dim() ? k : nullptr;
-}
-
 // A call that may use the memo: the queries and targets are the rows `tokens` of `keys` (plain original keys,
 // no merged slot).
 struct MemoCall {
@@ -393,11 +284,9 @@ struct MemoCall {
 //    equal → the smaller of the two slots (each part's first maximum is its smallest slot reaching V), with
 //    its own value (+0 and −0 compare equal; the first slot's bits are today's). B empty: (b, v_A).
 //  Only the amount of work depends on which entries exist, i.e. on the order in which runs searched.
-// With `uk` (the unit's keys), targets that are all rows of its buffer, and each block of queries that is,
-// are read from it instead of normalised and packed again: the same bits (UnitKeys).
 void NearestWithMemo(const float* const* queries, int num_queries, const float* const* targets,
                      int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity,
-                     const MemoCall* mc, const UnitKeys* uk = nullptr) {
+                     const MemoCall* mc) {
   nearest->assign(num_queries, -1);
   similarity->assign(num_queries, 0.0f);
   if (num_queries == 0 || num_targets == 0) return;
@@ -407,11 +296,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   constexpr int kBlock = 256;  // query rows per GEMM: bounds the similarity block to 256 x num_targets
   float* t = Scratch(t_buf, static_cast<size_t>(num_targets) * d);
   float* q = Scratch(q_buf, static_cast<size_t>(kBlock) * d);
-  thread_local std::vector<int> t_idx, q_idx, b_idx;
-  const bool t_cached = uk != nullptr && uk->Find(targets, num_targets, &t_idx);
-  if (t_cached) g_keys_target_calls.fetch_add(1, std::memory_order_relaxed);
-  const bool targets_regular =
-      t_cached ? uk->Normalized(t_idx.data(), num_targets, t) : NormalizeRows(targets, num_targets, d, t);
+  const bool targets_regular = NormalizeRows(targets, num_targets, d, t);
   // The screen needs dimension pairs, the bound's d ≤ 2^16, regular rows (finite, norm ≤ 1 + 2^-20) and
   // the CPU; everything else is the sgemm path, unchanged.
   const bool screen = targets_regular && d % 2 == 0 && d <= (1 << 16) && merge_screen::Enabled();
@@ -420,8 +305,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   auto pack = [&] {
     if (packed) return;
     uint32_t* tp = Scratch(tp_buf, merge_screen::PackedTargetsSize(num_targets, d));
-    t_err = t_cached ? uk->TargetPack(t_idx.data(), num_targets, tp)
-                     : merge_screen::PackTargets(t, num_targets, d, tp);
+    t_err = merge_screen::PackTargets(t, num_targets, d, tp);
     packed = true;
   };
   merge_screen::Stats& stats = merge_screen::ThreadStats();
@@ -432,8 +316,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   thread_local std::vector<int32_t> slot_of;  // by token: our slot, -1
   thread_local std::vector<int> rest;         // B = our slots not in A, in slot order
   thread_local std::vector<float> tb_buf, qg_buf, simg;
-  thread_local std::vector<uint32_t> tpb_buf, qpc_buf, qpg_buf;
-  thread_local std::vector<double> qec_buf, qeg_buf;
+  thread_local std::vector<uint32_t> tpb_buf;
   thread_local std::vector<int> rows_hit, rows_miss, nearg;
   thread_local std::vector<char> in_a;
   bool superset = false;
@@ -495,20 +378,8 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   if (use_memo) answered.assign(num_queries, 0);
   for (int b = 0; b < num_queries; b += kBlock) {
     const int rows = std::min(kBlock, num_queries - b);
-    const bool q_cached = uk != nullptr && uk->Find(queries + b, rows, &q_idx);
-    const bool queries_regular =
-        q_cached ? uk->Normalized(q_idx.data(), rows, q) : NormalizeRows(queries + b, rows, d, q);
+    const bool queries_regular = NormalizeRows(queries + b, rows, d, q);
     if (screen && queries_regular && static_cast<long>(rows) * num_targets * d >= kMinScreenedWork) {
-      // The block's packed queries, from the unit's keys (else ScreenBlock packs them).
-      const uint32_t* qp = nullptr;
-      const double* qe = nullptr;
-      if (q_cached) {
-        g_keys_query_blocks.fetch_add(1, std::memory_order_relaxed);
-        uint32_t* qpw = Scratch(qpc_buf, static_cast<size_t>(rows) * (d / 2));
-        double* qew = Scratch(qec_buf, rows);
-        uk->QueryPack(q_idx.data(), rows, qpw, qew);
-        qp = qpw, qe = qew;
-      }
       if (use_memo) {
         std::fill(answered.begin() + b, answered.begin() + b + rows, 1);
         stats.memo_products_without += static_cast<long>(rows) * num_targets;
@@ -522,28 +393,15 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
       }
       if (rows_hit.empty()) {  // today's search
         pack();
-        ScreenBlock(q, qp, qe, rows, t, tp_buf.data(), t_err, num_targets, d, nearest->data() + b,
+        ScreenBlock(q, rows, t, tp_buf.data(), t_err, num_targets, d, nearest->data() + b,
                     similarity->data() + b);
         if (use_memo) stats.memo_products += static_cast<long>(rows) * num_targets;
         continue;
       }
       // Rows without a stored answer: over every target, as today.
-      // (and their packed words and errors, if the block has them)
-      const uint32_t* qpg = nullptr;
-      const double* qeg = nullptr;
       auto gather = [&](const std::vector<int>& rs) {
         float* g = Scratch(qg_buf, rs.size() * d);
         for (size_t i = 0; i < rs.size(); ++i) std::copy_n(q + static_cast<size_t>(rs[i]) * d, d, g + i * d);
-        if (qp != nullptr) {
-          const size_t pairs = d / 2;
-          uint32_t* pw = Scratch(qpg_buf, rs.size() * pairs);
-          double* ew = Scratch(qeg_buf, rs.size());
-          for (size_t i = 0; i < rs.size(); ++i) {
-            std::copy_n(qp + rs[i] * pairs, pairs, pw + i * pairs);
-            ew[i] = qe[rs[i]];
-          }
-          qpg = pw, qeg = ew;
-        }
         nearg.resize(rs.size());
         simg.resize(rs.size());
         return g;
@@ -551,7 +409,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
       if (!rows_miss.empty()) {
         pack();
         const float* g = gather(rows_miss);
-        ScreenBlock(g, qpg, qeg, static_cast<int>(rows_miss.size()), t, tp_buf.data(), t_err, num_targets, d,
+        ScreenBlock(g, static_cast<int>(rows_miss.size()), t, tp_buf.data(), t_err, num_targets, d,
                     nearg.data(), simg.data());
         for (size_t i = 0; i < rows_miss.size(); ++i) {
           (*nearest)[b + rows_miss[i]] = nearg[i];
@@ -567,17 +425,11 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
           for (int i = 0; i < nb; ++i)
             std::copy_n(t + static_cast<size_t>(rest[i]) * d, d, tb + static_cast<size_t>(i) * d);
           uint32_t* tpb = Scratch(tpb_buf, merge_screen::PackedTargetsSize(nb, d));
-          if (t_cached) {
-            b_idx.resize(nb);
-            for (int i = 0; i < nb; ++i) b_idx[i] = t_idx[rest[i]];
-            tb_err = uk->TargetPack(b_idx.data(), nb, tpb);
-          } else {
-            tb_err = merge_screen::PackTargets(tb, nb, d, tpb);
-          }
+          tb_err = merge_screen::PackTargets(tb, nb, d, tpb);
           packed_b = true;
         }
         const float* g = gather(rows_hit);
-        ScreenBlock(g, qpg, qeg, hits, tb, tpb_buf.data(), tb_err, nb, d, nearg.data(), simg.data());
+        ScreenBlock(g, hits, tb, tpb_buf.data(), tb_err, nb, d, nearg.data(), simg.data());
         stats.memo_products += static_cast<long>(hits) * nb;
       }
       for (int i = 0; i < hits; ++i) {
@@ -654,16 +506,6 @@ int StoredSets(UnitShared& shared) {
   return shared.merge ? static_cast<SimilarityMemo*>(shared.merge.get())->size() : 0;
 }
 }  // namespace merge_memo
-
-namespace merge_keys {
-bool Enabled() { return kKeysEnvAllows && g_keys_test_enabled.load(std::memory_order_relaxed); }
-void SetEnabledForTesting(bool enabled) { g_keys_test_enabled.store(enabled, std::memory_order_relaxed); }
-int CachedRows(UnitShared& shared) {
-  std::lock_guard lock(shared.mu);
-  return shared.merge_keys ? static_cast<UnitKeys*>(shared.merge_keys.get())->rows() : 0;
-}
-Totals ProcessTotals() { return Totals{g_keys_target_calls.load(), g_keys_query_blocks.load()}; }
-}  // namespace merge_keys
 
 void NearestByCosine(const float* const* queries, int num_queries, const float* const* targets,
                      int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity) {
@@ -769,13 +611,11 @@ bool Merger::Join(const HeadContext& ctx, std::span<const int32_t> tokens, const
   for (int i = 0; i < e; ++i) x[i] = OriginalKey(ctx, tokens[i]);
   // The unit's similarity memo, for plain original keys of this unit only (a merged slot's key is no row of
   // ctx.keys).
-  // The unit's normalised keys serve every row of ctx.keys' prompt (not the merged slots' keys).
-  const UnitKeys* uk = KeysOf(ctx);
   if (memo && ctx.shared != nullptr && !cache.has_merges() && merge_memo::Enabled()) {
     const MemoCall mc{MemoOf(ctx.shared), ctx.keys, tokens, cache.tokens()};
-    NearestWithMemo(x.data(), e, targets.data(), slots, d, slot, coef, &mc, uk);
+    NearestWithMemo(x.data(), e, targets.data(), slots, d, slot, coef, &mc);
   } else {
-    NearestWithMemo(x.data(), e, targets.data(), slots, d, slot, coef, nullptr, uk);
+    NearestByCosine(x.data(), e, targets.data(), slots, d, slot, coef);
   }
   double threshold = -2;  // below every cosine
   if (filter_ == policy::ABOVE_MEAN_SIMILARITY) {

@@ -52,28 +52,6 @@ Totals ProcessTotals();
 int StoredSets(UnitShared& shared);
 }  // namespace merge_memo
 
-// The unit's prompt keys normalised (issue 14, round 9): every merging call of a unit's runs normalised
-// the same prompt keys again (NearestByCosine scales each row to unit length, and the bf16 screen packs
-// them). UnitShared::merge_keys keeps, for the rows [0, prefill_length) of the unit's key buffer
-// (HeadContext::keys), each row normalised, its "regular" flag and its bf16 packings with their error
-// terms — each a function of that row alone, so a call whose queries (per 256-row block) or targets (all
-// of them) are rows of that buffer reads them instead of computing them, bit for bit the same. Anything
-// else (merged slots' keys, decode tokens' keys, other buffers) takes the old path. Built once per unit by
-// the first merging call (under UnitShared::mu), read-only after that, freed with the unit.
-namespace merge_keys {
-// False if switched off: by KVSIM_MERGE_KEYS=0 (read once; an A/B switch of one binary) or by
-// SetEnabledForTesting(false).
-bool Enabled();
-void SetEnabledForTesting(bool enabled);
-// How many rows the unit's cache holds (0: none built).
-int CachedRows(UnitShared& shared);
-// Calls that read their targets / query blocks from a unit's cache, summed over every thread (tests).
-struct Totals {
-  long target_calls = 0, query_blocks = 0;
-};
-Totals ProcessTotals();
-}  // namespace merge_keys
-
 // Per-(layer, KV head) merge state: the running sums behind every merged slot, so later evictions can merge
 // into (or dissolve) an existing merge.
 class Merger {

@@ -209,15 +209,6 @@ void PackQueries(const float* rows, int n, int d, uint32_t* out, double* err) {
   }
 }
 
-namespace {
-// One target row's words at stride `stride` (16 in PackTargets' layout, 1 in a cache); its squared error.
-inline double PackTargetWords(const float* x, int d, uint32_t* o, long stride) {
-  double e2 = 0;
-  for (int p = 0; p < d / 2; ++p) o[p * stride] = PackPair(x, p, &e2);
-  return e2;
-}
-}  // namespace
-
 double PackTargets(const float* rows, int n, int d, uint32_t* out) {
   const int pairs = d / 2, groups = PaddedTargets(n) / 16;
   double worst = 0;
@@ -229,28 +220,10 @@ double PackTargets(const float* rows, int n, int d, uint32_t* out) {
         for (int p = 0; p < pairs; ++p) o[p * 16] = 0;
         continue;
       }
-      worst = std::max(worst, PackTargetWords(rows + static_cast<long>(j) * d, d, o, 16));
-    }
-  return std::sqrt(worst) * kErrUp;
-}
-
-double PackTargetRow(const float* row, int d, uint32_t* words) { return PackTargetWords(row, d, words, 1); }
-
-double PackTargetsFrom(const uint32_t* words, const double* e2, const int* rows, int n, int d,
-                       uint32_t* out) {
-  const int pairs = d / 2, groups = PaddedTargets(n) / 16;
-  double worst = 0;
-  for (int g = 0; g < groups; ++g)
-    for (int i = 0; i < 16; ++i) {
-      const int j = g * 16 + i;
-      uint32_t* o = out + static_cast<long>(g) * pairs * 16 + i;
-      if (j >= n) {
-        for (int p = 0; p < pairs; ++p) o[p * 16] = 0;
-        continue;
-      }
-      const uint32_t* w = words + static_cast<long>(rows[j]) * pairs;
-      for (int p = 0; p < pairs; ++p) o[p * 16] = w[p];
-      worst = std::max(worst, e2[rows[j]]);
+      const float* x = rows + static_cast<long>(j) * d;
+      double e2 = 0;
+      for (int p = 0; p < pairs; ++p) o[p * 16] = PackPair(x, p, &e2);
+      worst = std::max(worst, e2);
     }
   return std::sqrt(worst) * kErrUp;
 }

@@ -60,13 +60,6 @@ void PackQueries(const float* rows, int n, int d, uint32_t* out, double* err);
 // error norm.
 double PackTargets(const float* rows, int n, int d, uint32_t* out);
 inline int PaddedTargets(int n) { return (n + 15) / 16 * 16; }
-// PackTargets one row at a time, for a cache of packed rows (policies/merge.cc, the unit's keys): writes
-// row's d/2 words as PackTargets packs them and returns its squared rounding error sum. PackTargetsFrom
-// then lays out n such rows (words[j], e2[j]) exactly as PackTargets lays out the rows they came from and
-// returns the same bound (a max over rows: the order does not matter).
-double PackTargetRow(const float* row, int d, uint32_t* words);
-// Row j of the n is rows[j] of the cache: words at words + rows[j] * d/2, its error sum e2[rows[j]].
-double PackTargetsFrom(const uint32_t* words, const double* e2, const int* rows, int n, int d, uint32_t* out);
 inline long PackedTargetsSize(int n, int d) { return static_cast<long>(PaddedTargets(n)) * (d / 2); }
 
 // approx[r * ld + j] for r < num_queries, j < PaddedTargets(num_targets) (padding targets give 0): the

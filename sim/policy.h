@@ -44,7 +44,6 @@ struct UnitShared {
   };
   std::mutex mu;
   std::unique_ptr<State> merge;  // policies/merge.cc: the similarity answers of the unit's merging runs
-  std::unique_ptr<State> merge_keys;  // policies/merge.cc: the unit's prompt keys normalised (and packed)
 };
 
 // State built by a policy's first pass over all layers (cross-layer information: MEDA's per-layer entropy,

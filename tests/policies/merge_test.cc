@@ -939,8 +939,8 @@ TEST_CASE("merge memo: switched off, nothing is stored or reused; the memo keeps
 }
 
 TEST_CASE(
-    "merge memo: meda / official / look_m sweeps are the same with and without the similarity memo and the "
-    "unit's normalised keys, at 1 and 3 threads",
+    "merge memo: meda / official / look_m sweeps are the same with and without the similarity memo, at 1 and "
+    "3 threads",
     "[merge][memo]") {
   // Long enough prompts and d = 64 that NearestByCosine screens (and so may reuse) most query blocks.
   testing::TinyTraceSpec spec;
@@ -965,16 +965,12 @@ TEST_CASE(
       runs.push_back(
           RunSpec{*p, name + std::string(sets.empty() ? "" : " official"), b, 0, QuestionMode::kQueryAware});
   }
-  // Off: neither the memo nor the unit's normalised keys (merge_keys, round 9); on: both.
   merge_memo::SetEnabledForTesting(false);
-  merge_keys::SetEnabledForTesting(false);
   auto off = Replay(trace, runs, ReplayOptions{.threads = 1});
   REQUIRE(off.ok());
   merge_memo::SetEnabledForTesting(true);
-  merge_keys::SetEnabledForTesting(true);
   for (int threads : {1, 3}) {
     const merge_memo::Totals before = merge_memo::ProcessTotals();
-    const merge_keys::Totals keys_before = merge_keys::ProcessTotals();
     auto on = Replay(trace, runs, ReplayOptions{.threads = threads});
     REQUIRE(on.ok());
     const merge_memo::Totals after = merge_memo::ProcessTotals();
@@ -982,238 +978,11 @@ TEST_CASE(
       CHECK(after.reuse_calls > before.reuse_calls);
       CHECK(after.products - before.products < after.products_without - before.products_without);
     }
-    if (merge_screen::Enabled() && merge_keys::Enabled())
-      CHECK(merge_keys::ProcessTotals().query_blocks > keys_before.query_blocks);
     for (size_t i = 0; i < runs.size(); ++i) {
       INFO(runs[i].label << " budget " << runs[i].budget_fraction << " threads " << threads);
       CHECK((*on)[i].metrics().merged_tokens_mean() > 0);
       CHECK((*on)[i].SerializeAsString() == (*off)[i].SerializeAsString());
     }
-  }
-}
-
-// ---- the unit's normalised keys (merge_keys; issue 14, round 9) ----
-namespace {
-
-// What a merge did, and how the search went: the assignment (slot, cosine bits) per evicted token, the
-// merged slots, and the screen's counters (blocks screened / on sgemm, candidates: equal only if every
-// row's normalised values, regular flag and packing were the same).
-struct KeysOutcome {
-  HeadCache cache;
-  std::vector<std::pair<int, uint32_t>> assignment;
-  long screened_blocks = 0, sgemm_blocks = 0, screened_queries = 0, candidates = 0;
-};
-
-KeysOutcome Outcome(HeadCache cache, long sb, long gb, long sq, long c) {
-  KeysOutcome o{std::move(cache)};
-  for (int s = 0; s < o.cache.size(); ++s)
-    if (o.cache.is_merged(s))
-      for (const auto& [tok, w] : o.cache.merged(s).members)
-        o.assignment.emplace_back(s, std::bit_cast<uint32_t>(w));
-  o.screened_blocks = sb, o.sgemm_blocks = gb, o.screened_queries = sq, o.candidates = c;
-  return o;
-}
-
-// KeepAndMergeOnce (or KeepAndMerge followed by `later` tokens merged into the merged cache: targets that
-// are merged keys) on `h` with the unit state `shared` (null: none), WEIGHTED + MERGE_ALL.
-KeysOutcome KeysMerge(MemoHead& h, std::span<const int32_t> kept, UnitShared* shared, bool once = true,
-                      std::span<const int32_t> later = {}) {
-  std::vector<char> in(h.n(), 0);
-  for (int32_t j : kept) in[j] = 1;
-  for (int32_t j : later) in[j] = 1;
-  std::vector<int32_t> evicted;
-  for (int32_t j = 0; j < h.n(); ++j)
-    if (!in[j]) evicted.push_back(j);
-  HeadContext c = h.ctx;
-  c.shared = shared;
-  HeadCache cache(h.meta.model.head_dim);
-  Merger m(policy::WEIGHTED, policy::MERGE_ALL);
-  const merge_screen::Stats before = merge_screen::ThreadStats();
-  if (once) {
-    m.KeepAndMergeOnce(c, kept, evicted, &cache);
-  } else {
-    m.KeepAndMerge(c, kept, evicted, &cache);
-    m.MergeTokens(c, later, &cache);
-  }
-  const merge_screen::Stats& now = merge_screen::ThreadStats();
-  return Outcome(std::move(cache), now.screened_blocks - before.screened_blocks,
-                 now.sgemm_blocks - before.sgemm_blocks, now.screened_queries - before.screened_queries,
-                 now.candidates - before.candidates);
-}
-
-void CheckSameOutcome(const KeysOutcome& with, const KeysOutcome& without, int d) {
-  CHECK(with.assignment == without.assignment);
-  CHECK(with.screened_blocks == without.screened_blocks);
-  CHECK(with.sgemm_blocks == without.sgemm_blocks);
-  CHECK(with.screened_queries == without.screened_queries);
-  CHECK(with.candidates == without.candidates);
-  CheckSameMerges(with.cache, without.cache, d);
-}
-
-// With the unit's keys (a fresh UnitShared per key set, reused over the sets) == without (no UnitShared),
-// for each kept set; returns the query blocks read from the cache.
-long CheckKeysEqualsPlain(MemoHead& h, const std::vector<std::vector<int32_t>>& sets, bool memo) {
-  merge_memo::SetEnabledForTesting(memo);
-  merge_keys::SetEnabledForTesting(true);
-  const long before = merge_keys::ProcessTotals().query_blocks;
-  UnitShared shared, none;  // `none`: the same memo history (if on), never a key cache
-  for (const auto& kept : sets) {
-    CAPTURE(kept.size(), memo);
-    merge_keys::SetEnabledForTesting(false);
-    const KeysOutcome plain = KeysMerge(h, kept, memo ? &none : nullptr);
-    merge_keys::SetEnabledForTesting(true);
-    const KeysOutcome cached = KeysMerge(h, kept, &shared);
-    CheckSameOutcome(cached, plain, h.meta.model.head_dim);
-  }
-  merge_memo::SetEnabledForTesting(true);
-  return merge_keys::ProcessTotals().query_blocks - before;
-}
-
-}  // namespace
-
-TEST_CASE("merge keys: the unit's normalised keys give the same merges bit for bit", "[merge][keys]") {
-  constexpr int d = 128, n = 1500;
-  const bool on = ScreenOn() && merge_keys::Enabled();  // KVSIM_MERGE_KEYS=0 keeps it off
-  const auto sets = NestedSets(n, {0.05, 0.10, 0.20, 0.50}, 61u);
-  auto check = [&](std::vector<float> keys) {
-    MemoHead h(std::move(keys), d);
-    for (bool memo : {false, true}) {
-      const long blocks = CheckKeysEqualsPlain(h, sets, memo);
-      if (on) CHECK(blocks > 0);
-    }
-  };
-  SECTION("random") { check(Gaussian(n, d, 63u)); }
-  SECTION("clustered, a large shared direction") {
-    std::vector<float> centres = Gaussian(5, d, 64u), k = Gaussian(n, d, 65u);
-    for (size_t i = 0; i < k.size(); ++i) k[i] = 0.1f * k[i] + centres[(i / d % 5) * d + i % d];
-    check(std::move(k));
-    check(Gaussian(n, d, 66u, 3.0f));
-  }
-  SECTION("exact duplicates, zero rows, scaled copies") { check(AwkwardKeys(n, d, 67u)); }
-  SECTION("near ties: copies perturbed by 2^-24 ... 2^-10") {
-    std::mt19937 rng(68);
-    std::vector<float> k = Gaussian(n, d, 69u);
-    for (int r = 8; r < n; ++r)
-      if (r % 3 != 0) {
-        std::copy_n(&k[static_cast<size_t>(r % 8) * d], d, &k[static_cast<size_t>(r) * d]);
-        k[static_cast<size_t>(r) * d + rng() % d] *=
-            1.0f + std::ldexp(1.0f, -24 + static_cast<int>(rng() % 15));
-      }
-    check(std::move(k));
-  }
-  SECTION("irregular rows: huge, tiny and denormal-scale rows send their blocks to sgemm") {
-    // Rows of norm > 2^126 (1/norm is subnormal), < 2^-126 (1/norm overflows) and ~1e-37 (regular): the
-    // per-row flags must make each block's and the targets' "all regular" what NormalizeRows says.
-    std::vector<float> k = Gaussian(n, d, 70u);
-    for (int c = 0; c < d; ++c) {
-      k[static_cast<size_t>(300) * d + c] *= 1e37f;    // huge: an irregular query row (block 1) ...
-      k[static_cast<size_t>(1499) * d + c] *= 1e-41f;  // tiny: ... and one in the last block, kept at 50%
-      k[static_cast<size_t>(900) * d + c] *= 1e-37f;   // denormal-scale but regular
-    }
-    k[static_cast<size_t>(40) * d + 5] = std::numeric_limits<float>::max();  // a huge entry, norm² finite
-    MemoHead h(std::move(k), d);
-    for (bool memo : {false, true}) CheckKeysEqualsPlain(h, sets, memo);
-    // Every set once more with the screen off: the sgemm path reads the same normalised rows.
-    merge_screen::SetEnabledForTesting(false);
-    CheckKeysEqualsPlain(h, sets, false);
-    merge_screen::SetEnabledForTesting(true);
-  }
-}
-
-TEST_CASE("merge keys: rows that are not the unit's prompt keys take the old path", "[merge][keys]") {
-  constexpr int d = 128, n = 1400;
-  merge_keys::SetEnabledForTesting(true);
-  const bool on = ScreenOn() && merge_keys::Enabled();
-  MemoHead h(Gaussian(n, d, 81u), d);
-  const auto sets = NestedSets(n, {0.1, 0.3}, 83u);
-  SECTION("targets that are merged slots' keys (decode-time merges into a merged cache)") {
-    std::vector<int32_t> later;
-    for (int32_t j = 1; j < n; j += 5) later.push_back(j);
-    std::vector<int32_t> kept;
-    for (int32_t j : sets[1])
-      if (j % 5 != 1) kept.push_back(j);
-    UnitShared shared;
-    const merge_keys::Totals before = merge_keys::ProcessTotals();
-    const KeysOutcome with = KeysMerge(h, kept, &shared, false, later);
-    const merge_keys::Totals mid = merge_keys::ProcessTotals();
-    merge_keys::SetEnabledForTesting(false);
-    const KeysOutcome without = KeysMerge(h, kept, nullptr, false, later);
-    merge_keys::SetEnabledForTesting(true);
-    CheckSameOutcome(with, without, d);
-    // The first merge's targets are prompt keys (cached), the second's include merged keys (not).
-    if (on) CHECK(mid.target_calls - before.target_calls == 1);
-  }
-  SECTION("another key buffer reaching a unit's cache") {
-    merge_memo::SetEnabledForTesting(false);  // no answers reused between calls: the same work either way
-    UnitShared shared;
-    for (const auto& kept : sets) {
-      merge_keys::SetEnabledForTesting(false);
-      const KeysOutcome without = KeysMerge(h, kept, nullptr);
-      merge_keys::SetEnabledForTesting(true);
-      CheckSameOutcome(KeysMerge(h, kept, &shared, true), without, d);
-    }
-    CHECK(merge_keys::CachedRows(shared) == (merge_keys::Enabled() ? n : 0));
-    // The same UnitShared reached with another buffer (same shape, other values): its cache is not used.
-    MemoHead other(Gaussian(n, d, 85u), d);
-    for (const auto& kept : sets) {
-      merge_keys::SetEnabledForTesting(false);
-      const KeysOutcome without = KeysMerge(other, kept, nullptr);
-      merge_keys::SetEnabledForTesting(true);
-      const merge_keys::Totals before = merge_keys::ProcessTotals();
-      CheckSameOutcome(KeysMerge(other, kept, &shared), without, d);
-      CHECK(merge_keys::ProcessTotals().target_calls == before.target_calls);
-    }
-    merge_memo::SetEnabledForTesting(true);
-  }
-}
-
-TEST_CASE("merge keys: two threads building and reading one unit's cache get the plain results",
-          "[merge][keys]") {
-  constexpr int d = 128, n = 1500;
-  merge_keys::SetEnabledForTesting(true);
-  MemoHead h(Gaussian(n, d, 91u, 1.0f), d);
-  const auto sets = NestedSets(n, {0.05, 0.10, 0.20, 0.50}, 93u);
-  std::vector<KeysOutcome> plain;
-  merge_keys::SetEnabledForTesting(false);
-  for (const auto& kept : sets) plain.push_back(KeysMerge(h, kept, nullptr));
-  merge_keys::SetEnabledForTesting(true);
-  for (int round = 0; round < 3; ++round) {
-    UnitShared shared;  // fresh: the two threads race to build it
-    std::vector<std::vector<std::pair<int, uint32_t>>> got(sets.size());
-    auto work = [&](int first) {
-      for (size_t i = first; i < sets.size(); i += 2) got[i] = KeysMerge(h, sets[i], &shared).assignment;
-    };
-    std::thread a(work, 0), b(work, 1);
-    a.join(), b.join();
-    for (size_t i = 0; i < sets.size(); ++i) CHECK(got[i] == plain[i].assignment);
-    CHECK(merge_keys::CachedRows(shared) == (merge_keys::Enabled() ? n : 0));
-  }
-}
-
-TEST_CASE("merge screen: targets packed from per-row words equal PackTargets", "[merge][screen][keys]") {
-  for (int d : {2, 16, 62, 128}) {
-    const int n = 37;
-    std::vector<float> x = Gaussian(n, d, 95u + d);
-    for (int k = 0; k < d; ++k) x[static_cast<size_t>(5) * d + k] = k % 2 ? 1e-40f : -1e-39f;  // subnormal
-    for (int k = 0; k < d; ++k) x[static_cast<size_t>(6) * d + k] = 0.0f;
-    std::vector<uint32_t> words(static_cast<size_t>(n) * d / 2);
-    std::vector<double> e2(n);
-    for (int r = 0; r < n; ++r)
-      e2[r] =
-          merge_screen::PackTargetRow(x.data() + static_cast<size_t>(r) * d, d, words.data() + r * (d / 2));
-    // A subset in another order: rows idx[j] of x, as PackTargets packs them from a gathered copy.
-    std::vector<int> idx;
-    for (int r = n - 1; r >= 0; r -= 2) idx.push_back(r);
-    for (int r : {5, 6, 0}) idx.push_back(r);
-    const int m = static_cast<int>(idx.size());
-    std::vector<float> g(static_cast<size_t>(m) * d);
-    for (int j = 0; j < m; ++j) std::copy_n(x.data() + static_cast<size_t>(idx[j]) * d, d, g.data() + j * d);
-    std::vector<uint32_t> a(merge_screen::PackedTargetsSize(m, d), 1u), b(a.size(), 2u);
-    const double ea = merge_screen::PackTargets(g.data(), m, d, a.data());
-    const double eb = merge_screen::PackTargetsFrom(words.data(), e2.data(), idx.data(), m, d, b.data());
-    CAPTURE(d);
-    CHECK(a == b);
-    CHECK(std::bit_cast<uint64_t>(ea) == std::bit_cast<uint64_t>(eb));
   }
 }
 
