@@ -331,6 +331,29 @@ void PrefixSlotSums(const int32_t* tk, const int* count, int steps, const float*
       for (int mo = 0; mo < 4; ++mo) rm[t][j][mo] = acc[static_cast<size_t>(j * 4 + mo) * ns + t];
 }
 
+namespace {
+
+#ifdef __AVX2__
+// pt in the lane of modality `mo`, +0.0 in the other three: the modality-sum registers of PlainSlotSums and
+// MergedSlotSums add it to all four lanes at once.
+inline __m256d OnlyInLane(float pt, Modality mo) {
+  static_assert(kNumModalities == 4);
+  alignas(32) static constexpr int64_t kLane[4][4] = {
+      {-1, 0, 0, 0}, {0, -1, 0, 0}, {0, 0, -1, 0}, {0, 0, 0, -1}};
+  const __m256i lane = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLane[static_cast<int>(mo)]));
+  return _mm256_and_pd(_mm256_set1_pd(pt), _mm256_castsi256_pd(lane));
+}
+#endif
+
+// PlainSlotSums' four lanes combined: ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]), and
+// the retained mass (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]) returned.
+double CombineSlotSums(const double rm[4][4], double ret_mod[4]) {
+  for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
+  return (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
+}
+
+}  // namespace
+
 // PlainSlotSums (replay.h). With AVX2, lane j's four modality sums live in one register and every slot adds
 // p[tok_s] masked to its modality (the others get +0.0): x + (+0.0) = x for every x these sums hold (they
 // start at +0.0, and a NaN or infinity is masked to +0.0 outside its modality), so each sum gets the same
@@ -340,18 +363,13 @@ int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* 
                   double rm[4][4]) {
   int visible = 0, s = 0;
 #ifdef __AVX2__
-  static_assert(kNumModalities == 4);
-  const __m256d only[4] = {_mm256_castsi256_pd(_mm256_setr_epi64x(-1, 0, 0, 0)),
-                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, -1, 0, 0)),
-                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, 0, -1, 0)),
-                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, 0, 0, -1))};
   __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;  // named: kept in registers
   auto add = [&](__m256d& acc, int slot) {
     const int32_t tok = tk[slot];
     const float pt = p[tok];
     if (cp) cp[slot] = pt;
     visible += tok >= first;
-    acc = _mm256_add_pd(acc, _mm256_and_pd(_mm256_set1_pd(pt), only[static_cast<int>(mod[tok])]));
+    acc = _mm256_add_pd(acc, OnlyInLane(pt, mod[tok]));
   };
   for (; s + 4 <= slots; s += 4) {
     add(a0, s);
@@ -386,11 +404,6 @@ MergedSlotSumsResult MergedSlotSums(const int32_t* tk, int slots, const float* p
   double wsum = 0, retained = 0, anchor = 0, covered = 0, merged_w = 0, merged_mass = 0;
   int visible = 0;
 #ifdef __AVX2__
-  static_assert(kNumModalities == 4);
-  const __m256d only[4] = {_mm256_castsi256_pd(_mm256_setr_epi64x(-1, 0, 0, 0)),
-                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, -1, 0, 0)),
-                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, 0, -1, 0)),
-                           _mm256_castsi256_pd(_mm256_setr_epi64x(0, 0, 0, -1))};
   __m256d rm = _mm256_setzero_pd();
 #else
   double rm[4] = {0, 0, 0, 0};
@@ -406,7 +419,7 @@ MergedSlotSumsResult MergedSlotSums(const int32_t* tk, int slots, const float* p
       covered += pt;
       wsum += pt;
 #ifdef __AVX2__
-      rm = _mm256_add_pd(rm, _mm256_and_pd(_mm256_set1_pd(pt), only[static_cast<int>(mod[tok])]));
+      rm = _mm256_add_pd(rm, OnlyInLane(pt, mod[tok]));
 #else
       rm[static_cast<int>(mod[tok])] += pt;
 #endif
@@ -1130,10 +1143,8 @@ class LayerPass {
           visible = 0;
           for (int s = 0; s < slots; ++s) visible += ws.ptok[s] >= first;
         }
-        const double(*rm)[4] = rmt[t];
         double ret_mod[4];
-        for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
-        const double retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
+        const double retained = CombineSlotSums(rmt[t], ret_mod);
         RecordSums(w, a, ws, u, g, t, retained, retained, 0.0, retained, ret_mod, visible);
       }
     }
@@ -1277,8 +1288,7 @@ class LayerPass {
         // modality sums go to four interleaved accumulators (no serial dependency through one of them).
         double rm[4][4] = {};
         visible = PlainSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, cp, rm);
-        for (int mo = 0; mo < 4; ++mo) ret_mod[mo] = (rm[0][mo] + rm[1][mo]) + (rm[2][mo] + rm[3][mo]);
-        retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
+        retained = CombineSlotSums(rm, ret_mod);
         wsum = covered = retained;
       } else {
         // First the merged slots alone (their dots, weights, member sums and output contributions: every

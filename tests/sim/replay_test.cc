@@ -32,6 +32,24 @@ namespace {
 
 bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+// Rewrites the trace in place with a sliding window of `window` tokens; its recorded prefill column sums are
+// dropped (they were computed without the window).
+void SetSlidingWindow(MemoryTrace& trace, int window) {
+  TraceMeta meta = trace.meta();
+  meta.model.sliding_window = window;
+  std::vector<LayerData> layers;
+  for (int l = 0; l < meta.model.num_layers; ++l) {
+    LayerData d;
+    REQUIRE(trace.ReadLayer(l, &d).ok());
+    d.layer = l;
+    d.prefill_column_sums.clear();
+    layers.push_back(d);
+  }
+  meta.has_prefill_column_sums = false;
+  REQUIRE(trace.Begin(meta).ok());
+  for (const LayerData& d : layers) REQUIRE(trace.WriteLayer(d).ok());
+}
+
 // A hand-made trace: 1 layer, 1 head, d = 2, scale 1, prompt of 4 tokens (token 3 is the question), 2 decode
 // steps (T = 6). Tokens 1 and 2 are image patches, the rest text.
 //   keys   k0 = (0, 0), k1 = (ln2, 0), k2 = (ln3, ln4), k3 = (0, 0), k4 = (0, 0), k5 = (0, ln2)
@@ -825,21 +843,7 @@ TEST_CASE("replay: (KV head, run) items are bit-identical at any thread count (G
   spec.seed = 23;
   for (int window : {0, 20}) {
     MemoryTrace trace = testing::MakeTinyTrace(spec);
-    if (window > 0) {
-      TraceMeta meta = trace.meta();
-      meta.model.sliding_window = window;
-      std::vector<LayerData> layers;
-      for (int l = 0; l < meta.model.num_layers; ++l) {
-        LayerData d;
-        REQUIRE(trace.ReadLayer(l, &d).ok());
-        d.layer = l;
-        d.prefill_column_sums.clear();
-        layers.push_back(d);
-      }
-      meta.has_prefill_column_sums = false;
-      REQUIRE(trace.Begin(meta).ok());
-      for (const LayerData& d : layers) REQUIRE(trace.WriteLayer(d).ok());
-    }
+    if (window > 0) SetSlidingWindow(trace, window);
     std::vector<RunSpec> runs;
     for (const char* name :
          {"full", "streaming_llm", "h2o", "snapkv", "oracle", "snapkv+average", "look_m"}) {
@@ -1958,21 +1962,7 @@ TEST_CASE("replay: a prefix-closed run's deferred sums give Step's own results, 
   spec.seed = 5;
   for (int window : {0, 44}) {
     MemoryTrace tr = testing::MakeTinyTrace(spec);
-    if (window > 0) {
-      TraceMeta meta = tr.meta();
-      meta.model.sliding_window = window;
-      std::vector<LayerData> layers;
-      for (int l = 0; l < meta.model.num_layers; ++l) {
-        LayerData d;
-        REQUIRE(tr.ReadLayer(l, &d).ok());
-        d.layer = l;
-        d.prefill_column_sums.clear();
-        layers.push_back(d);
-      }
-      meta.has_prefill_column_sums = false;
-      REQUIRE(tr.Begin(meta).ok());
-      for (const LayerData& d : layers) REQUIRE(tr.WriteLayer(d).ok());
-    }
+    if (window > 0) SetSlidingWindow(tr, window);
     const int n = tr.meta().prefill_length;
     using Kept = std::function<std::vector<int32_t>(int t)>;
     auto held = [n](int t, std::vector<int32_t> evicted) {  // the prompt but `evicted`, the decode tokens

@@ -388,17 +388,21 @@ TEST_CASE("TopKSums: rows of disjoint and extreme ranges, two structures interle
   }
 }
 
+namespace {
+// TopKIndicesWithThreshold's reference: every score above tau, then the lowest-indexed ties while k is not
+// reached.
+std::vector<int32_t> TwoBranchTopK(const std::vector<float>& s, int k, float tau) {
+  int above = 0;
+  for (float x : s) above += x > tau;
+  int ties = k - above;
+  std::vector<int32_t> idx;
+  for (int32_t j = 0; j < static_cast<int32_t>(s.size()); ++j)
+    if (s[j] > tau || (s[j] == tau && ties-- > 0)) idx.push_back(j);
+  return idx;
+}
+}  // namespace
+
 TEST_CASE("TopKIndicesWithThreshold equals the plain two-branch scan, for any threshold", "[select]") {
-  // The reference: every score above tau, then the lowest-indexed ties while k is not reached.
-  auto reference = [](const std::vector<float>& s, int k, float tau) {
-    int above = 0;
-    for (float x : s) above += x > tau;
-    int ties = k - above;
-    std::vector<int32_t> idx;
-    for (int32_t j = 0; j < static_cast<int32_t>(s.size()); ++j)
-      if (s[j] > tau || (s[j] == tau && ties-- > 0)) idx.push_back(j);
-    return idx;
-  };
   std::mt19937 rng(17);
   std::uniform_int_distribution<int> level(0, 12);
   for (int trial = 0; trial < 40; ++trial) {
@@ -411,7 +415,7 @@ TEST_CASE("TopKIndicesWithThreshold equals the plain two-branch scan, for any th
       // The k-th largest (the intended use), and thresholds above and below it (more or fewer taken).
       for (float tau : {k > 0 ? sorted[k - 1] : sorted[0], 0.0f, 1.5f, 3.0f, 10.0f}) {
         INFO("n " << n << " k " << k << " tau " << tau);
-        CHECK(TopKIndicesWithThreshold(s, k, tau) == reference(s, k, tau));
+        CHECK(TopKIndicesWithThreshold(s, k, tau) == TwoBranchTopK(s, k, tau));
       }
     }
   }
@@ -421,15 +425,6 @@ TEST_CASE("TopKIndicesWithThreshold: the AVX-512 scan and the portable scan agre
           "[select]") {
   // Every tail length (n % 16), ties split across blocks, NaN (neither above nor equal), -0 equal to +0, and
   // thresholds at, above and below the k-th largest; each path also against the two-branch reference.
-  auto reference = [](const std::vector<float>& s, int k, float tau) {
-    int above = 0;
-    for (float x : s) above += x > tau;
-    int ties = k - above;
-    std::vector<int32_t> idx;
-    for (int32_t j = 0; j < static_cast<int32_t>(s.size()); ++j)
-      if (s[j] > tau || (s[j] == tau && ties-- > 0)) idx.push_back(j);
-    return idx;
-  };
   std::mt19937 rng(29);
   std::uniform_int_distribution<int> level(0, 5);
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -451,7 +446,7 @@ TEST_CASE("TopKIndicesWithThreshold: the AVX-512 scan and the portable scan agre
         if (kk > 0 && kk <= static_cast<int>(finite.size())) taus.push_back(finite[kk - 1]);
         for (float tau : taus) {
           INFO("n " << n << " k " << k << " tau " << tau);
-          const std::vector<int32_t> want = reference(s, kk, tau);
+          const std::vector<int32_t> want = TwoBranchTopK(s, kk, tau);
           SetSelectAvx512ForTesting(false);
           const std::vector<int32_t> portable = TopKIndicesWithThreshold(s, k, tau);
           SetSelectAvx512ForTesting(true);
