@@ -1,0 +1,220 @@
+#include "policies/merge_screen_int16.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <bit>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "policies/merge_screen.h"
+
+// The bound. a = q̂ and b = t̂ are rows NearestByCosine normalised (finite, ‖·‖ ≤ N := 1 + 2^-20; see
+// merge_screen.cc (0)); a', b' are the fixed-point values the kernel multiplies, a'_k = round(a_k 2^14) / 2^14
+// (nearest, ties to even), and rq ≥ ‖a' − a‖, rt ≥ ‖b' − b‖ (PackQueries / PackTargets compute them).
+//  (1) Range. |a_k| ≤ N, so |round(a_k 2^14)| ≤ 16384 < 2^15: every coordinate fits an int16. Every partial
+//      sum the kernel forms (a vpmaddwd pair, or the pairs summed so far in a lane) is a sum over a subset
+//      of k of products of two such integers, so by Cauchy-Schwarz its size is ≤ ‖2^14 a'‖ ‖2^14 b'‖ ≤
+//      (2^14 N + √d / 2)² < 2.8 · 10^8 < 2^31 for d ≤ 2^16: int32 never overflows, and the kernel's S is
+//      the exact integer Σ_k 2^14 a'_k · 2^14 b'_k, i.e. S / 2^28 = Σ a'_k b'_k exactly (no rounding at all).
+//  (2) Σ a'_k b'_k − Σ a_k b_k = Σ (a'_k − a_k) b'_k + Σ a_k (b'_k − b_k), at most rq (N + rt) + N rt = E1
+//      in size (Cauchy-Schwarz; merge_screen.cc (1)).
+//  (3) The value NearestByCosine compares is the fmaf chain v = ExactDots(a, b): |v − Σ a_k b_k| ≤ E3 =
+//      γ_d N² + d 2^-149 (merge_screen.cc (3)).
+// So |S / 2^28 − v| ≤ E1 + E3 ≤ ε := merge_screen::ErrorBound(d, rq, rt) (which adds the bf16 kernel's
+// E2 ≥ 0 and the safety factor). The screen: let j* be the first target with v = V := max v, and m a
+// target with the largest S. S_j* / 2^28 ≥ V − ε and S_m / 2^28 ≤ v_m + ε ≤ V + ε, so S_j* ≥ S_m − 2ε 2^28
+// ≥ S_m − Slack: j* is a candidate, and NearestByCosine's first maximum over the candidates' exact values is
+// j* with value V (merge.cc, ScreenBlock). A slack saturated at 2^30 makes every target a candidate
+// (S_m − 2^30 < −2.8 · 10^8 ≤ every S), which is still correct. rq, rt: each a'_k − a_k is a difference
+// of two floats within 2^-15 of each other, exact in double, and so is its square; the sum of d squares and
+// the square root add ≤ (d + 2) 2^-53 relative, covered by the factor 1 + 2^-40.
+
+namespace kvsim::merge_screen::int16 {
+namespace {
+
+constexpr double kErrUp = 1.0 + 0x1p-40;
+constexpr float kScale = 16384.0f;  // 2^kShift
+static_assert(kShift == 14, "kScale and the range argument assume 2^14");
+
+bool CpuSupports() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+#else
+  return false;
+#endif
+}
+const bool kSupported = CpuSupports();
+
+// round(x 2^14), nearest, ties to even (x 2^14 is exact: a power-of-two scaling of a float of size ≤ 2).
+inline int16_t Fixed(float x) { return static_cast<int16_t>(std::nearbyint(x * kScale)); }
+
+// The squared rounding error of one coordinate, exactly.
+inline double Err2(float x, int16_t q) {
+  const double e = static_cast<double>(q) / kScale - static_cast<double>(x);
+  return e * e;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVSIM_INT16_TARGET __attribute__((target("avx2")))
+
+// R query rows x V groups of 8 targets of int32 accumulators, the dimension pairs in order.
+template <int R, int V>
+KVSIM_INT16_TARGET inline __attribute__((always_inline)) void Block(const int32_t* q, int pairs,
+                                                                    const int32_t* t, int32_t* out, long ld) {
+  __m256i acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_si256();
+  const long group = static_cast<long>(pairs) * 8;  // words per group of 8 targets
+  for (int p = 0; p < pairs; ++p) {
+    __m256i tv[V];
+    for (int v = 0; v < V; ++v)
+      tv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + v * group + p * 8));
+    for (int r = 0; r < R; ++r) {
+      const __m256i qb = _mm256_set1_epi32(q[static_cast<long>(r) * pairs + p]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(qb, tv[v]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld + v * 8), acc[r][v]);
+}
+
+template <int R>
+KVSIM_INT16_TARGET void Rows(const int32_t* q, int pairs, const int32_t* t, int groups, int32_t* out, long ld) {
+  const long group = static_cast<long>(pairs) * 8;
+  int g = 0;
+  for (; g + 3 <= groups; g += 3) Block<R, 3>(q, pairs, t + g * group, out + g * 8, ld);
+  if (groups - g == 2) Block<R, 2>(q, pairs, t + g * group, out + g * 8, ld);
+  if (groups - g == 1) Block<R, 1>(q, pairs, t + g * group, out + g * 8, ld);
+}
+
+KVSIM_INT16_TARGET void DotsAvx2(const int16_t* queries, int nq, const int16_t* targets, int nt, int d,
+                                 int32_t* out, long ld) {
+  const int pairs = d / 2, groups = PaddedTargets(nt) / 8;
+  const int32_t* q = reinterpret_cast<const int32_t*>(queries);
+  const int32_t* t = reinterpret_cast<const int32_t*>(targets);
+  int r = 0;
+  for (; r + 4 <= nq; r += 4) Rows<4>(q + static_cast<long>(r) * pairs, pairs, t, groups, out + r * ld, ld);
+  for (; r < nq; ++r) Rows<1>(q + static_cast<long>(r) * pairs, pairs, t, groups, out + r * ld, ld);
+}
+
+// The candidates of `rows` (≤ 4) query rows whose products are in buf (row stride ld, padding set to
+// INT32_MIN).
+KVSIM_INT16_TARGET void Collect(const int32_t* buf, long ld, int rows, int r0, const int64_t* slack,
+                                std::vector<int>* out_rows, std::vector<int>* out_idx) {
+  for (int r = 0; r < rows; ++r) {
+    const int32_t* s = buf + r * ld;
+    __m256i mx = _mm256_set1_epi32(INT32_MIN);
+    for (long j = 0; j < ld; j += 8)
+      mx = _mm256_max_epi32(mx, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + j)));
+    int32_t lane[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lane), mx);
+    int32_t m = lane[0];
+    for (int k = 1; k < 8; ++k) m = std::max(m, lane[k]);
+    // m ≥ −2.8e8 and the slack ≤ 2^30: no overflow; S ≥ m − slack ⟺ S > m − slack − 1.
+    const int32_t below = static_cast<int32_t>(m - std::min<int64_t>(slack[r0 + r], int64_t{1} << 30) - 1);
+    const __m256i th = _mm256_set1_epi32(below);
+    for (long j = 0; j < ld; j += 8) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + j));
+      unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(v, th))));
+      for (; mask != 0; mask &= mask - 1) {
+        out_rows->push_back(r0 + r);
+        out_idx->push_back(static_cast<int>(j) + std::countr_zero(mask));
+      }
+    }
+  }
+}
+
+KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int16_t* targets, int nt, int d,
+                                       const int64_t* slack, std::vector<int>* out_rows,
+                                       std::vector<int>* out_idx) {
+  thread_local std::vector<int32_t> buf;
+  const int pairs = d / 2, groups = PaddedTargets(nt) / 8;
+  const long ld = PaddedTargets(nt);
+  if (buf.size() < static_cast<size_t>(4 * ld)) buf.resize(4 * ld);
+  const int32_t* q = reinterpret_cast<const int32_t*>(queries);
+  const int32_t* t = reinterpret_cast<const int32_t*>(targets);
+  for (int r = 0; r < nq; r += 4) {
+    const int rows = std::min(4, nq - r);
+    if (rows == 4)
+      Rows<4>(q + static_cast<long>(r) * pairs, pairs, t, groups, buf.data(), ld);
+    else
+      for (int i = 0; i < rows; ++i)
+        Rows<1>(q + static_cast<long>(r + i) * pairs, pairs, t, groups, buf.data() + i * ld, ld);
+    for (int i = 0; i < rows; ++i) std::fill(buf.data() + i * ld + nt, buf.data() + (i + 1) * ld, INT32_MIN);
+    Collect(buf.data(), ld, rows, r, slack, out_rows, out_idx);
+  }
+}
+#endif
+
+}  // namespace
+
+bool Supported() { return kSupported; }
+
+void PackQueries(const float* rows, int n, int d, int16_t* out, double* err) {
+  for (int r = 0; r < n; ++r) {
+    const float* x = rows + static_cast<long>(r) * d;
+    int16_t* o = out + static_cast<long>(r) * d;
+    double e2 = 0;
+    for (int k = 0; k < d; ++k) {
+      o[k] = Fixed(x[k]);
+      e2 += Err2(x[k], o[k]);
+    }
+    err[r] = std::sqrt(e2) * kErrUp;
+  }
+}
+
+double PackTargets(const float* rows, int n, int d, int16_t* out) {
+  const int pairs = d / 2, groups = PaddedTargets(n) / 8;
+  double worst = 0;
+  for (int g = 0; g < groups; ++g)
+    for (int i = 0; i < 8; ++i) {
+      const int j = g * 8 + i;
+      int16_t* o = out + 2 * (static_cast<long>(g) * pairs * 8 + i);
+      if (j >= n) {
+        for (int p = 0; p < pairs; ++p) o[p * 16] = o[p * 16 + 1] = 0;
+        continue;
+      }
+      const float* x = rows + static_cast<long>(j) * d;
+      double e2 = 0;
+      for (int p = 0; p < pairs; ++p) {
+        o[p * 16] = Fixed(x[2 * p]);
+        o[p * 16 + 1] = Fixed(x[2 * p + 1]);
+        e2 += Err2(x[2 * p], o[p * 16]) + Err2(x[2 * p + 1], o[p * 16 + 1]);
+      }
+      worst = std::max(worst, e2);
+    }
+  return std::sqrt(worst) * kErrUp;
+}
+
+void Dots(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
+          int32_t* out, long ld) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  DotsAvx2(queries, num_queries, targets, num_targets, d, out, ld);
+#else
+  (void)queries, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)out, (void)ld;
+  std::abort();  // callers check Supported()
+#endif
+}
+
+void Candidates(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
+                const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  CandidatesAvx2(queries, num_queries, targets, num_targets, d, slack, rows, idx);
+#else
+  (void)queries, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)slack, (void)rows,
+      (void)idx;
+  std::abort();  // callers check Supported()
+#endif
+}
+
+int64_t Slack(int d, double rq, double rt) {
+  const double s = std::ceil(2 * merge_screen::ErrorBound(d, rq, rt) * std::ldexp(1.0, 2 * kShift));
+  return s >= 0x1p30 ? int64_t{1} << 30 : static_cast<int64_t>(s);
+}
+
+}  // namespace kvsim::merge_screen::int16

@@ -1,0 +1,49 @@
+#pragma once
+// The int16 screen of NearestByCosine for CPUs with AVX2 but without AVX512-BF16 (issue 14, round 10): the
+// same idea as the bf16 screen (merge_screen.h), with both operands rounded to 15-bit fixed point and the
+// products summed exactly in int32 by `vpmaddwd`. Its rounding is 2^7 times finer than bf16's, so it
+// leaves far fewer candidates to re-check, and it needs only AVX2. Rigorous bound, proof in
+// merge_screen_int16.cc; NearestByCosine (policies/merge.cc) re-checks every candidate with the exact
+// fmaf chain (merge_screen::ExactDots), so its slot and value are the same as without the screen.
+
+#include <cstdint>
+#include <vector>
+
+namespace kvsim::merge_screen::int16 {
+
+// A normalised coordinate x is held as the integer round(x * 2^kShift) (nearest, ties to even).
+inline constexpr int kShift = 14;
+
+// True if this CPU has AVX2 (the kernel's instructions).
+bool Supported();
+
+inline int PaddedTargets(int n) { return (n + 7) / 8 * 8; }
+// int16 elements of PackTargets' output.
+inline long PackedTargetsSize(int n, int d) { return static_cast<long>(PaddedTargets(n)) * d; }
+
+// Packs `n` rows of d floats (d even; rows NearestByCosine normalised: finite, norm ≤ 1 + 2^-20) as
+// fixed-point int16, row after row: out[r * d + k]. err[r] ≥ the Euclidean norm of row r's rounding error
+// (the difference between out / 2^kShift and the row).
+void PackQueries(const float* rows, int n, int d, int16_t* out, double* err);
+// The targets in groups of 8 (the last group padded with zero rows), dimension pairs interleaved: the two
+// int16 of pair p of target 8 g + i are out[2 * ((g * d/2 + p) * 8 + i)] and the next one. Returns ≥ the
+// largest row's rounding error norm.
+double PackTargets(const float* rows, int n, int d, int16_t* out);
+
+// The exact integer dot products of packed queries and targets (for tests): out[r * ld + j] for
+// j < PaddedTargets(num_targets) (padding targets give 0). Requires Supported().
+void Dots(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
+          int32_t* out, long ld);
+
+// The screen: for each query row r, in row order, the targets j (ascending) whose integer dot product S_rj
+// is at least max_j S_rj − slack[r] (slack[r] ≥ 0; values above 2^30 count as 2^30), appended to `rows`
+// (r) and `idx` (j). Works on four query rows at a time, so their products stay in L1. Requires
+// Supported().
+void Candidates(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
+                const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx);
+
+// The slack for a query whose rounding error norm is rq against targets whose largest is rt:
+// ceil(2 · merge_screen::ErrorBound(d, rq, rt) · 2^(2 kShift)), saturated at 2^30.
+int64_t Slack(int d, double rq, double rt);
+
+}  // namespace kvsim::merge_screen::int16
