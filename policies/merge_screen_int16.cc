@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <climits>
 #include <cmath>
@@ -12,8 +13,8 @@
 #include "policies/merge_screen.h"
 
 // The bound. a = q̂ and b = t̂ are rows NearestByCosine normalised (finite, ‖·‖ ≤ N := 1 + 2^-20; see
-// merge_screen.cc (0)); a', b' are the fixed-point values the kernel multiplies, a'_k = round(a_k 2^14) / 2^14
-// (nearest, ties to even), and rq ≥ ‖a' − a‖, rt ≥ ‖b' − b‖ (PackQueries / PackTargets compute them).
+// merge_screen.cc (0)); a', b' are the fixed-point values the kernel multiplies, a'_k = round(a_k 2^14) /
+// 2^14 (nearest, ties to even), and rq ≥ ‖a' − a‖, rt ≥ ‖b' − b‖ (PackQueries / PackTargets compute them).
 //  (1) Range. |a_k| ≤ N, so |round(a_k 2^14)| ≤ 16384 < 2^15: every coordinate fits an int16. Every partial
 //      sum the kernel forms (a vpmaddwd pair, or the pairs summed so far in a lane) is a sum over a subset
 //      of k of products of two such integers, so by Cauchy-Schwarz its size is ≤ ‖2^14 a'‖ ‖2^14 b'‖ ≤
@@ -48,6 +49,7 @@ bool CpuSupports() {
 #endif
 }
 const bool kSupported = CpuSupports();
+std::atomic<bool> g_vector_pack{true};
 
 // round(x 2^14), nearest, ties to even (x 2^14 is exact: a power-of-two scaling of a float of size ≤ 2).
 inline int16_t Fixed(float x) { return static_cast<int16_t>(std::nearbyint(x * kScale)); }
@@ -84,7 +86,8 @@ KVSIM_INT16_TARGET inline __attribute__((always_inline)) void Block(const int32_
 }
 
 template <int R>
-KVSIM_INT16_TARGET void Rows(const int32_t* q, int pairs, const int32_t* t, int groups, int32_t* out, long ld) {
+KVSIM_INT16_TARGET void Rows(const int32_t* q, int pairs, const int32_t* t, int groups, int32_t* out,
+                             long ld) {
   const long group = static_cast<long>(pairs) * 8;
   int g = 0;
   for (; g + 3 <= groups; g += 3) Block<R, 3>(q, pairs, t + g * group, out + g * 8, ld);
@@ -120,12 +123,43 @@ KVSIM_INT16_TARGET void Collect(const int32_t* buf, long ld, int rows, int r0, c
     const __m256i th = _mm256_set1_epi32(below);
     for (long j = 0; j < ld; j += 8) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + j));
-      unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(v, th))));
+      unsigned mask =
+          static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(v, th))));
       for (; mask != 0; mask &= mask - 1) {
         out_rows->push_back(r0 + r);
         out_idx->push_back(static_cast<int>(j) + std::countr_zero(mask));
       }
     }
+  }
+}
+
+// PackQueries for d % 16 == 0: vcvtps2dq rounds to nearest even as nearbyint does (the default MXCSR
+// mode), and the squared errors are summed in double lanes (any order: only an upper bound is needed,
+// kErrUp covers the sum's rounding). Each error is exact in float (see the bound above), its square in
+// double.
+KVSIM_INT16_TARGET void PackQueriesAvx2(const float* rows, int n, int d, int16_t* out, double* err) {
+  const __m256 up = _mm256_set1_ps(kScale), down = _mm256_set1_ps(1.0f / kScale);
+  for (int r = 0; r < n; ++r) {
+    const float* x = rows + static_cast<long>(r) * d;
+    int16_t* o = out + static_cast<long>(r) * d;
+    __m256d acc = _mm256_setzero_pd();
+    for (int k = 0; k < d; k += 16) {
+      const __m256 v0 = _mm256_loadu_ps(x + k), v1 = _mm256_loadu_ps(x + k + 8);
+      const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, up));
+      const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, up));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
+      for (const __m256 e : {_mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i0), down), v0),
+                             _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i1), down), v1)}) {
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(e));
+        const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1));
+        acc = _mm256_fmadd_pd(lo, lo, acc);
+        acc = _mm256_fmadd_pd(hi, hi, acc);
+      }
+    }
+    double lane[4];
+    _mm256_storeu_pd(lane, acc);
+    err[r] = std::sqrt((lane[0] + lane[1]) + (lane[2] + lane[3])) * kErrUp;
   }
 }
 
@@ -154,8 +188,13 @@ KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int
 }  // namespace
 
 bool Supported() { return kSupported; }
+void SetVectorPackForTesting(bool enabled) { g_vector_pack.store(enabled, std::memory_order_relaxed); }
 
 void PackQueries(const float* rows, int n, int d, int16_t* out, double* err) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kSupported && d % 16 == 0 && g_vector_pack.load(std::memory_order_relaxed))
+    return PackQueriesAvx2(rows, n, d, out, err);
+#endif
   for (int r = 0; r < n; ++r) {
     const float* x = rows + static_cast<long>(r) * d;
     int16_t* o = out + static_cast<long>(r) * d;

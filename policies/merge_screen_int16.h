@@ -25,6 +25,9 @@ inline long PackedTargetsSize(int n, int d) { return static_cast<long>(PaddedTar
 // fixed-point int16, row after row: out[r * d + k]. err[r] ≥ the Euclidean norm of row r's rounding error
 // (the difference between out / 2^kShift and the row).
 void PackQueries(const float* rows, int n, int d, int16_t* out, double* err);
+// Test hook: PackQueries' AVX2 path (d % 16 == 0) off (false) or on again (true); same words, and err
+// within its rounding.
+void SetVectorPackForTesting(bool enabled);
 // The targets in groups of 8 (the last group padded with zero rows), dimension pairs interleaved: the two
 // int16 of pair p of target 8 g + i are out[2 * ((g * d/2 + p) * 8 + i)] and the next one. Returns ≥ the
 // largest row's rounding error norm.

@@ -18,7 +18,8 @@ namespace {
 
 namespace i16 = merge_screen::int16;
 
-// Rows scaled to unit length as NearestByCosine's NormalizeRows does (double sum of squares, a float inverse).
+// Rows scaled to unit length as NearestByCosine's NormalizeRows does (double sum of squares, a float
+// inverse).
 void Normalize(std::vector<float>* m, int d) {
   for (size_t r = 0; r < m->size() / d; ++r) {
     double s = 0;
@@ -50,7 +51,8 @@ int16_t TargetAt(const std::vector<int16_t>& tp, int d, int j, int k) {
   return tp[2 * ((static_cast<size_t>(g) * (d / 2) + p) * 8 + i) + k % 2];
 }
 
-TEST_CASE("int16 screen: packing rounds to nearest even and reports the exact error norm", "[merge][screen]") {
+TEST_CASE("int16 screen: packing rounds to nearest even and reports the exact error norm",
+          "[merge][screen]") {
   const int d = 8;
   // In units of 2^-14: 0.5 -> 0 (tie, even), 1.5 -> 2 (tie, even), 2.5 -> 2, -0.5 -> -0, 1.25 -> 1,
   // 16384 (x = 1) -> 16384, -3.75 -> -4, a subnormal -> 0.
@@ -76,7 +78,32 @@ TEST_CASE("int16 screen: packing rounds to nearest even and reports the exact er
     for (int k = 0; k < d; ++k) CHECK(TargetAt(tp, d, j, k) == 0);  // padding rows
 }
 
-TEST_CASE("int16 screen: the kernel's products are the exact integer dot products, every tail", "[merge][screen]") {
+TEST_CASE("int16 screen: the vector query packing gives the scalar packing's words", "[merge][screen]") {
+  const float u = std::ldexp(1.0f, -14);
+  for (int d : {16, 32, 128, 256}) {
+    std::vector<float> q = UnitRows(9, d, 40 + d);
+    // Ties at both parities, exact grid points, a subnormal and -0 in row 0.
+    const std::vector<float> special{0.5f * u,  1.5f * u, 2.5f * u, -0.5f * u,
+                                     -1.5f * u, 3.0f * u, 1e-40f,   -0.0f};
+    std::copy(special.begin(), special.end(), q.begin());
+    std::vector<int16_t> a(q.size()), b(q.size());
+    std::vector<double> ea(9), eb(9);
+    i16::SetVectorPackForTesting(false);
+    i16::PackQueries(q.data(), 9, d, a.data(), ea.data());
+    i16::SetVectorPackForTesting(true);
+    i16::PackQueries(q.data(), 9, d, b.data(), eb.data());
+    CAPTURE(d);
+    CHECK(a == b);
+    CHECK(a[0] == 0);
+    CHECK(a[1] == 2);
+    CHECK(a[2] == 2);
+    CHECK(a[4] == -2);
+    for (int r = 0; r < 9; ++r) CHECK(eb[r] == Approx(ea[r]).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("int16 screen: the kernel's products are the exact integer dot products, every tail",
+          "[merge][screen]") {
   if (!i16::Supported()) return;  // no AVX2: NearestByCosine does not use the screen
   for (int d : {2, 4, 6, 14, 64, 126, 128, 256})
     for (int nq : {1, 2, 3, 4, 5, 7, 9}) {
