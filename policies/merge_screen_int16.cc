@@ -208,26 +208,27 @@ void PackQueries(const float* rows, int n, int d, int16_t* out, double* err) {
 }
 
 double PackTargets(const float* rows, int n, int d, int16_t* out) {
+  // Each row packed as a query (the same words and error), then its pairs spread with a stride of 8.
+  thread_local std::vector<int16_t> packed;
+  thread_local std::vector<double> err;
+  if (packed.size() < static_cast<size_t>(n) * d) packed.resize(static_cast<size_t>(n) * d);
+  if (err.size() < static_cast<size_t>(n)) err.resize(n);
+  PackQueries(rows, n, d, packed.data(), err.data());
   const int pairs = d / 2, groups = PaddedTargets(n) / 8;
   double worst = 0;
   for (int g = 0; g < groups; ++g)
     for (int i = 0; i < 8; ++i) {
       const int j = g * 8 + i;
-      int16_t* o = out + 2 * (static_cast<long>(g) * pairs * 8 + i);
+      int16_t* og = out + 2 * (static_cast<long>(g) * pairs * 8 + i);
       if (j >= n) {
-        for (int p = 0; p < pairs; ++p) o[p * 16] = o[p * 16 + 1] = 0;
+        for (int p = 0; p < pairs; ++p) og[16 * p] = og[16 * p + 1] = 0;
         continue;
       }
-      const float* x = rows + static_cast<long>(j) * d;
-      double e2 = 0;
-      for (int p = 0; p < pairs; ++p) {
-        o[p * 16] = Fixed(x[2 * p]);
-        o[p * 16 + 1] = Fixed(x[2 * p + 1]);
-        e2 += Err2(x[2 * p], o[p * 16]) + Err2(x[2 * p + 1], o[p * 16 + 1]);
-      }
-      worst = std::max(worst, e2);
+      const int16_t* row = packed.data() + static_cast<long>(j) * d;
+      for (int p = 0; p < pairs; ++p) std::memcpy(og + 16 * p, row + 2 * p, 2 * sizeof(int16_t));
+      worst = std::max(worst, err[j]);
     }
-  return std::sqrt(worst) * kErrUp;
+  return worst;
 }
 
 void Dots(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
