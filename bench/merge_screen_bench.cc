@@ -1,7 +1,7 @@
 // Micro-benchmark of NearestByCosine (policies/merge.cc) with and without the bf16 screen (issue 14,
 // round 7): for each shape e x k (evicted queries x kept targets, d = 128, one thread), the CPU time of
-// today's sgemm path (screen off), of the screened path, of the bare bf16 kernel (merge_screen::ApproxDots)
-// and of one cblas_sgemm of the whole e x k; the mean number of exact re-checks per query; and whether both
+// the exact search (screen off; round 10: the fmaf-chain kernel, sgemm before), of the screened path, of the
+// bare bf16 kernel (merge_screen::ApproxDots) and of one cblas_sgemm of the whole e x k (for reference); the mean number of exact re-checks per query; and whether both
 // paths gave the same slots and values bit for bit. Keys are synthetic (measured: times; modelled: the keys):
 // Gaussian, optionally plus a shared direction (--mean, as real keys have) so that cosines are not centred
 // on 0. Then (round 8) one unit's merge-once compressions at nested budgets 5/10/20/50% of --tokens keys
@@ -147,12 +147,12 @@ int main(int argc, char** argv) {
   }
   using kvsim::merge_screen::SetEnabledForTesting;
   if (!kvsim::merge_screen::Supported())
-    std::printf("note: no AVX512-BF16 on this CPU: both paths are sgemm\n");
+    std::printf("note: no AVX512-BF16 on this CPU: both paths are the exact search\n");
   kvsim::EnsureSingleThreadedBlas();
   constexpr int d = 128;
   std::printf("d = %d, one thread, CPU s (best of %d), keys Gaussian + %.2f x shared direction\n", d, reps,
               mean);
-  std::printf("%-11s %10s %10s %7s %10s %10s %8s %9s\n", "e x k", "sgemm path", "screened", "ratio",
+  std::printf("%-11s %10s %10s %7s %10s %10s %8s %9s\n", "e x k", "exact path", "screened", "ratio",
               "bf16 only", "one sgemm", "cand/q", "identical");
   size_t pos = 0;
   while (pos < shapes.size()) {

@@ -1,6 +1,5 @@
 #include "policies/merge.h"
 
-#include <cblas.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -70,39 +69,6 @@ T* Scratch(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
-// Index of the first maximum of a finite row, as std::max_element returns it. Two passes: an 8-lane max
-// reduction (max is exact, so the lane order does not matter), then the first index equal to it, eight
-// elements per compare mask. std::max_element's compare-and-select chain was the profile's top line of
-// merging (issue 14); the compiler keeps both loops scalar, hence the AVX2 intrinsics (same comparisons:
-// max_ps(v, lane) is `v > lane ? v : lane`, an ordered equality never matches a NaN).
-int FirstMaxIndex(const float* row, int n) {
-  float lane[8];
-  int i = 0;
-#ifdef __AVX2__
-  __m256 lanes = _mm256_set1_ps(row[0]);
-  for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(row + i), lanes);
-  _mm256_storeu_ps(lane, lanes);
-#else
-  for (int k = 0; k < 8; ++k) lane[k] = row[0];
-  for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 8; ++k) lane[k] = row[i + k] > lane[k] ? row[i + k] : lane[k];
-#endif
-  float mx = lane[0];
-  for (int k = 1; k < 8; ++k) mx = lane[k] > mx ? lane[k] : mx;
-  for (; i < n; ++i) mx = row[i] > mx ? row[i] : mx;
-  int j = 0;
-#ifdef __AVX2__
-  const __m256 target = _mm256_set1_ps(mx);
-  for (; j + 8 <= n; j += 8) {
-    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), target, _CMP_EQ_OQ));
-    if (mask != 0) return j + std::countr_zero(static_cast<unsigned>(mask));
-  }
-#endif
-  for (; j < n; ++j)
-    if (row[j] == mx) return j;
-  return static_cast<int>(std::max_element(row, row + n) - row);  // a NaN: as before
-}
-
 const float* OriginalKey(const HeadContext& ctx, int32_t tok) {
   return ctx.keys + static_cast<size_t>(tok) * ctx.head_dim();
 }
@@ -110,10 +76,19 @@ const float* OriginalValue(const HeadContext& ctx, int32_t tok) {
   return ctx.values + static_cast<size_t>(tok) * ctx.head_dim();
 }
 
-// The bf16 screen (issue 14, round 7; merge_screen.h). OpenBLAS's small-matrix path gives other values than
-// the fmaf chain; round 6 measured its boundary between m·n·d = 1.35·10^5 and 1.6·10^5 (queries x targets
-// x d), so a block below 2^18 keeps sgemm.
+// The bf16 screen (issue 14, round 7; merge_screen.h) takes blocks of m·n·d ≥ 2^18 (queries x targets x d);
+// smaller ones go to the exact search. Until round 10 the smaller ones went to sgemm, whose small-matrix
+// path (below m·n·d ≈ 1.5·10^5 on the Zen 4 machine) gave other values than the fmaf chain; now both paths
+// return the first maximum of the fmaf chains, so the threshold only decides the cost.
 constexpr long kMinScreenedWork = 1L << 18;
+
+// One block on the exact search (merge_screen::ExactNearest: every pair's fmaf chain, the first maximum
+// fused, the rows x targets matrix never written); `tx` holds the targets packed by PackExactTargets.
+void ExactBlock(const float* q, int rows, const float* tx, int num_targets, int d, int* nearest,
+                float* similarity) {
+  merge_screen::ExactNearest(q, rows, tx, num_targets, d, nearest, similarity);
+  ++merge_screen::ThreadStats().exact_blocks;
+}
 
 float RowMax(const float* row, int n) {
   int i = 0;
@@ -132,13 +107,14 @@ float RowMax(const float* row, int n) {
 // One block of `rows` normalised queries `q` against the normalised targets `t`, packed as `tp`: the first
 // maximum of today's values, found without computing most of them.
 //
-// Why the result is today's, slot and value: let v_j be today's value of target j (sgemm's; for a call
-// of m·n·d ≥ kMinScreenedWork it is the fmaf chain ExactDots computes, round 6), a_j the bf16 value and
+// Why the result is the exact search's, slot and value: let v_j be the value of target j (the fmaf chain
+// ExactDots computes: the definition, round 10; on the Zen 4 machine also sgemm's for blocks of
+// m·n·d ≥ kMinScreenedWork, round 6), a_j the bf16 value and
 // ε = merge_screen::ErrorBound(d, query's rounding error, the targets' largest) ≥ |a_j − v_j| for every j
-// (rows regular: NormalizeRows). Today's answer is j* = the first j with v_j = V := max v. With M = max a_j:
-// a_j* ≥ V − ε and M ≤ V + ε, so a_j* ≥ M − 2ε: j* is a candidate. Every candidate's v is computed exactly as
-// today, none exceeds V, and every j < j* has v_j < V; so the first maximum among the candidates, in slot
-// order, is j* with value V.
+// (rows regular: NormalizeRows). The answer is j* = the first j with v_j = V := max v. With M = max a_j:
+// a_j* ≥ V − ε and M ≤ V + ε, so a_j* ≥ M − 2ε: j* is a candidate. Every candidate's v is computed exactly
+// (ExactDots), none exceeds V, and every j < j* has v_j < V; so the first maximum among the candidates, in
+// slot order, is j* with value V.
 void ScreenBlock(const float* q, int rows, const float* t, const uint32_t* tp, double t_err, int num_targets,
                  int d, int* nearest, float* similarity) {
   thread_local std::vector<uint32_t> qp_buf;
@@ -267,22 +243,26 @@ struct MemoCall {
   std::span<const int32_t> queries, targets;
 };
 
-// The search. With `mc` (Merger::KeepAndMergeOnce on a unit with a memo), the screened blocks reuse a stored
-// answer set over a subset of the targets. Why every slot and value is still today's, bit for bit:
-//  - Which rows use it: exactly the query rows today's call screens (the same 256-row blocks, the same
-//    regularity checks and kMinScreenedWork test); every other block is searched as before (sgemm).
-//  - Values: a screened value is the fmaf chain (ExactDots) of the two normalised rows, whatever block or
-//    target subset it was searched in (NormalizeRows normalises each row alone; the screen's result is exact
-//    for any target set and any number of rows, ScreenBlock's proof), and today's screened value is that
-//    chain. The memo's entry holds, for query token e, (b, v_A) = the first maximum of these values over its
-//    targets A (in A's slot order) from the same key buffer; so for our call, with target set K ⊇ A whose
-//    slot order lists A's tokens in A's order (checked: A's tokens map to increasing slots of K), b is the
-//    K-first maximum over A.
-//  - Combination: today's answer j* is the first slot of K with value V = max over K. Split K = A ∪ B
-//    (B = K \ A, searched now by the screen in slot order: first maximum (j_B, v_B) over B). V = max(v_A,
-//    v_B) and j* = the smaller slot among the parts that reach V: v_A > v_B → b's slot; v_B > v_A → j_B;
-//    equal → the smaller of the two slots (each part's first maximum is its smallest slot reaching V), with
-//    its own value (+0 and −0 compare equal; the first slot's bits are today's). B empty: (b, v_A).
+// The search. Every block of up to 256 query rows goes to the bf16 screen (AVX512-BF16, regular rows, large
+// enough) or to the exact search; both return the first maximum of the fmaf-chain values (the definition of
+// a merge similarity, round 10), so the answer does not depend on the CPU or on which path took a block.
+// With `mc` (Merger::KeepAndMergeOnce on a unit with a memo), the blocks of regular rows reuse a stored
+// answer set over a subset of the targets. Why every slot and value is still the plain search's, bit for bit:
+//  - Which rows use it: every block whose query rows and targets are regular (NormalizeRows: finite, norm
+//    ≤ 1 + 2^-20, so every value is finite, no NaN); a block with an irregular row, or a call with an
+//    irregular target, is searched as without the memo and stores nothing.
+//  - Values: a value is the fmaf chain (ExactDots) of the two normalised rows, whatever block, path or
+//    target subset it was searched in (NormalizeRows normalises each row alone; the exact search computes
+//    every pair's chain lane by lane; the screen's result is exact for any target set and any number of
+//    rows, ScreenBlock's proof). The memo's entry holds, for query token e, (b, v_A) = the first maximum of
+//    these values over its targets A (in A's slot order) from the same key buffer; so for our call, with
+//    target set K ⊇ A whose slot order lists A's tokens in A's order (checked: A's tokens map to increasing
+//    slots of K), b is the K-first maximum over A.
+//  - Combination: the plain answer j* is the first slot of K with value V = max over K. Split K = A ∪ B
+//    (B = K \ A, searched now in slot order: first maximum (j_B, v_B) over B). V = max(v_A, v_B) and
+//    j* = the smaller slot among the parts that reach V: v_A > v_B → b's slot; v_B > v_A → j_B; equal → the
+//    smaller of the two slots (each part's first maximum is its smallest slot reaching V), with its own
+//    value (+0 and −0 compare equal; the first slot's bits are the plain search's). B empty: (b, v_A).
 //  Only the amount of work depends on which entries exist, i.e. on the order in which runs searched.
 void NearestWithMemo(const float* const* queries, int num_queries, const float* const* targets,
                      int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity,
@@ -290,17 +270,16 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   nearest->assign(num_queries, -1);
   similarity->assign(num_queries, 0.0f);
   if (num_queries == 0 || num_targets == 0) return;
-  EnsureSingleThreadedBlas();
-  thread_local std::vector<float> t_buf, q_buf, sim_buf;
+  thread_local std::vector<float> t_buf, q_buf, tx_buf, tbx_buf;
   thread_local std::vector<uint32_t> tp_buf;
-  constexpr int kBlock = 256;  // query rows per GEMM: bounds the similarity block to 256 x num_targets
+  constexpr int kBlock = 256;  // query rows per block (the screen's approximate values: 256 x num_targets)
   float* t = Scratch(t_buf, static_cast<size_t>(num_targets) * d);
   float* q = Scratch(q_buf, static_cast<size_t>(kBlock) * d);
   const bool targets_regular = NormalizeRows(targets, num_targets, d, t);
   // The screen needs dimension pairs, the bound's d ≤ 2^16, regular rows (finite, norm ≤ 1 + 2^-20) and
-  // the CPU; everything else is the sgemm path, unchanged.
+  // the CPU; everything else is the exact search (ExactBlock), whose values are the same fmaf chains.
   const bool screen = targets_regular && d % 2 == 0 && d <= (1 << 16) && merge_screen::Enabled();
-  bool packed = false;
+  bool packed = false, packed_x = false;
   double t_err = 0;
   auto pack = [&] {
     if (packed) return;
@@ -308,14 +287,21 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
     t_err = merge_screen::PackTargets(t, num_targets, d, tp);
     packed = true;
   };
+  auto pack_x = [&] {
+    if (packed_x) return;
+    merge_screen::PackExactTargets(t, num_targets, d,
+                                   Scratch(tx_buf, merge_screen::ExactPackedSize(num_targets, d)));
+    packed_x = true;
+  };
   merge_screen::Stats& stats = merge_screen::ThreadStats();
   const merge_screen::Stats before = stats;
   // The memo's source: the stored answer set over a subset A of our targets that covers the most products.
-  const bool use_memo = mc != nullptr && screen;
+  // Any regular targets (their values are finite: no NaN in a combination below).
+  const bool use_memo = mc != nullptr && targets_regular;
   std::shared_ptr<const MemoEntry> src;
-  thread_local std::vector<int32_t> slot_of;  // by token: our slot, -1
-  thread_local std::vector<int> rest;         // B = our slots not in A, in slot order
-  thread_local std::vector<float> tb_buf, qg_buf, simg;
+  thread_local std::vector<int32_t> slot_of;             // by token: our slot, -1
+  thread_local std::vector<int> rest;                    // B = our slots not in A, in slot order
+  thread_local std::vector<float> tb_buf, qg_buf, simg;  // B's rows, gathered query rows, their answers
   thread_local std::vector<uint32_t> tpb_buf;
   thread_local std::vector<int> rows_hit, rows_miss, nearg;
   thread_local std::vector<char> in_a;
@@ -370,97 +356,110 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
         if (!in_a[s]) rest.push_back(s);
     }
   }
-  bool packed_b = false;
+  bool packed_b = false, packed_bx = false;
   double tb_err = 0;
   const int nb = src ? static_cast<int>(rest.size()) : 0;
   float* tb = nullptr;
-  thread_local std::vector<char> answered;  // by query: searched on the screen path (storable)
+  auto copy_b = [&] {
+    if (tb != nullptr) return;
+    tb = Scratch(tb_buf, static_cast<size_t>(nb) * d);
+    for (int i = 0; i < nb; ++i)
+      std::copy_n(t + static_cast<size_t>(rest[i]) * d, d, tb + static_cast<size_t>(i) * d);
+  };
+  thread_local std::vector<char> answered;  // by query: searched with regular rows (storable)
   if (use_memo) answered.assign(num_queries, 0);
   for (int b = 0; b < num_queries; b += kBlock) {
     const int rows = std::min(kBlock, num_queries - b);
     const bool queries_regular = NormalizeRows(queries + b, rows, d, q);
-    if (screen && queries_regular && static_cast<long>(rows) * num_targets * d >= kMinScreenedWork) {
-      if (use_memo) {
-        std::fill(answered.begin() + b, answered.begin() + b + rows, 1);
-        stats.memo_products_without += static_cast<long>(rows) * num_targets;
-      }
-      rows_hit.clear(), rows_miss.clear();
-      for (int r = 0; r < rows; ++r) {
-        const int32_t tok = src ? mc->queries[b + r] : -1;
-        (tok >= 0 && tok < static_cast<int32_t>(src->best.size()) && src->best[tok] >= 0 ? rows_hit
-                                                                                         : rows_miss)
-            .push_back(r);
-      }
-      if (rows_hit.empty()) {  // today's search
+    // This block's search path: the screen (large enough, regular) or the exact search. Both return the
+    // first maximum of the fmaf chains, for any query rows and any target subset; only the cost differs.
+    const bool screened =
+        screen && queries_regular && static_cast<long>(rows) * num_targets * d >= kMinScreenedWork;
+    // g's `n` rows against every target / against B = K \ A.
+    auto search_all = [&](const float* g, int n, int* near, float* sim) {
+      if (screened) {
         pack();
-        ScreenBlock(q, rows, t, tp_buf.data(), t_err, num_targets, d, nearest->data() + b,
-                    similarity->data() + b);
-        if (use_memo) stats.memo_products += static_cast<long>(rows) * num_targets;
-        continue;
+        ScreenBlock(g, n, t, tp_buf.data(), t_err, num_targets, d, near, sim);
+      } else {
+        pack_x();
+        ExactBlock(g, n, tx_buf.data(), num_targets, d, near, sim);
       }
-      // Rows without a stored answer: over every target, as today.
-      auto gather = [&](const std::vector<int>& rs) {
-        float* g = Scratch(qg_buf, rs.size() * d);
-        for (size_t i = 0; i < rs.size(); ++i) std::copy_n(q + static_cast<size_t>(rs[i]) * d, d, g + i * d);
-        nearg.resize(rs.size());
-        simg.resize(rs.size());
-        return g;
-      };
-      if (!rows_miss.empty()) {
-        pack();
-        const float* g = gather(rows_miss);
-        ScreenBlock(g, static_cast<int>(rows_miss.size()), t, tp_buf.data(), t_err, num_targets, d,
-                    nearg.data(), simg.data());
-        for (size_t i = 0; i < rows_miss.size(); ++i) {
-          (*nearest)[b + rows_miss[i]] = nearg[i];
-          (*similarity)[b + rows_miss[i]] = simg[i];
-        }
-        stats.memo_products += static_cast<long>(rows_miss.size()) * num_targets;
-      }
-      // Rows with one: the better of the stored answer over A and a search over B = K \ A (proof above).
-      const int hits = static_cast<int>(rows_hit.size());
-      if (nb > 0) {
+    };
+    auto search_rest = [&](const float* g, int n, int* near, float* sim) {
+      copy_b();
+      if (screened) {
         if (!packed_b) {
-          tb = Scratch(tb_buf, static_cast<size_t>(nb) * d);
-          for (int i = 0; i < nb; ++i)
-            std::copy_n(t + static_cast<size_t>(rest[i]) * d, d, tb + static_cast<size_t>(i) * d);
           uint32_t* tpb = Scratch(tpb_buf, merge_screen::PackedTargetsSize(nb, d));
           tb_err = merge_screen::PackTargets(tb, nb, d, tpb);
           packed_b = true;
         }
-        const float* g = gather(rows_hit);
-        ScreenBlock(g, hits, tb, tpb_buf.data(), tb_err, nb, d, nearg.data(), simg.data());
-        stats.memo_products += static_cast<long>(hits) * nb;
-      }
-      for (int i = 0; i < hits; ++i) {
-        const int r = b + rows_hit[i];
-        const int32_t tok = mc->queries[r];
-        int slot = slot_of[src->best[tok]];
-        float value = src->value[tok];
-        if (nb > 0) {
-          const int sb = rest[nearg[i]];
-          const float vb = simg[i];
-          if (vb > value || (vb == value && sb < slot)) slot = sb, value = vb;
+        ScreenBlock(g, n, tb, tpb_buf.data(), tb_err, nb, d, near, sim);
+      } else {
+        if (!packed_bx) {
+          merge_screen::PackExactTargets(tb, nb, d, Scratch(tbx_buf, merge_screen::ExactPackedSize(nb, d)));
+          packed_bx = true;
         }
-        (*nearest)[r] = slot;
-        (*similarity)[r] = value;
+        ExactBlock(g, n, tbx_buf.data(), nb, d, near, sim);
       }
-      stats.memo_queries += hits;
+    };
+    if (!use_memo || !queries_regular) {  // today's search
+      search_all(q, rows, nearest->data() + b, similarity->data() + b);
       continue;
     }
-    ++stats.sgemm_blocks;
-    float* sim = Scratch(sim_buf, static_cast<size_t>(kBlock) * num_targets);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, num_targets, d, 1.0f, q, d, t, d, 0.0f, sim,
-                num_targets);
+    std::fill(answered.begin() + b, answered.begin() + b + rows, 1);
+    stats.memo_products_without += static_cast<long>(rows) * num_targets;
+    rows_hit.clear(), rows_miss.clear();
     for (int r = 0; r < rows; ++r) {
-      const float* row = sim + static_cast<size_t>(r) * num_targets;
-      const int best = FirstMaxIndex(row, num_targets);
-      (*nearest)[b + r] = best;
-      (*similarity)[b + r] = row[best];
+      const int32_t tok = src ? mc->queries[b + r] : -1;
+      (tok >= 0 && tok < static_cast<int32_t>(src->best.size()) && src->best[tok] >= 0 ? rows_hit : rows_miss)
+          .push_back(r);
     }
+    if (rows_hit.empty()) {  // every row over every target
+      search_all(q, rows, nearest->data() + b, similarity->data() + b);
+      stats.memo_products += static_cast<long>(rows) * num_targets;
+      continue;
+    }
+    auto gather = [&](const std::vector<int>& rs) {
+      float* g = Scratch(qg_buf, rs.size() * d);
+      for (size_t i = 0; i < rs.size(); ++i) std::copy_n(q + static_cast<size_t>(rs[i]) * d, d, g + i * d);
+      nearg.resize(rs.size());
+      simg.resize(rs.size());
+      return g;
+    };
+    // Rows without a stored answer: over every target.
+    if (!rows_miss.empty()) {
+      const float* g = gather(rows_miss);
+      search_all(g, static_cast<int>(rows_miss.size()), nearg.data(), simg.data());
+      for (size_t i = 0; i < rows_miss.size(); ++i) {
+        (*nearest)[b + rows_miss[i]] = nearg[i];
+        (*similarity)[b + rows_miss[i]] = simg[i];
+      }
+      stats.memo_products += static_cast<long>(rows_miss.size()) * num_targets;
+    }
+    // Rows with one: the better of the stored answer over A and a search over B = K \ A (proof above).
+    const int hits = static_cast<int>(rows_hit.size());
+    if (nb > 0) {
+      const float* g = gather(rows_hit);
+      search_rest(g, hits, nearg.data(), simg.data());
+      stats.memo_products += static_cast<long>(hits) * nb;
+    }
+    for (int i = 0; i < hits; ++i) {
+      const int r = b + rows_hit[i];
+      const int32_t tok = mc->queries[r];
+      int slot = slot_of[src->best[tok]];
+      float value = src->value[tok];
+      if (nb > 0) {
+        const int sb = rest[nearg[i]];
+        const float vb = simg[i];
+        if (vb > value || (vb == value && sb < slot)) slot = sb, value = vb;
+      }
+      (*nearest)[r] = slot;
+      (*similarity)[r] = value;
+    }
+    stats.memo_queries += hits;
   }
   if (!use_memo) return;
-  // Store this call's screened answers (every one is the fmaf-chain first maximum over our targets).
+  // Store this call's answers of regular rows (every one is the fmaf-chain first maximum over our targets).
   auto entry = std::make_shared<MemoEntry>();
   int32_t max_q = -1;
   for (int i = 0; i < num_queries; ++i)

@@ -23,6 +23,9 @@ namespace kvsim {
 
 // For every row of `queries` ([num_queries][d]) the index of the most cosine-similar row of `targets`
 // ([num_targets][d]) and that similarity. Zero vectors have similarity 0 to everything. Ties: lowest index.
+// The similarity is DEFINED (issue 14, round 10) as one fmaf chain over k from +0 of the two rows scaled to
+// unit length (merge_screen::ExactDots), on every CPU and block size, so the slot chosen does not depend on
+// the machine (it used to be OpenBLAS sgemm's value, which differs between CPUs' kernels).
 void NearestByCosine(const float* queries, int num_queries, const float* targets, int num_targets, int d,
                      std::vector<int>* nearest, std::vector<float>* similarity);
 // The same with row pointers (rows need not be contiguous; same results as the contiguous form).
@@ -38,7 +41,7 @@ void NearestByCosine(const float* const* queries, int num_queries, const float* 
 // which run searched first.
 namespace merge_memo {
 // False if switched off: by KVSIM_MERGE_MEMO=0 (read once; an A/B switch of one binary) or by
-// SetEnabledForTesting(false). The memo also needs the bf16 screen (merge_screen::Enabled()).
+// SetEnabledForTesting(false). It serves the query blocks of regular rows (merge.cc) on every CPU.
 bool Enabled();
 void SetEnabledForTesting(bool enabled);
 // Answer sets a unit keeps (the least recently used goes first).

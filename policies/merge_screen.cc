@@ -13,9 +13,20 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 namespace kvsim::merge_screen {
 namespace {
+
+bool CpuHasAvx2Fma() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
 
 bool CpuSupports() {
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -35,6 +46,8 @@ bool EnvAllows() {
 const bool kSupported = CpuSupports();
 const bool kEnvAllows = EnvAllows();
 std::atomic<bool> g_test_enabled{true};
+const bool kAvx2Fma = CpuHasAvx2Fma();
+std::atomic<bool> g_test_avx2{true};
 
 // float -> bf16, round to nearest even (finite inputs; subnormals stay subnormal bf16, which vdpbf16ps
 // then reads as zero: both within the bound below).
@@ -252,6 +265,228 @@ void ExactDots(const float* const* a, const float* const* b, int n, int d, float
     for (int k = 0; k < d; ++k) acc = std::fma(a[i][k], b[i][k], acc);
     out[i] = acc;
   }
+}
+
+// ---- the exact search (round 10) ----
+
+bool ExactAvx2() { return kAvx2Fma && g_test_avx2.load(std::memory_order_relaxed); }
+void SetExactAvx2ForTesting(bool enabled) { g_test_avx2.store(enabled, std::memory_order_relaxed); }
+
+void PackExactTargets(const float* rows, int n, int d, float* out) {
+  const int groups = ExactPaddedTargets(n) / 8;
+  for (int g = 0; g < groups; ++g) {
+    float* o = out + static_cast<long>(g) * d * 8;
+    for (int i = 0; i < 8; ++i) {
+      const int j = g * 8 + i;
+      if (j >= n) {
+        for (int k = 0; k < d; ++k) o[k * 8 + i] = 0.0f;
+        continue;
+      }
+      const float* x = rows + static_cast<long>(j) * d;
+      for (int k = 0; k < d; ++k) o[k * 8 + i] = x[k];
+    }
+  }
+}
+
+namespace {
+
+// The running first maximum of a query row, one lane per target residue j % 8: the lane's largest value so
+// far (−inf: none yet; a NaN is never taken) and its first index; and v_0 (the scan's start, for NaN).
+struct alignas(32) LaneBest {
+  float value[8];
+  int32_t index[8];
+  float first;
+};
+
+void InitBest(LaneBest* best, int rows) {
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < 8; ++i)
+      best[r].value[i] = -std::numeric_limits<float>::infinity(), best[r].index[i] = -1;
+    best[r].first = 0.0f;
+  }
+}
+
+// The scan's answer from the lanes: the largest lane value, the smallest index among the lanes holding it
+// (each lane holds its own first index of its largest value, so that is the first index overall), with
+// that lane's bits (−0 and +0 compare equal; the chosen entry's own bits are returned). If no lane took a
+// value (every value NaN or −inf) or v_0 is NaN, the scan never moves: index 0, v_0.
+void FinishBest(const LaneBest& b, int* nearest, float* similarity) {
+  int lane = -1;
+  for (int i = 0; i < 8; ++i)
+    if (b.index[i] >= 0 && (lane < 0 || b.value[i] > b.value[lane] ||
+                            (b.value[i] == b.value[lane] && b.index[i] < b.index[lane])))
+      lane = i;
+  if (lane < 0 || std::isnan(b.first)) {
+    *nearest = 0;
+    *similarity = b.first;
+    return;
+  }
+  *nearest = b.index[lane];
+  *similarity = b.value[lane];
+}
+
+// The portable search: one fmaf chain per pair (ExactDots' loop), the scan of FirstMaxIndex.
+void ExactScalar(const float* q, int nq, const float* tp, int nt, int d, int* nearest, float* similarity,
+                 float* out, long ld) {
+  for (int r = 0; r < nq; ++r) {
+    const float* qr = q + static_cast<long>(r) * d;
+    int best = 0;
+    float bv = 0.0f;
+    for (int j = 0; j < nt; ++j) {
+      const float* t = tp + static_cast<long>(j / 8) * d * 8 + j % 8;
+      float acc = 0.0f;
+      for (int k = 0; k < d; ++k) acc = std::fma(qr[k], t[k * 8], acc);
+      if (out != nullptr) out[r * ld + j] = acc;
+      if (j == 0 || acc > bv) best = j, bv = acc;
+    }
+    if (nearest != nullptr) nearest[r] = best, similarity[r] = bv;
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVSIM_AVX2_TARGET __attribute__((target("avx2,fma")))
+
+// R queries x V groups of 8 targets: R V accumulators, one lane per (query, target) pair, each summed over k
+// in order with one vfmadd231ps (q[k] t[k] + acc, rounded once: fmaf(q[k], t[k], acc)) — the fmaf chain,
+// lane by lane; lanes are never combined. Then either the values are stored (out) or each query's running
+// first maximum is updated (best): lane-wise, in increasing group order, a strictly greater value replaces
+// the lane's best; padding targets (j ≥ nt) are masked out.
+template <int R, int V>
+KVSIM_AVX2_TARGET inline __attribute__((always_inline)) void ExactTile(const float* q, int d, const float* t,
+                                                                       int g, int nt, LaneBest* best,
+                                                                       float* out, long ld) {
+  // The accumulators are only ever indexed by unrolled constants (so they stay in registers: a variable
+  // index anywhere made GCC keep the array on the stack and store it on every k), copied out once.
+  __m256 acc[R][V];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  const long group = static_cast<long>(d) * 8;
+  const float* tg = t + g * group;
+  for (int k = 0; k < d; ++k) {
+    __m256 tv[V];
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) tv[v] = _mm256_loadu_ps(tg + v * group + k * 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 qb = _mm256_broadcast_ss(q + static_cast<long>(r) * d + k);
+#pragma GCC unroll 16
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(qb, tv[v], acc[r][v]);
+    }
+  }
+  alignas(32) float res[R][V][8];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) _mm256_store_ps(res[r][v], acc[r][v]);
+  if (out != nullptr) {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) {
+        const int j0 = (g + v) * 8;
+        for (int i = 0; i < 8 && j0 + i < nt; ++i) out[r * ld + j0 + i] = res[r][v][i];
+      }
+    return;
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i limit = _mm256_set1_epi32(nt);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    LaneBest& b = best[r];
+    __m256 bv = _mm256_load_ps(b.value);
+    __m256 bi = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(b.index)));
+    if (g == 0) b.first = res[r][0][0];
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) {
+      const __m256 x = _mm256_load_ps(res[r][v]);
+      const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((g + v) * 8), lane);
+      const __m256 take = _mm256_and_ps(_mm256_cmp_ps(x, bv, _CMP_GT_OQ),
+                                        _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, idx)));
+      bv = _mm256_blendv_ps(bv, x, take);
+      bi = _mm256_blendv_ps(bi, _mm256_castsi256_ps(idx), take);
+    }
+    _mm256_store_ps(b.value, bv);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b.index), _mm256_castps_si256(bi));
+  }
+}
+
+constexpr int kTileGroups = 3;  // V: 4 x 3 accumulators + 3 target vectors + 1 broadcast = 16 registers
+constexpr int kTileRows = 4;    // R
+
+// Rows [0, nq) against groups [g, g + V): R rows at a time, the rest one remainder tile.
+template <int V>
+KVSIM_AVX2_TARGET void ExactColumn(const float* q, int nq, int d, const float* t, int g, int nt,
+                                   LaneBest* best, float* out, long ld) {
+  int r = 0;
+  for (; r + kTileRows <= nq; r += kTileRows)
+    ExactTile<kTileRows, V>(q + static_cast<long>(r) * d, d, t, g, nt, best ? best + r : nullptr,
+                            out ? out + r * ld : nullptr, ld);
+  const float* qr = q + static_cast<long>(r) * d;
+  LaneBest* br = best ? best + r : nullptr;
+  float* orow = out ? out + r * ld : nullptr;
+  switch (nq - r) {
+    case 3:
+      ExactTile<3, V>(qr, d, t, g, nt, br, orow, ld);
+      break;
+    case 2:
+      ExactTile<2, V>(qr, d, t, g, nt, br, orow, ld);
+      break;
+    case 1:
+      ExactTile<1, V>(qr, d, t, g, nt, br, orow, ld);
+      break;
+    default:
+      break;
+  }
+}
+
+// Target tiles of V groups (V d 32 bytes: 12 KiB at d = 128, in L1) in increasing order, each against every
+// query row (the query block stays in L2): each lane's best sees its targets in slot order.
+KVSIM_AVX2_TARGET void ExactAvx2Search(const float* q, int nq, const float* t, int nt, int d, LaneBest* best,
+                                       float* out, long ld) {
+  const int groups = ExactPaddedTargets(nt) / 8;
+  int g = 0;
+  for (; g + kTileGroups <= groups; g += kTileGroups)
+    ExactColumn<kTileGroups>(q, nq, d, t, g, nt, best, out, ld);
+  switch (groups - g) {
+    case 2:
+      ExactColumn<2>(q, nq, d, t, g, nt, best, out, ld);
+      break;
+    case 1:
+      ExactColumn<1>(q, nq, d, t, g, nt, best, out, ld);
+      break;
+    default:
+      break;
+  }
+}
+#endif
+
+}  // namespace
+
+void ExactNearest(const float* queries, int num_queries, const float* packed_targets, int num_targets, int d,
+                  int* nearest, float* similarity) {
+  if (num_queries <= 0 || num_targets <= 0) return;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (ExactAvx2()) {
+    thread_local std::vector<LaneBest> best_buf;
+    if (best_buf.size() < static_cast<size_t>(num_queries)) best_buf.resize(num_queries);
+    LaneBest* best = best_buf.data();
+    InitBest(best, num_queries);
+    ExactAvx2Search(queries, num_queries, packed_targets, num_targets, d, best, nullptr, 0);
+    for (int r = 0; r < num_queries; ++r) FinishBest(best[r], nearest + r, similarity + r);
+    return;
+  }
+#endif
+  ExactScalar(queries, num_queries, packed_targets, num_targets, d, nearest, similarity, nullptr, 0);
+}
+
+void ExactDotsPacked(const float* queries, int num_queries, const float* packed_targets, int num_targets,
+                     int d, float* out, long ld) {
+  if (num_queries <= 0 || num_targets <= 0) return;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (ExactAvx2())
+    return ExactAvx2Search(queries, num_queries, packed_targets, num_targets, d, nullptr, out, ld);
+#endif
+  ExactScalar(queries, num_queries, packed_targets, num_targets, d, nullptr, nullptr, out, ld);
 }
 
 }  // namespace kvsim::merge_screen

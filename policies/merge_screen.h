@@ -1,10 +1,15 @@
 #pragma once
-// The bf16 screen of NearestByCosine (issue 14, round 7): approximate cosine similarities of unit-length
-// rows with AVX512-BF16 `vdpbf16ps` (both operands rounded to bf16, fp32 accumulation), a rigorous bound
-// on their distance from the fp32 values NearestByCosine has always computed, and the exact fp32 value of
-// one pair as a sequential fmaf chain. NearestByCosine (policies/merge.cc) uses them to find the same slot
-// and the same similarity, bit for bit, with about half the multiply-adds; the proof is there and in
-// docs/performance.md ("Round 7: merge similarities screened in bf16"). Exposed for tests and bench/.
+// The similarity kernels of NearestByCosine. A merge similarity is DEFINED as one sequential fmaf chain
+// over k from +0 of the two normalised rows (ExactDots), on every CPU and block size (issue 14, round 10).
+//  - The exact search (round 10): every pair's chain with AVX2 + FMA (8 targets per register, one lane per
+//    target, so no reassociation), the first maximum per query fused (ExactNearest), or the same values
+//    one pair at a time on CPUs without AVX2 / FMA.
+//  - The bf16 screen (round 7): approximate cosine similarities of unit-length rows with AVX512-BF16
+//    `vdpbf16ps` (both operands rounded to bf16, fp32 accumulation), a rigorous bound on their distance
+//    from the fmaf chain, and candidates re-checked with ExactDots. NearestByCosine (policies/merge.cc) uses
+//    it where the CPU has AVX512-BF16 to find the same slot and similarity as the exact search, bit for
+//    bit, with about half the multiply-adds; the proof is there and in docs/performance.md ("Round 7: merge
+//    similarities screened in bf16"). Exposed for tests and bench/.
 
 #include <cstdint>
 
@@ -12,7 +17,7 @@ namespace kvsim::merge_screen {
 
 // True if this CPU has AVX512-BF16 (and AVX512F/BW/VL) and the screen is not switched off: by the
 // environment variable KVSIM_MERGE_SCREEN=0 (read once; for A/B measurements of one binary) or by
-// SetEnabledForTesting(false). Without it NearestByCosine is exactly the sgemm path.
+// SetEnabledForTesting(false). Without it NearestByCosine uses the exact search (ExactNearest) only.
 bool Enabled();
 // Whether the CPU supports the kernel at all (Enabled() also needs the switches on).
 bool Supported();
@@ -22,7 +27,7 @@ void SetEnabledForTesting(bool enabled);
 // What NearestByCosine did on this thread (counts since the thread started; tests and bench read them).
 struct Stats {
   long screened_blocks = 0;  // query blocks searched with the screen
-  long sgemm_blocks = 0;  // query blocks searched with sgemm (screen off, small call, irregular rows, odd d)
+  long exact_blocks = 0;     // searches by ExactNearest (screen off, small block, irregular rows, odd d)
   long screened_queries = 0;
   long candidates = 0;  // exact re-checks of the screened queries
   // The similarity memo of a unit's merging runs (policies/merge.h, merge_memo): calls that could use it,
@@ -68,8 +73,31 @@ inline long PackedTargetsSize(int n, int d) { return static_cast<long>(PaddedTar
 void ApproxDots(const uint32_t* queries, int num_queries, const uint32_t* targets, int num_targets, int d,
                 float* approx, long ld);
 
-// The fp32 value sgemm gives a pair outside OpenBLAS's small-matrix path (docs/performance.md, round 6):
-// one fmaf chain over k from +0. n pairs (a[i], b[i]) of d floats, eight chains interleaved.
+// The merge similarity of a pair (round 10's definition; on AVX512-BF16 machines it was also the value of
+// OpenBLAS's sgemm outside its small-matrix path, round 6): one fmaf chain over k from +0. n pairs
+// (a[i], b[i]) of d floats, eight chains interleaved.
 void ExactDots(const float* const* a, const float* const* b, int n, int d, float* out);
+
+// ---- the exact search (round 10) ----
+// Whether ExactNearest / ExactDotsPacked use the AVX2 + FMA kernel: the CPU has both and the test hook
+// below has not forced the portable path (which gives the same values, one fmaf chain per pair).
+bool ExactAvx2();
+void SetExactAvx2ForTesting(bool enabled);
+// Targets for the exact search: groups of 8 rows interleaved by dimension, out[(g * d + k) * 8 + i] = row
+// 8 g + i, dimension k (the last group padded with zero rows). `out` holds ExactPackedSize(n, d) floats.
+inline int ExactPaddedTargets(int n) { return (n + 7) / 8 * 8; }
+inline long ExactPackedSize(int n, int d) { return static_cast<long>(ExactPaddedTargets(n)) * d; }
+void PackExactTargets(const float* rows, int n, int d, float* out);
+// For each query row r < num_queries (d floats at queries + r d) the first maximum over the packed targets
+// j < num_targets (num_targets ≥ 1) of v_j = the fmaf chain of (query, target j) (ExactDots' value, bit
+// for bit): nearest[r] = the index, similarity[r] = v_nearest. "First maximum" as a scan in slot order
+// that starts at j = 0 and moves on only to a strictly greater value: the first index of the largest
+// value, −0 and +0 equal, a NaN never chosen unless v_0 is NaN (then 0) — what std::max_element and
+// merge.cc's FirstMaxIndex return. The rows x targets matrix is never written.
+void ExactNearest(const float* queries, int num_queries, const float* packed_targets, int num_targets, int d,
+                  int* nearest, float* similarity);
+// The same kernel's values: out[r * ld + j] = v_j of query r (tests and bench/).
+void ExactDotsPacked(const float* queries, int num_queries, const float* packed_targets, int num_targets,
+                     int d, float* out, long ld);
 
 }  // namespace kvsim::merge_screen

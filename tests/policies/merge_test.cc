@@ -473,10 +473,61 @@ TEST_CASE("merge wrapper: h2o+average covers every token it ever evicted", "[mer
 // ---- the bf16 screen (policies/merge_screen.*; issue 14, round 7) ----
 namespace {
 
+// The merge similarity by its definition (round 10): each row scaled as NormalizeRows does (the squared norm
+// summed in double in k order, inv = float(1 / sqrt), each entry x * inv; zero rows stay zero), then one
+// fmaf chain over k from +0; the answer is the scan from j = 0 that moves on only to a strictly greater
+// value (std::max_element's first maximum; a NaN is never taken unless v_0 is NaN).
+float ChainRef(const float* a, const float* b, int d) {
+  float acc = 0.0f;
+  for (int k = 0; k < d; ++k) acc = std::fma(a[k], b[k], acc);
+  return acc;
+}
+
+std::vector<float> NormalizedRef(const std::vector<float>& x, int n, int d) {
+  std::vector<float> out(static_cast<size_t>(n) * d);
+  for (int r = 0; r < n; ++r) {
+    double s = 0;
+    for (int k = 0; k < d; ++k) s += static_cast<double>(x[r * d + k]) * x[r * d + k];
+    const float inv = s > 0 ? static_cast<float>(1.0 / std::sqrt(s)) : 0.0f;
+    for (int k = 0; k < d; ++k) out[r * d + k] = x[r * d + k] * inv;
+  }
+  return out;
+}
+
+struct NearestRef {
+  std::vector<int> index;
+  std::vector<float> value;
+};
+
+NearestRef FirstMaxRef(const float* q, int nq, const float* t, int nt, int d) {
+  NearestRef out;
+  for (int i = 0; i < nq; ++i) {
+    int best = 0;
+    float bv = ChainRef(q + static_cast<size_t>(i) * d, t, d);
+    for (int j = 1; j < nt; ++j) {
+      const float v = ChainRef(q + static_cast<size_t>(i) * d, t + static_cast<size_t>(j) * d, d);
+      if (v > bv) best = j, bv = v;
+    }
+    out.index.push_back(best);
+    out.value.push_back(bv);
+  }
+  return out;
+}
+
+NearestRef ExactNearestRef(const std::vector<float>& q, int nq, const std::vector<float>& t, int nt, int d) {
+  const std::vector<float> qn = NormalizedRef(q, nq, d), tn = NormalizedRef(t, nt, d);
+  return FirstMaxRef(qn.data(), nq, tn.data(), nt, d);
+}
+
+// The same bits, or both NaN.
+bool SameBits(float a, float b) {
+  return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b) || (std::isnan(a) && std::isnan(b));
+}
+
 struct ScreenResult {
   std::vector<int> nearest;
   std::vector<float> similarity;
-  long screened_queries = 0, sgemm_blocks = 0;
+  long screened_queries = 0, exact_blocks = 0;
 };
 
 ScreenResult Search(const std::vector<float>& q, int nq, const std::vector<float>& t, int nt, int d,
@@ -486,29 +537,34 @@ ScreenResult Search(const std::vector<float>& q, int nq, const std::vector<float
   ScreenResult r;
   NearestByCosine(q.data(), nq, t.data(), nt, d, &r.nearest, &r.similarity);
   r.screened_queries = merge_screen::ThreadStats().screened_queries - before.screened_queries;
-  r.sgemm_blocks = merge_screen::ThreadStats().sgemm_blocks - before.sgemm_blocks;
+  r.exact_blocks = merge_screen::ThreadStats().exact_blocks - before.exact_blocks;
   merge_screen::SetEnabledForTesting(true);
   return r;
 }
 
-// The screened search and the sgemm path (forced) give the same slots and the same bits; returns how many
-// queries the screen searched (0 if this CPU has no AVX512-BF16).
 // Whether NearestByCosine screens here (the CPU has AVX512-BF16 and KVSIM_MERGE_SCREEN is not 0).
 bool ScreenOn() {
   merge_screen::SetEnabledForTesting(true);
   return merge_screen::Enabled();
 }
 
-long CheckScreenedEqualsSgemm(const std::vector<float>& q, int nq, const std::vector<float>& t, int nt,
+// The screened search, the exact search (screen forced off; the AVX2 kernel where the CPU has it) and the
+// reference (the test's own normalisation, fmaf chain and first-maximum scan: ExactNearestRef below) give the
+// same slots and the same bits; returns how many queries the screen searched (0 without AVX512-BF16).
+long CheckScreenedEqualsExact(const std::vector<float>& q, int nq, const std::vector<float>& t, int nt,
                               int d) {
   const ScreenResult old = Search(q, nq, t, nt, d, false), now = Search(q, nq, t, nt, d, true);
   CHECK(old.screened_queries == 0);
+  CHECK(old.exact_blocks > 0);
   REQUIRE(old.nearest.size() == static_cast<size_t>(nq));
-  int differ = 0;
-  for (int i = 0; i < nq; ++i)
-    differ += old.nearest[i] != now.nearest[i] ||
-              std::bit_cast<uint32_t>(old.similarity[i]) != std::bit_cast<uint32_t>(now.similarity[i]);
+  const NearestRef ref = ExactNearestRef(q, nq, t, nt, d);
+  int differ = 0, differ_ref = 0;
+  for (int i = 0; i < nq; ++i) {
+    differ += old.nearest[i] != now.nearest[i] || !SameBits(old.similarity[i], now.similarity[i]);
+    differ_ref += old.nearest[i] != ref.index[i] || !SameBits(old.similarity[i], ref.value[i]);
+  }
   CHECK(differ == 0);
+  CHECK(differ_ref == 0);
   if (!ScreenOn()) CHECK(now.screened_queries == 0);
   return now.screened_queries;
 }
@@ -524,29 +580,30 @@ std::vector<float> Gaussian(int rows, int d, uint32_t seed, float shared = 0.0f)
 
 }  // namespace
 
-TEST_CASE("merge screen: bf16 screen + exact re-check equals the sgemm path bit for bit", "[merge][screen]") {
+TEST_CASE("merge screen: bf16 screen + exact re-check equals the exact search bit for bit",
+          "[merge][screen]") {
   constexpr int d = 128;
   SECTION("random and clustered keys, query counts around the 4-query and 256-query blocks") {
     for (int nq : {1, 3, 4, 5, 7, 255, 256, 257, 259, 515})
       for (int nt : {17, 162, 300}) {
         CAPTURE(nq, nt);
         const long screened =
-            CheckScreenedEqualsSgemm(Gaussian(nq, d, nq), nq, Gaussian(nt, d, 99 + nt), nt, d);
-        // Blocks below 2^18 multiply-adds keep sgemm (OpenBLAS's small-matrix path has other values).
+            CheckScreenedEqualsExact(Gaussian(nq, d, nq), nq, Gaussian(nt, d, 99 + nt), nt, d);
+        // Blocks below 2^18 multiply-adds go to the exact search (the screen would not pay there).
         if (ScreenOn() && static_cast<long>(std::min(nq, 256)) * nt * d >= (1L << 18)) CHECK(screened > 0);
       }
     // Clustered: every key near one of 5 centres (many near-equal cosines), and a large shared direction.
     std::vector<float> centres = Gaussian(5, d, 5), q = Gaussian(600, d, 6), t = Gaussian(640, d, 7);
     for (size_t i = 0; i < q.size(); ++i) q[i] = 0.1f * q[i] + centres[(i / d % 5) * d + i % d];
     for (size_t i = 0; i < t.size(); ++i) t[i] = 0.1f * t[i] + centres[(i / d % 5) * d + i % d];
-    CHECK(CheckScreenedEqualsSgemm(q, 600, t, 640, d) == (ScreenOn() ? 600 : 0));
-    CHECK(CheckScreenedEqualsSgemm(Gaussian(700, d, 8, 3.0f), 700, Gaussian(900, d, 9, 3.0f), 900, d) ==
+    CHECK(CheckScreenedEqualsExact(q, 600, t, 640, d) == (ScreenOn() ? 600 : 0));
+    CHECK(CheckScreenedEqualsExact(Gaussian(700, d, 8, 3.0f), 700, Gaussian(900, d, 9, 3.0f), 900, d) ==
           (ScreenOn() ? 700 : 0));
   }
   SECTION("exact duplicates (the first wins), zero keys, scaled copies") {
     const std::vector<float> q = AwkwardKeys(600, d, 21u), t = AwkwardKeys(700, d, 22u);
-    CHECK(CheckScreenedEqualsSgemm(q, 600, t, 700, d) == (ScreenOn() ? 600 : 0));
-    CHECK(CheckScreenedEqualsSgemm(t, 700, t, 700, d) == (ScreenOn() ? 700 : 0));  // self: ties
+    CHECK(CheckScreenedEqualsExact(q, 600, t, 700, d) == (ScreenOn() ? 600 : 0));
+    CHECK(CheckScreenedEqualsExact(t, 700, t, 700, d) == (ScreenOn() ? 700 : 0));  // self: ties
   }
   SECTION("near ties: targets whose exact cosines differ by 1 ulp ... 1e-3") {
     // Each query's targets are the query itself perturbed in one coordinate by 2^-24 ... 1e-3 (relative),
@@ -564,35 +621,38 @@ TEST_CASE("merge screen: bf16 screen + exact re-check equals the sgemm path bit 
         t.insert(t.end(), x.begin(), x.end());
       }
     }
-    CHECK(CheckScreenedEqualsSgemm(q, 256, t, 320, d) == (ScreenOn() ? 256 : 0));
+    CHECK(CheckScreenedEqualsExact(q, 256, t, 320, d) == (ScreenOn() ? 256 : 0));
     // Cosines of random directions around 1e-3 apart: a query and targets on a small cone around it.
     std::vector<float> cone = Gaussian(900, d, 33);
     for (size_t i = 0; i < cone.size(); ++i) cone[i] = base[i % d] + 1e-3f * cone[i];
-    CHECK(CheckScreenedEqualsSgemm(q, 256, cone, 900, d) == (ScreenOn() ? 256 : 0));
+    CHECK(CheckScreenedEqualsExact(q, 256, cone, 900, d) == (ScreenOn() ? 256 : 0));
   }
-  SECTION("denormal-scale keys: screened where the scale factor is a normal float, else sgemm") {
+  SECTION("denormal-scale keys: screened where the scale factor is a normal float, else the exact search") {
     std::vector<float> q = Gaussian(300, d, 41), t = Gaussian(400, d, 42);
     for (float& v : q) v *= 1e-38f;  // subnormal and tiny normal entries, norms ~1e-37: inv stays normal
     for (size_t i = 0; i < t.size(); ++i) t[i] *= i / d % 2 ? 1e-36f : 1.0f;
-    CHECK(CheckScreenedEqualsSgemm(q, 300, t, 400, d) == (ScreenOn() ? 300 : 0));
-    for (float& v : q) v *= 1e-6f;  // norms below 2^-128: 1/norm overflows a float -> sgemm path
-    CHECK(CheckScreenedEqualsSgemm(q, 300, t, 400, d) == 0);
+    CHECK(CheckScreenedEqualsExact(q, 300, t, 400, d) == (ScreenOn() ? 300 : 0));
+    for (float& v : q) v *= 1e-6f;  // norms below 2^-128: 1/norm overflows a float -> exact search
+    CHECK(CheckScreenedEqualsExact(q, 300, t, 400, d) == 0);
     // A target whose entries are subnormal after normalisation (one large entry, the rest ~1e-40).
     std::vector<float> t2 = Gaussian(400, d, 43);
     for (int j = 0; j < 400; j += 3)
       for (int k = 1; k < d; ++k) t2[j * d + k] = 1e-40f * (k % 2 ? 1 : -1);
-    CHECK(CheckScreenedEqualsSgemm(Gaussian(300, d, 44), 300, t2, 400, d) == (ScreenOn() ? 300 : 0));
+    CHECK(CheckScreenedEqualsExact(Gaussian(300, d, 44), 300, t2, 400, d) == (ScreenOn() ? 300 : 0));
   }
-  SECTION("one target; 16k+1 targets; odd d and non-finite keys keep sgemm") {
-    // One target: every block (<= 256 x 1 x 128) is below 2^18, so sgemm; one target of 2 x 128 keys too.
-    CHECK(CheckScreenedEqualsSgemm(Gaussian(3000, d, 51), 3000, Gaussian(1, d, 52), 1, d) == 0);
-    CHECK(CheckScreenedEqualsSgemm(Gaussian(20, d, 53), 20, Gaussian(16385, d, 54), 16385, d) ==
+  SECTION("one target; 16k+1 targets; odd d and non-finite keys go to the exact search") {
+    // One target: every block (<= 256 x 1 x 128) is below 2^18, so the exact search.
+    CHECK(CheckScreenedEqualsExact(Gaussian(3000, d, 51), 3000, Gaussian(1, d, 52), 1, d) == 0);
+    CHECK(CheckScreenedEqualsExact(Gaussian(20, d, 53), 20, Gaussian(16385, d, 54), 16385, d) ==
           (ScreenOn() ? 20 : 0));
-    CHECK(CheckScreenedEqualsSgemm(Gaussian(300, 127, 55), 300, Gaussian(300, 127, 56), 300, 127) == 0);
+    CHECK(CheckScreenedEqualsExact(Gaussian(300, 127, 55), 300, Gaussian(300, 127, 56), 300, 127) == 0);
     std::vector<float> bad = Gaussian(300, d, 57);
     bad[5 * d + 3] = std::numeric_limits<float>::infinity();
     const ScreenResult r = Search(Gaussian(300, d, 58), 300, bad, 300, d, true);
     CHECK(r.screened_queries == 0);
+    // Target 5 normalises to a NaN row (inf x 0): its similarity is NaN and never the first maximum.
+    CHECK(CheckScreenedEqualsExact(Gaussian(300, d, 58), 300, bad, 300, d) == 0);
+    CHECK(r.nearest != std::vector<int>(300, 5));
   }
 }
 
@@ -812,7 +872,7 @@ long CheckMemoEqualsPlain(MemoHead& h, const std::vector<std::vector<int32_t>>& 
 TEST_CASE("merge memo: the memo's answers equal NearestByCosine's bit for bit", "[merge][memo]") {
   constexpr int d = 128, n = 1500;
   merge_memo::SetEnabledForTesting(true);
-  const bool on = ScreenOn() && merge_memo::Enabled();
+  const bool on = merge_memo::Enabled();  // on every CPU since round 10 (the exact search's blocks too)
   SECTION("random keys, nested budgets in increasing order: reused") {
     MemoHead h(Gaussian(n, d, 3u), d);
     const long reuses = CheckMemoEqualsPlain(h, NestedSets(n, {0.05, 0.10, 0.20, 0.50}, 5u));
@@ -883,9 +943,10 @@ TEST_CASE("merge memo: the memo's answers equal NearestByCosine's bit for bit", 
     CHECK(checked > 300);
     CHECK(wrong == 0);
   }
-  SECTION("blocks on sgemm (small or irregular) keep today's path") {
-    // 5 targets x 256 queries x 128 < 2^18: sgemm; an irregular query row (norm ~1e-40) sends its block to
-    // sgemm; the last block (n - 1280 = 220 rows) of a large call is screened or not by its own size.
+  SECTION("small blocks and irregular rows") {
+    // 5 targets x 256 queries x 128 < 2^18: the exact search (with the memo since round 10); an irregular
+    // query row (norm ~1e-40) sends its block to the plain search, without the memo; the last block
+    // (n - 1280 = 220 rows) of a large call is screened or not by its own size.
     std::vector<float> k = Gaussian(n, d, 29u);
     for (int c = 0; c < d; ++c) k[static_cast<size_t>(700) * d + c] *= 1e-41f;
     MemoHead h(std::move(k), d);
@@ -927,7 +988,7 @@ TEST_CASE("merge memo: switched off, nothing is stored or reused; the memo keeps
   CHECK(merge_screen::ThreadStats().memo_calls == before.memo_calls);
   CHECK(h.shared.merge == nullptr);
   merge_memo::SetEnabledForTesting(true);
-  const bool on = ScreenOn() && merge_memo::Enabled();  // KVSIM_MERGE_MEMO=0 keeps it off
+  const bool on = merge_memo::Enabled();  // KVSIM_MERGE_MEMO=0 keeps it off
   const merge_screen::Stats mid = merge_screen::ThreadStats();
   // Ten nested sets, at most kMaxEntries stored: each set still finds the one before it.
   CHECK(CheckMemoEqualsPlain(h, sets) == (on ? 9 : 0));
@@ -942,7 +1003,7 @@ TEST_CASE(
     "merge memo: meda / official / look_m sweeps are the same with and without the similarity memo, at 1 and "
     "3 threads",
     "[merge][memo]") {
-  // Long enough prompts and d = 64 that NearestByCosine screens (and so may reuse) most query blocks.
+  // Long enough prompts and d = 64 that the memo has nested kept sets to reuse (on every CPU since round 10).
   testing::TinyTraceSpec spec;
   spec.num_layers = 2;
   spec.num_heads = 4;
@@ -974,7 +1035,7 @@ TEST_CASE(
     auto on = Replay(trace, runs, ReplayOptions{.threads = threads});
     REQUIRE(on.ok());
     const merge_memo::Totals after = merge_memo::ProcessTotals();
-    if (merge_screen::Enabled() && merge_memo::Enabled()) {
+    if (merge_memo::Enabled()) {
       CHECK(after.reuse_calls > before.reuse_calls);
       CHECK(after.products - before.products < after.products_without - before.products_without);
     }
@@ -983,6 +1044,191 @@ TEST_CASE(
       CHECK((*on)[i].metrics().merged_tokens_mean() > 0);
       CHECK((*on)[i].SerializeAsString() == (*off)[i].SerializeAsString());
     }
+  }
+}
+
+// ---- the exact search (merge_screen::ExactNearest; issue 14, round 10) ----
+namespace {
+
+// Both implementations this CPU can run: the AVX2 kernel (if it has AVX2 + FMA) and the portable one.
+std::vector<bool> ExactPaths() {
+  merge_screen::SetExactAvx2ForTesting(true);
+  return merge_screen::ExactAvx2() ? std::vector<bool>{true, false} : std::vector<bool>{false};
+}
+
+// Rows of mixed magnitudes (2^-12 ... 2^12 times a Gaussian): every rounding step of a chain matters, so a
+// reassociated or non-fused sum gives other bits somewhere.
+std::vector<float> MixedRows(int rows, int d, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g;
+  std::vector<float> x(static_cast<size_t>(rows) * d);
+  for (float& v : x) v = std::ldexp(g(rng), static_cast<int>(rng() % 25) - 12);
+  return x;
+}
+
+std::vector<float> Packed(const std::vector<float>& t, int nt, int d) {
+  std::vector<float> p(merge_screen::ExactPackedSize(nt, d), -1.0f);
+  merge_screen::PackExactTargets(t.data(), nt, d, p.data());
+  return p;
+}
+
+// ExactNearest and ExactDotsPacked on raw rows == FirstMaxRef / ChainRef, bit for bit; returns the
+// mismatches.
+int CheckExactKernel(const std::vector<float>& q, int nq, const std::vector<float>& t, int nt, int d,
+                     bool values = true) {
+  const std::vector<float> p = Packed(t, nt, d);
+  int bad = 0;
+  if (values) {
+    std::vector<float> out(static_cast<size_t>(nq) * nt, -7.0f);
+    merge_screen::ExactDotsPacked(q.data(), nq, p.data(), nt, d, out.data(), nt);
+    for (int i = 0; i < nq; ++i)
+      for (int j = 0; j < nt; ++j)
+        bad += !SameBits(
+            out[static_cast<size_t>(i) * nt + j],
+            ChainRef(q.data() + static_cast<size_t>(i) * d, t.data() + static_cast<size_t>(j) * d, d));
+  }
+  std::vector<int> nearest(nq, -1);
+  std::vector<float> sim(nq, -7.0f);
+  merge_screen::ExactNearest(q.data(), nq, p.data(), nt, d, nearest.data(), sim.data());
+  const NearestRef ref = FirstMaxRef(q.data(), nq, t.data(), nt, d);
+  for (int i = 0; i < nq; ++i) bad += nearest[i] != ref.index[i] || !SameBits(sim[i], ref.value[i]);
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("merge exact: the kernel's values are the scalar fmaf chain bit for bit (every even d, tails)",
+          "[merge][exact]") {
+  // d = 2 ... 256; target counts 1 ... 40 and 100 (every tail of the 8-target groups and 3-group tiles) and
+  // 1640 (the demo's 50% budget); query counts 1 ... 9 (every tail of the 4-row tiles) and 256 (a block).
+  for (bool avx2 : ExactPaths()) {
+    merge_screen::SetExactAvx2ForTesting(avx2);
+    int bad = 0, cases = 0;
+    for (int d = 2; d <= 256; d += 2) {
+      if (!avx2 && d % 14 != 2) continue;  // the portable path: a sample of d
+      const std::vector<float> q = MixedRows(256, d, 1000u + d), t = MixedRows(1640, d, 2000u + d);
+      for (int nt = 1; nt <= 41; ++nt) {
+        const int targets = nt == 41 ? 100 : nt;
+        const int nq = 1 + (d / 2 + nt) % 9;
+        CAPTURE(avx2, d, targets, nq);
+        const int b = CheckExactKernel(q, nq, t, targets, d);
+        CHECK(b == 0);
+        bad += b, ++cases;
+      }
+      for (int nq = 1; nq <= 9; ++nq)
+        if ((d / 2 + nq) % 3 == 0) bad += CheckExactKernel(q, nq, t, 1640, d), ++cases;
+      if (d % 32 == 2 || d == 128) bad += CheckExactKernel(q, 256, t, 1 + d % 40, d), ++cases;
+    }
+    // The largest block: 256 queries x 1640 targets.
+    for (int d : {2, 128}) {
+      const std::vector<float> q = MixedRows(256, d, 7u), t = MixedRows(1640, d, 8u);
+      bad += CheckExactKernel(q, 256, t, 1640, d, avx2 || d == 2), ++cases;
+    }
+    CAPTURE(avx2, cases);
+    CHECK(bad == 0);
+  }
+  merge_screen::SetExactAvx2ForTesting(true);
+}
+
+TEST_CASE("merge exact: the first maximum over ties, zeros, NaN, huge and tiny values", "[merge][exact]") {
+  constexpr int d = 16;
+  for (bool avx2 : ExactPaths()) {
+    merge_screen::SetExactAvx2ForTesting(avx2);
+    std::mt19937 rng(5);
+    for (int nt : {1, 2, 7, 8, 9, 23, 24, 25, 40, 100}) {
+      CAPTURE(avx2, nt);
+      const std::vector<float> base = MixedRows(nt, d, 50u + nt), qs = MixedRows(9, d, 60u + nt);
+      {  // exact duplicates of the best target in the same lane, other lanes, other tiles
+        // Each query row equals target m, and copies of target m sit at m + 1, m + 8, m + 24 and later:
+        // the first copy must win (the scan's first maximum, not the last, not the lowest lane).
+        for (int m = 0; m < nt; ++m) {
+          std::vector<float> t = base;
+          for (int c : {1, 8, 24, 3, 17})
+            if (m + c < nt) std::copy_n(&base[m * d], d, &t[(m + c) * d]);
+          std::vector<float> q;
+          for (int i = 0; i < 5; ++i) q.insert(q.end(), &base[m * d], &base[m * d] + d);
+          CHECK(CheckExactKernel(q, 5, t, nt, d) == 0);
+          // A later copy, earlier in the lane order (m + 7 is lane (m + 7) % 8 < m % 8 for m % 8 > 0).
+          if (m + 7 < nt) {
+            std::copy_n(&base[m * d], d, &t[(m + 7) * d]);
+            CHECK(CheckExactKernel(q, 5, t, nt, d) == 0);
+          }
+        }
+      }
+      SECTION(
+          "zero rows (every value +0: the first target), zero targets, orthogonal rows (+0 and -0 "
+          "products)") {
+        std::vector<float> zq(3 * d, 0.0f), t = base;
+        CHECK(CheckExactKernel(zq, 3, t, nt, d) == 0);
+        std::vector<int> nearest(3);
+        std::vector<float> sim(3);
+        const std::vector<float> p = Packed(t, nt, d);
+        merge_screen::ExactNearest(zq.data(), 3, p.data(), nt, d, nearest.data(), sim.data());
+        CHECK(nearest == std::vector<int>(3, 0));
+        CHECK(std::bit_cast<uint32_t>(sim[0]) == 0u);
+        // Targets of zeros and of negated-sign zeros, and queries orthogonal to them (values 0, -0 products).
+        std::vector<float> t2(static_cast<size_t>(nt) * d, 0.0f);
+        for (int j = 0; j < nt; ++j)
+          for (int k = 0; k < d; ++k)
+            t2[j * d + k] = j % 3 == 0 ? -0.0f : (j % 3 == 1 ? 0.0f : (k < d / 2 ? 0.0f : -1.0f));
+        std::vector<float> q2(3 * d, 0.0f);
+        for (int k = 0; k < d / 2; ++k) q2[k] = 1.0f, q2[d + k] = -1.0f, q2[2 * d + k] = k % 2 ? 1.0f : -1.0f;
+        CHECK(CheckExactKernel(q2, 3, t2, nt, d) == 0);
+      }
+      {  // NaN, infinite, huge and tiny rows
+        std::vector<float> t = base, q = qs;
+        const float nan = std::numeric_limits<float>::quiet_NaN(),
+                    inf = std::numeric_limits<float>::infinity();
+        // Query 0: NaN everywhere (v_0 NaN: index 0). Query 1: huge (overflows to +-inf). Query 2: tiny
+        // (subnormal products). Query 3: an infinite entry.
+        std::fill_n(&q[0], d, nan);
+        for (int k = 0; k < d; ++k)
+          q[d + k] = 3e38f * (k % 2 ? 1 : -1), q[2 * d + k] = 1e-40f * (k % 3 ? 1 : -1);
+        q[3 * d + 5] = inf;
+        CHECK(CheckExactKernel(q, 9, t, nt, d) == 0);
+        // A NaN target: never the maximum unless it is target 0 (then the scan never moves).
+        const int j = static_cast<int>(rng() % nt);
+        t[j * d + 1] = nan;
+        CHECK(CheckExactKernel(q, 9, t, nt, d) == 0);
+        t[1] = nan;  // target 0 NaN too
+        CHECK(CheckExactKernel(q, 9, t, nt, d) == 0);
+        std::vector<int> nearest(9);
+        std::vector<float> sim(9);
+        const std::vector<float> p = Packed(t, nt, d);
+        merge_screen::ExactNearest(q.data(), 9, p.data(), nt, d, nearest.data(), sim.data());
+        CHECK(nearest == std::vector<int>(9, 0));
+        // Huge targets: +inf and -inf values, and -inf as the only non-NaN value of target 0.
+        std::vector<float> t3 = base;
+        for (int k = 0; k < d; ++k) t3[k] = 3e38f, t3[(nt - 1) * d + k] = -3e38f;
+        std::vector<float> q3(2 * d, 1.0f);
+        for (int k = 0; k < d; ++k) q3[d + k] = -1.0f;
+        CHECK(CheckExactKernel(q3, 2, t3, nt, d) == 0);
+      }
+    }
+  }
+  merge_screen::SetExactAvx2ForTesting(true);
+}
+
+TEST_CASE("merge exact: NearestByCosine is the first maximum of the fmaf chain on every path",
+          "[merge][exact]") {
+  // Through NearestByCosine (normalisation, 256-row blocks, the screen where the CPU has it): the AVX2
+  // kernel, the portable path and the reference agree bit for bit, with duplicates, zero and scaled keys.
+  constexpr int d = 128;
+  for (const auto& [nq, nt] : std::vector<std::pair<int, int>>{{600, 1640}, {257, 100}, {9, 40}, {1, 1}}) {
+    const std::vector<float> q = AwkwardKeys(nq, d, 81u + nq), t = AwkwardKeys(nt, d, 82u + nt);
+    const NearestRef ref = ExactNearestRef(q, nq, t, nt, d);
+    for (bool avx2 : ExactPaths())
+      for (bool screen : {false, true}) {
+        CAPTURE(nq, nt, avx2, screen);
+        merge_screen::SetExactAvx2ForTesting(avx2);
+        const ScreenResult r = Search(q, nq, t, nt, d, screen);
+        int differ = 0;
+        for (int i = 0; i < nq; ++i)
+          differ += r.nearest[i] != ref.index[i] || !SameBits(r.similarity[i], ref.value[i]);
+        CHECK(differ == 0);
+        if (!screen || !ScreenOn()) CHECK(r.exact_blocks == (nq + 255) / 256);
+      }
+    merge_screen::SetExactAvx2ForTesting(true);
   }
 }
 
