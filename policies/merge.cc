@@ -14,6 +14,7 @@
 #include <string>
 
 #include "policies/merge_screen.h"
+#include "policies/merge_screen_int16.h"
 #include "sim/attention.h"
 
 namespace kvsim {
@@ -90,6 +91,14 @@ void ExactBlock(const float* q, int rows, const float* tx, int num_targets, int 
   ++merge_screen::ThreadStats().exact_blocks;
 }
 
+// Targets packed for one of the screens: exactly one of bf16 (merge_screen::PackTargets) and int16
+// (merge_screen::int16::PackTargets) is set; err is the targets' largest rounding error norm.
+struct ScreenTargets {
+  const uint32_t* bf16 = nullptr;
+  const int16_t* int16 = nullptr;
+  double err = 0;
+};
+
 float RowMax(const float* row, int n) {
   int i = 0;
   float mx = row[0];
@@ -115,26 +124,43 @@ float RowMax(const float* row, int n) {
 // a_j* ≥ V − ε and M ≤ V + ε, so a_j* ≥ M − 2ε: j* is a candidate. Every candidate's v is computed exactly
 // (ExactDots), none exceeds V, and every j < j* has v_j < V; so the first maximum among the candidates, in
 // slot order, is j* with value V.
-void ScreenBlock(const float* q, int rows, const float* t, const uint32_t* tp, double t_err, int num_targets,
-                 int d, int* nearest, float* similarity) {
+//
+// The int16 screen (merge_screen_int16.cc, round 10) is the same argument with a_j = S_j / 2^28, its exact
+// fixed-point product, and the window taken in integers (int16::Slack ≥ 2ε 2^28): its candidates are the
+// j with S_j ≥ max S − Slack, which again include j*.
+void ScreenBlock(const float* q, int rows, const float* t, const ScreenTargets& tp, int num_targets, int d,
+                 int* nearest, float* similarity) {
   thread_local std::vector<uint32_t> qp_buf;
   thread_local std::vector<float> approx_buf, values;
   thread_local std::vector<double> q_err;
   thread_local std::vector<const float*> ca, cb;
   thread_local std::vector<int> crow, cidx;
-  const long ld = merge_screen::PaddedTargets(num_targets);
-  uint32_t* qp = Scratch(qp_buf, static_cast<size_t>(rows) * (d / 2));
-  float* approx = Scratch(approx_buf, static_cast<size_t>(rows) * ld);
+  thread_local std::vector<int16_t> qp16_buf;
+  thread_local std::vector<int64_t> slack;
   double* qe = Scratch(q_err, rows);
-  merge_screen::PackQueries(q, rows, d, qp, qe);
-  merge_screen::ApproxDots(qp, rows, tp, num_targets, d, approx, ld);
   ca.clear(), cb.clear(), crow.clear(), cidx.clear();
-  for (int r = 0; r < rows; ++r) {
+  if (tp.int16 != nullptr) {
+    int16_t* qp = Scratch(qp16_buf, static_cast<size_t>(rows) * d);
+    merge_screen::int16::PackQueries(q, rows, d, qp, qe);
+    int64_t* sl = Scratch(slack, rows);
+    for (int r = 0; r < rows; ++r) sl[r] = merge_screen::int16::Slack(d, qe[r], tp.err);
+    merge_screen::int16::Candidates(qp, rows, tp.int16, num_targets, d, sl, &crow, &cidx);
+    for (size_t i = 0; i < crow.size(); ++i)
+      ca.push_back(q + static_cast<size_t>(crow[i]) * d), cb.push_back(t + static_cast<size_t>(cidx[i]) * d);
+  }
+  const long ld = merge_screen::PaddedTargets(num_targets);
+  uint32_t* qp = tp.bf16 != nullptr ? Scratch(qp_buf, static_cast<size_t>(rows) * (d / 2)) : nullptr;
+  float* approx = tp.bf16 != nullptr ? Scratch(approx_buf, static_cast<size_t>(rows) * ld) : nullptr;
+  if (tp.bf16 != nullptr) {
+    merge_screen::PackQueries(q, rows, d, qp, qe);
+    merge_screen::ApproxDots(qp, rows, tp.bf16, num_targets, d, approx, ld);
+  }
+  for (int r = 0; tp.bf16 != nullptr && r < rows; ++r) {
     const float* row = approx + r * ld;
     // 2ε for this query (its own rounding error, the targets' largest), plus 2^-20 for the rounding of
     // m − window in float (|m| ≤ 1.02: at most 2^-24).
     const float window =
-        static_cast<float>(2 * merge_screen::ErrorBound(d, qe[r], t_err) + std::ldexp(1.0, -20));
+        static_cast<float>(2 * merge_screen::ErrorBound(d, qe[r], tp.err) + std::ldexp(1.0, -20));
     const float threshold = RowMax(row, num_targets) - window;
     const float* qr = q + static_cast<size_t>(r) * d;
     int j = 0;
@@ -278,13 +304,29 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   const bool targets_regular = NormalizeRows(targets, num_targets, d, t);
   // The screen needs dimension pairs, the bound's d ≤ 2^16, regular rows (finite, norm ≤ 1 + 2^-20) and
   // the CPU; everything else is the exact search (ExactBlock), whose values are the same fmaf chains.
-  const bool screen = targets_regular && d % 2 == 0 && d <= (1 << 16) && merge_screen::Enabled();
+  const bool screenable = targets_regular && d % 2 == 0 && d <= (1 << 16);
+  const bool bf16 = screenable && merge_screen::Enabled(), int16 = screenable && merge_screen::Int16Enabled();
+  const bool screen = bf16 || int16;
   bool packed = false, packed_x = false;
-  double t_err = 0;
+  thread_local std::vector<int16_t> tp16_buf, tpb16_buf;
+  // Packs `n` targets `rows` for this call's screen.
+  auto pack_screen = [&](const float* rows, int n, std::vector<uint32_t>& b32, std::vector<int16_t>& b16) {
+    ScreenTargets st;
+    if (bf16) {
+      uint32_t* tp = Scratch(b32, merge_screen::PackedTargetsSize(n, d));
+      st.err = merge_screen::PackTargets(rows, n, d, tp);
+      st.bf16 = tp;
+    } else {
+      int16_t* tp = Scratch(b16, merge_screen::int16::PackedTargetsSize(n, d));
+      st.err = merge_screen::int16::PackTargets(rows, n, d, tp);
+      st.int16 = tp;
+    }
+    return st;
+  };
+  ScreenTargets screen_t, screen_b;
   auto pack = [&] {
     if (packed) return;
-    uint32_t* tp = Scratch(tp_buf, merge_screen::PackedTargetsSize(num_targets, d));
-    t_err = merge_screen::PackTargets(t, num_targets, d, tp);
+    screen_t = pack_screen(t, num_targets, tp_buf, tp16_buf);
     packed = true;
   };
   auto pack_x = [&] {
@@ -357,7 +399,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
     }
   }
   bool packed_b = false, packed_bx = false;
-  double tb_err = 0;
+
   const int nb = src ? static_cast<int>(rest.size()) : 0;
   float* tb = nullptr;
   auto copy_b = [&] {
@@ -379,7 +421,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
     auto search_all = [&](const float* g, int n, int* near, float* sim) {
       if (screened) {
         pack();
-        ScreenBlock(g, n, t, tp_buf.data(), t_err, num_targets, d, near, sim);
+        ScreenBlock(g, n, t, screen_t, num_targets, d, near, sim);
       } else {
         pack_x();
         ExactBlock(g, n, tx_buf.data(), num_targets, d, near, sim);
@@ -389,11 +431,10 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
       copy_b();
       if (screened) {
         if (!packed_b) {
-          uint32_t* tpb = Scratch(tpb_buf, merge_screen::PackedTargetsSize(nb, d));
-          tb_err = merge_screen::PackTargets(tb, nb, d, tpb);
+          screen_b = pack_screen(tb, nb, tpb_buf, tpb16_buf);
           packed_b = true;
         }
-        ScreenBlock(g, n, tb, tpb_buf.data(), tb_err, nb, d, near, sim);
+        ScreenBlock(g, n, tb, screen_b, nb, d, near, sim);
       } else {
         if (!packed_bx) {
           merge_screen::PackExactTargets(tb, nb, d, Scratch(tbx_buf, merge_screen::ExactPackedSize(nb, d)));

@@ -1,5 +1,7 @@
 #include "policies/merge_screen.h"
 
+#include "policies/merge_screen_int16.h"
+
 // GCC 12 warns "may be used uninitialized" inside its own AVX-512 intrinsics (the _mm512_undefined_*
 // pass-through operands of the unmasked forms): a known false positive, silenced for this header only.
 #pragma GCC diagnostic push
@@ -121,6 +123,9 @@ Stats& ThreadStats() {
 
 bool Supported() { return kSupported; }
 bool Enabled() { return kSupported && kEnvAllows && g_test_enabled.load(std::memory_order_relaxed); }
+bool Int16Enabled() {
+  return !kSupported && int16::Supported() && kEnvAllows && g_test_enabled.load(std::memory_order_relaxed);
+}
 void SetEnabledForTesting(bool enabled) { g_test_enabled.store(enabled, std::memory_order_relaxed); }
 
 // The bound. a = q̂ and b = t̂ are rows NearestByCosine normalised (policies/merge.cc NormalizeRows): finite,

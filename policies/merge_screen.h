@@ -19,6 +19,9 @@ namespace kvsim::merge_screen {
 // environment variable KVSIM_MERGE_SCREEN=0 (read once; for A/B measurements of one binary) or by
 // SetEnabledForTesting(false). Without it NearestByCosine uses the exact search (ExactNearest) only.
 bool Enabled();
+// The int16 screen (merge_screen_int16.h; round 10) for CPUs with AVX2 but without AVX512-BF16: true if
+// this CPU has AVX2, not AVX512-BF16 (which gets the bf16 screen), and the same switches are on.
+bool Int16Enabled();
 // Whether the CPU supports the kernel at all (Enabled() also needs the switches on).
 bool Supported();
 // Test hook: forces the fallback (false) or allows the screen again (true; still needs Supported()).

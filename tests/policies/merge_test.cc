@@ -542,10 +542,11 @@ ScreenResult Search(const std::vector<float>& q, int nq, const std::vector<float
   return r;
 }
 
-// Whether NearestByCosine screens here (the CPU has AVX512-BF16 and KVSIM_MERGE_SCREEN is not 0).
+// Whether NearestByCosine screens here (the CPU has AVX512-BF16, or AVX2 for the int16 screen, and
+// KVSIM_MERGE_SCREEN is not 0).
 bool ScreenOn() {
   merge_screen::SetEnabledForTesting(true);
-  return merge_screen::Enabled();
+  return merge_screen::Enabled() || merge_screen::Int16Enabled();
 }
 
 // The screened search, the exact search (screen forced off; the AVX2 kernel where the CPU has it) and the
