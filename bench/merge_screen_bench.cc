@@ -1,18 +1,20 @@
 // Micro-benchmark of NearestByCosine (policies/merge.cc) with and without the bf16 screen (issue 14,
 // round 7): for each shape e x k (evicted queries x kept targets, d = 128, one thread), the CPU time of
 // the exact search (screen off; round 10: the fmaf-chain kernel, sgemm before), of the screened path, of the
-// bare bf16 kernel (merge_screen::ApproxDots) and of one cblas_sgemm of the whole e x k (for reference); the mean number of exact re-checks per query; and whether both
-// paths gave the same slots and values bit for bit. Keys are synthetic (measured: times; modelled: the keys):
-// Gaussian, optionally plus a shared direction (--mean, as real keys have) so that cosines are not centred
-// on 0. Then (round 8) one unit's merge-once compressions at nested budgets 5/10/20/50% of --tokens keys
-// (half random "important" tokens, half a recent window, as the policies keep), without and with the
-// similarity memo (merge_memo): CPU time, screened products and whether the merged slots are the same bits.
-// Usage: kvsim_merge_screen_bench [--shapes 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
+// bare bf16 kernel (merge_screen::ApproxDots) and of one cblas_sgemm of the whole e x k (for reference); the
+// mean number of exact re-checks per query; and whether both paths gave the same slots and values bit for
+// bit. Keys are synthetic (measured: times; modelled: the keys): Gaussian, optionally plus a shared direction
+// (--mean, as real keys have) so that cosines are not centred on 0. Then (round 8) one unit's merge-once
+// compressions at nested budgets 5/10/20/50% of --tokens keys (half random "important" tokens, half a recent
+// window, as the policies keep), without and with the similarity memo (merge_memo): CPU time, screened
+// products and whether the merged slots are the same bits. Usage: kvsim_merge_screen_bench [--shapes
+// 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
 //        [--tokens 3280]
 #include <cblas.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +24,7 @@
 
 #include "policies/merge.h"
 #include "policies/merge_screen.h"
+#include "policies/merge_screen_int16.h"
 #include "sim/attention.h"
 #include "sim/policy.h"
 
@@ -147,13 +150,17 @@ int main(int argc, char** argv) {
   }
   using kvsim::merge_screen::SetEnabledForTesting;
   if (!kvsim::merge_screen::Supported())
-    std::printf("note: no AVX512-BF16 on this CPU: both paths are the exact search\n");
+    std::printf(
+        kvsim::merge_screen::int16::Supported()
+            ? "note: no AVX512-BF16 on this CPU: the screen is the int16 one (AVX2); \"kernel only\" is "
+              "int16::Candidates\n"
+            : "note: no AVX512-BF16 or AVX2 on this CPU: both paths are the exact search\n");
   kvsim::EnsureSingleThreadedBlas();
   constexpr int d = 128;
   std::printf("d = %d, one thread, CPU s (best of %d), keys Gaussian + %.2f x shared direction\n", d, reps,
               mean);
   std::printf("%-11s %10s %10s %7s %10s %10s %8s %9s\n", "e x k", "exact path", "screened", "ratio",
-              "bf16 only", "one sgemm", "cand/q", "identical");
+              "kernel only", "one sgemm", "cand/q", "identical");
   size_t pos = 0;
   while (pos < shapes.size()) {
     const size_t comma = std::min(shapes.find(',', pos), shapes.size());
@@ -190,6 +197,29 @@ int main(int argc, char** argv) {
       bf16_s = Best(reps, [&] {
         kvsim::merge_screen::ApproxDots(qp.data(), e, tp.data(), k, d, out.data(),
                                         kvsim::merge_screen::PaddedTargets(k));
+      });
+    }
+    if (!kvsim::merge_screen::Supported() && kvsim::merge_screen::int16::Supported()) {
+      // The int16 screen's kernel and candidate scan over the whole e x k (rows normalised first).
+      std::vector<float> qn(q), tn(t);
+      for (std::vector<float>* m : {&qn, &tn})
+        for (size_t r = 0; r < m->size() / d; ++r) {
+          double s2 = 0;
+          for (int k2 = 0; k2 < d; ++k2) s2 += static_cast<double>((*m)[r * d + k2]) * (*m)[r * d + k2];
+          const float f = static_cast<float>(1.0 / std::sqrt(s2));
+          for (int k2 = 0; k2 < d; ++k2) (*m)[r * d + k2] *= f;
+        }
+      namespace i16 = kvsim::merge_screen::int16;
+      std::vector<int16_t> qp(static_cast<size_t>(e) * d), tp(i16::PackedTargetsSize(k, d));
+      std::vector<double> rq(e);
+      i16::PackQueries(qn.data(), e, d, qp.data(), rq.data());
+      const double rt = i16::PackTargets(tn.data(), k, d, tp.data());
+      std::vector<int64_t> slack(e);
+      for (int r = 0; r < e; ++r) slack[r] = i16::Slack(d, rq[r], rt);
+      std::vector<int> rows, idx;
+      bf16_s = Best(reps, [&] {
+        rows.clear(), idx.clear();
+        i16::Candidates(qp.data(), e, tp.data(), k, d, slack.data(), &rows, &idx);
       });
     }
     std::vector<float> c(static_cast<size_t>(e) * k);
