@@ -25,6 +25,10 @@ PARTS=${PARTS:-"1 2 3"}
 mkdir -p "$OUT"
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "date: $(date -u +%FT%TZ); commit: $(git rev-parse --short HEAD)"
+# Which kernels can run (the merge screen is bf16 with AVX512-BF16, int16 with AVX2 only; round 10).
+flags=$(grep -m1 '^flags' /proc/cpuinfo)
+has() { [[ " $flags " == *" $1 "* ]] && echo yes || echo no; }
+echo "cpu: family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | xargs) model $(grep -m1 '^model' /proc/cpuinfo | cut -d: -f2 | xargs); avx2 $(has avx2), avx512f $(has avx512f), avx512_bf16 $(has avx512_bf16)"
 if [[ " $PARTS " == *" 1 "* ]]; then
   echo
   echo "## 1. kvsim vs NumPy (same run)"
