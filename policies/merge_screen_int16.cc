@@ -65,7 +65,7 @@ inline double Err2(float x, int16_t q) {
 
 // R query rows x V groups of 8 targets of int32 accumulators, the dimension pairs in order.
 template <int R, int V>
-KVSIM_INT16_TARGET inline __attribute__((always_inline)) void Block(const int32_t* q, int pairs,
+KVSIM_INT16_TARGET inline __attribute__((always_inline)) void Block(const int16_t* q, int pairs,
                                                                     const int32_t* t, int32_t* out, long ld) {
   __m256i acc[R][V];
   for (int r = 0; r < R; ++r)
@@ -76,7 +76,9 @@ KVSIM_INT16_TARGET inline __attribute__((always_inline)) void Block(const int32_
     for (int v = 0; v < V; ++v)
       tv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + v * group + p * 8));
     for (int r = 0; r < R; ++r) {
-      const __m256i qb = _mm256_set1_epi32(q[static_cast<long>(r) * pairs + p]);
+      int32_t word;  // the query's pair p (memcpy: the buffer holds int16)
+      std::memcpy(&word, q + 2 * (static_cast<long>(r) * pairs + p), sizeof word);
+      const __m256i qb = _mm256_set1_epi32(word);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(qb, tv[v]));
     }
   }
@@ -86,7 +88,7 @@ KVSIM_INT16_TARGET inline __attribute__((always_inline)) void Block(const int32_
 }
 
 template <int R>
-KVSIM_INT16_TARGET void Rows(const int32_t* q, int pairs, const int32_t* t, int groups, int32_t* out,
+KVSIM_INT16_TARGET void Rows(const int16_t* q, int pairs, const int32_t* t, int groups, int32_t* out,
                              long ld) {
   const long group = static_cast<long>(pairs) * 8;
   int g = 0;
@@ -98,11 +100,11 @@ KVSIM_INT16_TARGET void Rows(const int32_t* q, int pairs, const int32_t* t, int 
 KVSIM_INT16_TARGET void DotsAvx2(const int16_t* queries, int nq, const int16_t* targets, int nt, int d,
                                  int32_t* out, long ld) {
   const int pairs = d / 2, groups = PaddedTargets(nt) / 8;
-  const int32_t* q = reinterpret_cast<const int32_t*>(queries);
+  const int16_t* q = queries;
   const int32_t* t = reinterpret_cast<const int32_t*>(targets);
   int r = 0;
-  for (; r + 4 <= nq; r += 4) Rows<4>(q + static_cast<long>(r) * pairs, pairs, t, groups, out + r * ld, ld);
-  for (; r < nq; ++r) Rows<1>(q + static_cast<long>(r) * pairs, pairs, t, groups, out + r * ld, ld);
+  for (; r + 4 <= nq; r += 4) Rows<4>(q + static_cast<long>(r) * d, pairs, t, groups, out + r * ld, ld);
+  for (; r < nq; ++r) Rows<1>(q + static_cast<long>(r) * d, pairs, t, groups, out + r * ld, ld);
 }
 
 // The candidates of `rows` (≤ 4) query rows whose products are in buf (row stride ld, padding set to
@@ -170,15 +172,15 @@ KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int
   const int pairs = d / 2, groups = PaddedTargets(nt) / 8;
   const long ld = PaddedTargets(nt);
   if (buf.size() < static_cast<size_t>(4 * ld)) buf.resize(4 * ld);
-  const int32_t* q = reinterpret_cast<const int32_t*>(queries);
+  const int16_t* q = queries;
   const int32_t* t = reinterpret_cast<const int32_t*>(targets);
   for (int r = 0; r < nq; r += 4) {
     const int rows = std::min(4, nq - r);
     if (rows == 4)
-      Rows<4>(q + static_cast<long>(r) * pairs, pairs, t, groups, buf.data(), ld);
+      Rows<4>(q + static_cast<long>(r) * d, pairs, t, groups, buf.data(), ld);
     else
       for (int i = 0; i < rows; ++i)
-        Rows<1>(q + static_cast<long>(r + i) * pairs, pairs, t, groups, buf.data() + i * ld, ld);
+        Rows<1>(q + static_cast<long>(r + i) * d, pairs, t, groups, buf.data() + i * ld, ld);
     for (int i = 0; i < rows; ++i) std::fill(buf.data() + i * ld + nt, buf.data() + (i + 1) * ld, INT32_MIN);
     Collect(buf.data(), ld, rows, r, slack, out_rows, out_idx);
   }
