@@ -92,22 +92,42 @@ KVSIM_INT16_TARGET void Rows(const int16_t* q, int pairs, const int32_t* t, int 
                              long ld) {
   const long group = static_cast<long>(pairs) * 8;
   int g = 0;
-  for (; g + 3 <= groups; g += 3) Block<R, 3>(q, pairs, t + g * group, out + g * 8, ld);
-  if (groups - g == 2) Block<R, 2>(q, pairs, t + g * group, out + g * 8, ld);
-  if (groups - g == 1) Block<R, 1>(q, pairs, t + g * group, out + g * 8, ld);
+  for (; g + 2 <= groups; g += 2) Block<R, 2>(q, pairs, t + g * group, out + g * 8, ld);
+  if (g < groups) Block<R, 1>(q, pairs, t + g * group, out + g * 8, ld);
+}
+
+// Up to kRows query rows (row r at q + r d) against every group: out row r at out + r ld.
+constexpr int kRows = 6;  // 6 rows x 2 groups = 12 accumulators (+ 2 targets + 1 query word: 15 registers)
+KVSIM_INT16_TARGET void RowsN(int rows, const int16_t* q, int d, const int32_t* t, int groups, int32_t* out,
+                              long ld) {
+  const int pairs = d / 2;
+  switch (rows) {
+    case 6:
+      return Rows<6>(q, pairs, t, groups, out, ld);
+    case 5:
+      return Rows<5>(q, pairs, t, groups, out, ld);
+    case 4:
+      return Rows<4>(q, pairs, t, groups, out, ld);
+    case 3:
+      return Rows<3>(q, pairs, t, groups, out, ld);
+    case 2:
+      return Rows<2>(q, pairs, t, groups, out, ld);
+    case 1:
+      return Rows<1>(q, pairs, t, groups, out, ld);
+    default:
+      std::abort();
+  }
 }
 
 KVSIM_INT16_TARGET void DotsAvx2(const int16_t* queries, int nq, const int16_t* targets, int nt, int d,
                                  int32_t* out, long ld) {
-  const int pairs = d / 2, groups = PaddedTargets(nt) / 8;
-  const int16_t* q = queries;
+  const int groups = PaddedTargets(nt) / 8;
   const int32_t* t = reinterpret_cast<const int32_t*>(targets);
-  int r = 0;
-  for (; r + 4 <= nq; r += 4) Rows<4>(q + static_cast<long>(r) * d, pairs, t, groups, out + r * ld, ld);
-  for (; r < nq; ++r) Rows<1>(q + static_cast<long>(r) * d, pairs, t, groups, out + r * ld, ld);
+  for (int r = 0; r < nq; r += kRows)
+    RowsN(std::min(kRows, nq - r), queries + static_cast<long>(r) * d, d, t, groups, out + r * ld, ld);
 }
 
-// The candidates of `rows` (≤ 4) query rows whose products are in buf (row stride ld, padding set to
+// The candidates of `rows` (≤ kRows) query rows whose products are in buf (row stride ld, padding set to
 // INT32_MIN).
 KVSIM_INT16_TARGET void Collect(const int32_t* buf, long ld, int rows, int r0, const int64_t* slack,
                                 std::vector<int>* out_rows, std::vector<int>* out_idx) {
@@ -169,18 +189,13 @@ KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int
                                        const int64_t* slack, std::vector<int>* out_rows,
                                        std::vector<int>* out_idx) {
   thread_local std::vector<int32_t> buf;
-  const int pairs = d / 2, groups = PaddedTargets(nt) / 8;
+  const int groups = PaddedTargets(nt) / 8;
   const long ld = PaddedTargets(nt);
-  if (buf.size() < static_cast<size_t>(4 * ld)) buf.resize(4 * ld);
-  const int16_t* q = queries;
+  if (buf.size() < static_cast<size_t>(kRows * ld)) buf.resize(kRows * ld);
   const int32_t* t = reinterpret_cast<const int32_t*>(targets);
-  for (int r = 0; r < nq; r += 4) {
-    const int rows = std::min(4, nq - r);
-    if (rows == 4)
-      Rows<4>(q + static_cast<long>(r) * d, pairs, t, groups, buf.data(), ld);
-    else
-      for (int i = 0; i < rows; ++i)
-        Rows<1>(q + static_cast<long>(r + i) * d, pairs, t, groups, buf.data() + i * ld, ld);
+  for (int r = 0; r < nq; r += kRows) {
+    const int rows = std::min(kRows, nq - r);
+    RowsN(rows, queries + static_cast<long>(r) * d, d, t, groups, buf.data(), ld);
     for (int i = 0; i < rows; ++i) std::fill(buf.data() + i * ld + nt, buf.data() + (i + 1) * ld, INT32_MIN);
     Collect(buf.data(), ld, rows, r, slack, out_rows, out_idx);
   }

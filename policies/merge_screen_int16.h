@@ -40,8 +40,8 @@ void Dots(const int16_t* queries, int num_queries, const int16_t* targets, int n
 
 // The screen: for each query row r, in row order, the targets j (ascending) whose integer dot product S_rj
 // is at least max_j S_rj − slack[r] (slack[r] ≥ 0; values above 2^30 count as 2^30), appended to `rows`
-// (r) and `idx` (j). Works on four query rows at a time, so their products stay in L1. Requires
-// Supported().
+// (r) and `idx` (j). Works on six query rows at a time, so their products stay near (≤ 6 x targets int32: L1
+// or L2). Requires Supported().
 void Candidates(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
                 const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx);
 

@@ -106,7 +106,7 @@ TEST_CASE("int16 screen: the kernel's products are the exact integer dot product
           "[merge][screen]") {
   if (!i16::Supported()) return;  // no AVX2: NearestByCosine does not use the screen
   for (int d : {2, 4, 6, 14, 64, 126, 128, 256})
-    for (int nq : {1, 2, 3, 4, 5, 7, 9}) {
+    for (int nq : {1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13}) {
       for (int nt : {1, 7, 8, 9, 16, 17, 23, 24, 25, 40, 100}) {
         const std::vector<float> q = UnitRows(nq, d, 100 + d + nq), t = UnitRows(nt, d, 200 + d + nt);
         std::vector<int16_t> qp(static_cast<size_t>(nq) * d), tp(i16::PackedTargetsSize(nt, d));
@@ -180,7 +180,7 @@ TEST_CASE("int16 screen: candidates are the targets within the slack of the row 
           "[merge][screen]") {
   if (!i16::Supported()) return;
   const int d = 32;
-  for (int nq : {1, 3, 4, 5, 9})
+  for (int nq : {1, 3, 4, 5, 6, 7, 9, 12, 13})
     for (int nt : {1, 5, 8, 13, 31, 64}) {
       std::vector<float> q = UnitRows(nq, d, 300 + nq), t = UnitRows(nt, d, 400 + nt);
       // Negative products everywhere for row 0 (targets = −query): padding's zero must not be the maximum.
