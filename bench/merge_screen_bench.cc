@@ -1,13 +1,14 @@
 // Micro-benchmark of NearestByCosine (policies/merge.cc) with and without the bf16 screen (issue 14,
 // round 7): for each shape e x k (evicted queries x kept targets, d = 128, one thread), the CPU time of
 // the exact search (screen off; round 10: the fmaf-chain kernel, sgemm before), of the screened path, of the
-// bare bf16 kernel (merge_screen::ApproxDots) and of one cblas_sgemm of the whole e x k (for reference); the mean number of exact re-checks per query; and whether both
-// paths gave the same slots and values bit for bit. Keys are synthetic (measured: times; modelled: the keys):
-// Gaussian, optionally plus a shared direction (--mean, as real keys have) so that cosines are not centred
-// on 0. Then (round 8) one unit's merge-once compressions at nested budgets 5/10/20/50% of --tokens keys
-// (half random "important" tokens, half a recent window, as the policies keep), without and with the
-// similarity memo (merge_memo): CPU time, screened products and whether the merged slots are the same bits.
-// Usage: kvsim_merge_screen_bench [--shapes 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
+// bare bf16 kernel (merge_screen::ApproxDots) and of one cblas_sgemm of the whole e x k (for reference); the
+// mean number of exact re-checks per query; and whether both paths gave the same slots and values bit for
+// bit. Keys are synthetic (measured: times; modelled: the keys): Gaussian, optionally plus a shared direction
+// (--mean, as real keys have) so that cosines are not centred on 0. Then (round 8) one unit's merge-once
+// compressions at nested budgets 5/10/20/50% of --tokens keys (half random "important" tokens, half a recent
+// window, as the policies keep), without and with the similarity memo (merge_memo): CPU time, screened
+// products and whether the merged slots are the same bits. Usage: kvsim_merge_screen_bench [--shapes
+// 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
 //        [--tokens 3280]
 #include <cblas.h>
 
