@@ -84,6 +84,84 @@ __attribute__((target("avx512f"))) int TakeAboveAvx512(const float* scores, int 
   }
   return m;
 }
+
+// The same scan on AVX2 (a CPU without AVX-512, e.g. Zen 3), 8 scores at a time: the ordered comparisons'
+// masks by movemask, the tail block's lanes past n masked off (maskload reads no memory for them), and the
+// taken indices compressed by a table of the set bits' places (a block's 8-bit mask -> 8 byte offsets).
+const bool kSelectAvx2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}();
+std::atomic<bool> g_select_avx2_allowed{true};
+
+// kSetBits[m]: the places of m's set bits, ascending, one byte each (the rest 0).
+struct SetBitsTable {
+  uint64_t at[256];
+  constexpr SetBitsTable() : at() {
+    for (int m = 0; m < 256; ++m) {
+      uint64_t v = 0;
+      for (int b = 0, c = 0; b < 8; ++b)
+        if (m >> b & 1) v |= static_cast<uint64_t>(b) << (8 * c++);
+      at[m] = v;
+    }
+  }
+};
+constexpr SetBitsTable kSetBits;
+
+__attribute__((target("avx2,popcnt"))) inline __m256 LoadBlock8(const float* p, int left) {
+  if (left >= 8) return _mm256_loadu_ps(p);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane));
+}
+
+__attribute__((target("avx2,popcnt"))) int CountAboveAvx2(const float* scores, int n, float tau) {
+  const __m256 t = _mm256_set1_ps(tau);
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();  // per lane: minus the count
+  int b = 0;
+  for (; b + 16 <= n; b += 16) {
+    acc0 = _mm256_add_epi32(acc0,
+                            _mm256_castps_si256(_mm256_cmp_ps(_mm256_loadu_ps(scores + b), t, _CMP_GT_OQ)));
+    acc1 = _mm256_add_epi32(
+        acc1, _mm256_castps_si256(_mm256_cmp_ps(_mm256_loadu_ps(scores + b + 8), t, _CMP_GT_OQ)));
+  }
+  int above = 0;
+  for (; b < n; b += 8) {  // the last 1 .. 15 scores
+    const unsigned in = n - b >= 8 ? 0xFFu : (1u << (n - b)) - 1;
+    above += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(
+                                    _mm256_cmp_ps(LoadBlock8(scores + b, n - b), t, _CMP_GT_OQ))) &
+                                in);
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(acc0, acc1));
+  for (int l = 0; l < 8; ++l) above -= lanes[l];
+  return above;
+}
+
+__attribute__((target("avx2,popcnt"))) int TakeAboveAvx2(const float* scores, int n, float tau, int ties, int most,
+                                                  int32_t* idx) {
+  const __m256 t = _mm256_set1_ps(tau);
+  int m = 0;
+  for (int b = 0; b < n && m < most; b += 8) {
+    const unsigned in = n - b >= 8 ? 0xFFu : (1u << (n - b)) - 1;
+    const __m256 s = LoadBlock8(scores + b, n - b);
+    const unsigned gt = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(s, t, _CMP_GT_OQ))) & in;
+    unsigned eq = 0;
+    if (ties > 0) {
+      eq = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(s, t, _CMP_EQ_OQ))) & in;
+      int c = __builtin_popcount(eq);
+      while (c > ties) {  // keep the lowest `ties` equal scores: drop the highest until that many are left
+        eq &= ~(1u << (31 - __builtin_clz(eq)));
+        --c;
+      }
+      ties -= c;
+    }
+    const unsigned take = gt | eq;
+    const __m256i at = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kSetBits.at[take])));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + m), _mm256_add_epi32(_mm256_set1_epi32(b), at));
+    m += __builtin_popcount(take);
+  }
+  return m;
+}
 #endif
 
 }  // namespace
@@ -91,6 +169,14 @@ __attribute__((target("avx512f"))) int TakeAboveAvx512(const float* scores, int 
 void SetSelectAvx512ForTesting(bool allowed) {
 #ifdef KVSIM_SELECT_AVX512
   g_select_avx512_allowed.store(allowed, std::memory_order_relaxed);
+#else
+  (void)allowed;
+#endif
+}
+
+void SetSelectAvx2ForTesting(bool allowed) {
+#ifdef KVSIM_SELECT_AVX512
+  g_select_avx2_allowed.store(allowed, std::memory_order_relaxed);
 #else
   (void)allowed;
 #endif
@@ -106,6 +192,12 @@ std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int
     const int above = CountAboveAvx512(scores.data(), n, tau), most = std::max(k, above);
     std::vector<int32_t> idx(static_cast<size_t>(most) + 16);
     idx.resize(static_cast<size_t>(TakeAboveAvx512(scores.data(), n, tau, k - above, most, idx.data())));
+    return idx;
+  }
+  if (kSelectAvx2 && g_select_avx2_allowed.load(std::memory_order_relaxed)) {
+    const int above = CountAboveAvx2(scores.data(), n, tau), most = std::max(k, above);
+    std::vector<int32_t> idx(static_cast<size_t>(most) + 8);
+    idx.resize(static_cast<size_t>(TakeAboveAvx2(scores.data(), n, tau, k - above, most, idx.data())));
     return idx;
   }
 #endif

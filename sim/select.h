@@ -16,6 +16,8 @@ std::vector<int32_t> TopKIndices(std::span<const float> scores, int k);
 std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int k, float kth);
 // Tests only: false makes TopKIndicesWithThreshold take its portable scan on a CPU with AVX-512 too.
 void SetSelectAvx512ForTesting(bool allowed);
+// Tests only: false makes it skip its AVX2 scan too (taken on a CPU with AVX2 but not AVX-512).
+void SetSelectAvx2ForTesting(bool allowed);
 
 // Sorts non-negative values in descending order into `out` (radix sort, O(n)); `out` is resized.
 void SortDescendingNonNegative(std::span<const float> values, std::vector<float>* out);

@@ -421,15 +421,16 @@ TEST_CASE("TopKIndicesWithThreshold equals the plain two-branch scan, for any th
   }
 }
 
-TEST_CASE("TopKIndicesWithThreshold: the AVX-512 scan and the portable scan agree index for index",
+TEST_CASE("TopKIndicesWithThreshold: the AVX-512, AVX2 and portable scans agree index for index",
           "[select]") {
-  // Every tail length (n % 16), ties split across blocks, NaN (neither above nor equal), -0 equal to +0, and
-  // thresholds at, above and below the k-th largest; each path also against the two-branch reference.
+  // Every tail length (n % 16 and n % 8), ties split across blocks, NaN (neither above nor equal), -0 equal
+  // to +0, and thresholds at, above and below the k-th largest; each path also against the two-branch
+  // reference. On a CPU without AVX-512 (or AVX2) the fast paths fall back to the next one.
   std::mt19937 rng(29);
   std::uniform_int_distribution<int> level(0, 5);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   int compared = 0;
-  for (int n = 1; n <= 70; ++n) {
+  for (int n = 1; n <= 70; ++n) {  // every tail length of 16- and 8-blocks, and 1 .. 4 whole blocks
     for (int trial = 0; trial < 3; ++trial) {
       std::vector<float> s(n);
       for (float& x : s) {
@@ -448,10 +449,14 @@ TEST_CASE("TopKIndicesWithThreshold: the AVX-512 scan and the portable scan agre
           INFO("n " << n << " k " << k << " tau " << tau);
           const std::vector<int32_t> want = TwoBranchTopK(s, kk, tau);
           SetSelectAvx512ForTesting(false);
+          SetSelectAvx2ForTesting(false);
           const std::vector<int32_t> portable = TopKIndicesWithThreshold(s, k, tau);
+          SetSelectAvx2ForTesting(true);
+          const std::vector<int32_t> avx2 = TopKIndicesWithThreshold(s, k, tau);
           SetSelectAvx512ForTesting(true);
           const std::vector<int32_t> fast = TopKIndicesWithThreshold(s, k, tau);
           CHECK(portable == want);
+          CHECK(avx2 == want);
           CHECK(fast == want);
           ++compared;
         }
