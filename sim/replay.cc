@@ -1467,30 +1467,46 @@ class LayerPass {
       for (int32_t tok : ws.used) ws.col[tok] = -1;
     }
     RunAccum& a = acc_[r];
+    for (size_t gt = 0; gt < rows; ++gt)
+      if (ws.has_extra[gt % steps]) {
+        float* out = ws.out.data() + gt * d;
+        const float* ex = &ws.extra[gt * d];
+        for (int k = 0; k < d; ++k) out[k] += ex[k];
+      }
+    // ô = out / wsum; relative error against the full output. Four rows at a time: each row's two sums
+    // are still added over k in order, but the eight chains are independent (one row's serial chains kept
+    // the core waiting on the adder).
+    constexpr int kRows = 4;
     for (int g = 0; g < group; ++g) {
       const int qh = u * group + g;
-      for (int t = 0; t < steps; ++t) {
-        const size_t gt = static_cast<size_t>(g) * steps + t;
-        float* out = ws.out.data() + gt * d;
-        if (ws.has_extra[t]) {
-          const float* ex = &ws.extra[gt * d];
-          for (int k = 0; k < d; ++k) out[k] += ex[k];
+      for (int t0 = 0; t0 < steps; t0 += kRows) {
+        const int nb = std::min(kRows, steps - t0);
+        const float* out[kRows];
+        const float* o[kRows];
+        double inv[kRows], diff2[kRows] = {}, o2[kRows] = {};
+        for (int b = 0; b < kRows; ++b) {
+          const int t = t0 + std::min(b, nb - 1);  // a short last block repeats its last row (unused)
+          const size_t gt = static_cast<size_t>(g) * steps + t;
+          out[b] = ws.out.data() + gt * d;
+          o[b] = w.refs[g].out(t);
+          inv[b] = ws.wsum[gt] > 0 ? 1.0 / ws.wsum[gt] : 0.0;
         }
-        // ô = out / wsum; relative error against the full output.
-        const float* o = w.refs[g].out(t);
-        double diff2 = 0, o2 = 0;
-        const double inv = ws.wsum[gt] > 0 ? 1.0 / ws.wsum[gt] : 0.0;
-        for (int k = 0; k < d; ++k) {
-          const double dk = out[k] * inv - o[k];
-          diff2 += dk * dk;
-          o2 += static_cast<double>(o[k]) * o[k];
-        }
-        const double diff = std::sqrt(diff2);
-        a.err[Sample(qh, t)] = static_cast<float>(o2 > 0 ? diff / std::sqrt(o2) : diff);
-        if (ws.checked[t]) {
-          const double bound = 2.0 * std::max(0.0, 1.0 - ws.retained[gt]) * w.max_vnorm[t];
-          ++a.bound_checks[UnitIndex(u)];
-          if (diff > bound + 1e-4 * w.max_vnorm[t] + 1e-6) ++a.bound_viol[UnitIndex(u)];
+        for (int k = 0; k < d; ++k)
+          for (int b = 0; b < kRows; ++b) {
+            const double dk = out[b][k] * inv[b] - o[b][k];
+            diff2[b] += dk * dk;
+            o2[b] += static_cast<double>(o[b][k]) * o[b][k];
+          }
+        for (int b = 0; b < nb; ++b) {
+          const int t = t0 + b;
+          const size_t gt = static_cast<size_t>(g) * steps + t;
+          const double diff = std::sqrt(diff2[b]);
+          a.err[Sample(qh, t)] = static_cast<float>(o2[b] > 0 ? diff / std::sqrt(o2[b]) : diff);
+          if (ws.checked[t]) {
+            const double bound = 2.0 * std::max(0.0, 1.0 - ws.retained[gt]) * w.max_vnorm[t];
+            ++a.bound_checks[UnitIndex(u)];
+            if (diff > bound + 1e-4 * w.max_vnorm[t] + 1e-6) ++a.bound_viol[UnitIndex(u)];
+          }
         }
       }
     }
