@@ -9,7 +9,10 @@
 //    from the fmaf chain, and candidates re-checked with ExactDots. NearestByCosine (policies/merge.cc) uses
 //    it where the CPU has AVX512-BF16 to find the same slot and similarity as the exact search, bit for
 //    bit, with about half the multiply-adds; the proof is there and in docs/performance.md ("Round 7: merge
-//    similarities screened in bf16"). Exposed for tests and bench/.
+//    similarities screened in bf16").
+//  - The int16 screen (round 10; merge_screen_int16.h): the same with 15-bit fixed point summed exactly by
+//    AVX2 `vpmaddwd`, where the CPU has AVX2 but not AVX512-BF16 (Int16Enabled below).
+// Exposed for tests and bench/.
 
 #include <cstdint>
 
