@@ -824,6 +824,19 @@ class LayerPass {
     }
     c.rewrites = cache.rewrites();
     c.appends = cache.appends();
+    // A rewritten cache of plain slots in ascending token order (what Assign gets from a top-k selection,
+    // e.g. oracle's at every step) holds each token once: one branch-free pass over the tokens instead of
+    // the markers' scattered writes. Anything else (merged slots, another order, a token out of range) takes
+    // the full check below, which names the fault.
+    const std::span<const int32_t> toks = cache.tokens();
+    if (!cache.has_merges() && !toks.empty() && toks.front() >= 0 && toks.back() <= last_token) {
+      bool descent = false;
+      for (size_t i = 1; i < toks.size(); ++i) descent |= toks[i] <= toks[i - 1];
+      if (!descent) {
+        c.max_token = std::max(c.max_token, toks.back());
+        return;
+      }
+    }
     for (int s = 0; s < cache.size(); ++s) {
       c.max_token = std::max(c.max_token, cache.token(s));
       if (cache.is_merged(s))

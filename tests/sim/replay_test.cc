@@ -181,7 +181,9 @@ class MergePolicy final : public Policy {
 class ActPolicy final : public Policy {
  public:
   using Act = std::function<void(int step, HeadCache* cache)>;
-  explicit ActPolicy(Act act, PolicyRequirements req = {}) : act_(std::move(act)), req_(req) {}
+  // append_new: whether the engine appends each step's own token after the hook (HeadPolicy::AppendNewToken).
+  explicit ActPolicy(Act act, PolicyRequirements req = {}, bool append_new = true)
+      : act_(std::move(act)), req_(req), append_new_(append_new) {}
   std::string name() const override { return "act"; }
   std::string ParamsText() const override { return ""; }
   PolicyRequirements requirements() const override { return req_; }
@@ -189,21 +191,24 @@ class ActPolicy final : public Policy {
   std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
     class Head final : public HeadPolicy {
      public:
-      explicit Head(const Act& act) : act_(act) {}
+      Head(const Act& act, bool append_new) : act_(act), append_new_(append_new) {}
       void OnPrefill(const HeadContext&, int, HeadCache*) override {}
       void BeforeStep(const HeadContext&, const StepAttention& att, int, HeadCache* cache) override {
         act_(att.step, cache);
       }
+      bool AppendNewToken() const override { return append_new_; }
 
      private:
       const Act& act_;
+      bool append_new_;
     };
-    return std::make_unique<Head>(act_);
+    return std::make_unique<Head>(act_, append_new_);
   }
 
  private:
   Act act_;
   PolicyRequirements req_;
+  bool append_new_;
 };
 
 RunSpec Spec(std::shared_ptr<const Policy> p, int budget_tokens,
@@ -1752,6 +1757,50 @@ TEST_CASE("replay: the cache check catches broken caches after evictions (checke
   REQUIRE(res.ok());
   // Step 0: {1, 2, 3, 4}; step 1: {2, 3, 4, 0, 5}.
   CHECK((*res)[0].timeline((*res)[0].timeline_size() - 1).kv_tokens() == 5);
+}
+
+// The engine's check of a rewritten cache (Assign): a plain cache in ascending token order takes a quick
+// pass (ascending and in range), everything else the full check. Both must catch a token held twice (also
+// the engine's own append of the current token when the policy kept it already), a token from the future
+// and a negative one, and let any legal set through, in whatever order.
+TEST_CASE("replay: the cache check of a rewritten cache (checked in a child process)", "[replay]") {
+  MemoryTrace tr = MakeHandTrace();
+  auto aborts = [&tr](std::vector<int32_t> set, bool append_new = true) {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::freopen("/dev/null", "w", stderr);
+      ::freopen("/dev/null", "w", stdout);
+      std::vector<RunSpec> runs{Spec(std::make_shared<ActPolicy>(
+                                         [set](int step, HeadCache* c) {
+                                           if (step == 1) c->Assign(set);
+                                         },
+                                         PolicyRequirements{}, append_new),
+                                     4)};
+      (void)Replay(tr, runs, Options());
+      ::_exit(0);
+    }
+    int wstatus = 0;
+    REQUIRE(::waitpid(pid, &wstatus, 0) == pid);
+    return WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGABRT;
+  };
+  // Step 1 is position 5; the engine appends token 5 after the policy's step hook.
+  CHECK(aborts({0, 2, 2}));   // ascending with a repeat
+  CHECK(aborts({0, 1, 5}));   // the current token kept: the engine's append holds it twice
+  CHECK(aborts({0, 1, 9}));   // ascending, from the future
+  CHECK(aborts({-1, 0, 1}));  // ascending, negative
+  CHECK(aborts({3, 1, 3}));   // another order, a repeat
+  CHECK(aborts({3, 9, 1}));   // another order, from the future
+  // Without the engine's append the set is checked as the policy left it.
+  CHECK(aborts({0, 1, 6}, false));   // ascending, from the future (the last token)
+  CHECK(aborts({0, 3, 3}, false));   // ascending with a repeat at the end
+  CHECK(aborts({-2, 3, 4}, false));  // ascending, negative
+  CHECK_FALSE(aborts({0, 1, 5}, false));
+  CHECK_FALSE(aborts({5, 1, 0}, false));
+  CHECK_FALSE(aborts({0, 2, 3}));
+  CHECK_FALSE(aborts({3, 0, 1}));
+  CHECK_FALSE(aborts({4}));
+  CHECK_FALSE(aborts({}));
 }
 
 // A cache that only grows through step 0 and then loses a token: the engine's compact output product
