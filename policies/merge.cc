@@ -9,6 +9,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -128,8 +129,18 @@ float RowMax(const float* row, int n) {
 // The int16 screen (merge_screen_int16.cc, round 10) is the same argument with a_j = S_j / 2^28, its exact
 // fixed-point product, and the window taken in integers (int16::Slack ≥ 2ε 2^28): its candidates are the
 // j with S_j ≥ max S − Slack, which again include j*.
+// The rows of an int16 screened block read where they are (the unit's keys, UnitKeys): query row r's
+// PackQueries words and error norm, already computed, and the normalised query and target rows (read only
+// for the candidates' exact values). ScreenBlock's q and t are then not read.
+struct InPlace {
+  const int16_t* const* words = nullptr;
+  const double* err = nullptr;
+  const float* const* qrows = nullptr;
+  const float* const* trows = nullptr;
+};
+
 void ScreenBlock(const float* q, int rows, const float* t, const ScreenTargets& tp, int num_targets, int d,
-                 int* nearest, float* similarity) {
+                 int* nearest, float* similarity, const InPlace* in_place = nullptr) {
   thread_local std::vector<uint32_t> qp_buf;
   thread_local std::vector<float> approx_buf, values;
   thread_local std::vector<double> q_err;
@@ -141,12 +152,25 @@ void ScreenBlock(const float* q, int rows, const float* t, const ScreenTargets& 
   ca.clear(), cb.clear(), crow.clear(), cidx.clear();
   if (tp.int16 != nullptr) {
     int16_t* qp = Scratch(qp16_buf, static_cast<size_t>(rows) * d);
-    merge_screen::int16::PackQueries(q, rows, d, qp, qe);
+    if (in_place != nullptr) {
+      for (int r = 0; r < rows; ++r) {
+        std::memcpy(qp + static_cast<size_t>(r) * d, in_place->words[r], d * sizeof(int16_t));
+        qe[r] = in_place->err[r];
+      }
+    } else {
+      merge_screen::int16::PackQueries(q, rows, d, qp, qe);
+    }
     int64_t* sl = Scratch(slack, rows);
     for (int r = 0; r < rows; ++r) sl[r] = merge_screen::int16::Slack(d, qe[r], tp.err);
     merge_screen::int16::Candidates(qp, rows, tp.int16, num_targets, d, sl, &crow, &cidx);
-    for (size_t i = 0; i < crow.size(); ++i)
-      ca.push_back(q + static_cast<size_t>(crow[i]) * d), cb.push_back(t + static_cast<size_t>(cidx[i]) * d);
+    for (size_t i = 0; i < crow.size(); ++i) {
+      if (in_place != nullptr) {
+        ca.push_back(in_place->qrows[crow[i]]), cb.push_back(in_place->trows[cidx[i]]);
+      } else {
+        ca.push_back(q + static_cast<size_t>(crow[i]) * d),
+            cb.push_back(t + static_cast<size_t>(cidx[i]) * d);
+      }
+    }
   }
   const long ld = merge_screen::PaddedTargets(num_targets);
   uint32_t* qp = tp.bf16 != nullptr ? Scratch(qp_buf, static_cast<size_t>(rows) * (d / 2)) : nullptr;
@@ -219,11 +243,63 @@ struct MemoEntry {
   std::vector<float> value;      // by query token: its similarity
 };
 
+// The unit's keys normalised once (NormalizeRows: each row alone, so the same bits as a call's own
+// normalisation) and, where the int16 screen can run, packed once (PackQueries' words and error norms, row
+// by row as well): the merge-once calls of a unit's runs gather their rows from here instead of normalising
+// and packing every query and target again in each call (issue 14, round 11).
+struct UnitKeys {
+  const float* keys = nullptr;  // the unit's key buffer
+  int n = 0, d = 0;             // its rows, their dimension
+  std::vector<float> rows;      // n x d, normalised
+  std::vector<char> regular;    // per row: ScaleRow's regularity
+  std::vector<int16_t> packed;  // n x d int16 words (regular rows; zero otherwise), or empty
+  std::vector<double> err;      // per row: the packed row's error norm
+  const float* row(int32_t tok) const { return rows.data() + static_cast<size_t>(tok) * d; }
+  const int16_t* words(int32_t tok) const { return packed.data() + static_cast<size_t>(tok) * d; }
+
+  void Build(const float* k, int num_rows, int dim) {
+    keys = k, n = num_rows, d = dim;
+    rows.resize(static_cast<size_t>(n) * d);
+    regular.assign(n, 1);
+    std::vector<const float*> src(n);
+    for (int r = 0; r < n; ++r) src[r] = keys + static_cast<size_t>(r) * d;
+    // Eight rows per call (NormalizeRows' interleave); a block with an irregular row is redone row by row
+    // for the flags (the same values).
+    for (int r = 0; r < n; r += 8) {
+      const int m = std::min(8, n - r);
+      if (NormalizeRows(src.data() + r, m, d, rows.data() + static_cast<size_t>(r) * d)) continue;
+      for (int i = r; i < r + m; ++i)
+        regular[i] = NormalizeRows(src.data() + i, 1, d, rows.data() + static_cast<size_t>(i) * d);
+    }
+    if (!merge_screen::int16::Supported() || d % 2 != 0) return;
+    packed.assign(static_cast<size_t>(n) * d, 0);
+    err.assign(n, 0.0);
+    // Runs of regular rows at a time (PackQueries needs finite, normalised rows).
+    for (int r = 0; r < n;) {
+      if (!regular[r]) {
+        ++r;
+        continue;
+      }
+      int e = r;
+      while (e < n && regular[e]) ++e;
+      merge_screen::int16::PackQueries(row(r), e - r, d, packed.data() + static_cast<size_t>(r) * d,
+                                       err.data() + r);
+      r = e;
+    }
+  }
+};
+
 // The memo of one unit (UnitShared::merge): at most merge_memo::kMaxEntries answer sets, the least recently
 // used replaced first. Runs of a unit may use it concurrently; entries are shared immutable objects, so a
 // call reads its source entry without holding the lock.
 class SimilarityMemo final : public UnitShared::State {
  public:
+  // The unit's normalised (and packed) keys, built by the first call (the unit's other calls wait for it,
+  // then read it without a lock); null when a call's key buffer or shape is not the one it was built for.
+  const UnitKeys* Keys(const float* keys, int n, int d) {
+    std::call_once(keys_once_, [&] { keys_.Build(keys, n, d); });
+    return keys_.keys == keys && keys_.n == n && keys_.d == d ? &keys_ : nullptr;
+  }
   int size() {
     std::lock_guard lock(mu_);
     return static_cast<int>(entries_.size());
@@ -253,6 +329,8 @@ class SimilarityMemo final : public UnitShared::State {
   std::vector<std::shared_ptr<const MemoEntry>> entries_;
   std::vector<uint64_t> stamp_;
   uint64_t clock_ = 0;
+  std::once_flag keys_once_;
+  UnitKeys keys_;
 };
 
 SimilarityMemo* MemoOf(UnitShared* shared) {
@@ -266,6 +344,7 @@ SimilarityMemo* MemoOf(UnitShared* shared) {
 struct MemoCall {
   SimilarityMemo* memo;
   const float* keys;
+  int rows;  // rows of `keys` (every token of the trace)
   std::span<const int32_t> queries, targets;
 };
 
@@ -301,16 +380,43 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   constexpr int kBlock = 256;  // query rows per block (the screen's approximate values: 256 x num_targets)
   float* t = Scratch(t_buf, static_cast<size_t>(num_targets) * d);
   float* q = Scratch(q_buf, static_cast<size_t>(kBlock) * d);
-  const bool targets_regular = NormalizeRows(targets, num_targets, d, t);
+  // A memo call's rows come from the unit's keys, normalised (and packed) once for all its calls: the same
+  // values as NormalizeRows here.
+  const UnitKeys* uk = mc != nullptr ? mc->memo->Keys(mc->keys, mc->rows, d) : nullptr;
+  bool targets_regular = true;
+  if (uk != nullptr) {
+    for (int s = 0; s < num_targets; ++s) targets_regular &= uk->regular[mc->targets[s]] != 0;
+  } else {
+    targets_regular = NormalizeRows(targets, num_targets, d, t);
+  }
   // The screen needs dimension pairs, the bound's d ≤ 2^16, regular rows (finite, norm ≤ 1 + 2^-20) and
   // the CPU; everything else is the exact search (ExactBlock), whose values are the same fmaf chains.
   const bool screenable = targets_regular && d % 2 == 0 && d <= (1 << 16);
   const bool bf16 = screenable && merge_screen::Enabled(), int16 = screenable && merge_screen::Int16Enabled();
   const bool screen = bf16 || int16;
+  // With the unit's int16 words (packed there: every regular row is) the screen reads the rows in place
+  // (InPlace); rows are copied only for the exact search (fill_t, contiguous).
+  const bool prepacked = int16 && uk != nullptr && !uk->packed.empty();
+  thread_local std::vector<const float*> trow, brow, qrow, qsub;
+  bool t_filled = uk == nullptr;
+  if (prepacked) {
+    trow.resize(num_targets);
+    for (int s = 0; s < num_targets; ++s) trow[s] = uk->row(mc->targets[s]);
+  }
+  auto fill_t = [&] {
+    if (t_filled) return;
+    for (int s = 0; s < num_targets; ++s)
+      std::copy_n(uk->row(mc->targets[s]), d, t + static_cast<size_t>(s) * d);
+    t_filled = true;
+  };
+  if (!prepacked) fill_t();
   bool packed = false, packed_x = false;
   thread_local std::vector<int16_t> tp16_buf, tpb16_buf;
-  // Packs `n` targets `rows` for this call's screen.
-  auto pack_screen = [&](const float* rows, int n, std::vector<uint32_t>& b32, std::vector<int16_t>& b16) {
+  thread_local std::vector<const int16_t*> words, qwords;
+  thread_local std::vector<double> word_err, qerr;
+  // Packs `n` targets `rows` for this call's screen; slot(i) is target row i's slot (for prepacked words).
+  auto pack_screen = [&](const float* rows, int n, std::vector<uint32_t>& b32, std::vector<int16_t>& b16,
+                         auto slot) {
     ScreenTargets st;
     if (bf16) {
       uint32_t* tp = Scratch(b32, merge_screen::PackedTargetsSize(n, d));
@@ -318,7 +424,16 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
       st.bf16 = tp;
     } else {
       int16_t* tp = Scratch(b16, merge_screen::int16::PackedTargetsSize(n, d));
-      st.err = merge_screen::int16::PackTargets(rows, n, d, tp);
+      if (prepacked) {
+        words.resize(n), word_err.resize(n);
+        for (int i = 0; i < n; ++i) {
+          const int32_t tok = mc->targets[slot(i)];
+          words[i] = uk->words(tok), word_err[i] = uk->err[tok];
+        }
+        st.err = merge_screen::int16::SpreadTargets(words.data(), word_err.data(), n, d, tp);
+      } else {
+        st.err = merge_screen::int16::PackTargets(rows, n, d, tp);
+      }
       st.int16 = tp;
     }
     return st;
@@ -326,11 +441,12 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   ScreenTargets screen_t, screen_b;
   auto pack = [&] {
     if (packed) return;
-    screen_t = pack_screen(t, num_targets, tp_buf, tp16_buf);
+    screen_t = pack_screen(t, num_targets, tp_buf, tp16_buf, [](int i) { return i; });
     packed = true;
   };
   auto pack_x = [&] {
     if (packed_x) return;
+    fill_t();
     merge_screen::PackExactTargets(t, num_targets, d,
                                    Scratch(tx_buf, merge_screen::ExactPackedSize(num_targets, d)));
     packed_x = true;
@@ -402,49 +518,99 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
 
   const int nb = src ? static_cast<int>(rest.size()) : 0;
   float* tb = nullptr;
-  auto copy_b = [&] {
+  auto copy_b = [&] {  // B's rows, contiguous
     if (tb != nullptr) return;
     tb = Scratch(tb_buf, static_cast<size_t>(nb) * d);
     for (int i = 0; i < nb; ++i)
-      std::copy_n(t + static_cast<size_t>(rest[i]) * d, d, tb + static_cast<size_t>(i) * d);
+      std::copy_n(prepacked ? trow[rest[i]] : t + static_cast<size_t>(rest[i]) * d, d,
+                  tb + static_cast<size_t>(i) * d);
   };
+  if (prepacked) {
+    brow.resize(nb);
+    for (int i = 0; i < nb; ++i) brow[i] = trow[rest[i]];
+  }
   thread_local std::vector<char> answered;  // by query: searched with regular rows (storable)
   if (use_memo) answered.assign(num_queries, 0);
   for (int b = 0; b < num_queries; b += kBlock) {
     const int rows = std::min(kBlock, num_queries - b);
-    const bool queries_regular = NormalizeRows(queries + b, rows, d, q);
+    bool queries_regular = true;
+    if (uk != nullptr) {
+      if (prepacked) qrow.resize(rows);
+      for (int r = 0; r < rows; ++r) {
+        const int32_t tok = mc->queries[b + r];
+        if (prepacked) {
+          qrow[r] = uk->row(tok);
+        } else {
+          std::copy_n(uk->row(tok), d, q + static_cast<size_t>(r) * d);
+        }
+        queries_regular &= uk->regular[tok] != 0;
+      }
+    } else {
+      queries_regular = NormalizeRows(queries + b, rows, d, q);
+    }
     // This block's search path: the screen (large enough, regular) or the exact search. Both return the
     // first maximum of the fmaf chains, for any query rows and any target subset; only the cost differs.
     const bool screened =
         screen && queries_regular && static_cast<long>(rows) * num_targets * d >= kMinScreenedWork;
-    // g's `n` rows against every target / against B = K \ A.
-    auto search_all = [&](const float* g, int n, int* near, float* sim) {
+    // The block's rows `sub` (null: all `n`, in order): contiguous (q itself, or copied), or in place.
+    auto contiguous = [&](const int* sub, int n) -> const float* {
+      if (sub == nullptr && !prepacked) return q;
+      float* g = Scratch(qg_buf, static_cast<size_t>(n) * d);
+      for (int i = 0; i < n; ++i) {
+        const int r = sub != nullptr ? sub[i] : i;
+        std::copy_n(prepacked ? qrow[r] : q + static_cast<size_t>(r) * d, d, g + static_cast<size_t>(i) * d);
+      }
+      return g;
+    };
+    InPlace ip;
+    auto in_place = [&](const int* sub, int n, const float* const* target_rows) {
+      qwords.resize(n), qerr.resize(n), qsub.resize(n);
+      for (int i = 0; i < n; ++i) {
+        const int r = sub != nullptr ? sub[i] : i;
+        const int32_t tok = mc->queries[b + r];
+        qwords[i] = uk->words(tok), qerr[i] = uk->err[tok], qsub[i] = qrow[r];
+      }
+      ip = InPlace{qwords.data(), qerr.data(), qsub.data(), target_rows};
+      return &ip;
+    };
+    // The block's rows `sub` against every target / against B = K \ A.
+    auto search_all = [&](const int* sub, int n, int* near, float* sim) {
       if (screened) {
         pack();
-        ScreenBlock(g, n, t, screen_t, num_targets, d, near, sim);
+        if (prepacked) {
+          ScreenBlock(nullptr, n, nullptr, screen_t, num_targets, d, near, sim,
+                      in_place(sub, n, trow.data()));
+        } else {
+          ScreenBlock(contiguous(sub, n), n, t, screen_t, num_targets, d, near, sim);
+        }
       } else {
         pack_x();
-        ExactBlock(g, n, tx_buf.data(), num_targets, d, near, sim);
+        ExactBlock(contiguous(sub, n), n, tx_buf.data(), num_targets, d, near, sim);
       }
     };
-    auto search_rest = [&](const float* g, int n, int* near, float* sim) {
-      copy_b();
+    auto search_rest = [&](const int* sub, int n, int* near, float* sim) {
       if (screened) {
+        if (!prepacked) copy_b();
         if (!packed_b) {
-          screen_b = pack_screen(tb, nb, tpb_buf, tpb16_buf);
+          screen_b = pack_screen(tb, nb, tpb_buf, tpb16_buf, [&](int i) { return rest[i]; });
           packed_b = true;
         }
-        ScreenBlock(g, n, tb, screen_b, nb, d, near, sim);
+        if (prepacked) {
+          ScreenBlock(nullptr, n, nullptr, screen_b, nb, d, near, sim, in_place(sub, n, brow.data()));
+        } else {
+          ScreenBlock(contiguous(sub, n), n, tb, screen_b, nb, d, near, sim);
+        }
       } else {
+        copy_b();
         if (!packed_bx) {
           merge_screen::PackExactTargets(tb, nb, d, Scratch(tbx_buf, merge_screen::ExactPackedSize(nb, d)));
           packed_bx = true;
         }
-        ExactBlock(g, n, tbx_buf.data(), nb, d, near, sim);
+        ExactBlock(contiguous(sub, n), n, tbx_buf.data(), nb, d, near, sim);
       }
     };
     if (!use_memo || !queries_regular) {  // today's search
-      search_all(q, rows, nearest->data() + b, similarity->data() + b);
+      search_all(nullptr, rows, nearest->data() + b, similarity->data() + b);
       continue;
     }
     std::fill(answered.begin() + b, answered.begin() + b + rows, 1);
@@ -456,21 +622,14 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
           .push_back(r);
     }
     if (rows_hit.empty()) {  // every row over every target
-      search_all(q, rows, nearest->data() + b, similarity->data() + b);
+      search_all(nullptr, rows, nearest->data() + b, similarity->data() + b);
       stats.memo_products += static_cast<long>(rows) * num_targets;
       continue;
     }
-    auto gather = [&](const std::vector<int>& rs) {
-      float* g = Scratch(qg_buf, rs.size() * d);
-      for (size_t i = 0; i < rs.size(); ++i) std::copy_n(q + static_cast<size_t>(rs[i]) * d, d, g + i * d);
-      nearg.resize(rs.size());
-      simg.resize(rs.size());
-      return g;
-    };
     // Rows without a stored answer: over every target.
     if (!rows_miss.empty()) {
-      const float* g = gather(rows_miss);
-      search_all(g, static_cast<int>(rows_miss.size()), nearg.data(), simg.data());
+      nearg.resize(rows_miss.size()), simg.resize(rows_miss.size());
+      search_all(rows_miss.data(), static_cast<int>(rows_miss.size()), nearg.data(), simg.data());
       for (size_t i = 0; i < rows_miss.size(); ++i) {
         (*nearest)[b + rows_miss[i]] = nearg[i];
         (*similarity)[b + rows_miss[i]] = simg[i];
@@ -480,8 +639,8 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
     // Rows with one: the better of the stored answer over A and a search over B = K \ A (proof above).
     const int hits = static_cast<int>(rows_hit.size());
     if (nb > 0) {
-      const float* g = gather(rows_hit);
-      search_rest(g, hits, nearg.data(), simg.data());
+      nearg.resize(hits), simg.resize(hits);
+      search_rest(rows_hit.data(), hits, nearg.data(), simg.data());
       stats.memo_products += static_cast<long>(hits) * nb;
     }
     for (int i = 0; i < hits; ++i) {
@@ -652,7 +811,7 @@ bool Merger::Join(const HeadContext& ctx, std::span<const int32_t> tokens, const
   // The unit's similarity memo, for plain original keys of this unit only (a merged slot's key is no row of
   // ctx.keys).
   if (memo && ctx.shared != nullptr && !cache.has_merges() && merge_memo::Enabled()) {
-    const MemoCall mc{MemoOf(ctx.shared), ctx.keys, tokens, cache.tokens()};
+    const MemoCall mc{MemoOf(ctx.shared), ctx.keys, ctx.meta->total_tokens(), tokens, cache.tokens()};
     NearestWithMemo(x.data(), e, targets.data(), slots, d, slot, coef, &mc);
   } else {
     NearestByCosine(x.data(), e, targets.data(), slots, d, slot, coef);

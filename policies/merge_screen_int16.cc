@@ -228,9 +228,16 @@ double PackTargets(const float* rows, int n, int d, int16_t* out) {
   // Each row packed as a query (the same words and error), then its pairs spread with a stride of 8.
   thread_local std::vector<int16_t> packed;
   thread_local std::vector<double> err;
+  thread_local std::vector<const int16_t*> row;
   if (packed.size() < static_cast<size_t>(n) * d) packed.resize(static_cast<size_t>(n) * d);
   if (err.size() < static_cast<size_t>(n)) err.resize(n);
   PackQueries(rows, n, d, packed.data(), err.data());
+  row.resize(n);
+  for (int j = 0; j < n; ++j) row[j] = packed.data() + static_cast<long>(j) * d;
+  return SpreadTargets(row.data(), err.data(), n, d, out);
+}
+
+double SpreadTargets(const int16_t* const* rows, const double* err, int n, int d, int16_t* out) {
   const int pairs = d / 2, groups = PaddedTargets(n) / 8;
   double worst = 0;
   for (int g = 0; g < groups; ++g)
@@ -241,7 +248,7 @@ double PackTargets(const float* rows, int n, int d, int16_t* out) {
         for (int p = 0; p < pairs; ++p) og[16 * p] = og[16 * p + 1] = 0;
         continue;
       }
-      const int16_t* row = packed.data() + static_cast<long>(j) * d;
+      const int16_t* row = rows[j];
       for (int p = 0; p < pairs; ++p) std::memcpy(og + 16 * p, row + 2 * p, 2 * sizeof(int16_t));
       worst = std::max(worst, err[j]);
     }

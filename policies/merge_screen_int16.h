@@ -32,6 +32,9 @@ void SetVectorPackForTesting(bool enabled);
 // int16 of pair p of target 8 g + i are out[2 * ((g * d/2 + p) * 8 + i)] and the next one. Returns ≥ the
 // largest row's rounding error norm.
 double PackTargets(const float* rows, int n, int d, int16_t* out);
+// The same layout from rows PackQueries already packed: row j's words at rows[j], its error norm err[j]
+// (PackTargets is PackQueries, then this). Returns the largest err.
+double SpreadTargets(const int16_t* const* rows, const double* err, int n, int d, int16_t* out);
 
 // The exact integer dot products of packed queries and targets (for tests): out[r * ld + j] for
 // j < PaddedTargets(num_targets) (padding targets give 0). Requires Supported().

@@ -962,6 +962,34 @@ TEST_CASE("merge memo: the memo's answers equal NearestByCosine's bit for bit", 
   }
 }
 
+// Since round 11 a memo call reads its rows from the unit's keys, normalised and (for the int16 screen)
+// packed once per unit (UnitKeys), in place. A first call (nothing stored: no reuse) must screen exactly as
+// the plain search does: the same slots and values, and the same candidates (the same words and error
+// norms, so the same slack), then again from the table already built, for a second unit's worth of keys
+// with irregular rows (a zero row, a tiny one) among them.
+TEST_CASE("merge memo: the unit's keys normalised and packed once screen like each call's own",
+          "[merge][memo]") {
+  constexpr int d = 128, n = 1300;
+  merge_memo::SetEnabledForTesting(true);
+  std::vector<float> k = Gaussian(n, d, 59u, 2.0f);
+  for (int c = 0; c < d; ++c) k[static_cast<size_t>(5) * d + c] = 0.0f;       // a zero row
+  for (int c = 0; c < d; ++c) k[static_cast<size_t>(900) * d + c] *= 1e-41f;  // irregular
+  MemoHead h(std::move(k), d);
+  for (auto kept : NestedSets(n, {0.3, 0.07}, 61u)) {  // the second is no superset: no reuse
+    std::erase(kept, 900);                             // a query: its block takes the exact search
+    const merge_screen::Stats s0 = merge_screen::ThreadStats();
+    const Assignment plain = h.Assign(kept, false);
+    const merge_screen::Stats s1 = merge_screen::ThreadStats();
+    const Assignment memo = h.Assign(kept, true);
+    const merge_screen::Stats s2 = merge_screen::ThreadStats();
+    CHECK(s2.memo_reuse_calls == s1.memo_reuse_calls);
+    CHECK(plain.by_token == memo.by_token);
+    CHECK(s2.screened_queries - s1.screened_queries == s1.screened_queries - s0.screened_queries);
+    CHECK(s2.candidates - s1.candidates == s1.candidates - s0.candidates);
+    if (merge_screen::Int16Enabled()) CHECK(s1.candidates > s0.candidates);
+  }
+}
+
 TEST_CASE("merge memo: every strategy x filter merges the same with and without it", "[merge][memo]") {
   constexpr int d = 128, n = 1400;
   merge_memo::SetEnabledForTesting(true);
