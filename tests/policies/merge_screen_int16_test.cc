@@ -181,7 +181,7 @@ TEST_CASE("int16 screen: candidates are the targets within the slack of the row 
   if (!i16::Supported()) return;
   const int d = 32;
   for (int nq : {1, 3, 4, 5, 6, 7, 9, 12, 13})
-    for (int nt : {1, 5, 8, 13, 31, 64}) {
+    for (int nt : {1, 5, 8, 13, 31, 64, 128, 130, 257, 300}) {
       std::vector<float> q = UnitRows(nq, d, 300 + nq), t = UnitRows(nt, d, 400 + nt);
       // Negative products everywhere for row 0 (targets = −query): padding's zero must not be the maximum.
       for (int j = 0; j < nt; ++j)
