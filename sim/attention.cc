@@ -240,6 +240,97 @@ void GatherWeightedRows(const float* p, const int32_t* tok, size_t n, const floa
   }
 }
 
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+// kSteps steps x NV accumulators of 8 columns over the shared slots: each value row is loaded once for every
+// step (GatherWeightedBlock loads it once per step).
+template <int NV>
+inline void GatherWeightedStepsBlock(const float* const* p, const int32_t* tok, size_t n, const float* values,
+                                     size_t d, size_t col, float* const* out) {
+  constexpr int kSteps = 4;
+  __m256 acc[kSteps][NV];
+  for (int s = 0; s < kSteps; ++s)
+    for (int j = 0; j < NV; ++j) acc[s][j] = _mm256_setzero_ps();
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t t = tok[i];
+    const float* v = values + static_cast<size_t>(t) * d + col;
+    __m256 x[NV];
+    for (int j = 0; j < NV; ++j) x[j] = _mm256_loadu_ps(v + 8 * j);
+    for (int s = 0; s < kSteps; ++s) {
+      const __m256 w = _mm256_set1_ps(p[s][t]);
+      for (int j = 0; j < NV; ++j) acc[s][j] = _mm256_fmadd_ps(w, x[j], acc[s][j]);
+    }
+  }
+  for (int s = 0; s < kSteps; ++s)
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out[s] + col + 8 * j, acc[s][j]);
+}
+
+// GatherWeightedBlock<NV> continuing from the values in out (not from zero).
+template <int NV>
+inline void GatherWeightedFromBlock(const float* p, const int32_t* tok, size_t n, const float* values,
+                                    size_t d, float* out) {
+  __m256 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_loadu_ps(out + 8 * j);
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t t = tok[i];
+    const __m256 w = _mm256_set1_ps(p[t]);
+    const float* v = values + static_cast<size_t>(t) * d;
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+#endif
+
+// out[k] ← out[k] + Σ p[tok[i]] v[k] over the slots in order, one multiply-add per slot as
+// GatherWeightedRows does (columns [k0, d) of every row).
+void GatherWeightedFrom(const float* p, const int32_t* tok, size_t n, const float* values, size_t d,
+                        float* out) {
+  size_t k0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; k0 + 32 <= d; k0 += 32) GatherWeightedFromBlock<4>(p, tok, n, values + k0, d, out + k0);
+  for (; k0 + 8 <= d; k0 += 8) GatherWeightedFromBlock<1>(p, tok, n, values + k0, d, out + k0);
+#endif
+  for (size_t i = 0; i < n; ++i) {
+    const float pt = p[tok[i]];
+    const float* v = values + static_cast<size_t>(tok[i]) * d;
+    for (size_t k = k0; k < d; ++k) {
+#ifdef __FMA__
+      out[k] = std::fma(pt, v[k], out[k]);
+#else
+      out[k] += pt * v[k];
+#endif
+    }
+  }
+}
+
+}  // namespace
+
+void GatherWeightedRowsSteps(const float* const* p, const int32_t* const* tok, const size_t* n, size_t common,
+                             const float* values, int d, float* const* out) {
+  const size_t dd = static_cast<size_t>(d);
+#if defined(__AVX2__) && defined(__FMA__)
+  size_t k0 = 0;
+  for (; k0 + 16 <= dd; k0 += 16) GatherWeightedStepsBlock<2>(p, tok[0], common, values, dd, k0, out);
+  for (; k0 + 8 <= dd; k0 += 8) GatherWeightedStepsBlock<1>(p, tok[0], common, values, dd, k0, out);
+  // The remaining columns (d % 8) of the shared slots, one step at a time: the portable loop's order.
+  for (int s = 0; s < kGatherSteps; ++s) {
+    float* o = out[s];
+    for (size_t k = k0; k < dd; ++k) o[k] = 0.0f;
+    for (size_t i = 0; i < common; ++i) {
+      const float pt = p[s][tok[0][i]];
+      const float* v = values + static_cast<size_t>(tok[0][i]) * dd;
+      for (size_t k = k0; k < dd; ++k) o[k] = std::fma(pt, v[k], o[k]);
+    }
+  }
+  for (int s = 0; s < kGatherSteps; ++s)
+    GatherWeightedFrom(p[s], tok[s] + common, n[s] - common, values, dd, out[s]);
+#else
+  (void)common;
+  for (int s = 0; s < kGatherSteps; ++s) GatherWeightedRows(p[s], tok[s], n[s], values, d, out[s]);
+#endif
+}
+
 float SoftmaxInPlace(float* x, int n) {
   const float mx = RowMax(x, n);
   for (int i = 0; i < n; ++i) x[i] = ExpNonPositive(x[i] - mx);

@@ -69,6 +69,14 @@ inline float Dot(const float* a, const float* b, int d) {
 void GatherWeightedRows(const float* p, const int32_t* tok, size_t n, const float* values, int d, float* out);
 // Test hook: false keeps GatherWeightedRows off its AVX-512 code (true: allowed again where the CPU has it).
 void SetGatherAvx512ForTesting(bool allowed);
+// GatherWeightedRows of kGatherSteps steps whose slot lists tok[s][0 .. n[s]) all begin with the same
+// `common` slots (tok[s][i] == tok[0][i] for i < common ≤ n[s]): out[s] gets exactly GatherWeightedRows(p[s],
+// tok[s], n[s], values, d, out[s])'s bits (each element the same fused multiply-adds in the same slot order),
+// but each shared slot's value row is loaded once for all the steps instead of once per step (a run whose
+// cache is rewritten at step 0 and then only appends: MEDA's official code; issue 14, round 11).
+inline constexpr int kGatherSteps = 4;
+void GatherWeightedRowsSteps(const float* const* p, const int32_t* const* tok, const size_t* n, size_t common,
+                             const float* values, int d, float* const* out);
 
 // Softmax of one row of logits in place, numerically stable; returns log-sum-exp.
 float SoftmaxInPlace(float* x, int n);

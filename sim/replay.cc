@@ -1470,12 +1470,46 @@ class LayerPass {
                     static_cast<int>(nu), 1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f,
                     ws.out.data(), d);
       } else {
-        // Per step: out[k] += p[tok] * v[k] over the step's slots in order, the row kept in registers.
-        for (int g = 0; g < group; ++g)
-          for (int t = 0; t < steps; ++t)
-            GatherWeightedRows(w.refs[g].row(t), ws.plain.data() + ws.step_begin[t],
-                               ws.step_begin[t + 1] - ws.step_begin[t], values, d,
-                               ws.out.data() + (static_cast<size_t>(g) * steps + t) * d);
+        // Per step: out[k] += p[tok] * v[k] over the step's slots in order, the row kept in registers. Steps
+        // whose slot lists begin alike (a cache rewritten once, then appended to) share their value-row
+        // loads over the common slots (GatherWeightedRowsSteps: the same bits).
+        auto list = [&](int t) { return ws.plain.data() + ws.step_begin[t]; };
+        auto count = [&](int t) { return ws.step_begin[t + 1] - ws.step_begin[t]; };
+        constexpr size_t kMinShared = 32;  // fewer common slots: not worth the grouping
+        for (int g = 0; g < group; ++g) {
+          float* og = ws.out.data() + static_cast<size_t>(g) * steps * d;
+          int t = 0;
+          for (; t + kGatherSteps <= steps; t += kGatherSteps) {
+            size_t common = count(t);
+            for (int s = 1; s < kGatherSteps && common >= kMinShared; ++s) {
+              const int32_t *a = list(t), *b = list(t + s);
+              const size_t lim = std::min(common, count(t + s));
+              size_t c = 0;
+              while (c < lim && a[c] == b[c]) ++c;
+              common = c;
+            }
+            if (common < kMinShared) {
+              for (int s = 0; s < kGatherSteps; ++s)
+                GatherWeightedRows(w.refs[g].row(t + s), list(t + s), count(t + s), values, d,
+                                   og + static_cast<size_t>(t + s) * d);
+              continue;
+            }
+            const float* p[kGatherSteps];
+            const int32_t* tok[kGatherSteps];
+            size_t n[kGatherSteps];
+            float* o[kGatherSteps];
+            for (int s = 0; s < kGatherSteps; ++s) {
+              p[s] = w.refs[g].row(t + s);
+              tok[s] = list(t + s);
+              n[s] = count(t + s);
+              o[s] = og + static_cast<size_t>(t + s) * d;
+            }
+            GatherWeightedRowsSteps(p, tok, n, common, values, d, o);
+          }
+          for (; t < steps; ++t)
+            GatherWeightedRows(w.refs[g].row(t), list(t), count(t), values, d,
+                               og + static_cast<size_t>(t) * d);
+        }
       }
       for (int32_t tok : ws.used) ws.col[tok] = -1;
     }

@@ -317,6 +317,44 @@ TEST_CASE("GatherWeightedRows: bit-identical to the slot-by-slot loop for any he
   CHECK(order_matters);
 }
 
+// Four steps whose slot lists share a prefix (then each its own tail: appends, or other slots) give each
+// step GatherWeightedRows' bits, for any head dim (whole 16- and 8-column groups and the rest), any shared
+// length (none, part, a whole list) and distinct probability rows per step.
+TEST_CASE("GatherWeightedRowsSteps: each step bit-identical to GatherWeightedRows", "[attention]") {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  const int tokens = 400;
+  for (int d : {1, 5, 8, 13, 16, 24, 64, 100, 128, 136}) {
+    std::vector<float> values(static_cast<size_t>(tokens) * d);
+    for (float& x : values) x = g(rng);
+    std::vector<std::vector<float>> prob(kGatherSteps, std::vector<float>(tokens));
+    for (auto& row : prob)
+      for (float& x : row) x = u(rng) * u(rng);
+    for (size_t common : {size_t{0}, size_t{1}, size_t{7}, size_t{40}, size_t{257}}) {
+      std::vector<int32_t> shared(common);
+      for (int32_t& t : shared) t = static_cast<int32_t>(rng() % tokens);
+      std::vector<std::vector<int32_t>> lists(kGatherSteps, shared);
+      for (int s = 0; s < kGatherSteps; ++s)  // step s: s * 3 more slots (step 0: exactly the shared ones)
+        for (int k = 0; k < 3 * s; ++k) lists[s].push_back(static_cast<int32_t>(rng() % tokens));
+      const float* p[kGatherSteps];
+      const int32_t* tok[kGatherSteps];
+      size_t n[kGatherSteps];
+      std::vector<std::vector<float>> got(kGatherSteps, std::vector<float>(d, std::nanf(""))), want = got;
+      float* o[kGatherSteps];
+      for (int s = 0; s < kGatherSteps; ++s) {
+        p[s] = prob[s].data(), tok[s] = lists[s].data(), n[s] = lists[s].size(), o[s] = got[s].data();
+        GatherWeightedRows(p[s], tok[s], n[s], values.data(), d, want[s].data());
+      }
+      GatherWeightedRowsSteps(p, tok, n, common, values.data(), d, o);
+      for (int s = 0; s < kGatherSteps; ++s) {
+        INFO("d " << d << ", shared " << common << ", step " << s);
+        CHECK(std::memcmp(got[s].data(), want[s].data(), d * sizeof(float)) == 0);
+      }
+    }
+  }
+}
+
 // Recycled references (sim/replay.cc PassBuffers) hold another unit's values, or anything: the reference
 // computed into a buffer full of NaN, of another size or of the same size, equals the one computed fresh.
 TEST_CASE("ComputeDecodeReference: a recycled buffer's stale contents change nothing", "[attention]") {
