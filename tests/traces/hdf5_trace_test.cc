@@ -1265,19 +1265,44 @@ TEST_CASE("hdf5 trace: Fletcher32 as HDF5 computes it; damage and truncation are
       sum2 = (sum2 & 0xffff) + (sum2 >> 16);
       return sum2 << 16 | sum1;
     };
-    std::mt19937 rng(7);
-    for (const size_t len : {0, 1, 2, 3, 511, 512, 513, 719, 720, 721, 1000, 4096, 262145, 524292}) {
-      std::vector<uint8_t> buf(len);
-      for (uint8_t& b : buf) b = static_cast<uint8_t>(rng());
-      INFO("length " << len);
-      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
-      std::fill(buf.begin(), buf.end(), 0xff);
-      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
-      std::fill(buf.begin(), buf.end(), 0);
-      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
-      if (len > 2) buf[len / 2] = 1;
-      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
+    // Both paths: the AVX2 one (1024-word blocks, biased signed words) where the CPU has it, and the
+    // portable one; lengths around its blocks, buffers starting off alignment, and words at the bias's edges
+    // (0x8000 = 0 biased, 0x7fff = -1, 0xffff the largest, 0x0000 the smallest).
+    for (const bool avx2 : {true, false}) {
+      SetFletcherAvx2ForTesting(avx2);
+      std::mt19937 rng(7);
+      for (const size_t len : {0, 1, 2, 3, 511, 512, 513, 719, 720, 721, 1000, 2047, 2048, 2049, 4096, 6145,
+                               262145, 524292, 1048583}) {
+        for (const size_t off : {0, 1, 30}) {
+          std::vector<uint8_t> store(len + off);
+          uint8_t* const buf = store.data() + off;
+          INFO("avx2 " << avx2 << ", length " << len << ", offset " << off);
+          for (size_t i = 0; i < len; ++i) buf[i] = static_cast<uint8_t>(rng());
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          std::fill(buf, buf + len, 0xff);
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          std::fill(buf, buf + len, 0);
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          if (len > 2) buf[len / 2] = 1;
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          for (const uint16_t w : {0x8000, 0x7fff, 0x8001}) {
+            for (size_t i = 0; i + 1 < len; i += 2)
+              buf[i] = static_cast<uint8_t>(w >> 8), buf[i + 1] = w & 0xff;
+            CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          }
+          for (size_t i = 0; i + 1 < len; i += 2)  // alternating extremes, and a random mix of the edge words
+            buf[i] = buf[i + 1] = (i / 2) % 2 ? 0xff : 0x00;
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          for (size_t i = 0; i + 1 < len; i += 2) {
+            static constexpr uint16_t kEdge[] = {0x0000, 0x7fff, 0x8000, 0xffff};
+            const uint16_t w = kEdge[rng() % 4];
+            buf[i] = static_cast<uint8_t>(w >> 8), buf[i + 1] = w & 0xff;
+          }
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+        }
+      }
     }
+    SetFletcherAvx2ForTesting(true);
     CHECK(HdfFletcher32(abcde, 4) == ((0x6162u + 0x6162u + 0x6364u) % 0xffff << 16 | (0x6162u + 0x6364u)));
     CHECK(HdfFletcher32(abcde, 5) ==
           (((0x6162u + (0x6162u + 0x6364u) + (0x6162u + 0x6364u + 0x6500u)) % 0xffff) << 16 |
