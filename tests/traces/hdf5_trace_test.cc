@@ -395,6 +395,41 @@ TEST_CASE("hdf5 trace: errors name the file and the field", "[hdf5]") {
                 std::to_string(at) + "; the capture or generator produced bad data");
     }
   }
+  SECTION("fp16 storage: inf, -inf and NaN found on the stored halves, at the first one's flat index") {
+    // The direct read scans the halves it converts (an fp16 is inf / NaN exactly when its fp32 is); the
+    // H5Dread path is scanned by ValidateLayer on the floats: both give the same line.
+    MemoryTrace tr16 = testing::MakeTinyTrace();
+    tr16.mutable_meta().storage_dtype = StorageDtype::kFloat16;
+    const std::string path16 = dir + "/t16.h5";
+    for (const uint16_t bad : {uint16_t{0x7c00}, uint16_t{0xfc00}, uint16_t{0x7e01}, uint16_t{0xffff}})
+      for (const size_t at : {size_t{0}, size_t{9}, tr16.layers()[0].values.size() - 1}) {
+        INFO("half 0x" << std::hex << bad << std::dec << " at " << at);
+        REQUIRE(WriteTrace(tr16, path16, Hdf5WriteOptions{.chunk_tokens = 7}).ok());
+        {
+          RawFile f(path16);
+          std::vector<uint16_t> h(tr16.layers()[0].values.size());
+          FloatToHalf(tr16.layers()[0].values.data(), h.data(), h.size());
+          h[at] = bad;
+          if (at + 3 < h.size()) h[at + 3] = 0x7c00;  // a later one does not move the index
+          hid_t ds = H5Dopen2(f.id, "/layers/layer_000/values", H5P_DEFAULT);
+          hid_t type = H5Dget_type(ds);
+          REQUIRE(H5Dwrite(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, h.data()) >= 0);
+          H5Tclose(type);
+          H5Dclose(ds);
+        }
+        auto r = Hdf5TraceReader::Open(path16);
+        REQUIRE(r.ok());
+        LayerData ld;
+        for (const bool direct : {true, false})
+          for (const int threads : {1, 3}) {
+            Status st =
+                (*r)->ReadLayer(0, &ld, LayerReadOptions{.threads = threads, .direct_chunks = direct});
+            CHECK(st.message() ==
+                  path16 + ": layer 0 dataset 'values' holds a non-finite value (NaN/Inf) at " +
+                      "flat index " + std::to_string(at) + "; the capture or generator produced bad data");
+          }
+      }
+  }
   SECTION("values beyond the float16 range are rejected on write") {
     tr.mutable_meta().storage_dtype = StorageDtype::kFloat16;
     tr.layers()[1].queries[5] = 70000.0f;
