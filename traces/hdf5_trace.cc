@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <chrono>
@@ -31,6 +32,10 @@
 #include "sim/sanitizers.h"
 #include "traces/half.h"
 #include "traces/mapped_file.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace kvsim {
 namespace {
@@ -717,6 +722,70 @@ struct DirectReadState {
   }
 };
 
+namespace {
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define KVSIM_FLETCHER_AVX2 1
+const bool kFletcherAvx2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}();
+std::atomic<bool> g_fletcher_avx2_allowed{true};
+
+// HdfFletcher32's blocks of kM = 1024 whole words from word 0, 16 words (32 bytes) per step: returns the
+// words done and folds each block's S1 = sum w_k and S2 part b = sum (kM - k) w_k into *s1, *s2 exactly as
+// the portable 256-word loop does (the same integers, so the same residues). Each big-endian word is
+// byte-swapped (vpshufb) and biased to a signed 16-bit w - 32768 so that vpmaddwd can multiply it: per
+// step, a' = pair sums of the biased words, b' = pair sums of (16 - t) * word t, and the running sum of the
+// earlier steps' a' is added into p' before a' (word 16 v + t of the block weighs 16 (63 - v) + (16 - t)).
+// Bounds in each 32-bit lane: |a'| <= 2^22, |p'| <= 2^28, |b'| <= 2^26. The bias comes back exactly:
+// a = A' + 32768 kM, b = 16 P' + B' + 32768 kM (kM + 1) / 2.
+__attribute__((target("avx2"))) uint64_t Fletcher32BlocksAvx2(const uint8_t* p, uint64_t words, uint64_t n,
+                                                              uint64_t* s1, uint64_t* s2, uint32_t* any) {
+  constexpr uint64_t kMod = 65535, kM = 1024;
+  const __m256i swap = _mm256_setr_epi8(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14, 1, 0, 3, 2, 5,
+                                        4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  const __m256i bias = _mm256_set1_epi16(static_cast<short>(0x8000));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i weights = _mm256_setr_epi16(16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1);
+  auto sum = [](__m256i v) {
+    alignas(32) int32_t lane[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lane), v);
+    int64_t t = 0;
+    for (int32_t x : lane) t += x;
+    return t;
+  };
+  uint64_t i = 0;
+  for (; i + kM <= words; i += kM) {
+    const uint8_t* q = p + 2 * i;
+    __m256i a = _mm256_setzero_si256(), pre = a, b = a;
+    for (uint64_t v = 0; v < kM / 16; ++v) {
+      const __m256i w = _mm256_xor_si256(
+          _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * v)), swap), bias);
+      pre = _mm256_add_epi32(pre, a);
+      a = _mm256_add_epi32(a, _mm256_madd_epi16(w, ones));
+      b = _mm256_add_epi32(b, _mm256_madd_epi16(w, weights));
+    }
+    const uint64_t ta = static_cast<uint64_t>(sum(a) + int64_t{32768} * kM);
+    const uint64_t tb = static_cast<uint64_t>(16 * sum(pre) + sum(b) + int64_t{32768} * (kM * (kM + 1) / 2));
+    *any |= static_cast<uint32_t>(ta != 0);
+    *s1 = (*s1 + ta) % kMod;
+    *s2 = (*s2 + tb % kMod + ((n - i - kM) % kMod) * (ta % kMod)) % kMod;
+  }
+  return i;
+}
+#endif
+
+}  // namespace
+
+void SetFletcherAvx2ForTesting(bool allowed) {
+#ifdef KVSIM_FLETCHER_AVX2
+  g_fletcher_avx2_allowed.store(allowed, std::memory_order_relaxed);
+#else
+  (void)allowed;
+#endif
+}
+
 uint32_t HdfFletcher32(const void* data_in, size_t size) {
   // HDF5's H5_checksum_fletcher32 (H5checksum.c) adds the big-endian 16-bit words w_0..w_{N-1} (an odd last
   // byte is one more word, shifted up) into sum1 and each running sum1 into sum2, folding with end-around
@@ -731,6 +800,10 @@ uint32_t HdfFletcher32(const void* data_in, size_t size) {
   uint64_t s1 = 0, s2 = 0;
   uint32_t any = 0;
   uint64_t i = 0;
+#ifdef KVSIM_FLETCHER_AVX2
+  if (kFletcherAvx2 && g_fletcher_avx2_allowed.load(std::memory_order_relaxed))
+    i = Fletcher32BlocksAvx2(p, size / 2, n, &s1, &s2, &any);  // then the rest as below
+#endif
   for (; i + kBlock <= size / 2; i += kBlock) {
     const uint8_t* q = p + 2 * i;
     uint32_t a = 0, b = 0;
@@ -768,6 +841,20 @@ bool HdfFletcher32ChunkOk(const uint8_t* chunk, size_t size) {
   const uint32_t f = HdfFletcher32(chunk, n);
   const uint32_t reversed = (f & 0x00ff00ffu) << 8 | (f & 0xff00ff00u) >> 8;
   return stored == f || stored == reversed;
+}
+
+// HalfToFloat(in, out, n) with non-temporal stores: the layer buffers are written once here and read back
+// only after the layer being replayed is done (each ~100 MB, far beyond the caches), so the stores skip the
+// read-for-ownership of every output line. The same conversion (F16C, or the scalar one for the unaligned
+// head and the tail), so the same bits. The caller fences (_mm_sfence) before others read `out`.
+void HalfToFloatStream(const uint16_t* in, float* out, size_t n) {
+  size_t i = 0;
+#ifdef __F16C__
+  for (; i < n && reinterpret_cast<uintptr_t>(out + i) % 32 != 0; ++i) out[i] = HalfToFloat(in[i]);
+  for (; i + 8 <= n; i += 8)
+    _mm256_stream_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+#endif
+  for (; i < n; ++i) out[i] = HalfToFloat(in[i]);
 }
 
 struct DirectChunkReader {
@@ -903,9 +990,10 @@ Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t
       ParallelForWorkers(static_cast<int>(items.size()), workers, [&](int item, int worker) {
         const size_t c = items[item], o = c / rc, k = c % rc;
         const uint64_t addr = plan.addr[c], size = plan.size[c];
-        std::vector<uint16_t>& words = r.scratch[worker];  // 16-bit storage: the fp16 view is aligned
-        words.resize((size + 1) / 2);
-        uint8_t* const bytes = reinterpret_cast<uint8_t*>(words.data());
+        std::vector<uint16_t>& store = r.scratch[worker];  // 16-bit storage: the fp16 view is aligned
+        store.resize((size + 1) / 2);
+        uint16_t* const words = store.data();
+        uint8_t* const bytes = reinterpret_cast<uint8_t*>(words);
         size_t got = 0;
         if (r.fd >= 0) {
           while (got < size) {
@@ -939,16 +1027,22 @@ Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t
           const size_t first = (lo - r0) * inner, count = (hi - lo) * inner;
           float* d = dst + (o * nrows + lo) * inner;
           if (half) {
-            HalfToFloat(words.data() + first, d, count);
+            HalfToFloatStream(words + first, d, count);
           } else {
             std::memcpy(d, bytes + first * 4, count * 4);
           }
           if (finite) {  // branch-free scan of the rows just written; locate the first bad one only if any
             uint32_t bad = 0;
-            for (size_t i = 0; i < count; ++i) {
-              uint32_t u;
-              std::memcpy(&u, d + i, 4);
-              bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+            if (half) {  // on the stored halves (16 per vector, in cache): inf / NaN exactly where fp32 has
+                         // them
+              const uint16_t* const h = words + first;
+              for (size_t i = 0; i < count; ++i) bad |= static_cast<uint32_t>((h[i] & 0x7c00u) == 0x7c00u);
+            } else {
+              for (size_t i = 0; i < count; ++i) {
+                uint32_t u;
+                std::memcpy(&u, d + i, 4);
+                bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+              }
             }
             if (bad)
               for (size_t i = 0; i < count; ++i)
@@ -958,6 +1052,9 @@ Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t
                 }
           }
         }
+#ifdef __F16C__
+        if (half) _mm_sfence();  // HalfToFloatStream's stores are visible before the item counts as done
+#endif
       });
       for (const Status& st : status)
         if (!st.ok()) return st;

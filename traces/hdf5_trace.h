@@ -65,7 +65,10 @@ class Hdf5TraceReader final : public TraceSource {
 
 // HDF5's Fletcher32 checksum (H5_checksum_fletcher32) of `size` bytes: what the Fletcher32 filter stores in
 // the last 4 bytes of every chunk (exposed for tests).
+// On x86 CPUs with AVX2 its whole 1024-word blocks are summed 16 words at a time (the same value by
+// construction); SetFletcherAvx2ForTesting(false) forces the portable loop (tests compare the two).
 uint32_t HdfFletcher32(const void* data, size_t size);
+void SetFletcherAvx2ForTesting(bool allowed);
 // Whether a stored chunk (data then its 4-byte checksum, `size` bytes in all) passes the Fletcher32 filter's
 // check exactly as HDF5 does it (the stored value or its byte-pair-swapped form, for files of HDF5 < 1.6.3).
 bool HdfFletcher32ChunkOk(const uint8_t* chunk, size_t size);

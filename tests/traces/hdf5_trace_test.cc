@@ -395,6 +395,41 @@ TEST_CASE("hdf5 trace: errors name the file and the field", "[hdf5]") {
                 std::to_string(at) + "; the capture or generator produced bad data");
     }
   }
+  SECTION("fp16 storage: inf, -inf and NaN found on the stored halves, at the first one's flat index") {
+    // The direct read scans the halves it converts (an fp16 is inf / NaN exactly when its fp32 is); the
+    // H5Dread path is scanned by ValidateLayer on the floats: both give the same line.
+    MemoryTrace tr16 = testing::MakeTinyTrace();
+    tr16.mutable_meta().storage_dtype = StorageDtype::kFloat16;
+    const std::string path16 = dir + "/t16.h5";
+    for (const uint16_t bad : {uint16_t{0x7c00}, uint16_t{0xfc00}, uint16_t{0x7e01}, uint16_t{0xffff}})
+      for (const size_t at : {size_t{0}, size_t{9}, tr16.layers()[0].values.size() - 1}) {
+        INFO("half 0x" << std::hex << bad << std::dec << " at " << at);
+        REQUIRE(WriteTrace(tr16, path16, Hdf5WriteOptions{.chunk_tokens = 7}).ok());
+        {
+          RawFile f(path16);
+          std::vector<uint16_t> h(tr16.layers()[0].values.size());
+          FloatToHalf(tr16.layers()[0].values.data(), h.data(), h.size());
+          h[at] = bad;
+          if (at + 3 < h.size()) h[at + 3] = 0x7c00;  // a later one does not move the index
+          hid_t ds = H5Dopen2(f.id, "/layers/layer_000/values", H5P_DEFAULT);
+          hid_t type = H5Dget_type(ds);
+          REQUIRE(H5Dwrite(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, h.data()) >= 0);
+          H5Tclose(type);
+          H5Dclose(ds);
+        }
+        auto r = Hdf5TraceReader::Open(path16);
+        REQUIRE(r.ok());
+        LayerData ld;
+        for (const bool direct : {true, false})
+          for (const int threads : {1, 3}) {
+            Status st =
+                (*r)->ReadLayer(0, &ld, LayerReadOptions{.threads = threads, .direct_chunks = direct});
+            CHECK(st.message() ==
+                  path16 + ": layer 0 dataset 'values' holds a non-finite value (NaN/Inf) at " +
+                      "flat index " + std::to_string(at) + "; the capture or generator produced bad data");
+          }
+      }
+  }
   SECTION("values beyond the float16 range are rejected on write") {
     tr.mutable_meta().storage_dtype = StorageDtype::kFloat16;
     tr.layers()[1].queries[5] = 70000.0f;
@@ -1265,19 +1300,44 @@ TEST_CASE("hdf5 trace: Fletcher32 as HDF5 computes it; damage and truncation are
       sum2 = (sum2 & 0xffff) + (sum2 >> 16);
       return sum2 << 16 | sum1;
     };
-    std::mt19937 rng(7);
-    for (const size_t len : {0, 1, 2, 3, 511, 512, 513, 719, 720, 721, 1000, 4096, 262145, 524292}) {
-      std::vector<uint8_t> buf(len);
-      for (uint8_t& b : buf) b = static_cast<uint8_t>(rng());
-      INFO("length " << len);
-      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
-      std::fill(buf.begin(), buf.end(), 0xff);
-      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
-      std::fill(buf.begin(), buf.end(), 0);
-      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
-      if (len > 2) buf[len / 2] = 1;
-      CHECK(HdfFletcher32(buf.data(), len) == reference(buf.data(), len));
+    // Both paths: the AVX2 one (1024-word blocks, biased signed words) where the CPU has it, and the
+    // portable one; lengths around its blocks, buffers starting off alignment, and words at the bias's edges
+    // (0x8000 = 0 biased, 0x7fff = -1, 0xffff the largest, 0x0000 the smallest).
+    for (const bool avx2 : {true, false}) {
+      SetFletcherAvx2ForTesting(avx2);
+      std::mt19937 rng(7);
+      for (const size_t len : {0, 1, 2, 3, 511, 512, 513, 719, 720, 721, 1000, 2047, 2048, 2049, 4096, 6145,
+                               262145, 524292, 1048583}) {
+        for (const size_t off : {0, 1, 30}) {
+          std::vector<uint8_t> store(len + off);
+          uint8_t* const buf = store.data() + off;
+          INFO("avx2 " << avx2 << ", length " << len << ", offset " << off);
+          for (size_t i = 0; i < len; ++i) buf[i] = static_cast<uint8_t>(rng());
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          std::fill(buf, buf + len, 0xff);
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          std::fill(buf, buf + len, 0);
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          if (len > 2) buf[len / 2] = 1;
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          for (const uint16_t w : {0x8000, 0x7fff, 0x8001}) {
+            for (size_t i = 0; i + 1 < len; i += 2)
+              buf[i] = static_cast<uint8_t>(w >> 8), buf[i + 1] = w & 0xff;
+            CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          }
+          for (size_t i = 0; i + 1 < len; i += 2)  // alternating extremes, and a random mix of the edge words
+            buf[i] = buf[i + 1] = (i / 2) % 2 ? 0xff : 0x00;
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+          for (size_t i = 0; i + 1 < len; i += 2) {
+            static constexpr uint16_t kEdge[] = {0x0000, 0x7fff, 0x8000, 0xffff};
+            const uint16_t w = kEdge[rng() % 4];
+            buf[i] = static_cast<uint8_t>(w >> 8), buf[i + 1] = w & 0xff;
+          }
+          CHECK(HdfFletcher32(buf, len) == reference(buf, len));
+        }
+      }
     }
+    SetFletcherAvx2ForTesting(true);
     CHECK(HdfFletcher32(abcde, 4) == ((0x6162u + 0x6162u + 0x6364u) % 0xffff << 16 | (0x6162u + 0x6364u)));
     CHECK(HdfFletcher32(abcde, 5) ==
           (((0x6162u + (0x6162u + 0x6364u) + (0x6162u + 0x6364u + 0x6500u)) % 0xffff) << 16 |
