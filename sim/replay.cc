@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <future>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -229,15 +230,19 @@ struct WorkerScratch {
   // stops being prefix-closed or in FinishRun. Only for runs whose policy does not read the step's
   // attention (PolicyRequirements::decode_attention): nothing else reads the sums before the run ends.
   int deferred = 0;
-  std::vector<int> pcount;        // [t] step t's slots (FlushPrefixSums)
-  std::vector<double> psums;      // [t][4][4] step t's PlainSlotSums (FlushPrefixSums)
-  std::vector<double> wsum;       // [g][t] Σ_s w_s over visible slots
-  std::vector<double> retained;   // [g][t]
-  std::vector<char> checked;      // [t]: the bound is checked (no merged slot in the cache)
-  std::vector<char> has_extra;    // [t]: a merged slot was visible
-  std::vector<float> extra;       // [g][t][d] Σ w_s ṽ_s over visible merged slots
-  std::vector<int32_t> col;       // [T] column of a token in the compact product, -1 if unused
-  std::vector<int32_t> used;      // columns' tokens, ascending
+  std::vector<int> pcount;       // [t] step t's slots (FlushPrefixSums)
+  std::vector<double> psums;     // [t][4][4] step t's PlainSlotSums (FlushPrefixSums)
+  std::vector<double> wsum;      // [g][t] Σ_s w_s over visible slots
+  std::vector<double> retained;  // [g][t]
+  std::vector<char> checked;     // [t]: the bound is checked (no merged slot in the cache)
+  std::vector<char> has_extra;   // [t]: a merged slot was visible
+  std::vector<float> extra;      // [g][t][d] Σ w_s ṽ_s over visible merged slots
+  std::vector<int32_t> col;      // [T] column of a token in the compact product, -1 if unused
+  std::vector<int32_t> used;     // columns' tokens, ascending
+  struct TokenRun {
+    int32_t first, len, at;  // tokens first .. first + len - 1, from ws.plain[at]
+  };
+  std::vector<TokenRun> runs;     // FinishRun: the steps' lists as runs of consecutive tokens (when few)
   std::vector<float> a, vu, out;  // the compact product: [g*S][|U|] x [|U|][d] = [g*S][d]
   // Merged slots in bulk (see BeginMergedBlock): while the cache's version is unchanged, its merged slots
   // (keys, values, slot indices) are too, so the dots of steps [mt0, mt0 + mrows) with them are one product
@@ -300,6 +305,7 @@ class PassBuffers {
 };
 
 std::atomic<bool> g_kth_from_sums{true};  // SetFullKthFromSumsForTesting
+std::atomic<bool> g_run_lists{true};      // SetRunListsForTesting
 
 }  // namespace
 
@@ -1444,27 +1450,64 @@ class LayerPass {
     } else {
       ExpandPrefix(ws);
       ws.used.clear();
-      for (int32_t tok : ws.plain)
-        if (ws.col[tok] < 0) {
-          ws.col[tok] = 0;
-          ws.used.push_back(tok);
+      // The steps' lists as runs of consecutive tokens (a sliding window is two runs per step): with few
+      // runs, the union U is the merge of the runs' intervals and A's rows are copies of p's stretches; the
+      // same U (ascending) and the same A as the token-by-token loops below.
+      const size_t gathered = ws.plain.size();
+      ws.runs.clear();
+      {
+        size_t breaks = 0;
+        const int32_t* pl = ws.plain.data();
+        for (size_t i = 1; i < gathered; ++i) breaks += pl[i] != pl[i - 1] + 1;
+        const bool by_runs = gathered > 0 && (breaks + static_cast<size_t>(steps)) * 16 <= gathered &&
+                             g_run_lists.load(std::memory_order_relaxed);
+        if (by_runs) {
+          for (int t = 0; t < steps; ++t)
+            for (size_t i = ws.step_begin[t], e = ws.step_begin[t + 1]; i < e;) {
+              size_t j = i + 1;
+              while (j < e && pl[j] == pl[j - 1] + 1) ++j;
+              ws.runs.push_back({pl[i], static_cast<int32_t>(j - i), static_cast<int32_t>(i)});
+              i = j;
+            }
+          std::vector<WorkerScratch::TokenRun> iv(ws.runs);
+          std::sort(iv.begin(), iv.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+          int32_t next = std::numeric_limits<int32_t>::min();  // the first token after U so far
+          for (const auto& r : iv) {
+            const int32_t end = r.first + r.len;
+            for (int32_t tok = std::max(next, r.first); tok < end; ++tok) ws.used.push_back(tok);
+            next = std::max(next, end);
+          }
+        } else {
+          for (int32_t tok : ws.plain)
+            if (ws.col[tok] < 0) {
+              ws.col[tok] = 0;
+              ws.used.push_back(tok);
+            }
+          std::sort(ws.used.begin(), ws.used.end());
         }
-      std::sort(ws.used.begin(), ws.used.end());
-      const size_t nu = ws.used.size(), gathered = ws.plain.size();
+      }
+      const size_t nu = ws.used.size();
       if (nu > 0 && nu * steps <= 4 * gathered) {
         for (size_t c = 0; c < nu; ++c) ws.col[ws.used[c]] = static_cast<int32_t>(c);
         ws.a.resize(rows * nu);  // zeroed row by row below, just before its scatter
         ws.vu.resize(nu * d);
         for (size_t c = 0; c < nu; ++c)
           std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
-        for (int g = 0; g < group; ++g)
+        for (int g = 0; g < group; ++g) {
+          size_t ri = 0;  // the next run (ws.runs: step by step, in list order)
           for (int t = 0; t < steps; ++t) {
             const float* p = w.refs[g].row(t);
             float* row = ws.a.data() + (static_cast<size_t>(g) * steps + t) * nu;
             std::fill(row, row + nu, 0.0f);
-            for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i)
-              row[ws.col[ws.plain[i]]] = p[ws.plain[i]];
+            if (!ws.runs.empty()) {  // a run's tokens are consecutive in U, so its columns too
+              for (; ri < ws.runs.size() && static_cast<size_t>(ws.runs[ri].at) < ws.step_begin[t + 1]; ++ri)
+                std::copy_n(p + ws.runs[ri].first, ws.runs[ri].len, row + ws.col[ws.runs[ri].first]);
+            } else {
+              for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i)
+                row[ws.col[ws.plain[i]]] = p[ws.plain[i]];
+            }
           }
+        }
         EnsureSingleThreadedBlas();
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d,
                     static_cast<int>(nu), 1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f,
@@ -1871,6 +1914,7 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
 }
 
 void SetFullKthFromSumsForTesting(bool allowed) { g_kth_from_sums.store(allowed, std::memory_order_relaxed); }
+void SetRunListsForTesting(bool allowed) { g_run_lists.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

@@ -103,6 +103,10 @@ int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* 
 // Tests only: false makes the oracle's k-th largest value come from a selection in a copy of the row
 // instead of the regret's buckets (TopKSums::Kth), so a test can compare the two.
 void SetFullKthFromSumsForTesting(bool allowed);
+// Test hook: false keeps FinishRun's output product off its run-of-tokens path (the union of the steps'
+// slot lists as merged intervals, A's rows as copies of p's stretches), on the token-by-token loops (the
+// same U and A).
+void SetRunListsForTesting(bool allowed);
 
 // A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
 // its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in

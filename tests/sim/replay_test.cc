@@ -1855,6 +1855,53 @@ TEST_CASE("replay: append-only steps give the same results with or without per-s
   }
 }
 
+// FinishRun's output product for caches re-selected every step: with few runs of consecutive tokens per
+// step (a sliding window; a window, the sinks after it and a fixed block, overlapping from step to step)
+// the union is merged from intervals and A's rows are copies of p's stretches. Every result must be the
+// token-by-token path's, bit for bit, at 1 and 3 threads; a list of scattered tokens keeps the old path.
+TEST_CASE("replay: the output product from runs of consecutive tokens equals the token-by-token one",
+          "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 600;
+  spec.decode_steps = 12;
+  spec.image_begin = 40;
+  spec.image_end = 500;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    std::vector<int32_t> keep;
+    for (int32_t t = 50 + 7 * step; t < 150 + 7 * step; ++t) keep.push_back(t);  // a window
+    for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                           // sinks, after it
+    for (int32_t t = 300; t < 340; ++t) keep.push_back(t);                       // a fixed block
+    c->Assign(keep);
+  });
+  auto scattered = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    std::vector<int32_t> keep;
+    for (int32_t t = step % 3; t < 600; t += 3) keep.push_back(t);
+    c->Assign(keep);
+  });
+  auto streaming = PolicyRegistry::Default().Create("streaming_llm", {});
+  REQUIRE(streaming.ok());
+  std::vector<RunSpec> runs{Spec(window, spec.prefill_length), Spec(scattered, spec.prefill_length),
+                            RunSpec{*streaming, "streaming", 0.2, 0, QuestionMode::kQueryAware}};
+  SetRunListsForTesting(false);
+  auto want = Replay(tr, runs, Options());
+  SetRunListsForTesting(true);
+  REQUIRE(want.ok());
+  for (int threads : {1, 3}) {
+    ReplayOptions o = Options();
+    o.threads = threads;
+    auto got = Replay(tr, runs, o);
+    REQUIRE(got.ok());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      INFO("run " << i << ", threads " << threads);
+      CHECK((*got)[i].metrics().output_rel_error_mean() > 0);
+      CHECK((*got)[i].SerializeAsString() == (*want)[i].SerializeAsString());
+    }
+  }
+}
+
 TEST_CASE("replay: the plain-slot sums add in slot order per lane and modality, as the scalar loop does",
           "[replay]") {
   // The scalar loop the engine had: rm[s & 3][mod] += p, in slot order.
