@@ -1919,25 +1919,33 @@ TEST_CASE("replay: the plain-slot sums add in slot order per lane and modality, 
   std::mt19937 rng(7);
   const int n = 300;
   for (int slots : {0, 1, 3, 4, 5, 7, 8, 64, 131, 300}) {
-    for (bool with_cp : {false, true}) {
+    // runs: the tokens in runs of consecutive ones (1 to 9 long, a sliding window's way) and the modalities
+    // in stretches of 13 tokens: the four-consecutive-tokens path, its modality check and its visible count
+    // across `first`, next to blocks that straddle a run's or a stretch's end.
+    for (auto [with_cp, runs] :
+         std::vector<std::pair<bool, bool>>{{false, false}, {true, false}, {false, true}, {true, true}}) {
       std::vector<float> p(n);
       std::vector<Modality> mod(n);
       // Values over many binades, so that a different order of additions would change the double sums.
       for (int i = 0; i < n; ++i) {
         p[i] = std::ldexp(std::uniform_real_distribution<float>(1, 2)(rng), -static_cast<int>(rng() % 40));
-        mod[i] = static_cast<Modality>(rng() % 4);
+        mod[i] = static_cast<Modality>(runs ? (i / 13 + i / 91) % 4 : rng() % 4);
       }
       p[5] = 0.0f;
       p[6] = std::numeric_limits<float>::denorm_min();
       std::vector<int32_t> tk(slots);
-      for (int s = 0; s < slots; ++s) tk[s] = static_cast<int32_t>(rng() % n);
+      for (int s = 0; s < slots;) {
+        const int len = runs ? 1 + static_cast<int>(rng() % 9) : 1;
+        const int32_t start = static_cast<int32_t>(rng() % (n - 9));
+        for (int k = 0; k < len && s < slots; ++k) tk[s++] = start + k;
+      }
       std::vector<float> cp_a(slots, -1), cp_b(slots, -1);
       double a[4][4] = {}, b[4][4] = {};
       const int first = 100;
       const int va = scalar(tk, p, mod, first, with_cp ? &cp_a : nullptr, a);
       const int vb =
           PlainSlotSums(tk.data(), slots, p.data(), mod.data(), first, with_cp ? cp_b.data() : nullptr, b);
-      INFO("slots " << slots << " cp " << with_cp);
+      INFO("slots " << slots << " cp " << with_cp << " runs " << runs);
       CHECK(va == vb);
       CHECK(cp_a == cp_b);
       for (int j = 0; j < 4; ++j)
@@ -2157,7 +2165,15 @@ TEST_CASE("replay: every output path of FinishRun gives the plain computation's 
   const Kept reselect = [&](int t) {  // two new prompt tokens every step: the per-step gather
     return std::vector<int32_t>{3 * t, 3 * t + 1};
   };
-  const std::vector<Kept> kept{everything, prefix, scatter, reselect};
+  const Kept shuffled = [&](int t) {  // the scattered GEMM rows from runs of consecutive tokens of many
+    std::vector<int32_t> k;           // lengths, with gaps, in an order that is not ascending
+    for (int32_t j : everything(t))
+      if (j % 7 != t % 7) k.push_back(j);
+    std::reverse(k.begin(), k.begin() + 6);
+    std::rotate(k.begin(), k.begin() + static_cast<std::ptrdiff_t>(k.size() / 2), k.end());
+    return k;
+  };
+  const std::vector<Kept> kept{everything, prefix, scatter, reselect, shuffled};
   std::vector<RunSpec> runs;
   for (const Kept& k : kept)
     runs.push_back(Spec(std::make_shared<ActPolicy>([k](int step, HeadCache* c) {
