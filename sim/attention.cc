@@ -90,12 +90,12 @@ namespace {
 // same fused multiply-adds in the same slot order as the scalar loop, so the bits do not depend on which
 // one runs.
 #if defined(__AVX2__) && defined(__FMA__)
-// NV accumulators of 8 columns.
-template <int NV>
+// NV accumulators of 8 columns, from zero (or, kFromOut, continuing from the values in out).
+template <int NV, bool kFromOut = false>
 inline void GatherWeightedBlock(const float* p, const int32_t* tok, size_t n, const float* values, size_t d,
                                 float* out) {
   __m256 acc[NV];
-  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+  for (int j = 0; j < NV; ++j) acc[j] = kFromOut ? _mm256_loadu_ps(out + 8 * j) : _mm256_setzero_ps();
   for (size_t i = 0; i < n; ++i) {
     const int32_t t = tok[i];
     const __m256 w = _mm256_set1_ps(p[t]);
@@ -266,20 +266,6 @@ inline void GatherWeightedStepsBlock(const float* const* p, const int32_t* tok, 
     for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out[s] + col + 8 * j, acc[s][j]);
 }
 
-// GatherWeightedBlock<NV> continuing from the values in out (not from zero).
-template <int NV>
-inline void GatherWeightedFromBlock(const float* p, const int32_t* tok, size_t n, const float* values,
-                                    size_t d, float* out) {
-  __m256 acc[NV];
-  for (int j = 0; j < NV; ++j) acc[j] = _mm256_loadu_ps(out + 8 * j);
-  for (size_t i = 0; i < n; ++i) {
-    const int32_t t = tok[i];
-    const __m256 w = _mm256_set1_ps(p[t]);
-    const float* v = values + static_cast<size_t>(t) * d;
-    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
-  }
-  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
-}
 #endif
 
 // out[k] ← out[k] + Σ p[tok[i]] v[k] over the slots in order, one multiply-add per slot as
@@ -288,8 +274,8 @@ void GatherWeightedFrom(const float* p, const int32_t* tok, size_t n, const floa
                         float* out) {
   size_t k0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  for (; k0 + 32 <= d; k0 += 32) GatherWeightedFromBlock<4>(p, tok, n, values + k0, d, out + k0);
-  for (; k0 + 8 <= d; k0 += 8) GatherWeightedFromBlock<1>(p, tok, n, values + k0, d, out + k0);
+  for (; k0 + 32 <= d; k0 += 32) GatherWeightedBlock<4, true>(p, tok, n, values + k0, d, out + k0);
+  for (; k0 + 8 <= d; k0 += 8) GatherWeightedBlock<1, true>(p, tok, n, values + k0, d, out + k0);
 #endif
   for (size_t i = 0; i < n; ++i) {
     const float pt = p[tok[i]];
