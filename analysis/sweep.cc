@@ -9,6 +9,7 @@
 #include <fstream>
 #include <future>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -21,6 +22,7 @@
 #include "sim/stats.h"
 #include "sim/text_proto.h"
 #include "sim/version.h"
+#include "traces/hash_cache.h"
 #include "traces/hdf5_trace.h"
 
 namespace kvsim {
@@ -69,14 +71,23 @@ LatencySpec ExperimentLatency(const config::Experiment& experiment, const std::s
 StatusOr<std::string> HashBesideReplay(const std::string& path, bool concurrent,
                                        const std::function<Status(const std::string& hash)>& replay,
                                        StatusOr<std::string> (*hash)(const std::string&)) {
-  if (!hash) hash = &HashFile;
+  std::function<StatusOr<std::string>(const std::string&)> hasher = hash;
+  if (!hash) {
+    // Remembered from an earlier run (traces/hash_cache.h): nothing to read beside the replay.
+    const HashCacheOptions cache = HashCacheFromEnv();
+    if (std::optional<std::string> h = LookupFileHash(path, cache)) {
+      KVSIM_RETURN_IF_ERROR(replay(*h));
+      return *h;
+    }
+    hasher = [cache](const std::string& p) { return HashFileAndRemember(p, cache); };
+  }
   if (!concurrent) {
-    KVSIM_ASSIGN_OR_RETURN(std::string h, hash(path));
+    KVSIM_ASSIGN_OR_RETURN(std::string h, hasher(path));
     KVSIM_RETURN_IF_ERROR(replay(h));
     return h;
   }
   // The hash thread only reads the file; the replay's results do not depend on it (nor on its timing).
-  std::future<StatusOr<std::string>> pending = std::async(std::launch::async, hash, path);
+  std::future<StatusOr<std::string>> pending = std::async(std::launch::async, hasher, path);
   const Status replayed = replay("");
   StatusOr<std::string> h = pending.get();
   if (!h.ok()) return h.status();
@@ -585,7 +596,7 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
       std::string hash;
       std::error_code ec;
       if (units && units->resume && fs::exists(fs::path(units_dir) / plan.UnitFile(i), ec)) {
-        KVSIM_ASSIGN_OR_RETURN(hash, HashFile(plan.samples[i].path()));
+        KVSIM_ASSIGN_OR_RETURN(hash, CachedHashFile(plan.samples[i].path()));
         if (auto old = ReusableUnit(plan, i, units_dir, hash)) {
           ++units->reused;
           return std::move(*old);

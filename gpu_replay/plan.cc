@@ -9,6 +9,7 @@
 #include "analysis/report.h"
 #include "analysis/sweep.h"
 #include "policies/registry.h"
+#include "traces/hash_cache.h"
 #include "traces/hdf5_trace.h"
 
 namespace kvsim::gpu_replay {
@@ -362,7 +363,7 @@ StatusOr<GpuPlan> BuildPlan(const PlanRequest& req, RunResult* result) {
   std::vector<RunSpec> runs{
       RunSpec{policy, label, req.budget_fraction, req.budget_tokens, req.question_mode}};
   KVSIM_RETURN_IF_ERROR(CheckRuns(trace->meta(), runs).WithContext(req.trace_path));
-  KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(req.trace_path));
+  KVSIM_ASSIGN_OR_RETURN(std::string hash, CachedHashFile(req.trace_path));
   PlanRecorder rec;
   ReplayOptions ro;
   ro.threads = req.threads;

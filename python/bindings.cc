@@ -34,6 +34,7 @@
 #include "sim/parallel.h"
 #include "sim/replay.h"
 #include "sim/version.h"
+#include "traces/hash_cache.h"
 #include "traces/hdf5_trace.h"
 
 namespace nb = nanobind;
@@ -393,7 +394,7 @@ class PyTrace {
     StatusOr<std::string> h = Status::Internal("not computed");
     {
       nb::gil_scoped_release release;
-      h = HashFile(path_);
+      h = HashFileAndRemember(path_, HashCacheFromEnv());  // as `kvsim hash`: always read
     }
     return ValueOrRaise(std::move(h));
   }
@@ -481,7 +482,7 @@ class PySweepPlan {
     std::optional<SweepUnit> unit;
     {
       nb::gil_scoped_release release;
-      auto hash = HashFile(plan_.samples[i].path());
+      auto hash = CachedHashFile(plan_.samples[i].path());
       if (hash.ok()) unit = ReusableUnit(plan_, i, UnitsDir(), *hash);
     }
     if (!unit) return nb::none();

@@ -34,6 +34,7 @@
 #include "sim/perf_model.h"
 #include "sim/progress.h"
 #include "sim/version.h"
+#include "traces/hash_cache.h"
 #include "traces/hdf5_trace.h"
 #include "traces/synth.h"
 
@@ -459,7 +460,7 @@ int CmdVerify(int argc, char** argv) {
   if (vm.count("rc-size")) o.rc_size = vm["rc-size"].as<int>();
   auto src = OpenTrace(trace);
   if (!src.ok()) return Fail(src.status());
-  auto hash = HashFile(trace);
+  auto hash = CachedHashFile(trace);
   if (hash.ok()) o.trace_hash = *hash;
   Progress progress = Progress::FromEnv("verify hae", !quiet);
   o.progress = &progress;
@@ -804,7 +805,7 @@ int CmdHash(int argc, char** argv) {
     std::fprintf(stderr, "kvsim: usage error: usage: kvsim hash T.h5\n");
     return kExitUsage;
   }
-  auto hash = HashFile(argv[1]);
+  auto hash = HashFileAndRemember(argv[1], HashCacheFromEnv());  // always read: the explicit check
   if (!hash.ok()) return Fail(hash.status());
   std::printf("%s\n", hash->c_str());
   return kExitOk;

@@ -1,0 +1,227 @@
+#include "traces/hash_cache.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <thread>
+
+#include "analysis/sweep.h"
+#include "tests/test_util.h"
+#include "traces/hdf5_trace.h"
+
+namespace kvsim {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+// Longer than the coarse clock tick of file timestamps (1 jiffy, at most 10 ms): a write after the pause
+// gets a later ctime than one before it.
+void Tick() { std::this_thread::sleep_for(milliseconds(30)); }
+
+std::string MakeFile(const std::string& path, char seed) {
+  std::string data(4096 + 13, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(seed + i * 131 % 251);
+  std::ofstream(path, std::ios::binary) << data;
+  return path;
+}
+
+// The entry files of a cache folder (no temporary files left behind).
+std::vector<fs::path> Entries(const std::string& dir) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) out.push_back(e.path());
+  return out;
+}
+
+// Rewrites the hash line (the 4th) of the one entry in `dir`: proves a later answer came from the entry.
+void ForgeEntryHash(const std::string& dir, const std::string& hash) {
+  const auto entries = Entries(dir);
+  REQUIRE(entries.size() == 1);
+  std::string text = testing::ReadFile(entries[0].string());
+  const size_t third = text.find('\n', text.find('\n', text.find('\n') + 1) + 1);
+  REQUIRE(third != std::string::npos);
+  text = text.substr(0, third + 1) + hash + "\n";
+  testing::WriteFile(entries[0].string(), text);
+}
+
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value)
+      ::setenv(name, value, 1);
+    else
+      ::unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (old_)
+      ::setenv(name_, old_->c_str(), 1);
+    else
+      ::unsetenv(name_);
+  }
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+constexpr char kForged[] = "0123456789abcdef";
+
+}  // namespace
+
+TEST_CASE("hash cache: an entry is written, then answers without reading the file", "[hdf5][hash_cache]") {
+  const std::string dir = testing::ScratchDir("hash_cache_hit");
+  const HashCacheOptions cache{dir + "/cache", milliseconds(0)};
+  const std::string path = MakeFile(dir + "/t.h5", 1);
+  Tick();
+  CHECK_FALSE(LookupFileHash(path, cache));
+  auto h = CachedHashFile(path, cache);
+  REQUIRE(h.ok());
+  CHECK(*h == *HashFile(path));
+  REQUIRE(Entries(cache.dir).size() == 1);
+  CHECK(LookupFileHash(path, cache) == *h);
+  // Answered from the entry: a forged hash comes back (the file is not read again).
+  ForgeEntryHash(cache.dir, kForged);
+  CHECK(*CachedHashFile(path, cache) == kForged);
+  // HashFileAndRemember always reads, and puts the true hash back.
+  CHECK(*HashFileAndRemember(path, cache) == *h);
+  CHECK(LookupFileHash(path, cache) == *h);
+  // Through another path to the same file (a symbolic link: the same canonical path), the same entry.
+  fs::create_symlink(path, dir + "/link.h5");
+  CHECK(LookupFileHash(dir + "/link.h5", cache) == *h);
+}
+
+TEST_CASE("hash cache: any change to the file invalidates its entry", "[hdf5][hash_cache]") {
+  const std::string dir = testing::ScratchDir("hash_cache_change");
+  const HashCacheOptions cache{dir + "/cache", milliseconds(0)};
+  const std::string path = MakeFile(dir + "/t.h5", 2);
+  Tick();
+  const std::string before = *CachedHashFile(path, cache);
+  REQUIRE(LookupFileHash(path, cache) == before);
+  struct stat old_stat;
+  REQUIRE(::stat(path.c_str(), &old_stat) == 0);
+  Tick();
+
+  SECTION("one byte rewritten in place, the modification time set back") {
+    {
+      std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(100);
+      f.put('\x7f');
+    }
+    const struct timespec times[2] = {old_stat.st_atim, old_stat.st_mtim};
+    REQUIRE(::utimensat(AT_FDCWD, path.c_str(), times, 0) == 0);
+    struct stat now;
+    REQUIRE(::stat(path.c_str(), &now) == 0);
+    REQUIRE(now.st_size == old_stat.st_size);  // only ctime tells the change
+    REQUIRE(now.st_mtim.tv_nsec == old_stat.st_mtim.tv_nsec);
+    CHECK_FALSE(LookupFileHash(path, cache));
+    const std::string after = *CachedHashFile(path, cache);
+    CHECK(after == *HashFile(path));
+    CHECK(after != before);
+  }
+  SECTION("replaced by a new file renamed into place (a new inode)") {
+    MakeFile(dir + "/new.h5", 3);
+    fs::rename(dir + "/new.h5", path);
+    CHECK_FALSE(LookupFileHash(path, cache));
+    CHECK(*CachedHashFile(path, cache) == *HashFile(path));
+  }
+  SECTION("moved: the same inode under another name") {
+    fs::rename(path, dir + "/moved.h5");
+    CHECK_FALSE(LookupFileHash(dir + "/moved.h5", cache));
+    CHECK(*CachedHashFile(dir + "/moved.h5", cache) == before);
+  }
+  SECTION("a damaged or foreign entry is ignored and replaced") {
+    for (const std::string& text : {std::string("garbage"), std::string(""),
+                                    testing::ReadFile(Entries(cache.dir)[0].string()) + "extra\n"}) {
+      testing::WriteFile(Entries(cache.dir)[0].string(), text);
+      CHECK_FALSE(LookupFileHash(path, cache));
+      CHECK(*CachedHashFile(path, cache) == before);
+      CHECK(LookupFileHash(path, cache) == before);
+    }
+    ForgeEntryHash(cache.dir, "not-a-hash");
+    CHECK_FALSE(LookupFileHash(path, cache));
+  }
+}
+
+TEST_CASE("hash cache: nothing is remembered for recent files, pipes, or without a folder",
+          "[hdf5][hash_cache]") {
+  const std::string dir = testing::ScratchDir("hash_cache_none");
+  const std::string path = MakeFile(dir + "/t.h5", 4);
+  // Changed within the last hour: a write in the same timestamp tick could go unseen, so no entry.
+  const HashCacheOptions recent{dir + "/cache", std::chrono::hours(1)};
+  CHECK(*CachedHashFile(path, recent) == *HashFile(path));
+  CHECK(Entries(recent.dir).empty());
+  CHECK_FALSE(LookupFileHash(path, recent));
+  // No folder: always hashed.
+  const HashCacheOptions none{"", milliseconds(0)};
+  Tick();
+  CHECK(*CachedHashFile(path, none) == *HashFile(path));
+  // A pipe is hashed through a buffer and never remembered.
+  const std::string fifo = dir + "/fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  std::thread writer([&] { std::ofstream(fifo, std::ios::binary) << testing::ReadFile(path); });
+  const HashCacheOptions cache{dir + "/cache2", milliseconds(0)};
+  auto piped = CachedHashFile(fifo, cache);
+  writer.join();
+  REQUIRE(piped.ok());
+  CHECK(*piped == *HashFile(path));
+  CHECK(Entries(cache.dir).empty());
+  // A missing file: HashFile's error, nothing written.
+  CHECK(CachedHashFile(dir + "/missing", cache).status().code() == StatusCode::kNotFound);
+  // A cache folder that cannot be made (a file is in the way): the hash all the same.
+  testing::WriteFile(dir + "/blocked", "x");
+  CHECK(*CachedHashFile(path, HashCacheOptions{dir + "/blocked/cache", milliseconds(0)}) == *HashFile(path));
+}
+
+TEST_CASE("hash cache: the folder comes from KVSIM_HASH_CACHE, XDG_CACHE_HOME or HOME",
+          "[hdf5][hash_cache]") {
+  ScopedEnv xdg("XDG_CACHE_HOME", "/x/cache"), home("HOME", "/home/u");
+  {
+    ScopedEnv v("KVSIM_HASH_CACHE", nullptr);
+    CHECK(HashCacheFromEnv().dir == "/x/cache/kvsim/trace-hashes");
+    CHECK(HashCacheFromEnv().min_age == std::chrono::seconds(2));
+    ScopedEnv no_xdg("XDG_CACHE_HOME", "");
+    CHECK(HashCacheFromEnv().dir == "/home/u/.cache/kvsim/trace-hashes");
+    ScopedEnv no_home("HOME", nullptr);
+    CHECK(HashCacheFromEnv().dir.empty());
+  }
+  {
+    ScopedEnv v("KVSIM_HASH_CACHE", "off");
+    CHECK(HashCacheFromEnv().dir.empty());
+  }
+  {
+    ScopedEnv v("KVSIM_HASH_CACHE", "/elsewhere");
+    CHECK(HashCacheFromEnv().dir == "/elsewhere");
+  }
+}
+
+TEST_CASE("HashBesideReplay takes a remembered hash and reads nothing beside the replay",
+          "[hdf5][hash_cache]") {
+  const std::string dir = testing::ScratchDir("hash_cache_beside");
+  const HashCacheOptions cache{dir + "/cache", milliseconds(0)};
+  ScopedEnv env("KVSIM_HASH_CACHE", cache.dir.c_str());
+  const std::string path = MakeFile(dir + "/t.h5", 5);
+  Tick();
+  REQUIRE(HashFileAndRemember(path, cache).ok());
+  ForgeEntryHash(cache.dir, kForged);
+  for (bool concurrent : {false, true}) {
+    std::string given = "unset";
+    auto h = HashBesideReplay(path, concurrent, [&](const std::string& g) {
+      given = g;
+      return Status::Ok();
+    });
+    REQUIRE(h.ok());
+    CHECK(*h == kForged);
+    CHECK(given == kForged);  // known before the replay: handed to it, as a serial hash is
+  }
+  // With the cache off, the file is read (the true hash).
+  ScopedEnv off("KVSIM_HASH_CACHE", "off");
+  CHECK(*HashBesideReplay(path, false, [](const std::string&) { return Status::Ok(); }) == *HashFile(path));
+}
+
+}  // namespace kvsim
