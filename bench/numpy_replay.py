@@ -324,7 +324,7 @@ def side_by_side(args, budgets):
     print(f"NumPy {np.__version__}, BLAS {blas}, {threads} threads; load average before: {os.getloadavg()[0]:.2f}")
     cache = os.environ.get("KVSIM_HASH_CACHE", "")
     print("kvsim's trace content hash: " + ("read in every run (KVSIM_HASH_CACHE=off)" if cache == "off" else
-          "remembered from an earlier read of the unchanged file (docs/cli.md, KVSIM_HASH_CACHE)"))
+          "read once, then remembered while the file is unchanged (docs/cli.md, KVSIM_HASH_CACHE)"))
     print(f"agreement: largest |kvsim - numpy| over {len(METRICS)} aggregates x {len(kv)} runs = {worst:.2e} "
           f"(tolerance {args.tolerance:g})")
     print()
