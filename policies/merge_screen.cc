@@ -1,6 +1,7 @@
 #include "policies/merge_screen.h"
 
 #include "policies/merge_screen_int16.h"
+#include "sim/cpu.h"
 
 // GCC 12 warns "may be used uninitialized" inside its own AVX-512 intrinsics (the _mm512_undefined_*
 // pass-through operands of the unmasked forms): a known false positive, silenced for this header only.
@@ -21,23 +22,9 @@
 namespace kvsim::merge_screen {
 namespace {
 
-bool CpuHasAvx2Fma() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
-
 bool CpuSupports() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
+  return CpuHas(CpuFeature::kAvx512f) && CpuHas(CpuFeature::kAvx512bw) && CpuHas(CpuFeature::kAvx512vl) &&
+         CpuHas(CpuFeature::kAvx512bf16);
 }
 
 bool EnvAllows() {
@@ -48,7 +35,7 @@ bool EnvAllows() {
 const bool kSupported = CpuSupports();
 const bool kEnvAllows = EnvAllows();
 std::atomic<bool> g_test_enabled{true};
-const bool kAvx2Fma = CpuHasAvx2Fma();
+const bool kAvx2Fma = CpuHas(CpuFeature::kAvx2) && CpuHas(CpuFeature::kFma);
 std::atomic<bool> g_test_avx2{true};
 
 // float -> bf16, round to nearest even (finite inputs; subnormals stay subnormal bf16, which vdpbf16ps

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "policies/merge_screen.h"
+#include "sim/cpu.h"
 
 // The bound. a = q̂ and b = t̂ are rows NearestByCosine normalised (finite, ‖·‖ ≤ N := 1 + 2^-20; see
 // merge_screen.cc (0)); a', b' are the fixed-point values the kernel multiplies, a'_k = round(a_k 2^14) /
@@ -40,15 +41,7 @@ constexpr double kErrUp = 1.0 + 0x1p-40;
 constexpr float kScale = 16384.0f;  // 2^kShift
 static_assert(kShift == 14, "kScale and the range argument assume 2^14");
 
-bool CpuSupports() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") != 0;
-#else
-  return false;
-#endif
-}
-const bool kSupported = CpuSupports();
+const bool kSupported = CpuHas(CpuFeature::kAvx2);
 std::atomic<bool> g_vector_pack{true};
 
 // round(x 2^14), nearest, ties to even (x 2^14 is exact: a power-of-two scaling of a float of size ≤ 2).

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <numeric>
 
+#include "sim/cpu.h"
 #include "sim/parallel.h"
 
 namespace kvsim {
@@ -145,10 +146,7 @@ size_t GatherWeightedAvx2(const float* p, const int32_t* tok, size_t n, const fl
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__FMA__)
 #define KVSIM_GATHER_AVX512 1
 #define KVSIM_AVX512F_TARGET __attribute__((target("avx512f")))
-const bool kGatherAvx512 = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") != 0;
-}();
+const bool kGatherAvx512 = CpuHas(CpuFeature::kAvx512f);
 std::atomic<bool> g_gather_avx512_allowed{true};
 
 // NV accumulators of 16 columns: a 128-column row in 8 zmm registers, one pass over the slots (the AVX2

@@ -7,6 +7,7 @@
 #include <functional>
 #include <numeric>
 
+#include "sim/cpu.h"
 #include "sim/status.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -36,10 +37,7 @@ namespace {
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVSIM_SELECT_AVX512 1
-const bool kSelectAvx512 = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") != 0;
-}();
+const bool kSelectAvx512 = CpuHas(CpuFeature::kAvx512f);
 std::atomic<bool> g_select_avx512_allowed{true};
 
 // The portable scan's result, 16 scores at a time: a comparison mask per block (the same ordered
@@ -88,10 +86,7 @@ __attribute__((target("avx512f"))) int TakeAboveAvx512(const float* scores, int 
 // The same scan on AVX2 (a CPU without AVX-512, e.g. Zen 3), 8 scores at a time: the ordered comparisons'
 // masks by movemask, the tail block's lanes past n masked off (maskload reads no memory for them), and the
 // taken indices compressed by a table of the set bits' places (a block's 8-bit mask -> 8 byte offsets).
-const bool kSelectAvx2 = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") != 0;
-}();
+const bool kSelectAvx2 = CpuHas(CpuFeature::kAvx2);
 std::atomic<bool> g_select_avx2_allowed{true};
 
 // kSetBits[m]: the places of m's set bits, ascending, one byte each (the rest 0).
@@ -137,8 +132,8 @@ __attribute__((target("avx2,popcnt"))) int CountAboveAvx2(const float* scores, i
   return above;
 }
 
-__attribute__((target("avx2,popcnt"))) int TakeAboveAvx2(const float* scores, int n, float tau, int ties, int most,
-                                                  int32_t* idx) {
+__attribute__((target("avx2,popcnt"))) int TakeAboveAvx2(const float* scores, int n, float tau, int ties,
+                                                         int most, int32_t* idx) {
   const __m256 t = _mm256_set1_ps(tau);
   int m = 0;
   for (int b = 0; b < n && m < most; b += 8) {

@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "sim/cpu.h"
 #include "sim/parallel.h"
 #include "sim/resources.h"
 #include "sim/sanitizers.h"
@@ -726,10 +727,7 @@ namespace {
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define KVSIM_FLETCHER_AVX2 1
-const bool kFletcherAvx2 = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") != 0;
-}();
+const bool kFletcherAvx2 = CpuHas(CpuFeature::kAvx2);
 std::atomic<bool> g_fletcher_avx2_allowed{true};
 
 // HdfFletcher32's blocks of kM = 1024 whole words from word 0, 16 words (32 bytes) per step: returns the
