@@ -767,14 +767,15 @@ void Merger::KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> k
   count.assign(slots, 0);
   for (int i = 0; i < e; ++i)
     if (join_slot[i] >= 0) ++count[join_slot[i]];
-  std::vector<int> first(slots, -1);  // row of each joined slot in the flat sums
+  thread_local std::vector<int> first;  // row of each joined slot in the flat sums
+  first.assign(slots, -1);
   int rows = 0;
   for (int s = 0; s < slots; ++s)
     if (count[s] > 0) first[s] = rows++;
+  // A row's first member writes 0.0f + c k (the sum's first addition, from +0: no zero fill first; the
+  // addition stays, as -0 + +0 is +0), later members add to it.
   float* sk = Scratch(k_buf, static_cast<size_t>(rows) * d);
   float* sv = Scratch(v_buf, static_cast<size_t>(rows) * d);
-  std::fill(sk, sk + static_cast<size_t>(rows) * d, 0.0f);
-  std::fill(sv, sv + static_cast<size_t>(rows) * d, 0.0f);
   std::vector<std::vector<std::pair<int32_t, float>>> members(rows);
   for (int s = 0; s < slots; ++s)
     if (count[s] > 0) members[first[s]].reserve(count[s]);
@@ -786,9 +787,16 @@ void Merger::KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> k
     float* rv = sv + static_cast<size_t>(r) * d;
     const float* k = OriginalKey(ctx, evicted[i]);
     const float* v = OriginalValue(ctx, evicted[i]);
-    for (int j = 0; j < d; ++j) {
-      rk[j] += c * k[j];
-      rv[j] += c * v[j];
+    if (members[r].empty()) {
+      for (int j = 0; j < d; ++j) {
+        rk[j] = 0.0f + c * k[j];
+        rv[j] = 0.0f + c * v[j];
+      }
+    } else {
+      for (int j = 0; j < d; ++j) {
+        rk[j] += c * k[j];
+        rv[j] += c * v[j];
+      }
     }
     members[r].emplace_back(evicted[i], c);
   }
@@ -804,7 +812,8 @@ bool Merger::Join(const HeadContext& ctx, std::span<const int32_t> tokens, const
                   std::vector<int>* slot, std::vector<float>* coef, bool memo) const {
   if (strategy_ == policy::NO_MERGE || tokens.empty() || cache.size() == 0) return false;
   const int d = ctx.head_dim(), slots = cache.size(), e = static_cast<int>(tokens.size());
-  std::vector<const float*> targets(slots), x(e);  // the keys in place: NearestByCosine normalises copies
+  thread_local std::vector<const float*> targets, x;  // the keys in place: NearestByCosine normalises copies
+  targets.resize(slots), x.resize(e);
   for (int s = 0; s < slots; ++s)
     targets[s] = cache.is_merged(s) ? cache.merged(s).key.data() : OriginalKey(ctx, cache.token(s));
   for (int i = 0; i < e; ++i) x[i] = OriginalKey(ctx, tokens[i]);

@@ -264,6 +264,7 @@ struct WorkerScratch {
   // weights and member sums (entries of masked slots are not written): MergedSlotSums' input.
   std::vector<int32_t> step_mslot;
   std::vector<float> step_mw;
+  std::vector<float> step_dot;  // the step's dots with the merged keys (outside a block)
   std::vector<double> step_members;
 };
 
@@ -464,6 +465,71 @@ MergedSlotSumsResult MergedSlotSums(const int32_t* tk, int slots, const float* p
 #endif
   r.visible = visible;
   return r;
+}
+
+// MergedWeights (replay.h). Why the AVX2 path returns std::exp's float, for x = double(tf(dot)) - lse in
+// [-87, 80] (everything else goes to std::exp):
+// - Reduction: k = round(fl(x log2 e)), |k| <= 126, and r = x - k ln2 as r1 = x - k L1 (one fused
+//   operation, exact: L1 = 0x1.62e42feep-1 has 32 significant bits, so k L1 is a multiple of 2^-33, x one of
+//   2^-54 when k != 0 (|x| > 0.34), and |x - k L1| < 0.35 < 2^-1: 53 bits) then r = fl(r1 - k L2): error
+//   <= 2^-55 + 126 |ln2 - L1 - L2| < 2^-54.9, |r| < 0.3466.
+// - e^r by the Taylor polynomial of degree 13 in Horner form with fused multiply-adds: truncation
+//   <= 0.35^14 e^0.35 / 14! < 2^-57; rounding <= u Σ_i |r|^i q_i (q_i <= e^0.35 / i!: the partial Horner
+//   values) < 1.95 u, u = 2^-53; the coefficients' rounding (1/n!, n >= 3) < 0.01 u. So
+//   |p - e^r| < 2^-52 with p >= 0.7: relative < 1.43·2^-52, plus the reduction's 2^-54.9 < 0.14·2^-52.
+// - y = p 2^k is exact (k in [-126, 116]: normal doubles) and |y - e^x| < 1.6·2^-52 y <= 3.2 ulp(y).
+// glibc's exp is within 1 ulp of e^x (0.51 ulp in its source; libm-test-ulps lists at most 1). The float
+// nearest y changes only at a midpoint between two floats, where y's 29 bits below the float's 24 are
+// 2^28; if they differ from 2^28 by more than 64 (y's ulps), every double within 60 ulp of y (e^x and
+// glibc's value among them; a midpoint is 2^28 ulp from a binade's ends) rounds to the same float: that
+// of y, as _mm256_cvtpd_ps rounds (to nearest, like static_cast<float>). [-87, 80] keeps e^x a normal
+// float (>= 2^-126 > e^-87.4, < 2^127). Lanes within 64 ulp of a midpoint call std::exp.
+void MergedWeights(const float* dots, int n, const LogitTransform& tf, float lse, float* out) {
+  int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!(tf.softcap > 0)) {  // tf(dot) = dot * scale, in float
+    const __m128 scale = _mm_set1_ps(tf.scale);
+    const __m256d l = _mm256_set1_pd(static_cast<double>(lse));
+    const __m256d lo = _mm256_set1_pd(-87.0), hi = _mm256_set1_pd(80.0), zero = _mm256_setzero_pd();
+    const __m256d log2e = _mm256_set1_pd(0x1.71547652b82fep0);
+    const __m256d l1 = _mm256_set1_pd(0x1.62e42feep-1), l2 = _mm256_set1_pd(0x1.a39ef35793c76p-33);
+    // 1/n!, n = 13 .. 2 (rounded to double), then 1 and 1.
+    static constexpr double kC[12] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0,
+                                      1.0 / 3628800.0,    1.0 / 362880.0,    1.0 / 40320.0,
+                                      1.0 / 5040.0,       1.0 / 720.0,       1.0 / 120.0,
+                                      1.0 / 24.0,         1.0 / 6.0,         0.5};
+    const __m256i low_mask = _mm256_set1_epi64x((int64_t{1} << 29) - 1);
+    const __m256i near0 = _mm256_set1_epi64x((int64_t{1} << 28) - 64), width = _mm256_set1_epi64x(128);
+    const __m256i bias = _mm256_set1_epi64x(1023);
+    for (; j + 4 <= n; j += 4) {
+      const __m256d x = _mm256_sub_pd(_mm256_cvtps_pd(_mm_mul_ps(_mm_loadu_ps(dots + j), scale)), l);
+      const __m256d in = _mm256_and_pd(_mm256_cmp_pd(x, lo, _CMP_GE_OQ), _mm256_cmp_pd(x, hi, _CMP_LE_OQ));
+      const __m256d xc = _mm256_blendv_pd(zero, x, in);
+      const __m256d kd =
+          _mm256_round_pd(_mm256_mul_pd(xc, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m256d r = _mm256_fnmadd_pd(kd, l1, xc);
+      r = _mm256_fnmadd_pd(kd, l2, r);
+      __m256d p = _mm256_set1_pd(kC[0]);
+      for (int c = 1; c < 12; ++c) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(kC[c]));
+      p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+      p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+      const __m256i k = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(kd));
+      const __m256d y =
+          _mm256_mul_pd(p, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(k, bias), 52)));
+      // Safe lanes: in range and the low 29 bits outside [2^28 - 64, 2^28 + 64].
+      const __m256i t = _mm256_sub_epi64(_mm256_and_si256(_mm256_castpd_si256(y), low_mask), near0);
+      const __m256i far =
+          _mm256_or_si256(_mm256_cmpgt_epi64(t, width), _mm256_cmpgt_epi64(_mm256_setzero_si256(), t));
+      const int safe = _mm256_movemask_pd(_mm256_and_pd(in, _mm256_castsi256_pd(far)));
+      _mm_storeu_ps(out + j, _mm256_cvtpd_ps(y));
+      if (safe != 0xF)
+        for (int i = 0; i < 4; ++i)
+          if (!(safe >> i & 1))
+            out[j + i] = static_cast<float>(std::exp(static_cast<double>(tf(dots[j + i])) - lse));
+    }
+  }
+#endif
+  for (; j < n; ++j) out[j] = static_cast<float>(std::exp(static_cast<double>(tf(dots[j])) - lse));
 }
 
 namespace {
@@ -909,7 +975,7 @@ class LayerPass {
     }
     KVSIM_CHECK(c == mm);
     ws.mdot.resize(static_cast<size_t>(group) * rows * mm);
-    ws.mw.assign(ws.mdot.size(), 0.0f);
+    ws.mw.resize(ws.mdot.size());  // no zero fill: Step writes every entry of the rows a flush reads
     EnsureSingleThreadedBlas();
     for (int g = 0; g < group; ++g)
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, mm, d, 1.0f, DecodeQuery(u * group + g, t),
@@ -1286,6 +1352,7 @@ class LayerPass {
     }
     if (static_cast<int>(ws.step_mw.size()) < num_merged) {
       ws.step_mw.resize(num_merged);
+      ws.step_dot.resize(num_merged);
       ws.step_members.resize(num_merged);
     }
     // A prefix-closed step of a run whose policy does not read its attention: its sums later, with the
@@ -1309,22 +1376,57 @@ class LayerPass {
         visible = PlainSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, cp, rm);
         retained = CombineSlotSums(rm, ret_mod);
         wsum = covered = retained;
+      } else if (bulk) {
+        // In a block the step's dots, weights and member sums are rows of ws.mdot, ws.mw and ws.msum: the
+        // weights are written in place (all at once, MergedWeights; masked slots get 0) and
+        // MergedSlotSums reads all three there (the same values as the per-step path below).
+        const float* dots = ws.mdot.data() + g * mrows + mrow0;
+        float* mw = ws.mw.data() + g * mrows + mrow0;
+        int masked = 0;
+        if (first > 0)
+          for (int j = 0; j < num_merged; ++j) masked += tokens[mslot[j]] < first;
+        if (masked == 0) {
+          MergedWeights(dots, num_merged, tf, lse, mw);
+        } else {
+          MergedWeights(dots, num_merged, tf, lse, ws.step_mw.data());
+          for (int j = 0; j < num_merged; ++j)  // outside a sliding window: masked, weight 0
+            mw[j] = tokens[mslot[j]] >= first ? ws.step_mw[j] : 0.0f;
+        }
+        if (masked < num_merged && !ws.has_extra[t]) {
+          if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
+          ws.has_extra[t] = 1;
+        }
+        const MergedSlotSumsResult sums =
+            MergedSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, mslot, num_merged,
+                           mw, msum + static_cast<size_t>(g) * kMemberChunk * mm, cp);
+        wsum = sums.wsum;
+        retained = sums.retained;
+        anchor = sums.anchor;
+        covered = sums.covered;
+        merged_w = sums.merged_w;
+        merged_mass = sums.merged_mass;
+        std::copy_n(sums.ret_mod, 4, ret_mod);
+        visible = sums.visible;
       } else {
-        // First the merged slots alone (their dots, weights, member sums and output contributions: every
-        // call of the step), then the sums over all slots in slot order (MergedSlotSums: no calls, the sums
-        // in registers), which adds the same values in the same order as one loop doing both did.
+        // Per step (the cache changed since the previous step): first the merged slots alone (their dots,
+        // weights, member sums and output contributions: every call of the step), then the sums over all
+        // slots in slot order (MergedSlotSums: no calls, the sums in registers), which adds the same values
+        // in the same order as one loop doing both did. The weights all at once (MergedWeights; masked
+        // slots' dots are 0 and their weights never read).
+        for (int j = 0; j < num_merged; ++j) {
+          const int s = mslot[j];
+          ws.step_dot[j] = tokens[s] < first ? 0.0f : Dot(DecodeQuery(qh, t), cache.merged(s).key.data(), d);
+        }
+        MergedWeights(ws.step_dot.data(), num_merged, tf, lse, ws.step_mw.data());
         for (int j = 0; j < num_merged; ++j) {
           const int s = mslot[j];
           if (tokens[s] < first) continue;  // outside a sliding window: masked
           const MergedSlot& ms = cache.merged(s);
-          const float dot = bulk ? ws.mdot[g * mrows + mrow0 + j] : Dot(DecodeQuery(qh, t), ms.key.data(), d);
-          const float wgt = static_cast<float>(std::exp(static_cast<double>(tf(dot)) - lse));
-          // Σ p over the members: in a block from MemberSums (the same additions in the same order), else
-          // here with four independent partial sums in registers (no serial dependency chain).
+          const float wgt = ws.step_mw[j];
+          // Σ p over the members with four independent partial sums in registers (no serial dependency
+          // chain).
           double members;
-          if (bulk) {
-            members = msum[static_cast<size_t>(g) * kMemberChunk * mm + j];
-          } else {
+          {
             const auto* mem = ms.members.data();
             const size_t nm = ms.members.size();
             float m0 = 0, m1 = 0, m2 = 0, m3 = 0;
@@ -1338,21 +1440,15 @@ class LayerPass {
             for (; i < nm; ++i) m0 += p[mem[i].first];
             members = (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
           }
-          ws.step_mw[j] = wgt;
           ws.step_members[j] = members;
-          // The merged value is no original row: its contribution is added to the step's output here (in
-          // a block: its weight is kept, and FlushMergedBlock adds all steps' contributions at once).
+          // The merged value is no original row: its contribution is added to the step's output here.
           if (!ws.has_extra[t]) {
             if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
             ws.has_extra[t] = 1;
           }
-          if (bulk) {
-            ws.mw[g * mrows + mrow0 + j] = wgt;
-          } else {
-            float* ex = &ws.extra[(static_cast<size_t>(g) * steps + t) * d];
-            const float* v = ms.value.data();
-            for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
-          }
+          float* ex = &ws.extra[(static_cast<size_t>(g) * steps + t) * d];
+          const float* v = ms.value.data();
+          for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
         }
         const MergedSlotSumsResult sums =
             MergedSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, mslot, num_merged,

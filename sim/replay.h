@@ -125,6 +125,15 @@ MergedSlotSumsResult MergedSlotSums(const int32_t* tk, int slots, const float* p
                                     int first, const int32_t* merged, int num_merged, const float* mw,
                                     const double* members, float* cp);
 
+// The merged slots' attention weights of one step: out[j] = static_cast<float>(std::exp(
+// static_cast<double>(tf(dots[j])) - lse)) for j in [0, n), bit for bit (issue 14, round 12). With AVX2 and
+// FMA, four at a time: a double exp of known error (at most 4 ulp) whose float rounding is the float
+// rounding of every value within 64 ulp of it, glibc's exp among them (it is within 1 ulp of e^x), except
+// when it lies within 64 ulp of a float rounding boundary or x is outside [-87, 80]: those (about one in
+// 4 million on random inputs) call std::exp. The proof is at the function (replay.cc).
+struct LogitTransform;
+void MergedWeights(const float* dots, int n, const LogitTransform& tf, float lse, float* out);
+
 // Replays all runs; one RunResult per run, in order.
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options);

@@ -2589,4 +2589,71 @@ TEST_CASE("replay: the merged-slot sums add in slot order, as the per-slot loop 
   CHECK(cases == 8 * 5 * 2 * 2);
 }
 
+// MergedWeights against the formula it replaces, bit for bit: random steps' dots, the ends of its vector
+// range, values outside it (NaN, infinities, subnormal and overflowing weights) and weights within a few
+// ulp of a midpoint between two floats (where the vector path must hand the lane to std::exp).
+TEST_CASE("MergedWeights: the float of std::exp, bit for bit", "[replay]") {
+  auto check = [](const std::vector<float>& dots, const LogitTransform& tf, float lse) {
+    std::vector<float> got(dots.size());
+    MergedWeights(dots.data(), static_cast<int>(dots.size()), tf, lse, got.data());
+    int bad = 0;
+    for (size_t j = 0; j < dots.size(); ++j) {
+      const float want = static_cast<float>(std::exp(static_cast<double>(tf(dots[j])) - lse));
+      if (std::bit_cast<uint32_t>(got[j]) != std::bit_cast<uint32_t>(want)) ++bad;
+    }
+    return bad;
+  };
+  std::mt19937 rng(12);
+  const LogitTransform tf(1.0f / std::sqrt(128.0f), 0.0f);
+  for (int rep = 0; rep < 200; ++rep) {
+    std::normal_distribution<float> dot(0.0f, rep % 2 ? 30.0f : 300.0f);
+    std::uniform_real_distribution<float> lse(-20.0f, 60.0f);
+    std::vector<float> dots(1000 + rep % 7);
+    for (float& x : dots) x = dot(rng);
+    REQUIRE(check(dots, tf, lse(rng)) == 0);
+  }
+  // The range's ends and beyond.
+  const LogitTransform one(1.0f, 0.0f);
+  std::vector<float> ends;
+  for (float x : {-87.0f, 80.0f, -87.33f, -88.0f, -103.0f, -104.0f, -150.0f, -800.0f, 80.5f, 88.7f, 88.8f,
+                  100.0f, 800.0f, 0.0f, -0.0f, 1e-30f, -1e-30f})
+    for (int i = -3; i <= 3; ++i) {
+      float y = x;
+      for (int k = 0; k < std::abs(i); ++k) y = std::nextafter(y, i < 0 ? -1e9f : 1e9f);
+      ends.push_back(y);
+    }
+  for (float x : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                  -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::denorm_min()})
+    ends.push_back(x);
+  REQUIRE(check(ends, one, 0.0f) == 0);
+  REQUIRE(check(ends, tf, 3.5f) == 0);
+  // Near midpoints: x = a - b ≈ ln m (a the float nearest ln m, b the float nearest a - ln m), so e^x is
+  // within a few double ulp of the midpoint m between two floats.
+  std::uniform_real_distribution<double> unit(0.3, 3.0);
+  int n = 0;
+  for (int rep = 0; rep < 100; ++rep) {
+    std::vector<float> dots;
+    std::vector<float> lses;
+    for (int i = 0; i < 1000; ++i) {
+      const float f = static_cast<float>(unit(rng));
+      const long double m = (static_cast<long double>(f) + std::nextafter(f, 10.0f)) / 2;
+      const long double lm = std::log(m);
+      const float a = static_cast<float>(lm);
+      dots.push_back(a);
+      lses.push_back(static_cast<float>(a - lm));
+    }
+    // One lse per call: group the dots by theirs.
+    for (int i = 0; i < 1000; ++i) {
+      std::vector<float> d4(4, dots[i]);  // a whole vector lane group
+      n += check(d4, one, lses[i]);
+    }
+  }
+  REQUIRE(n == 0);
+  // A soft-capped transform takes the scalar path.
+  std::vector<float> dots(37);
+  for (float& x : dots) x = std::normal_distribution<float>(0.0f, 30.0f)(rng);
+  REQUIRE(check(dots, LogitTransform(0.1f, 30.0f), 2.0f) == 0);
+}
+
 }  // namespace kvsim
