@@ -418,7 +418,6 @@ void TopKSums::Clear() {
   rows_.clear();
   elems_used_ = 0;  // elems_ keeps its size: rows overwrite what they use
   cc_.clear();
-  cs_.clear();
   tail_.clear();
   tailv_.clear();
 }
@@ -427,7 +426,6 @@ void TopKSums::Reserve(int rows, size_t values) {
   rows_.reserve(rows);
   elems_.reserve(values);
   cc_.reserve(static_cast<size_t>(rows) * 512);  // 31 binades x 16 buckets and a margin per row
-  cs_.reserve(static_cast<size_t>(rows) * 512);
 }
 
 namespace {
@@ -435,7 +433,95 @@ namespace {
 // numbered by the bit pattern's top bits (u >> kBucketShift: 0 .. kTopBuckets - 1 for non-negative floats).
 constexpr int kSubBits = 4, kBucketShift = 23 - kSubBits, kTopBuckets = 1 << (31 - kBucketShift);
 // Sum's second level in a bucket of more than kSplitMin values: sub-buckets by the next kSubBits bits.
-constexpr int kSubShift = kBucketShift - kSubBits, kSplitMin = 48;
+constexpr int kSubShift = kBucketShift - kSubBits, kSplitMin = 8;
+constexpr int kGroups = TopKSums::kGroups, kGroupGap = 8;
+
+// One pass over a row's values for the top-k sums: returns the sum (in double) of the values whose bit
+// pattern without the sign is at least `from` (<= 2^31; 0 for the others: adding +0 changes no bit), and,
+// when `scratch` is given, writes the values of bucket `bucket` (bit patterns with u >> kBucketShift equal to
+// it) to its front in index order (the caller knows how many: the bucket's count; scratch is not shrunk). The
+// caller sums only values >= 2^L: every partial sum is then exact, so the result is the exact sum whatever
+// the order (lanes, blocks): the AVX2 and the portable loops give the same bits.
+double SumFromAndGather(const float* v, size_t n, uint32_t from, uint32_t bucket,
+                        std::vector<float>* scratch) {
+  size_t i = 0, m = 0;
+  float* out = nullptr;
+  if (scratch) {  // room for the AVX2 loop's whole-block stores; it only grows (no zero fill per call)
+    if (scratch->size() < n + 8) scratch->resize(n + 8);
+    out = scratch->data();
+  }
+  double s[4] = {};
+#if defined(__AVX2__)
+  {
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff), lim = _mm256_set1_epi32(static_cast<int>(from - 1)),
+                  bk = _mm256_set1_epi32(static_cast<int>(bucket));
+    __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 f = _mm256_loadu_ps(v + i);
+      const __m256i u = _mm256_and_si256(_mm256_castps_si256(f), absm);
+      const __m256 fm =
+          _mm256_and_ps(f, _mm256_castsi256_ps(_mm256_cmpgt_epi32(u, lim)));  // u < 2^31: signed; from 0: -1
+      acc0 = _mm256_add_pd(acc0, _mm256_cvtps_pd(_mm256_castps256_ps128(fm)));
+      acc1 = _mm256_add_pd(acc1, _mm256_cvtps_pd(_mm256_extractf128_ps(fm, 1)));
+      if (out) {
+        const unsigned eq = static_cast<unsigned>(_mm256_movemask_ps(
+            _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_srli_epi32(u, kBucketShift), bk))));
+        const __m256i at = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kSetBits.at[eq])));
+        _mm256_storeu_ps(out + m, _mm256_permutevar8x32_ps(f, at));  // no branch: it would mispredict
+        m += __builtin_popcount(eq);
+      }
+    }
+    _mm256_storeu_pd(s, _mm256_add_pd(acc0, acc1));
+  }
+#endif
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &v[i], 4);
+    u &= 0x7fffffffu;
+    s[i & 3] += u >= from ? static_cast<double>(v[i]) : 0.0;
+    if (out && (u >> kBucketShift) == bucket) out[m++] = v[i];
+  }
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+// Copies the values of each group g < ng (bit patterns without the sign in [from[g], from[g - 1]), from[-1]
+// = 2^31; from descending) to out + cc[gend[g]] + kGroupGap * g on, in index order: the AVX2 loop stores
+// whole blocks of 8, so each group has 8 spare places after it (`out` too, after the last).
+void KeepGroups(const float* v, size_t n, int ng, const uint32_t* from, const int32_t* cc, const int* gend,
+                float* out) {
+  size_t m[kGroups];
+  for (int g = 0; g < ng; ++g) m[g] = static_cast<size_t>(cc[gend[g]] + kGroupGap * g);
+  size_t i = 0;
+#if defined(__AVX2__)
+  const __m256i absm = _mm256_set1_epi32(0x7fffffff);
+  __m256i lim[kGroups];
+  for (int g = 0; g < ng; ++g) lim[g] = _mm256_set1_epi32(static_cast<int>(from[g] - 1));
+  for (; i + 8 <= n; i += 8) {
+    const __m256 f = _mm256_loadu_ps(v + i);
+    const __m256i u = _mm256_and_si256(_mm256_castps_si256(f), absm);
+    unsigned prev = 0;
+    for (int g = 0; g < ng; ++g) {
+      const unsigned ge =
+          static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(u, lim[g]))));
+      const unsigned take = ge & ~prev;
+      prev = ge;
+      const __m256i at = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kSetBits.at[take])));
+      _mm256_storeu_ps(out + m[g], _mm256_permutevar8x32_ps(f, at));
+      m[g] += static_cast<size_t>(__builtin_popcount(take));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &v[i], 4);
+    u &= 0x7fffffffu;
+    for (int g = 0; g < ng; ++g)
+      if (u >= from[g]) {
+        out[m[g]++] = v[i];
+        break;
+      }
+  }
+}
 }  // namespace
 
 double TopKSums::AddRow(std::span<const float> values, int kmax) {
@@ -445,30 +531,44 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   row.elem = elems_used_;
   row.bucket = cc_.size();
   row.tail = tail_.size();
-  // An upper bound of the sum (as SortForDescendingSums), the sign check, the largest and smallest value:
-  // four lanes, lane l adding values[i + l] of every group of four in index order (then the tail to lane 0).
+  // An upper bound of the sum (as SortForDescendingSums), the sign check, the largest and smallest value
+  // and the smallest nonzero value (the minimum of u - 1: a zero wraps to the largest): four lanes, lane l
+  // adding values[i + l] of every group of four in index order (then the tail to lane 0).
   double s4[4] = {};
-  uint32_t neg4[4] = {}, umax4[4] = {}, umin4[4] = {0x7fffffffu, 0x7fffffffu, 0x7fffffffu, 0x7fffffffu};
+  uint32_t neg4[4] = {}, umax4[4] = {}, umin4[4] = {0x7fffffffu, 0x7fffffffu, 0x7fffffffu, 0x7fffffffu},
+           unz4[4] = {~0u, ~0u, ~0u, ~0u};
   size_t i = 0;
 #if defined(__AVX2__)
   {  // the same lanes in registers (GCC does not vectorise the loop below: float to double, mixed types)
-    __m256d acc = _mm256_setzero_pd();
-    __m128i vneg = _mm_setzero_si128(), vmax = _mm_setzero_si128(), vmin = _mm_set1_epi32(0x7fffffff);
-    const __m128i abs = _mm_set1_epi32(0x7fffffff), sign = _mm_set1_epi32(static_cast<int>(0x80000000u));
-    for (; i + 4 <= n; i += 4) {
-      const __m128 f = _mm_loadu_ps(&values[i]);
+    __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd();
+    __m128i vneg = _mm_setzero_si128(), vmax = _mm_setzero_si128(), vmin = _mm_set1_epi32(0x7fffffff),
+            vnz = _mm_set1_epi32(-1);
+    const __m128i abs = _mm_set1_epi32(0x7fffffff), sign = _mm_set1_epi32(static_cast<int>(0x80000000u)),
+                  one = _mm_set1_epi32(1);
+    auto block = [&](size_t at, __m256d& sum) {
+      const __m128 f = _mm_loadu_ps(&values[at]);
       const __m128i u = _mm_castps_si128(f);
       // u > 0x80000000 unsigned <=> (u ^ 0x80000000) > 0 signed
       vneg = _mm_or_si128(vneg, _mm_cmpgt_epi32(_mm_xor_si128(u, sign), _mm_setzero_si128()));
       const __m128i a = _mm_and_si128(u, abs);
       vmax = _mm_max_epu32(vmax, a);
       vmin = _mm_min_epu32(vmin, a);
-      acc = _mm256_add_pd(acc, _mm256_cvtps_pd(f));
+      vnz = _mm_min_epu32(vnz, _mm_sub_epi32(a, one));
+      sum = _mm256_add_pd(sum, _mm256_cvtps_pd(f));
+    };
+    for (; i + 8 <= n; i += 8) {  // two chains of additions
+      block(i, acc);
+      block(i + 4, acc2);
     }
-    _mm256_storeu_pd(s4, acc);
+    if (i + 4 <= n) {
+      block(i, acc);
+      i += 4;
+    }
+    _mm256_storeu_pd(s4, _mm256_add_pd(acc, acc2));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(neg4), vneg);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(umax4), vmax);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(umin4), vmin);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(unz4), vnz);
   }
 #else
   for (; i + 4 <= n; i += 4)
@@ -479,12 +579,14 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
       u &= 0x7fffffffu;
       umax4[l] = std::max(umax4[l], u);
       umin4[l] = std::min(umin4[l], u);
+      unz4[l] = std::min(unz4[l], u - 1);
       s4[l] += values[i + l];
     }
 #endif
   uint32_t negative = (neg4[0] | neg4[1]) | (neg4[2] | neg4[3]);
   uint32_t umax = std::max(std::max(umax4[0], umax4[1]), std::max(umax4[2], umax4[3]));
   uint32_t umin = std::min(std::min(umin4[0], umin4[1]), std::min(umin4[2], umin4[3]));
+  uint32_t unz = std::min(std::min(unz4[0], unz4[1]), std::min(unz4[2], unz4[3]));
   for (; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, &values[i], 4);
@@ -492,18 +594,15 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
     u &= 0x7fffffffu;
     umax = std::max(umax, u);
     umin = std::min(umin, u);
+    unz = std::min(unz, u - 1);
     s4[0] += values[i];
   }
-  // Per bucket (absolute: by the value's top bits, so before 2^L is known) the count and sum, for the two
-  // halves of the row separately ([0, h) and [h, n)): two independent chains of increments instead of one
-  // whose every increment of a repeated bucket waits on the previous one's store. The buckets at or above
-  // 2^L (a normal power of two: a bucket boundary) hold the big values, and their sums are exact (any
-  // order, any split); the sums of lower buckets are not, and not used. The bucket arrays are kept zero
+  // Per bucket (absolute: by the value's top bits, so before 2^L is known) the count, for the two halves of
+  // the row separately ([0, h) and [h, n)): two independent chains of increments instead of one whose every
+  // increment of a repeated bucket waits on the previous one's store. The bucket arrays are kept zero
   // between rows (a failed check aborts): only [umin's bucket, umax's bucket] is cleared after use.
   thread_local std::vector<int32_t> count0(kTopBuckets, 0), count1(kTopBuckets, 0);
-  thread_local std::vector<double> bsum0(kTopBuckets, 0.0), bsum1(kTopBuckets, 0.0);
   int32_t *cnt0 = count0.data(), *cnt1 = count1.data();
-  double *bs0 = bsum0.data(), *bs1 = bsum1.data();
   const size_t h = n / 2;
   auto bucket = [&](size_t at) {
     uint32_t u;
@@ -511,17 +610,10 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
     return (u & 0x7fffffffu) >> kBucketShift;
   };
   for (i = 0; i < h; ++i) {
-    const uint32_t b0 = bucket(i), b1 = bucket(h + i);
-    ++cnt0[b0];
-    bs0[b0] += values[i];
-    ++cnt1[b1];
-    bs1[b1] += values[h + i];
+    ++cnt0[bucket(i)];
+    ++cnt1[bucket(h + i)];
   }
-  if (n % 2) {
-    const uint32_t b1 = bucket(n - 1);
-    ++cnt1[b1];
-    bs1[b1] += values[n - 1];
-  }
+  if (n % 2) ++cnt1[bucket(n - 1)];
   const uint32_t hi = umax >> kBucketShift, bmin = n > 0 ? umin >> kBucketShift : hi;
   KVSIM_CHECK_MSG(!negative, "TopKSums: values must be non-negative");
   const double sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
@@ -538,52 +630,63 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   const uint32_t lo = ubig >> kBucketShift;
   const int nb = umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
   row.nb = nb;
-  // The cumulative counts and sums (exact), and every bucket's first place, the buckets below 2^L after
-  // the big ones (their places are scratch beyond the row's big values: the scatter needs no branch).
+  row.hi = hi;
+  // The cumulative counts.
   cc_.resize(row.bucket + nb + 1);
-  cs_.resize(row.bucket + nb + 1);
   int32_t* cc = cc_.data() + row.bucket;
-  double* cs = cs_.data() + row.bucket;
-  int32_t run_count = 0;  // running values in registers (cc and cnt may alias as far as the compiler knows)
-  double run_sum = 0;
+  int32_t run_count = 0;  // in a register (cc and cnt may alias as far as the compiler knows)
   cc[0] = 0;
-  cs[0] = 0;
   for (int j = 0; j < nb; ++j) {
     run_count += cnt0[hi - j] + cnt1[hi - j];
-    run_sum += bs0[hi - j] + bs1[hi - j];
     cc[j + 1] = run_count;
-    cs[j + 1] = run_sum;
   }
-  const int nbig = cc[nb];
-  int32_t place = 0;
-  for (uint32_t b = hi + 1; b-- > bmin;) {  // now: each half's next free place in the bucket
-    const int32_t c0 = cnt0[b], c1 = cnt1[b];
-    cnt0[b] = place;
-    cnt1[b] = place + c0;
-    place += c0 + c1;
-  }
-  // The scatter: the big values by bucket (and the others into the scratch places after them), each
-  // bucket's values in index order (the first half's places come first), as one sequential scatter puts
-  // them.
-  if (nbig > 0) {
-    // Scratch places only when a value is below 2^L. elems_ only grows (its size is a high-water mark, so a
-    // row's places are not zero-filled again and again as they were by growing and shrinking it per row).
-    const size_t need = row.elem + (umin < ubig ? n : nbig);
-    if (elems_.size() < need) elems_.resize(need);
-    float* el = elems_.data() + row.elem;
-    for (i = 0; i < h; ++i) {
-      el[cnt0[bucket(i)]++] = values[i];
-      el[cnt1[bucket(h + i)]++] = values[h + i];
+  // The values Sum and Kth may need: those of the buckets down to the one holding the min(kmax, |big|)-th
+  // largest value (none at kmax 0; Kth answers nothing below). elems_ only grows (its size is a high-water
+  // mark, so a row's places are not zero-filled again and again).
+  const int nbig = cc[nb], want = std::min(kmax, nbig);
+  int jc = 0;
+  while (jc < nb && cc[jc + 1] < want) ++jc;
+  const int kept = want > 0 ? cc[jc + 1] : 0;
+  row.kept = kept;
+  // The kept values in up to kGroups groups of whole buckets, from the top: group g ends at the first
+  // bucket boundary holding at least kept / 2^(kGroups - 1 - g) values (so a group holds about as many
+  // values as the groups above it together: Sum reads one group, ~k values or fewer, instead of the
+  // whole row). Each group's values in index order, by a branch-free compress per group; and the exact
+  // sums of the groups above each (values >= 2^L: every sum of them is exact).
+  row.ngroups = 0;
+  row.gend[0] = 0;
+  row.gsum[0] = 0;
+  if (kept > 0) {
+    const size_t room = static_cast<size_t>(kept) + kGroupGap * kGroups;
+    if (elems_.size() < row.elem + room) elems_.resize(row.elem + room);
+    int ng = 0, jb = 0;
+    for (int g = 0; g < kGroups; ++g) {
+      const int target = g == kGroups - 1 ? kept : std::max(1, kept >> (kGroups - 1 - g));
+      while (cc[jb] < target) ++jb;  // the first boundary holding at least `target` values
+      if (jb > row.gend[ng]) row.gend[++ng] = jb;
     }
-    if (n % 2) el[cnt1[bucket(n - 1)]++] = values[n - 1];
-    elems_used_ = row.elem + nbig;
+    row.ngroups = ng;
+    elems_used_ = row.elem + kept + kGroupGap * ng;
+    uint32_t from[kGroups];  // group g: the patterns in [from[g], from[g - 1])
+    for (int g = 0; g < ng; ++g) from[g] = (hi - static_cast<uint32_t>(row.gend[g + 1] - 1)) << kBucketShift;
+    float* el = elems_.data() + row.elem;
+    KeepGroups(values.data(), n, ng, from, cc, row.gend, el);
+    for (int g = 0; g < ng; ++g) {
+      const int b0 = cc[row.gend[g]], b1 = cc[row.gend[g + 1]];
+      row.gsum[g + 1] = row.gsum[g] + SumFromAndGather(el + b0 + kGroupGap * g, static_cast<size_t>(b1 - b0),
+                                                       0, 0, nullptr);
+    }
   }
   for (int32_t* c : {cnt0, cnt1}) std::fill(c + bmin, c + hi + 1, 0);  // back to zero for the next row
-  for (double* c : {bs0, bs1}) std::fill(c + bmin, c + hi + 1, 0.0);
+  // The exact sum of the values >= 2^L: when every nonzero value is (the usual case for softmax rows; zeros
+  // add nothing), pass 1's sum, whose every partial sum was exact; else a masked pass.
+  const uint32_t nonzero_min = unz + 1;  // 0 when every value is zero
+  double big_sum = sum;
+  if (nonzero_min != 0 && nonzero_min < ubig) big_sum = SumFromAndGather(values.data(), n, ubig, 0, nullptr);
   // The nonzero values below 2^L, in descending order, added one by one after the big ones.
   thread_local std::vector<uint32_t> a, b;
   size_t m = 0;
-  if (umin < ubig) {
+  if (nonzero_min != 0 && nonzero_min < ubig) {
     a.resize(n);
     b.resize(n);
     for (i = 0; i < n; ++i) {
@@ -598,7 +701,7 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   row.kept_tail = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(kmax) - nbig, 0, m));
   tail_.resize(row.tail + row.kept_tail);
   tailv_.resize(row.tail + row.kept_tail);
-  double acc = cs[nb];
+  double acc = big_sum;
   for (size_t j = 0; j < m; ++j) {
     const float v = KeyValue(a[j]);
     acc += v;
@@ -617,7 +720,6 @@ double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
   if (k <= 0) return 0.0;
   if (k >= row.n) return row.total;
   const int32_t* cc = cc_.data() + row.bucket;
-  const double* cs = cs_.data() + row.bucket;
   const int nbig = cc[row.nb];
   if (k > nbig) {  // the values below 2^L: their running sums
     const int i = k - nbig;
@@ -625,12 +727,20 @@ double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
     KVSIM_CHECK_MSG(i <= row.kept_tail, "TopKSums::Sum: k above the row's kmax");
     return tail_[row.tail + i - 1];
   }
+  KVSIM_CHECK_MSG(k <= row.kept, "TopKSums::Sum: k above the row's kmax");
   // The bucket j with cc[j] < k <= cc[j + 1].
   const int j = static_cast<int>(std::upper_bound(cc, cc + row.nb + 1, k - 1) - cc) - 1;
-  if (cc[j + 1] == k) return cs[j + 1];
+  const uint32_t bj = row.hi - static_cast<uint32_t>(j);  // its number
+  int g = 0;                                              // the group holding bucket j
+  while (row.gend[g + 1] <= j) ++g;
+  const float* el = elems_.data() + row.elem + cc[row.gend[g]] + kGroupGap * g;
+  const size_t glen = static_cast<size_t>(cc[row.gend[g + 1]] - cc[row.gend[g]]);
+  // The whole top j + 1 buckets: the groups above and group g's values from bucket j's smallest pattern up.
+  if (cc[j + 1] == k) return row.gsum[g] + SumFromAndGather(el, glen, bj << kBucketShift, 0, nullptr);
+  // The exact sum of the values above bucket j, and bucket j's values (in index order).
+  double above = row.gsum[g] + SumFromAndGather(el, glen, (bj + 1) << kBucketShift, bj, scratch);
   int need = k - cc[j], size = cc[j + 1] - cc[j];
-  const float* el = elems_.data() + row.elem + cc[j];
-  double above = cs[j];  // the exact sum of the values above the ones still to select
+  float* sv = scratch->data();
   if (size > kSplitMin) {
     // One more level of buckets, by the next kSubBits bits (again ordered like the values): the sub-buckets
     // above the k-th largest are taken whole (their sums are exact, as every sum of big values is), and only
@@ -640,10 +750,10 @@ double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
     double ss[1 << kSubBits] = {};
     for (int i = 0; i < size; ++i) {
       uint32_t u;
-      std::memcpy(&u, &el[i], 4);
+      std::memcpy(&u, &sv[i], 4);
       const int sb = static_cast<int>(u >> kSubShift) & ((1 << kSubBits) - 1);
       ++sc[sb];
-      ss[sb] += el[i];
+      ss[sb] += sv[i];
     }
     int sb = (1 << kSubBits) - 1;
     for (; sc[sb] < need; --sb) {
@@ -651,36 +761,36 @@ double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
       above += ss[sb];
     }
     if (sc[sb] == need) return above + ss[sb];
-    scratch->clear();
+    int kept = 0;  // the sub-bucket's values to the front (their order does not matter: exact sums)
     for (int i = 0; i < size; ++i) {
       uint32_t u;
-      std::memcpy(&u, &el[i], 4);
-      if ((static_cast<int>(u >> kSubShift) & ((1 << kSubBits) - 1)) == sb) scratch->push_back(el[i]);
+      std::memcpy(&u, &sv[i], 4);
+      if ((static_cast<int>(u >> kSubShift) & ((1 << kSubBits) - 1)) == sb) sv[kept++] = sv[i];
     }
-    size = sc[sb];
+    size = kept;
     if (need <= size - need) {
       double part = 0;
-      std::nth_element(scratch->begin(), scratch->begin() + (need - 1), scratch->end(),
-                       std::greater<float>());
-      for (int i = 0; i < need; ++i) part += (*scratch)[i];
+      std::nth_element(sv, sv + (need - 1), sv + size, std::greater<float>());
+      for (int i = 0; i < need; ++i) part += sv[i];
       return above + part;
     }
     double part = 0;
-    std::nth_element(scratch->begin(), scratch->begin() + (size - need - 1), scratch->end());
-    for (int i = 0; i < size - need; ++i) part += (*scratch)[i];
+    std::nth_element(sv, sv + (size - need - 1), sv + size);
+    for (int i = 0; i < size - need; ++i) part += sv[i];
     return (above + ss[sb]) - part;
   }
-  scratch->assign(el, el + size);
   double part = 0;
   if (need <= size - need) {  // the `need` largest of the bucket
-    std::nth_element(scratch->begin(), scratch->begin() + (need - 1), scratch->end(), std::greater<float>());
-    for (int i = 0; i < need; ++i) part += (*scratch)[i];
-    return cs[j] + part;
+    std::nth_element(sv, sv + (need - 1), sv + size, std::greater<float>());
+    for (int i = 0; i < need; ++i) part += sv[i];
+    return above + part;
   }
   // the bucket's sum minus its size - need smallest (every value and difference here is exact)
-  std::nth_element(scratch->begin(), scratch->begin() + (size - need - 1), scratch->end());
-  for (int i = 0; i < size - need; ++i) part += (*scratch)[i];
-  return cs[j + 1] - part;
+  double bucket_sum = 0;
+  for (int i = 0; i < size; ++i) bucket_sum += sv[i];
+  std::nth_element(sv, sv + (size - need - 1), sv + size);
+  for (int i = 0; i < size - need; ++i) part += sv[i];
+  return (above + bucket_sum) - part;
 }
 
 std::optional<float> TopKSums::Kth(int r, int k, std::vector<float>* scratch) const {
@@ -696,12 +806,16 @@ std::optional<float> TopKSums::Kth(int r, int k, std::vector<float>* scratch) co
     return tailv_[row.tail + i - 1];
   }
   // The bucket j with cc[j] < k <= cc[j + 1] holds it: the (k - cc[j])-th largest of that bucket.
+  if (k > row.kept) return std::nullopt;  // a bucket below the one holding the kmax-th value: not kept
   const int j = static_cast<int>(std::upper_bound(cc, cc + row.nb + 1, k - 1) - cc) - 1;
-  const float* el = elems_.data() + row.elem + cc[j];
-  scratch->assign(el, el + (cc[j + 1] - cc[j]));
-  const auto at = scratch->begin() + (k - cc[j] - 1);
-  std::nth_element(scratch->begin(), at, scratch->end(), std::greater<float>());
-  return *at;
+  int g = 0;  // the group holding bucket j
+  while (row.gend[g + 1] <= j) ++g;
+  SumFromAndGather(elems_.data() + row.elem + cc[row.gend[g]] + kGroupGap * g,
+                   static_cast<size_t>(cc[row.gend[g + 1]] - cc[row.gend[g]]), 1u << 31,
+                   row.hi - static_cast<uint32_t>(j), scratch);
+  float* sv = scratch->data();  // bucket j's cc[j + 1] - cc[j] values
+  std::nth_element(sv, sv + (k - cc[j] - 1), sv + (cc[j + 1] - cc[j]), std::greater<float>());
+  return sv[k - cc[j] - 1];
 }
 
 }  // namespace kvsim

@@ -47,16 +47,23 @@ void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<
 // sequential sum of a full descending sort (tests/sim/select_test.cc).
 // Why no sort is needed for k up to |big| (the values >= 2^L, as in SortForDescendingSums): the k largest
 // values are then all >= 2^L, and every partial sum of such values is exact in a double (see above), so
-// S[k] is the exact sum of the multiset of the k largest values, added in any order. AddRow puts the big
-// values in buckets by their top bits (non-negative floats order like their bit patterns: a bucket's
-// values are all above the next lower bucket's) with each bucket's count and exact sum; Sum walks the
-// cumulative counts to the bucket holding the k-th largest value, takes the whole buckets above it (an
-// exact sum) and selects the largest values of that one bucket (nth_element; their sum is exact in any
-// order too; when 2^L is subnormal every value counts as big: all are multiples of 2^-149 and every sum
-// is below 2^-97). For k above |big| the values below 2^L do need their order: they are sorted when the row
-// is added and their running sums from S[|big|] kept, up to kmax (Sum's largest k).
+// S[k] is the exact sum of the multiset of the k largest values, added in any order (when 2^L is subnormal
+// every value counts as big: all are multiples of 2^-149 and every sum is below 2^-97). AddRow counts the
+// values per bucket of their top bits (non-negative floats order like their bit patterns: a bucket's values
+// are all above the next lower bucket's; absolute buckets, u >> 19, 16 per binade) and keeps only the
+// values of the buckets down to the one holding the min(kmax, |big|)-th largest value (no larger k is
+// asked), copied branch-free in index order into up to kGroups groups of whole buckets (group g ends at the
+// first bucket boundary holding at least kept / 2^(kGroups-1-g) values), with the exact sum of the groups
+// above each. Sum walks the cumulative counts to the bucket holding the k-th largest value and reads only
+// its group: one vectorised pass adds the group's values above that bucket (exact: any order, any lanes)
+// to the groups above, and gathers the bucket's values, whose largest ones it selects (nth_element, after
+// a split by the next 4 bits when there are more than 8; their sum is exact in any order too). No values
+// are scattered by bucket and no per-bucket sums kept (round 12: the scatter and the per-value sums were
+// most of AddRow). For k above |big| the values below 2^L do need their order: they are sorted when the
+// row is added and their running sums from S[|big|] kept, up to kmax (Sum's largest k).
 class TopKSums {
  public:
+  static constexpr int kGroups = 4;  // the most groups of a row's kept values
   // Forgets every row (keeps the memory).
   void Clear();
   // Reserves room for `rows` rows of `values` values in all (growing by doubling costs copies and page
@@ -65,25 +72,32 @@ class TopKSums {
   // Adds the next row (rows are numbered 0, 1, ... in the order added) and returns its whole sum S[n].
   // Sum will be asked for k <= kmax only.
   double AddRow(std::span<const float> values, int kmax);
-  // S[k] of row `row`, k in [0, kmax] (k >= n is S[n]). `scratch` holds one bucket's values.
+  // S[k] of row `row`, k in [0, kmax] (k >= n is S[n]). `scratch` holds one bucket's values (it is grown
+  // to a group's length and not shrunk).
   double Sum(int row, int k, std::vector<float>* scratch) const;
   // The k-th largest value of row `row` (k >= 1; 0 for k > n, as zeros fill a descending sort), exactly
   // the value a full descending sort puts at place k - 1: a selection in the one bucket holding it. Empty
-  // when that value lies below 2^L and beyond the row's kmax (those values are not kept).
+  // when that value lies in a bucket below the one holding the kmax-th largest value, or below 2^L and
+  // beyond the row's kmax (those values are not kept); always there for k <= kmax.
   std::optional<float> Kth(int row, int k, std::vector<float>* scratch) const;
 
  private:
   struct Row {
-    size_t elem = 0, bucket = 0, tail = 0;  // offsets in elems_, cc_/cs_ (nb + 1 entries), tail_
+    size_t elem = 0, bucket = 0, tail = 0;  // offsets in elems_, cc_ (nb + 1 entries), tail_
     int nb = 0, ntail = 0, kept_tail = 0;   // buckets, nonzero values below 2^L, tail_ entries kept
     int n = 0;
-    double total = 0;  // S[n]
+    uint32_t hi = 0;  // the number of the top bucket (the largest value's bit pattern >> 19)
+    int kept = 0;     // values kept in elems_
+    int ngroups = 0;  // their groups: group g holds the buckets [gend[g], gend[g + 1]), at elems_[elem +
+                      // cc[gend[g]] + 8 g] on (8 spare places after each group for the block stores)
+    int gend[kGroups + 1] = {};
+    double gsum[kGroups + 1] = {};  // [g] the exact sum of groups 0 .. g - 1
+    double total = 0;               // S[n]
   };
   std::vector<Row> rows_;
-  std::vector<float> elems_;  // per row: the big values, by bucket from the top (unsorted within one)
+  std::vector<float> elems_;  // per row: the kept values, by group from the top (index order in one)
   size_t elems_used_ = 0;     // the rows' part of elems_ (beyond it: scratch, or a cleared use's values)
   std::vector<int32_t> cc_;   // per row: [j] how many values the top j buckets hold
-  std::vector<double> cs_;    // per row: [j] their exact sum
   std::vector<double> tail_;  // per row: S[|big| + i], i = 1 .. kept_tail
   std::vector<float> tailv_;  // per row: the values added there (descending), i = 1 .. kept_tail
 };

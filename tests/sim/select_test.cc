@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -385,6 +386,64 @@ TEST_CASE("TopKSums: rows of disjoint and extreme ranges, two structures interle
     for (size_t r = 0; r < rows.size(); ++r)
       for (int k = 0; k <= kmax[r]; ++k)
         REQUIRE((r % 2 == 0 ? even : odd).Sum(static_cast<int>(r / 2), k, &scratch) == want[r][k]);
+  }
+}
+
+TEST_CASE("TopKSums: only the buckets down to the kmax-th value are kept, in groups; any kmax", "[select]") {
+  // AddRow keeps the values of the buckets (by the bit pattern's top 12 bits without the sign) down to the
+  // one holding the min(kmax, |big|)-th largest value, in up to kGroups groups of whole buckets with the
+  // groups' exact sums; Sum scans the one group holding the k-th value. Every kmax from 0 to n + 1 on rows
+  // whose lengths are not multiples of 8 (the AVX2 loops' tails), many rows in one structure (the groups'
+  // spare places between rows), every k <= kmax against a full sort; Kth has every value up to the kept
+  // count and none between it and |big| (the values there are not kept).
+  std::mt19937 rng(41);
+  std::normal_distribution<float> logit(0.0f, 2.5f);
+  std::vector<std::vector<float>> rows;
+  for (int n : {1, 7, 9, 61, 203, 517}) {
+    std::vector<float> v(n);
+    double z = 0;
+    for (float& x : v) z += (x = std::exp(std::clamp(logit(rng), -6.0f, 6.0f)));
+    for (float& x : v) x = static_cast<float>(x / z);
+    for (int i = 0; i < n; i += 13) v[i] = v[(i * 7) % n];   // ties across buckets' members
+    REQUIRE(*std::min_element(v.begin(), v.end()) > 2e-9f);  // none below 2^L (< 2^-29): |big| = n
+    rows.push_back(v);
+  }
+  rows.push_back(std::vector<float>(77, 0.25f));  // one bucket: one group
+  auto bucket = [](float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return (u & 0x7fffffffu) >> 19;
+  };
+  std::vector<float> scratch;
+  for (int step : {1, 5}) {
+    TopKSums sums;
+    std::vector<std::pair<int, int>> added;  // (row, kmax) in the order added
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const int n = static_cast<int>(rows[r].size());
+      for (int kmax = 0; kmax <= n + 1; kmax += step) {
+        REQUIRE(sums.AddRow(rows[r], kmax) == DescendingPrefix(rows[r])[n]);
+        added.push_back({static_cast<int>(r), kmax});
+      }
+    }
+    for (size_t a = 0; a < added.size(); ++a) {
+      const auto& v = rows[added[a].first];
+      const int n = static_cast<int>(v.size()), kmax = added[a].second;
+      const std::vector<double> want = DescendingPrefix(v);
+      std::vector<float> sorted = v;
+      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+      for (int k = 0; k <= std::min(kmax, n); ++k)
+        REQUIRE(sums.Sum(static_cast<int>(a), k, &scratch) == want[k]);
+      // These rows have no value below 2^L: |big| = n. Kept: the values in the kmax-th value's bucket or
+      // above.
+      int kept = 0;
+      if (kmax > 0 && n > 0)
+        for (float x : v) kept += bucket(x) >= bucket(sorted[std::min(kmax, n) - 1]);
+      for (int k = 1; k <= n; ++k) {
+        const std::optional<float> got = sums.Kth(static_cast<int>(a), k, &scratch);
+        REQUIRE(got.has_value() == (k <= kept));
+        if (got) REQUIRE(*got == sorted[k - 1]);
+      }
+    }
   }
 }
 
