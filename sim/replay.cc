@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <future>
 #include <limits>
 #include <map>
@@ -361,6 +363,64 @@ double CombineSlotSums(const double rm[4][4], double ret_mod[4]) {
 
 }  // namespace
 
+// One past the last slot of the run of consecutive tokens that starts at slot i of pl[.. e): the first
+// j > i with pl[j] != pl[j - 1] + 1, or e.
+static inline size_t RunEnd(const int32_t* pl, size_t i, size_t e) {
+  size_t j = i + 1;
+#ifdef __AVX2__
+  const __m256i one = _mm256_set1_epi32(1);
+  for (; j + 8 <= e; j += 8) {
+    const __m256i next =
+        _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pl + j - 1)), one);
+    const __m256i eq = _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pl + j)), next);
+    const unsigned differ = ~static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(eq))) & 0xffu;
+    if (differ != 0) return j + static_cast<size_t>(__builtin_ctz(differ));
+  }
+#endif
+  while (j < e && pl[j] == pl[j - 1] + 1) ++j;
+  return j;
+}
+
+// RowNorms (replay.h). Eight rows at a time: with AVX2 each 8 × 8 tile (eight rows, eight columns) is
+// transposed in registers, so column k of the eight rows is one register, widened to two registers of four
+// doubles and squared into them with one fused multiply-add (exact product, one rounding: the same value as
+// the scalar square and add); each row's sum still adds over k in order. A strided load per element (what
+// the compiler made of the scalar loop over eight rows) was ≈ 60% of Prefill's own time (issue 14, round 12).
+void RowNorms(const float* x, int rows, int d, float* out) {
+  int j = 0;
+  for (; j + 8 <= rows; j += 8) {
+    const float* src[8];
+    for (int b = 0; b < 8; ++b) src[b] = x + static_cast<size_t>(j + b) * d;
+    double s8[8] = {};
+    int k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256d lo = _mm256_setzero_pd(), hi = lo;
+    alignas(32) float tile[64];
+    for (; k + 8 <= d; k += 8) {
+      TransposeTile8(src, static_cast<size_t>(k), tile, 8);
+      for (int i = 0; i < 8; ++i) {
+        const __m256 c = _mm256_load_ps(tile + 8 * i);
+        const __m256d c0 = _mm256_cvtps_pd(_mm256_castps256_ps128(c));
+        const __m256d c1 = _mm256_cvtps_pd(_mm256_extractf128_ps(c, 1));
+        lo = _mm256_fmadd_pd(c0, c0, lo);
+        hi = _mm256_fmadd_pd(c1, c1, hi);
+      }
+    }
+    _mm256_storeu_pd(s8, lo);
+    _mm256_storeu_pd(s8 + 4, hi);
+#endif
+    for (; k < d; ++k)
+      for (int b = 0; b < 8; ++b) s8[b] += static_cast<double>(src[b][k]) * src[b][k];
+    for (int b = 0; b < 8; ++b) out[j + b] = static_cast<float>(std::sqrt(s8[b]));
+  }
+  for (; j < rows; ++j) {
+    const float* v = x + static_cast<size_t>(j) * d;
+    double s1 = 0;
+    for (int k = 0; k < d; ++k) s1 += static_cast<double>(v[k]) * v[k];
+    out[j] = static_cast<float>(std::sqrt(s1));
+  }
+}
+
 // PlainSlotSums (replay.h). With AVX2, lane j's four modality sums live in one register and every slot adds
 // p[tok_s] masked to its modality (the others get +0.0): x + (+0.0) = x for every x these sums hold (they
 // start at +0.0, and a NaN or infinity is masked to +0.0 outside its modality), so each sum gets the same
@@ -370,24 +430,47 @@ int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* 
                   double rm[4][4]) {
   int visible = 0, s = 0;
 #ifdef __AVX2__
-  __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;  // named: kept in registers
-  auto add = [&](__m256d& acc, int slot) {
-    const int32_t tok = tk[slot];
-    const float pt = p[tok];
-    if (cp) cp[slot] = pt;
-    visible += tok >= first;
-    acc = _mm256_add_pd(acc, OnlyInLane(pt, mod[tok]));
-  };
+  // By modality: lane j of register `mo` is rm[j][mo]. Four slots s .. s + 3 (s ≡ 0 mod 4, so lane j is slot
+  // s + j) add their four probabilities to each modality's register, masked to the lanes of that modality
+  // (+0.0 elsewhere, which changes no sum, as above): each sum still gets its slots' values in slot order.
+  // Four consecutive tokens (a sliding window's lists) load their p and modalities with one load each.
+  __m256d m0 = _mm256_setzero_pd(), m1 = m0, m2 = m0, m3 = m0;  // named: kept in registers
+  const __m128i step = _mm_setr_epi32(0, 1, 2, 3), before = _mm_set1_epi32(first - 1);
   for (; s + 4 <= slots; s += 4) {
-    add(a0, s);
-    add(a1, s + 1);
-    add(a2, s + 2);
-    add(a3, s + 3);
+    const __m128i t4 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tk + s));
+    const int32_t t0 = tk[s];
+    __m128 p4;
+    __m256i mo4;
+    if (_mm_movemask_epi8(_mm_cmpeq_epi32(t4, _mm_add_epi32(_mm_set1_epi32(t0), step))) == 0xffff) {
+      p4 = _mm_loadu_ps(p + t0);
+      uint32_t m;
+      std::memcpy(&m, mod + t0, 4);
+      mo4 = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(static_cast<int>(m)));
+    } else {
+      p4 = _mm_setr_ps(p[t0], p[tk[s + 1]], p[tk[s + 2]], p[tk[s + 3]]);
+      mo4 = _mm256_setr_epi64x(static_cast<int64_t>(mod[t0]), static_cast<int64_t>(mod[tk[s + 1]]),
+                               static_cast<int64_t>(mod[tk[s + 2]]), static_cast<int64_t>(mod[tk[s + 3]]));
+    }
+    if (cp) _mm_storeu_ps(cp + s, p4);
+    visible +=
+        std::popcount(static_cast<unsigned>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(t4, before)))));
+    const __m256d pd = _mm256_cvtps_pd(p4);
+    auto in = [&](int64_t mo) {
+      return _mm256_and_pd(pd, _mm256_castsi256_pd(_mm256_cmpeq_epi64(mo4, _mm256_set1_epi64x(mo))));
+    };
+    m0 = _mm256_add_pd(m0, in(0));
+    m1 = _mm256_add_pd(m1, in(1));
+    m2 = _mm256_add_pd(m2, in(2));
+    m3 = _mm256_add_pd(m3, in(3));
   }
-  _mm256_storeu_pd(rm[0], a0);
-  _mm256_storeu_pd(rm[1], a1);
-  _mm256_storeu_pd(rm[2], a2);
-  _mm256_storeu_pd(rm[3], a3);
+  static_assert(kNumModalities == 4);
+  alignas(32) double by_mod[4][4];
+  _mm256_store_pd(by_mod[0], m0);
+  _mm256_store_pd(by_mod[1], m1);
+  _mm256_store_pd(by_mod[2], m2);
+  _mm256_store_pd(by_mod[3], m3);
+  for (int j = 0; j < 4; ++j)
+    for (int mo = 0; mo < 4; ++mo) rm[j][mo] = by_mod[mo][j];
 #endif
   for (; s < slots; ++s) {  // the tail (s & 3 continues the lanes), or every slot without AVX2
     const int32_t tok = tk[s];
@@ -665,21 +748,7 @@ class LayerPass {
     // ‖v_j‖, 8 keys at a time: each key's sum is still added over k in order, but the 8 chains are
     // independent (one serial chain per key kept the core waiting on the adder).
     std::vector<float> vnorm(t_all);
-    int j = 0;
-    for (; j + 8 <= t_all; j += 8) {
-      double s8[8] = {};
-      for (int k = 0; k < d; ++k)
-        for (int b = 0; b < 8; ++b) {
-          const float v = values[static_cast<size_t>(j + b) * d + k];
-          s8[b] += static_cast<double>(v) * v;
-        }
-      for (int b = 0; b < 8; ++b) vnorm[j + b] = static_cast<float>(std::sqrt(s8[b]));
-    }
-    for (; j < t_all; ++j) {
-      double s1 = 0;
-      for (int k = 0; k < d; ++k) s1 += static_cast<double>(values[j * d + k]) * values[j * d + k];
-      vnorm[j] = static_cast<float>(std::sqrt(s1));
-    }
+    RowNorms(values, t_all, d, vnorm.data());
     // max over the visible keys [first, n + t]: a running maximum while the window starts at 0 (a maximum
     // is exact, so this equals the search over the whole range).
     w.max_vnorm.resize(steps);
@@ -1552,19 +1621,22 @@ class LayerPass {
       const size_t gathered = ws.plain.size();
       ws.runs.clear();
       {
-        size_t breaks = 0;
+        // The runs step by step (RunEnd: eight tokens compared per instruction), given up as soon as there
+        // are more than one per 16 slots (then the token-by-token loops below).
         const int32_t* pl = ws.plain.data();
-        for (size_t i = 1; i < gathered; ++i) breaks += pl[i] != pl[i - 1] + 1;
-        const bool by_runs = gathered > 0 && (breaks + static_cast<size_t>(steps)) * 16 <= gathered &&
-                             g_run_lists.load(std::memory_order_relaxed);
-        if (by_runs) {
-          for (int t = 0; t < steps; ++t)
-            for (size_t i = ws.step_begin[t], e = ws.step_begin[t + 1]; i < e;) {
-              size_t j = i + 1;
-              while (j < e && pl[j] == pl[j - 1] + 1) ++j;
-              ws.runs.push_back({pl[i], static_cast<int32_t>(j - i), static_cast<int32_t>(i)});
-              i = j;
+        bool by_runs = gathered > 0 && g_run_lists.load(std::memory_order_relaxed);
+        for (int t = 0; t < steps && by_runs; ++t)
+          for (size_t i = ws.step_begin[t], e = ws.step_begin[t + 1]; i < e;) {
+            const size_t j = RunEnd(pl, i, e);
+            ws.runs.push_back({pl[i], static_cast<int32_t>(j - i), static_cast<int32_t>(i)});
+            i = j;
+            if (ws.runs.size() * 16 > gathered) {
+              by_runs = false;
+              ws.runs.clear();
+              break;
             }
+          }
+        if (by_runs) {
           std::vector<WorkerScratch::TokenRun> iv(ws.runs);
           std::sort(iv.begin(), iv.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
           int32_t next = std::numeric_limits<int32_t>::min();  // the first token after U so far
@@ -1594,11 +1666,28 @@ class LayerPass {
           for (int t = 0; t < steps; ++t) {
             const float* p = w.refs[g].row(t);
             float* row = ws.a.data() + (static_cast<size_t>(g) * steps + t) * nu;
-            std::fill(row, row + nu, 0.0f);
             if (!ws.runs.empty()) {  // a run's tokens are consecutive in U, so its columns too
-              for (; ri < ws.runs.size() && static_cast<size_t>(ws.runs[ri].at) < ws.step_begin[t + 1]; ++ri)
-                std::copy_n(p + ws.runs[ri].first, ws.runs[ri].len, row + ws.col[ws.runs[ri].first]);
+              // The step's runs [ri, re). In ascending columns (a window, or sinks then a window) only the
+              // gaps between them are zeroed; in any other order the whole row first.
+              size_t re = ri;
+              bool ascending = true;
+              for (int32_t end = 0;
+                   re < ws.runs.size() && static_cast<size_t>(ws.runs[re].at) < ws.step_begin[t + 1]; ++re) {
+                const int32_t c = ws.col[ws.runs[re].first];
+                ascending = ascending && c >= end;
+                end = c + ws.runs[re].len;
+              }
+              if (!ascending) std::fill(row, row + nu, 0.0f);
+              size_t zeroed = 0;  // ascending: columns [0, zeroed) are written
+              for (; ri < re; ++ri) {
+                const size_t c = static_cast<size_t>(ws.col[ws.runs[ri].first]);
+                if (ascending) std::fill(row + zeroed, row + c, 0.0f);
+                std::copy_n(p + ws.runs[ri].first, ws.runs[ri].len, row + c);
+                zeroed = c + static_cast<size_t>(ws.runs[ri].len);
+              }
+              if (ascending) std::fill(row + zeroed, row + nu, 0.0f);
             } else {
+              std::fill(row, row + nu, 0.0f);
               for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i)
                 row[ws.col[ws.plain[i]]] = p[ws.plain[i]];
             }

@@ -100,6 +100,11 @@ void PrefixSlotSums(const int32_t* tk, const int* count, int steps, const float*
 int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* mod, int first, float* cp,
                   double rm[4][4]);
 
+// out[j] = sqrt(Σ_k x[j·d + k]²) in double, rounded to float, for rows j < rows (Prefill's ‖v_j‖): each row's
+// exact squares (a float times itself is exact in double) added over k in order from +0.0, whatever path
+// (eight rows' 8 × 8 tiles transposed in registers with AVX2, a row at a time without) does it.
+void RowNorms(const float* x, int rows, int d, float* out);
+
 // Tests only: false makes the oracle's k-th largest value come from a selection in a copy of the row
 // instead of the regret's buckets (TopKSums::Kth), so a test can compare the two.
 void SetFullKthFromSumsForTesting(bool allowed);

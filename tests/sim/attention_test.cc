@@ -1,8 +1,10 @@
 #include "sim/attention.h"
 
 #include <algorithm>
+#include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -92,6 +94,84 @@ TEST_CASE("SoftmaxInPlace on [0, ln2, ln3] gives [1/6, 2/6, 3/6] and log-sum-exp
   float z[1] = {-7.5f};
   CHECK(SoftmaxInPlace(z, 1) == -7.5f);
   CHECK(z[0] == 1.0f);
+}
+
+namespace {
+
+// The round-11 SoftmaxInPlace (three passes: max, exponentials, sums), copied: the fused pass of round 12
+// must give the same bits.
+float RefExpNonPositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const float z = r * r;
+  const float p =
+      ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+       1.6666665459e-1f) *
+          r +
+      5.0000001201e-1f;
+  const float y = p * z + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+float RefSoftmaxInPlace(float* x, int n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < n; ++i) mx = mx < x[i] ? x[i] : mx;
+  for (int i = 0; i < n; ++i) x[i] = RefExpNonPositive(x[i] - mx);
+  double part[4] = {0, 0, 0, 0};
+  int i4 = 0;
+  for (; i4 + 4 <= n; i4 += 4)
+    for (int k = 0; k < 4; ++k) part[k] += x[i4 + k];
+  for (; i4 < n; ++i4) part[0] += x[i4];
+  const double sum = (part[0] + part[1]) + (part[2] + part[3]);
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int i = 0; i < n; ++i) x[i] *= inv;
+  return mx + static_cast<float>(std::log(sum));
+}
+
+}  // namespace
+
+TEST_CASE("SoftmaxInPlace equals the three-pass softmax bit for bit", "[attention]") {
+  // Rows of 1 .. 300 logits (whole blocks of eight and every tail), spreads from 0.01 to 400 (so that many
+  // exponentials are clamped below -87.3), ties and exact zeros, offsets that leave the rows unaligned.
+  std::mt19937 rng(77);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  int rows = 0;
+  for (float spread : {0.01f, 1.0f, 8.0f, 60.0f, 400.0f})
+    for (int n = 1; n <= 300; n += (n < 40 ? 1 : 13)) {
+      std::vector<float> a(n + 1), b(n + 1);
+      for (int i = 0; i <= n; ++i) a[i] = rng() % 9 == 0 ? 0.0f : spread * unit(rng);
+      if (n > 3) a[3] = a[2];
+      b = a;
+      const float la = RefSoftmaxInPlace(a.data() + 1, n);
+      const float lb = SoftmaxInPlace(b.data() + 1, n);
+      INFO("spread " << spread << ", n = " << n);
+      CHECK(std::bit_cast<uint32_t>(la) == std::bit_cast<uint32_t>(lb));
+      int differ = 0;
+      for (int i = 1; i <= n; ++i) differ += std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i]);
+      CHECK(differ == 0);
+      ++rows;
+    }
+  CHECK(rows > 100);
+}
+
+TEST_CASE("SoftmaxInPlace takes the row's maximum wherever it is (vector blocks and tail)", "[attention]") {
+  // Every other logit is 1000 below the maximum: its exponential is clamped to about 1.2e-38, so the sum is
+  // 1 in double, the maximum's probability 1 and the log-sum-exp the maximum itself, bit for bit. A maximum
+  // the row's scan misses (a lane, a block or the tail) gives another log-sum-exp.
+  for (int n = 1; n <= 41; ++n)
+    for (int at = 0; at < n; ++at) {
+      std::vector<float> x(n);
+      for (int i = 0; i < n; ++i) x[i] = -1000.0f - static_cast<float>(i % 5);
+      x[at] = 3.25f + static_cast<float>(at);
+      const float want = x[at];
+      INFO("n = " << n << ", maximum at " << at);
+      CHECK(SoftmaxInPlace(x.data(), n) == want);
+      CHECK(x[at] == 1.0f);
+    }
 }
 
 // One head, d = 2, 3 prompt tokens + 2 decode steps (T = 5), scale 1.

@@ -1972,6 +1972,30 @@ TEST_CASE("replay: the plain-slot sums add in slot order per lane and modality, 
   CHECK(rm[0][1] == 0.0);
 }
 
+TEST_CASE("replay: RowNorms equals the per-row sum of squares in double, bit for bit", "[replay]") {
+  // Rows of 1 .. 136 columns (whole 8 x 8 tiles and a rest), 1 .. 27 rows (blocks of eight and a rest),
+  // values over many binades with both signs and some zeros; the row pointer offset so that rows are not
+  // aligned.
+  std::mt19937 rng(1234);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> binade(-30, 30);
+  for (int d : {1, 7, 8, 9, 15, 16, 63, 128, 129, 136})
+    for (int rows : {1, 7, 8, 9, 16, 27}) {
+      std::vector<float> x(static_cast<size_t>(rows) * d + 3);
+      for (float& v : x) v = rng() % 11 == 0 ? 0.0f : std::ldexp(unit(rng), binade(rng));
+      const float* rx = x.data() + 3;
+      std::vector<float> got(rows, -1.0f);
+      RowNorms(rx, rows, d, got.data());
+      for (int j = 0; j < rows; ++j) {
+        double s = 0;
+        for (int k = 0; k < d; ++k)
+          s += static_cast<double>(rx[static_cast<size_t>(j) * d + k]) * rx[static_cast<size_t>(j) * d + k];
+        INFO("d = " << d << ", rows = " << rows << ", row " << j);
+        CHECK(std::bit_cast<uint32_t>(got[j]) == std::bit_cast<uint32_t>(static_cast<float>(std::sqrt(s))));
+      }
+    }
+}
+
 TEST_CASE("replay: the prefix-closed steps' sums at once equal PlainSlotSums step by step, bit for bit",
           "[replay]") {
   // Random prefix-closed caches: step t holds the first count[t] slots (count non-decreasing, from any
