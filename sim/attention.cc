@@ -25,18 +25,28 @@ constexpr int kRowBlock = 256;
 // exp(x) for x <= 0 (softmax after max subtraction), branch-free so loops over it vectorise:
 // Cody–Waite range reduction x = n ln2 + r, |r| <= ln2/2, and the Cephes degree-6 polynomial for exp(r)
 // (max error ~2 ulp); inputs below -87.3 are clamped (exp < 1.2e-38 there).
+// With FMA the multiply-adds are fused explicitly, where an optimising build contracted them (the operations
+// of ExpNonPositive8 below): the same bits in every build, also an unoptimised (sanitizer) one, which does
+// not contract. Without FMA: the plain expressions (nothing is fused then).
+inline float MulAdd(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
 inline float ExpNonPositive(float x) {
   x = std::max(x, -87.3f);
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
+  const float n = MulAdd(x, 1.44269504088896341f, 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = MulAdd(-n, 0.693359375f, x);
+  r = MulAdd(n, 2.12194440e-4f, r);
   const float z = r * r;
-  const float p =
-      ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
-       1.6666665459e-1f) *
-          r +
-      5.0000001201e-1f;
-  const float y = p * z + r + 1.0f;
+  float p = MulAdd(1.9875691500e-4f, r, 1.3981999507e-3f);
+  p = MulAdd(p, r, 8.3334519073e-3f);
+  p = MulAdd(p, r, 4.1665795894e-2f);
+  p = MulAdd(p, r, 1.6666665459e-1f);
+  p = MulAdd(p, r, 5.0000001201e-1f);
+  const float y = MulAdd(p, z, r) + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);

@@ -100,18 +100,27 @@ namespace {
 
 // The round-11 SoftmaxInPlace (three passes: max, exponentials, sums), copied: the fused pass of round 12
 // must give the same bits.
+// The expression as an optimising build with FMA contracts it (fused where the compiler fused it), written
+// out so that an unoptimised build (the sanitizer build, which contracts nothing) computes it too.
+float RefFma(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
 float RefExpNonPositive(float x) {
   x = std::max(x, -87.3f);
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
+  const float n = RefFma(x, 1.44269504088896341f, 12582912.0f) - 12582912.0f;
+  float r = RefFma(-n, 0.693359375f, x);
+  r = RefFma(-n, -2.12194440e-4f, r);
   const float z = r * r;
   const float p =
-      ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
-       1.6666665459e-1f) *
-          r +
-      5.0000001201e-1f;
-  const float y = p * z + r + 1.0f;
+      RefFma(RefFma(RefFma(RefFma(RefFma(1.9875691500e-4f, r, 1.3981999507e-3f), r, 8.3334519073e-3f), r,
+                           4.1665795894e-2f),
+                    r, 1.6666665459e-1f),
+             r, 5.0000001201e-1f);
+  const float y = RefFma(p, z, r) + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
