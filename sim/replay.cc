@@ -1445,83 +1445,83 @@ class LayerPass {
         visible = PlainSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, cp, rm);
         retained = CombineSlotSums(rm, ret_mod);
         wsum = covered = retained;
-      } else if (bulk) {
-        // In a block the step's dots, weights and member sums are rows of ws.mdot, ws.mw and ws.msum: the
-        // weights are written in place (all at once, MergedWeights; masked slots get 0) and
-        // MergedSlotSums reads all three there (the same values as the per-step path below).
-        const float* dots = ws.mdot.data() + g * mrows + mrow0;
-        float* mw = ws.mw.data() + g * mrows + mrow0;
-        int masked = 0;
-        if (first > 0)
-          for (int j = 0; j < num_merged; ++j) masked += tokens[mslot[j]] < first;
-        if (masked == 0) {
-          MergedWeights(dots, num_merged, tf, lse, mw);
-        } else {
-          MergedWeights(dots, num_merged, tf, lse, ws.step_mw.data());
-          for (int j = 0; j < num_merged; ++j)  // outside a sliding window: masked, weight 0
-            mw[j] = tokens[mslot[j]] >= first ? ws.step_mw[j] : 0.0f;
-        }
-        if (masked < num_merged && !ws.has_extra[t]) {
-          if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
-          ws.has_extra[t] = 1;
-        }
-        const MergedSlotSumsResult sums =
-            MergedSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, mslot, num_merged,
-                           mw, msum + static_cast<size_t>(g) * kMemberChunk * mm, cp);
-        wsum = sums.wsum;
-        retained = sums.retained;
-        anchor = sums.anchor;
-        covered = sums.covered;
-        merged_w = sums.merged_w;
-        merged_mass = sums.merged_mass;
-        std::copy_n(sums.ret_mod, 4, ret_mod);
-        visible = sums.visible;
       } else {
-        // Per step (the cache changed since the previous step): first the merged slots alone (their dots,
-        // weights, member sums and output contributions: every call of the step), then the sums over all
-        // slots in slot order (MergedSlotSums: no calls, the sums in registers), which adds the same values
-        // in the same order as one loop doing both did. The weights all at once (MergedWeights; masked
-        // slots' dots are 0 and their weights never read).
-        for (int j = 0; j < num_merged; ++j) {
-          const int s = mslot[j];
-          ws.step_dot[j] = tokens[s] < first ? 0.0f : Dot(DecodeQuery(qh, t), cache.merged(s).key.data(), d);
-        }
-        MergedWeights(ws.step_dot.data(), num_merged, tf, lse, ws.step_mw.data());
-        for (int j = 0; j < num_merged; ++j) {
-          const int s = mslot[j];
-          if (tokens[s] < first) continue;  // outside a sliding window: masked
-          const MergedSlot& ms = cache.merged(s);
-          const float wgt = ws.step_mw[j];
-          // Σ p over the members with four independent partial sums in registers (no serial dependency
-          // chain).
-          double members;
-          {
-            const auto* mem = ms.members.data();
-            const size_t nm = ms.members.size();
-            float m0 = 0, m1 = 0, m2 = 0, m3 = 0;
-            size_t i = 0;
-            for (; i + 4 <= nm; i += 4) {
-              m0 += p[mem[i].first];
-              m1 += p[mem[i + 1].first];
-              m2 += p[mem[i + 2].first];
-              m3 += p[mem[i + 3].first];
-            }
-            for (; i < nm; ++i) m0 += p[mem[i].first];
-            members = (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
+        // The merged slots' weights and member sums (in place in a block, per step outside), then the sums
+        // over all slots in slot order (MergedSlotSums).
+        const float* weights;
+        const double* member_sums;
+        if (bulk) {
+          // In a block the step's dots, weights and member sums are rows of ws.mdot, ws.mw and ws.msum: the
+          // weights are written in place (all at once, MergedWeights; masked slots get 0) and
+          // MergedSlotSums reads all three there (the same values as the per-step path below).
+          const float* dots = ws.mdot.data() + g * mrows + mrow0;
+          float* mw = ws.mw.data() + g * mrows + mrow0;
+          int masked = 0;
+          if (first > 0)
+            for (int j = 0; j < num_merged; ++j) masked += tokens[mslot[j]] < first;
+          if (masked == 0) {
+            MergedWeights(dots, num_merged, tf, lse, mw);
+          } else {
+            MergedWeights(dots, num_merged, tf, lse, ws.step_mw.data());
+            for (int j = 0; j < num_merged; ++j)  // outside a sliding window: masked, weight 0
+              mw[j] = tokens[mslot[j]] >= first ? ws.step_mw[j] : 0.0f;
           }
-          ws.step_members[j] = members;
-          // The merged value is no original row: its contribution is added to the step's output here.
-          if (!ws.has_extra[t]) {
+          if (masked < num_merged && !ws.has_extra[t]) {
             if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
             ws.has_extra[t] = 1;
           }
-          float* ex = &ws.extra[(static_cast<size_t>(g) * steps + t) * d];
-          const float* v = ms.value.data();
-          for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
+          weights = mw;
+          member_sums = msum + static_cast<size_t>(g) * kMemberChunk * mm;
+        } else {
+          // Per step (the cache changed since the previous step): first the merged slots alone (their dots,
+          // weights, member sums and output contributions: every call of the step), then the sums over all
+          // slots in slot order (MergedSlotSums: no calls, the sums in registers), which adds the same values
+          // in the same order as one loop doing both did. The weights all at once (MergedWeights; masked
+          // slots' dots are 0 and their weights never read).
+          for (int j = 0; j < num_merged; ++j) {
+            const int s = mslot[j];
+            ws.step_dot[j] =
+                tokens[s] < first ? 0.0f : Dot(DecodeQuery(qh, t), cache.merged(s).key.data(), d);
+          }
+          MergedWeights(ws.step_dot.data(), num_merged, tf, lse, ws.step_mw.data());
+          for (int j = 0; j < num_merged; ++j) {
+            const int s = mslot[j];
+            if (tokens[s] < first) continue;  // outside a sliding window: masked
+            const MergedSlot& ms = cache.merged(s);
+            const float wgt = ws.step_mw[j];
+            // Σ p over the members with four independent partial sums in registers (no serial dependency
+            // chain).
+            double members;
+            {
+              const auto* mem = ms.members.data();
+              const size_t nm = ms.members.size();
+              float m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+              size_t i = 0;
+              for (; i + 4 <= nm; i += 4) {
+                m0 += p[mem[i].first];
+                m1 += p[mem[i + 1].first];
+                m2 += p[mem[i + 2].first];
+                m3 += p[mem[i + 3].first];
+              }
+              for (; i < nm; ++i) m0 += p[mem[i].first];
+              members = (static_cast<double>(m0) + m1) + (static_cast<double>(m2) + m3);
+            }
+            ws.step_members[j] = members;
+            // The merged value is no original row: its contribution is added to the step's output here.
+            if (!ws.has_extra[t]) {
+              if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
+              ws.has_extra[t] = 1;
+            }
+            float* ex = &ws.extra[(static_cast<size_t>(g) * steps + t) * d];
+            const float* v = ms.value.data();
+            for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
+          }
+          weights = ws.step_mw.data();
+          member_sums = ws.step_members.data();
         }
         const MergedSlotSumsResult sums =
             MergedSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, mslot, num_merged,
-                           ws.step_mw.data(), ws.step_members.data(), cp);
+                           weights, member_sums, cp);
         wsum = sums.wsum;
         retained = sums.retained;
         anchor = sums.anchor;
