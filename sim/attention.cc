@@ -254,6 +254,29 @@ void SetGatherAvx512ForTesting(bool allowed) {
 #endif
 }
 
+namespace {
+
+// out[k] += Σ p[tok[i]] v_tok[i][k] for columns k in [k0, d), slot by slot in order: the columns the vector
+// paths leave (all of them without AVX2 and FMA), fused explicitly where the build has FMA (as an optimised
+// build contracts `o += w * v`; an unoptimised one would not, and these columns would then differ from the
+// vector paths' fused ones), two roundings without FMA.
+void AccumulateColumns(const float* p, const int32_t* tok, size_t n, const float* values, size_t d, size_t k0,
+                       float* out) {
+  for (size_t i = 0; i < n; ++i) {
+    const float pt = p[tok[i]];
+    const float* v = values + static_cast<size_t>(tok[i]) * d;
+    for (size_t k = k0; k < d; ++k) {
+#ifdef __FMA__
+      out[k] = std::fma(pt, v[k], out[k]);
+#else
+      out[k] += pt * v[k];
+#endif
+    }
+  }
+}
+
+}  // namespace
+
 void GatherWeightedRows(const float* p, const int32_t* tok, size_t n, const float* values, int d,
                         float* out) {
   const size_t dd = static_cast<size_t>(d);
@@ -265,21 +288,9 @@ void GatherWeightedRows(const float* p, const int32_t* tok, size_t n, const floa
 #if defined(__AVX2__) && defined(__FMA__)
   k0 += GatherWeightedAvx2(p, tok, n, values + k0, dd, dd - k0, out + k0);
 #endif
-  // The remaining columns (all of them without AVX2 and FMA): the same loop, fused explicitly where the
-  // build has FMA (as an optimised build contracts `o += w * v`; an unoptimised one would not, and its
-  // columns would then differ from the vector paths' fused ones), two roundings without FMA.
-  float* o = out + k0;
-  const size_t rest = dd - k0;
-  for (size_t k = 0; k < rest; ++k) o[k] = 0.0f;
-  for (size_t i = 0; i < n; ++i) {
-    const float pt = p[tok[i]];
-    const float* v = values + static_cast<size_t>(tok[i]) * dd + k0;
-#ifdef __FMA__
-    for (size_t k = 0; k < rest; ++k) o[k] = std::fma(pt, v[k], o[k]);
-#else
-    for (size_t k = 0; k < rest; ++k) o[k] += pt * v[k];
-#endif
-  }
+  // The remaining columns (all of them without AVX2 and FMA), from zero.
+  for (size_t k = k0; k < dd; ++k) out[k] = 0.0f;
+  AccumulateColumns(p, tok, n, values, dd, k0, out);
 }
 
 namespace {
@@ -319,17 +330,7 @@ void GatherWeightedFrom(const float* p, const int32_t* tok, size_t n, const floa
   for (; k0 + 32 <= d; k0 += 32) GatherWeightedBlock<4, true>(p, tok, n, values + k0, d, out + k0);
   for (; k0 + 8 <= d; k0 += 8) GatherWeightedBlock<1, true>(p, tok, n, values + k0, d, out + k0);
 #endif
-  for (size_t i = 0; i < n; ++i) {
-    const float pt = p[tok[i]];
-    const float* v = values + static_cast<size_t>(tok[i]) * d;
-    for (size_t k = k0; k < d; ++k) {
-#ifdef __FMA__
-      out[k] = std::fma(pt, v[k], out[k]);
-#else
-      out[k] += pt * v[k];
-#endif
-    }
-  }
+  AccumulateColumns(p, tok, n, values, d, k0, out);
 }
 
 }  // namespace
@@ -343,13 +344,8 @@ void GatherWeightedRowsSteps(const float* const* p, const int32_t* const* tok, c
   for (; k0 + 8 <= dd; k0 += 8) GatherWeightedStepsBlock<1>(p, tok[0], common, values, dd, k0, out);
   // The remaining columns (d % 8) of the shared slots, one step at a time: the portable loop's order.
   for (int s = 0; s < kGatherSteps; ++s) {
-    float* o = out[s];
-    for (size_t k = k0; k < dd; ++k) o[k] = 0.0f;
-    for (size_t i = 0; i < common; ++i) {
-      const float pt = p[s][tok[0][i]];
-      const float* v = values + static_cast<size_t>(tok[0][i]) * dd;
-      for (size_t k = k0; k < dd; ++k) o[k] = std::fma(pt, v[k], o[k]);
-    }
+    for (size_t k = k0; k < dd; ++k) out[s][k] = 0.0f;
+    AccumulateColumns(p[s], tok[0], common, values, dd, k0, out[s]);
   }
   for (int s = 0; s < kGatherSteps; ++s)
     GatherWeightedFrom(p[s], tok[s] + common, n[s] - common, values, dd, out[s]);
