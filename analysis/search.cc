@@ -217,14 +217,13 @@ StatusOr<SearchResult> RunSearch(const std::string& trace_path, const SearchSpec
   Progress reporter = Progress::FromEnv("search", progress);
   // Hashed beside the first pass's replay when that pays (HashConcurrently); only the result records it.
   SearchResult result;
-  KVSIM_ASSIGN_OR_RETURN(
-      std::string hash,
-      HashBesideReplay(trace_path, HashConcurrently(trace_path, spec.threads), [&](const std::string& h) {
-        auto searched = SearchBudgets(*trace, spec, h, &reporter);
-        if (!searched.ok()) return searched.status().WithContext(trace_path);
-        result = std::move(*searched);
-        return Status::Ok();
-      }));
+  KVSIM_ASSIGN_OR_RETURN(std::string hash,
+                         HashBesideReplay(trace_path, spec.threads, [&](const std::string& h) {
+                           auto searched = SearchBudgets(*trace, spec, h, &reporter);
+                           if (!searched.ok()) return searched.status().WithContext(trace_path);
+                           result = std::move(*searched);
+                           return Status::Ok();
+                         }));
   result.set_trace_hash(hash);
   reporter.Finish();
   return result;

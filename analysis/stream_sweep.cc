@@ -73,13 +73,12 @@ StatusOr<StreamRunResult> RunStreamOne(const std::string& trace_path, const std:
   KVSIM_RETURN_IF_ERROR(CheckStreamRuns(trace->meta(), runs).WithContext(trace_path));
   Progress progress = Progress::FromEnv("streaming run", options.progress);
   std::vector<StreamRunResult> results;
-  KVSIM_ASSIGN_OR_RETURN(
-      std::string hash,
-      HashBesideReplay(trace_path, HashConcurrently(trace_path, options.threads), [&](const std::string& h) {
-        StreamReplayOptions ro{options.threads, latency.get(), &progress, h, trace_path};
-        KVSIM_ASSIGN_OR_RETURN(results, ReplayStream(*trace, runs, ro));
-        return Status::Ok();
-      }));
+  KVSIM_ASSIGN_OR_RETURN(std::string hash,
+                         HashBesideReplay(trace_path, options.threads, [&](const std::string& h) {
+                           StreamReplayOptions ro{options.threads, latency.get(), &progress, h, trace_path};
+                           KVSIM_ASSIGN_OR_RETURN(results, ReplayStream(*trace, runs, ro));
+                           return Status::Ok();
+                         }));
   results[0].set_trace_hash(hash);
   progress.Finish();
   return results[0];

@@ -68,7 +68,7 @@ LatencySpec ExperimentLatency(const config::Experiment& experiment, const std::s
   return spec;
 }
 
-StatusOr<std::string> HashBesideReplay(const std::string& path, bool concurrent,
+StatusOr<std::string> HashBesideReplay(const std::string& path, int threads,
                                        const std::function<Status(const std::string& hash)>& replay,
                                        StatusOr<std::string> (*hash)(const std::string&)) {
   std::function<StatusOr<std::string>(const std::string&)> hasher = hash;
@@ -81,7 +81,7 @@ StatusOr<std::string> HashBesideReplay(const std::string& path, bool concurrent,
     }
     hasher = [cache](const std::string& p) { return HashFileAndRemember(p, cache); };
   }
-  if (!concurrent) {
+  if (!HashConcurrently(path, threads)) {
     KVSIM_ASSIGN_OR_RETURN(std::string h, hasher(path));
     KVSIM_RETURN_IF_ERROR(replay(h));
     return h;
@@ -138,8 +138,7 @@ StatusOr<RunResult> RunOne(const std::string& trace_path, const std::string& pol
   Progress progress = Progress::FromEnv("run", options.progress);
   std::vector<RunResult> results;
   KVSIM_ASSIGN_OR_RETURN(
-      std::string hash,
-      HashBesideReplay(trace_path, HashConcurrently(trace_path, options.threads), [&](const std::string& h) {
+      std::string hash, HashBesideReplay(trace_path, options.threads, [&](const std::string& h) {
         ReplayOptions ro{options.threads, latency.get(), &progress, h, std::max(0, options.prefill_chunk)};
         KVSIM_ASSIGN_OR_RETURN(results, Replay(*trace, runs, ro));
         return Status::Ok();
@@ -522,7 +521,7 @@ StatusOr<SweepUnit> ComputeSweepUnit(const SweepPlan& plan, size_t i, int thread
   };
   std::string hash = trace_hash;
   if (hash.empty()) {  // not hashed by the caller: beside the replay when that pays
-    KVSIM_ASSIGN_OR_RETURN(hash, HashBesideReplay(path, HashConcurrently(path, threads), replay));
+    KVSIM_ASSIGN_OR_RETURN(hash, HashBesideReplay(path, threads, replay));
   } else {
     KVSIM_RETURN_IF_ERROR(replay(hash));
   }

@@ -17,11 +17,14 @@ namespace kvsim {
 StatusOr<std::unique_ptr<TraceSource>> OpenTrace(const std::string& path);
 
 // The trace's content hash (HashFile; `hash` replaces it in tests) and `replay`, which records the hash it is
-// given in its results. Serially (`concurrent` false): hashed first, then replay(hash). Concurrently: hashed
-// on a thread of its own while replay("") runs, and the caller records the returned hash in the results.
+// given in its results. A hash remembered for the file (traces/hash_cache.h; not with `hash`) is handed to
+// replay and nothing is read. Otherwise, serially (HashConcurrently(path, threads) false): hashed first, then
+// replay(hash); concurrently: hashed on a thread of its own while replay("") runs, and the caller records the
+// returned hash in the results. (The page-cache check behind HashConcurrently maps the whole file and asks
+// the kernel about every page: it is made only when the file must be read.)
 // Either way the hash, and every result, is the same; a failed hash is the error even when replay failed too
 // (as if hashed first), replay's error otherwise, and the caller writes nothing unless both succeeded.
-StatusOr<std::string> HashBesideReplay(const std::string& path, bool concurrent,
+StatusOr<std::string> HashBesideReplay(const std::string& path, int threads,
                                        const std::function<Status(const std::string& hash)>& replay,
                                        StatusOr<std::string> (*hash)(const std::string&) = nullptr);
 // Whether `kvsim run` / `kvsim sweep` hash the trace beside the replay: only when the page cache holds the

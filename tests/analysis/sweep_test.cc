@@ -134,21 +134,21 @@ TEST_CASE("HashBesideReplay: serial and concurrent give the same hash; a failed 
       given = h;
       return Status::Ok();
     };
-    auto h = HashBesideReplay(path, concurrent, replay_ok);
+    auto h = HashBesideReplay(path, concurrent ? 2 : 1, replay_ok);
     REQUIRE(h.ok());
     CHECK(*h == *want);
     CHECK(given == (concurrent ? "" : *want));  // concurrently the caller records the returned hash
     // The hash fails: its error, whether the replay succeeded or failed too (serially it never ran).
     given = "unset";
-    auto failed = HashBesideReplay(path, concurrent, replay_ok, &ShrankHash);
+    auto failed = HashBesideReplay(path, concurrent ? 2 : 1, replay_ok, &ShrankHash);
     CHECK(failed.status().code() == StatusCode::kDataLoss);
     CHECK(failed.status().message() == path + ": the file shrank to 0 bytes while it was being hashed");
     CHECK(given == (concurrent ? "" : "unset"));
     auto replay_fails = [&](const std::string&) { return Status::InvalidArgument("replay failed"); };
-    CHECK(HashBesideReplay(path, concurrent, replay_fails, &ShrankHash).status().code() ==
+    CHECK(HashBesideReplay(path, concurrent ? 2 : 1, replay_fails, &ShrankHash).status().code() ==
           StatusCode::kDataLoss);
     // The replay fails, the hash does not: the replay's error.
-    auto r = HashBesideReplay(path, concurrent, replay_fails);
+    auto r = HashBesideReplay(path, concurrent ? 2 : 1, replay_fails);
     CHECK(r.status().message() == "replay failed");
   }
 }

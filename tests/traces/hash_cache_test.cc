@@ -211,7 +211,7 @@ TEST_CASE("HashBesideReplay takes a remembered hash and reads nothing beside the
   ForgeEntryHash(cache.dir, kForged);
   for (bool concurrent : {false, true}) {
     std::string given = "unset";
-    auto h = HashBesideReplay(path, concurrent, [&](const std::string& g) {
+    auto h = HashBesideReplay(path, concurrent ? 2 : 1, [&](const std::string& g) {
       given = g;
       return Status::Ok();
     });
@@ -221,7 +221,7 @@ TEST_CASE("HashBesideReplay takes a remembered hash and reads nothing beside the
   }
   // With the cache off, the file is read (the true hash).
   ScopedEnv off("KVSIM_HASH_CACHE", "off");
-  CHECK(*HashBesideReplay(path, false, [](const std::string&) { return Status::Ok(); }) == *HashFile(path));
+  CHECK(*HashBesideReplay(path, 1, [](const std::string&) { return Status::Ok(); }) == *HashFile(path));
 }
 
 }  // namespace kvsim
