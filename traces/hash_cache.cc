@@ -3,12 +3,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "traces/hdf5_trace.h"
 
@@ -53,10 +55,14 @@ std::optional<FileId> Identify(const std::string& path) {
   return id;
 }
 
-std::filesystem::path EntryPath(const HashCacheOptions& options, const FileId& id) {
+std::string EntryName(const FileId& id) {
   char name[64];
   std::snprintf(name, sizeof name, "%llx-%llx", id.dev, id.ino);
-  return std::filesystem::path(options.dir) / name;
+  return name;
+}
+
+std::filesystem::path EntryPath(const HashCacheOptions& options, const FileId& id) {
+  return std::filesystem::path(options.dir) / EntryName(id);
 }
 
 bool IsHash(const std::string& s) {
@@ -72,6 +78,52 @@ bool OlderThan(long long s, long long ns, std::chrono::system_clock::time_point 
       std::chrono::system_clock::time_point(std::chrono::duration_cast<std::chrono::system_clock::duration>(
           std::chrono::seconds(s) + std::chrono::nanoseconds(ns)));
   return t < limit;
+}
+
+// The entry's hash if it still holds for the file it names (the same checks as LookupFileHash).
+std::optional<std::string> ReadEntry(const std::filesystem::path& entry, const std::string* want_path,
+                                     const FileId* want_id) {
+  std::ifstream in(entry);
+  std::string header, stored_path, line, hash, extra;
+  if (!std::getline(in, header) || !std::getline(in, stored_path) || !std::getline(in, line) ||
+      !std::getline(in, hash))
+    return std::nullopt;
+  if (header != kHeader || !IsHash(hash) || std::getline(in, extra)) return std::nullopt;
+  std::optional<FileId> now;
+  if (want_id == nullptr) {  // pruning: whatever file the entry names, as it is now
+    now = Identify(stored_path);
+    if (!now || EntryName(*now) != entry.filename().string()) return std::nullopt;
+    want_id = &*now;
+    want_path = &now->path;
+  }
+  if (stored_path != *want_path || line != want_id->Line()) return std::nullopt;
+  return hash;
+}
+
+// See hash_cache.h: called after an entry was written.
+void Prune(const HashCacheOptions& options) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  std::vector<std::pair<fs::file_time_type, fs::path>> entries;
+  for (const fs::directory_entry& e : fs::directory_iterator(options.dir, ec)) {
+    if (!e.is_regular_file(ec)) continue;
+    entries.emplace_back(e.last_write_time(ec), e.path());
+  }
+  if (ec || entries.size() <= static_cast<size_t>(std::max(0, options.max_entries))) return;
+  const auto hour_ago = fs::file_time_type::clock::now() - std::chrono::hours(1);
+  std::vector<std::pair<fs::file_time_type, fs::path>> kept;
+  for (auto& [written, path] : entries) {
+    const bool tmp = path.filename().string().find(".tmp.") != std::string::npos;
+    if (tmp ? written < hour_ago : !ReadEntry(path, nullptr, nullptr)) {
+      fs::remove(path, ec);
+    } else if (!tmp) {
+      kept.emplace_back(written, path);
+    }
+  }
+  const size_t target = static_cast<size_t>(std::max(0, options.max_entries)) * 3 / 4;
+  if (kept.size() <= target) return;
+  std::sort(kept.begin(), kept.end());  // oldest first
+  for (size_t i = 0; i + target < kept.size(); ++i) fs::remove(kept[i].second, ec);
 }
 
 }  // namespace
@@ -94,15 +146,7 @@ std::optional<std::string> LookupFileHash(const std::string& path, const HashCac
   if (options.dir.empty()) return std::nullopt;
   const std::optional<FileId> id = Identify(path);
   if (!id) return std::nullopt;
-  std::ifstream in(EntryPath(options, *id));
-  std::string header, stored_path, line, hash, extra;
-  if (!std::getline(in, header) || !std::getline(in, stored_path) || !std::getline(in, line) ||
-      !std::getline(in, hash))
-    return std::nullopt;
-  if (header != kHeader || stored_path != id->path || line != id->Line() || !IsHash(hash))
-    return std::nullopt;
-  if (std::getline(in, extra)) return std::nullopt;  // not an entry this code wrote
-  return hash;
+  return ReadEntry(EntryPath(options, *id), &id->path, &*id);
 }
 
 StatusOr<std::string> HashFileAndRemember(const std::string& path, const HashCacheOptions& options) {
@@ -133,7 +177,11 @@ StatusOr<std::string> HashFileAndRemember(const std::string& path, const HashCac
     }
   }
   std::filesystem::rename(tmp, entry, ec);
-  if (ec) std::filesystem::remove(tmp, ec);
+  if (ec) {
+    std::filesystem::remove(tmp, ec);
+    return hash;
+  }
+  Prune(options);
   return hash;
 }
 

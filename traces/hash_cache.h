@@ -15,6 +15,11 @@
 // Entries are small text files, one per (device, inode), written to a temporary file and renamed into place
 // (concurrent workers never see half an entry). Nothing here can fail a run: an unreadable, unparsable or
 // stale entry is ignored and the file hashed, and an entry that cannot be written is not written.
+//
+// The folder stays bounded: when writing an entry finds more than `max_entries` in it, the entries that no
+// longer hold (their file gone, changed or replaced), unreadable ones and temporary files left for more than
+// an hour are removed, and then, if still more than max_entries * 3 / 4 remain, the least recently written
+// ones. Removing an entry only costs a later hash.
 
 #include <chrono>
 #include <optional>
@@ -27,6 +32,7 @@ namespace kvsim {
 struct HashCacheOptions {
   std::string dir;                          // where entries live; empty: no cache (always hash)
   std::chrono::milliseconds min_age{2000};  // tests use 0
+  int max_entries = 1024;                   // see above
 };
 
 // From the environment: KVSIM_HASH_CACHE unset or empty: $XDG_CACHE_HOME/kvsim/trace-hashes, else

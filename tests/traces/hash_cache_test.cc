@@ -200,6 +200,53 @@ TEST_CASE("hash cache: the folder comes from KVSIM_HASH_CACHE, XDG_CACHE_HOME or
   }
 }
 
+TEST_CASE("hash cache: the folder is pruned beyond max_entries, stale entries and old temporaries first",
+          "[hdf5][hash_cache]") {
+  const std::string dir = testing::ScratchDir("hash_cache_prune");
+  HashCacheOptions cache{dir + "/cache", milliseconds(0)};
+  cache.max_entries = 8;
+  // Eight files remembered (the most the folder may hold without pruning), written one after the other.
+  std::vector<std::string> files;
+  for (int i = 0; i < 8; ++i) {
+    files.push_back(MakeFile(dir + "/t" + std::to_string(i) + ".h5", static_cast<char>(i)));
+    Tick();
+    REQUIRE(HashFileAndRemember(files.back(), cache).ok());
+  }
+  REQUIRE(Entries(cache.dir).size() == 8);
+  // Three entries go stale (two files moved away, one rewritten: moved, not deleted, so that no new file
+  // takes a freed inode and with it a stale entry's name), one entry is garbage, and two temporaries are left
+  // behind by crashed writers: one old, one fresh (its writer may still be renaming it).
+  fs::rename(files[2], dir + "/moved2.h5");
+  fs::rename(files[3], dir + "/moved3.h5");
+  Tick();
+  MakeFile(files[5], 99);
+  testing::WriteFile(cache.dir + "/garbage", "not an entry\n");
+  testing::WriteFile(cache.dir + "/1-2.tmp.1.0", "half");
+  testing::WriteFile(cache.dir + "/1-3.tmp.1.1", "half");
+  fs::last_write_time(cache.dir + "/1-2.tmp.1.0", fs::file_time_type::clock::now() - std::chrono::hours(2));
+  // The next entry makes 12 files > 8: the stale entries, the garbage and the old temporary go; 6 valid
+  // entries and the fresh temporary remain (6 <= 8 * 3 / 4: nothing valid is removed).
+  Tick();
+  files.push_back(MakeFile(dir + "/t8.h5", 8));
+  Tick();
+  REQUIRE(HashFileAndRemember(files.back(), cache).ok());
+  CHECK(Entries(cache.dir).size() == 7);
+  CHECK(fs::exists(cache.dir + "/1-3.tmp.1.1"));
+  CHECK_FALSE(fs::exists(cache.dir + "/1-2.tmp.1.0"));
+  CHECK_FALSE(fs::exists(cache.dir + "/garbage"));
+  for (int i : {0, 1, 4, 6, 7, 8}) CHECK(LookupFileHash(files[i], cache));
+  // Three more: the second makes 9 files > 8 with none stale, so the two least recently written entries
+  // (files 0 and 1) go, down to 6 entries; the third makes 8 files again (no pruning).
+  for (int i = 9; i < 12; ++i) {
+    files.push_back(MakeFile(dir + "/t" + std::to_string(i) + ".h5", static_cast<char>(i)));
+    Tick();
+    REQUIRE(HashFileAndRemember(files.back(), cache).ok());
+  }
+  CHECK(Entries(cache.dir).size() == 8);  // 7 entries and the fresh temporary
+  for (int i : {0, 1}) CHECK_FALSE(LookupFileHash(files[i], cache));
+  for (int i : {4, 6, 7, 8, 9, 10, 11}) CHECK(LookupFileHash(files[i], cache));
+}
+
 TEST_CASE("HashBesideReplay takes a remembered hash and reads nothing beside the replay",
           "[hdf5][hash_cache]") {
   const std::string dir = testing::ScratchDir("hash_cache_beside");
