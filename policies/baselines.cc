@@ -78,6 +78,10 @@ class H2OHead final : public HeadPolicy {
   }
   void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) override {
     if (p_.one_shot()) return;
+    if (ctx.group_size == 1) {  // AggregateGroup of one row is the row (x / 1 is x): added in place
+      for (int s = 0; s < att.num_slots; ++s) acc_[cache->token(s)] += att.cache_probs[s];
+      return;
+    }
     std::vector<std::span<const float>> rows;
     for (int g = 0; g < ctx.group_size; ++g)
       rows.emplace_back(att.cache_probs + static_cast<size_t>(g) * att.num_slots, att.num_slots);
@@ -114,11 +118,15 @@ class OracleHead final : public HeadPolicy {
   void BeforeStep(const HeadContext& ctx, const StepAttention& att, int cap, HeadCache* cache) override {
     const int pos = ctx.prefill_length() + att.step;
     if (growth_) cap += att.step + 1;  // as many slots as a prefill-compressing cache holds at this step
-    std::vector<int32_t> keep;
+    // keep_: the head's buffer, reused at every step (no allocation once it has grown).
+    std::vector<int32_t>& keep = keep_;
     if (ctx.group_size == 1) {  // MHA: the engine gives the threshold without a selection
       const std::span<const float> row(att.full_probs[0], pos + 1);
       const int k = std::min(cap, pos + 1);
-      keep = k > 0 ? TopKIndicesWithThreshold(row, k, (*att.full_kth)(0, k)) : std::vector<int32_t>{};
+      if (k > 0)
+        TopKIndicesWithThreshold(row, k, (*att.full_kth)(0, k), &keep);
+      else
+        keep.clear();
     } else {
       std::vector<std::span<const float>> rows;
       for (int g = 0; g < ctx.group_size; ++g) rows.emplace_back(att.full_probs[g], pos + 1);
@@ -134,6 +142,7 @@ class OracleHead final : public HeadPolicy {
   policy::GroupAggregation agg_;
   bool growth_;
   bool append_new_ = true;
+  std::vector<int32_t> keep_;
 };
 
 }  // namespace

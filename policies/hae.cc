@@ -58,11 +58,15 @@ class HAEHead final : public HeadPolicy {
 
   void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) override {
     if (p_.components() == policy::HAEParams::DAP_ONLY) return;
-    std::vector<std::span<const float>> rows;
-    for (int g = 0; g < ctx.group_size; ++g)
-      rows.emplace_back(att.cache_probs + static_cast<size_t>(g) * att.num_slots, att.num_slots);
-    const std::vector<float> step = AggregateGroup(rows, p_.group_aggregation());
-    for (int s = 0; s < att.num_slots; ++s) beta_[cache->token(s)] += step[s];  // Eq. 5
+    if (ctx.group_size == 1) {  // AggregateGroup of one row is the row (x / 1 is x): added in place
+      for (int s = 0; s < att.num_slots; ++s) beta_[cache->token(s)] += att.cache_probs[s];  // Eq. 5
+    } else {
+      std::vector<std::span<const float>> rows;
+      for (int g = 0; g < ctx.group_size; ++g)
+        rows.emplace_back(att.cache_probs + static_cast<size_t>(g) * att.num_slots, att.num_slots);
+      const std::vector<float> step = AggregateGroup(rows, p_.group_aggregation());
+      for (int s = 0; s < att.num_slots; ++s) beta_[cache->token(s)] += step[s];  // Eq. 5
+    }
     // The bin is full once d tokens have been added since the last flush: evict back to l at once.
     if (cache->size() >= base_ + p_.rc_size()) {
       std::vector<float> slot_scores(cache->size());
@@ -165,7 +169,19 @@ std::vector<int> LowestSlots(std::span<const float> slot_scores, int count) {
   std::vector<int> idx(slot_scores.size());
   std::iota(idx.begin(), idx.end(), 0);
   count = std::clamp(count, 0, static_cast<int>(idx.size()));
-  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return slot_scores[a] < slot_scores[b]; });
+  // The first `count` of a stable sort by score are the `count` smallest (score, slot) pairs: a selection
+  // of those (nth_element with the slot breaking ties, a strict total order) then a sort of the selected
+  // slots, instead of a stable sort of every slot. With a NaN score `<` is no order and the stable sort's
+  // outcome depends on its steps: that case keeps the stable sort.
+  const bool ordered =
+      std::none_of(slot_scores.begin(), slot_scores.end(), [](float x) { return std::isnan(x); });
+  if (ordered && count > 0 && count < static_cast<int>(idx.size())) {
+    std::nth_element(idx.begin(), idx.begin() + (count - 1), idx.end(), [&](int a, int b) {
+      return slot_scores[a] < slot_scores[b] || (slot_scores[a] == slot_scores[b] && a < b);
+    });
+  } else if (!ordered) {
+    std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return slot_scores[a] < slot_scores[b]; });
+  }
   idx.resize(count);
   std::sort(idx.begin(), idx.end());
   return idx;

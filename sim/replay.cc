@@ -307,8 +307,17 @@ class PassBuffers {
   std::vector<UnitBuffers> free_;
 };
 
+// v.size() >= n: the buffer only grows. Its first n elements are then written in full by the caller, so
+// what the rest holds, and what a smaller size would have been, does not matter; `resize` would zero-fill
+// the part that grows back each time a run needs more than the previous one.
+template <typename T>
+void GrowTo(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
 std::atomic<bool> g_kth_from_sums{true};  // SetFullKthFromSumsForTesting
 std::atomic<bool> g_run_lists{true};      // SetRunListsForTesting
+std::atomic<bool> g_union_scan{true};     // SetUnionScanForTesting
 
 }  // namespace
 
@@ -1566,8 +1575,8 @@ class LayerPass {
     const int group = m_.GroupSize();
     const float* values = w.ctx.values;
     const size_t rows = static_cast<size_t>(group) * steps;
-    ws.out.resize(rows * d);  // every path below writes every element (the products with beta 0)
-    bool everything = true;   // every step kept every visible token as itself
+    GrowTo(ws.out, rows * d);  // every path below writes every element (the products with beta 0)
+    bool everything = true;    // every step kept every visible token as itself
     for (int t = 0; t < steps && everything; ++t)
       everything = static_cast<int>(ws.step_begin[t + 1] - ws.step_begin[t]) ==
                    w.refs[0].last(t) - w.refs[0].first[t] + 1;
@@ -1585,8 +1594,8 @@ class LayerPass {
       ws.used.assign(ws.ptok.begin(), ws.ptok.end());
       std::sort(ws.used.begin(), ws.used.end());
       const size_t nu = ws.used.size();
-      ws.a.resize(rows * nu);
-      ws.vu.resize(nu * d);
+      GrowTo(ws.a, rows * nu);
+      GrowTo(ws.vu, nu * d);
       for (size_t c = 0; c < nu; ++c)
         std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
       const int32_t* used = ws.used.data();
@@ -1646,19 +1655,41 @@ class LayerPass {
             next = std::max(next, end);
           }
         } else {
-          for (int32_t tok : ws.plain)
-            if (ws.col[tok] < 0) {
-              ws.col[tok] = 0;
-              ws.used.push_back(tok);
+          // U ascending. Every listed token is marked (one store each, no branch) and, when the tokens'
+          // range is no longer than the lists (a cache re-selected every step, e.g. oracle's), U is one scan
+          // of the markers over that range; otherwise the first sight of each token is listed and the list
+          // sorted. The same tokens in the same order.
+          int32_t t0 = std::numeric_limits<int32_t>::max(), t1 = -1;
+          if (g_union_scan.load(std::memory_order_relaxed)) {
+            for (size_t i = 0; i < gathered; ++i) {
+              t0 = std::min(t0, pl[i]);
+              t1 = std::max(t1, pl[i]);
             }
-          std::sort(ws.used.begin(), ws.used.end());
+          }
+          if (t1 >= t0 && static_cast<size_t>(t1 - t0) < gathered) {
+            for (size_t i = 0; i < gathered; ++i) ws.col[pl[i]] = 0;
+            ws.used.resize(static_cast<size_t>(t1 - t0) + 1);
+            size_t c = 0;
+            for (int32_t tok = t0; tok <= t1; ++tok) {
+              ws.used[c] = tok;
+              c += ws.col[tok] >= 0;
+            }
+            ws.used.resize(c);
+          } else {
+            for (size_t i = 0; i < gathered; ++i)
+              if (ws.col[pl[i]] < 0) {
+                ws.col[pl[i]] = 0;
+                ws.used.push_back(pl[i]);
+              }
+            std::sort(ws.used.begin(), ws.used.end());
+          }
         }
       }
       const size_t nu = ws.used.size();
       if (nu > 0 && nu * steps <= 4 * gathered) {
         for (size_t c = 0; c < nu; ++c) ws.col[ws.used[c]] = static_cast<int32_t>(c);
-        ws.a.resize(rows * nu);  // zeroed row by row below, just before its scatter
-        ws.vu.resize(nu * d);
+        GrowTo(ws.a, rows * nu);  // zeroed row by row below, just before its scatter
+        GrowTo(ws.vu, nu * d);
         for (size_t c = 0; c < nu; ++c)
           std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
         for (int g = 0; g < group; ++g) {
@@ -2100,6 +2131,7 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
 
 void SetFullKthFromSumsForTesting(bool allowed) { g_kth_from_sums.store(allowed, std::memory_order_relaxed); }
 void SetRunListsForTesting(bool allowed) { g_run_lists.store(allowed, std::memory_order_relaxed); }
+void SetUnionScanForTesting(bool allowed) { g_union_scan.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

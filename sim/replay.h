@@ -112,6 +112,9 @@ void SetFullKthFromSumsForTesting(bool allowed);
 // slot lists as merged intervals, A's rows as copies of p's stretches), on the token-by-token loops (the
 // same U and A).
 void SetRunListsForTesting(bool allowed);
+// Test hook: false makes FinishRun's token-by-token loops list the union U's tokens at first sight and sort
+// them, instead of one scan of the markers over the tokens' range (the same U).
+void SetUnionScanForTesting(bool allowed);
 
 // A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
 // its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in

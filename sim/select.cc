@@ -178,22 +178,34 @@ void SetSelectAvx2ForTesting(bool allowed) {
 }
 
 std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int k, float tau) {
+  std::vector<int32_t> idx;
+  TopKIndicesWithThreshold(scores, k, tau, &idx);
+  return idx;
+}
+
+void TopKIndicesWithThreshold(std::span<const float> scores, int k, float tau, std::vector<int32_t>* out) {
   // Takes every score above tau and the first k - above equal to it in index order (more than k if tau is
-  // below the k-th largest, as before), ascending.
+  // below the k-th largest, as before), ascending. The scans write up to one register of indices past the
+  // last taken one: *out only grows to hold them (growing zero-fills the new part, which the scans then
+  // overwrite; a reused buffer is not filled again).
   const int n = static_cast<int>(scores.size());
   k = std::clamp(k, 0, n);
+  std::vector<int32_t>& idx = *out;
+  auto room = [&](size_t len) {
+    if (idx.size() < len) idx.resize(len);
+  };
 #ifdef KVSIM_SELECT_AVX512
   if (kSelectAvx512 && g_select_avx512_allowed.load(std::memory_order_relaxed)) {
     const int above = CountAboveAvx512(scores.data(), n, tau), most = std::max(k, above);
-    std::vector<int32_t> idx(static_cast<size_t>(most) + 16);
+    room(static_cast<size_t>(most) + 16);
     idx.resize(static_cast<size_t>(TakeAboveAvx512(scores.data(), n, tau, k - above, most, idx.data())));
-    return idx;
+    return;
   }
   if (kSelectAvx2 && g_select_avx2_allowed.load(std::memory_order_relaxed)) {
     const int above = CountAboveAvx2(scores.data(), n, tau), most = std::max(k, above);
-    std::vector<int32_t> idx(static_cast<size_t>(most) + 8);
+    room(static_cast<size_t>(most) + 8);
     idx.resize(static_cast<size_t>(TakeAboveAvx2(scores.data(), n, tau, k - above, most, idx.data())));
-    return idx;
+    return;
   }
 #endif
   int above = 0;
@@ -202,7 +214,7 @@ std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int
   // One in-order scan without branches (whether a score is taken is data-dependent and unpredictable):
   // every index is written at the next free place, which advances only when the index is taken; one
   // spare element takes the last write.
-  std::vector<int32_t> idx(static_cast<size_t>(most) + 1);
+  room(static_cast<size_t>(most) + 1);
   int m = 0, ties = k - above;
   for (int32_t j = 0; j < n && m < most; ++j) {
     const float s = scores[j];
@@ -212,7 +224,6 @@ std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int
     ties -= tie;
   }
   idx.resize(m);
-  return idx;
 }
 
 namespace {

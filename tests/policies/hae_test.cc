@@ -3,8 +3,12 @@
 
 #include "policies/hae.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
 #include <set>
 
 #include "policies/registry.h"
@@ -133,6 +137,38 @@ TEST_CASE("hae: DDES evicts the lowest cumulative scores once the bin of d token
   // β = (.2, .7, .15, .3, .45, .2): the bin is full (l + 2): the 2 lowest go at once, tie to the older.
   CHECK(std::vector<int32_t>(cache.tokens().begin(), cache.tokens().end()) ==
         std::vector<int32_t>{1, 3, 4, 5});
+}
+
+TEST_CASE("hae: LowestSlots are a stable sort's first slots, ascending (ties, zeros of both signs, NaN)",
+          "[hae]") {
+  // The reference is the stable sort by score the function used to do; the selection must give the same
+  // slots for every count, with many ties (the lower slot goes first), -0 equal to +0, and NaN scores (the
+  // stable sort's own outcome, whatever it is).
+  auto reference = [](const std::vector<float>& s, int count) {
+    std::vector<int> idx(s.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    count = std::clamp(count, 0, static_cast<int>(idx.size()));
+    std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return s[a] < s[b]; });
+    idx.resize(count);
+    std::sort(idx.begin(), idx.end());
+    return idx;
+  };
+  std::mt19937 rng(5);
+  int compared = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 150);
+    std::vector<float> s(n);
+    for (float& x : s) {
+      const int l = static_cast<int>(rng() % 9);
+      x = l == 0 ? -0.0f : l == 8 && trial % 10 == 0 ? std::numeric_limits<float>::quiet_NaN() : 0.25f * l;
+    }
+    for (int count : {-1, 0, 1, 2, n / 3, n / 2, n - 1, n, n + 3}) {
+      INFO("trial " << trial << " n " << n << " count " << count);
+      CHECK(LowestSlots(s, count) == reference(s, count));
+      ++compared;
+    }
+  }
+  CHECK(compared == 2700);
 }
 
 TEST_CASE("hae: the cache grows to l + d and returns to l, the DAP set is broadcast", "[hae]") {

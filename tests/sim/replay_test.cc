@@ -1902,6 +1902,55 @@ TEST_CASE("replay: the output product from runs of consecutive tokens equals the
   }
 }
 
+// FinishRun's token-by-token loops build the union U of a cache re-selected every step (the tokens' range
+// shorter than the steps' lists together) by marking every listed token and one scan of the markers over
+// the range, instead of listing first sights and sorting; the runs' buffers (A, V[U], the outputs) only
+// grow, so a run after a wider one works in what that one left past its own size. Every result must be the
+// sort's, bit for bit: scattered lists (every third token, a different third each step), a union with gaps
+// of never-held tokens, oracle (re-selected every step) and H2O (one eviction a step), runs of different
+// widths one after another on one worker, at 1 and 3 threads.
+TEST_CASE("replay: a union ordered by a marker scan equals the sorted one", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 2;  // MHA: oracle's threshold path
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 500;
+  spec.decode_steps = 9;
+  spec.image_begin = 40;
+  spec.image_end = 400;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  auto scattered = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    std::vector<int32_t> keep;
+    for (int32_t t = step % 3; t < 500; t += 3) keep.push_back(t);
+    c->Assign(keep);
+  });
+  auto gaps = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    std::vector<int32_t> keep;  // blocks of 5 held tokens, 5 never held between them, shifting by 1 a step
+    for (int32_t t = 100 + step; t < 480; t += 10)
+      for (int32_t i = 0; i < 5 && t + i < 500; ++i) keep.push_back(t + i);
+    c->Assign(keep);
+  });
+  std::vector<RunSpec> runs{Spec(scattered, spec.prefill_length), Spec(gaps, spec.prefill_length)};
+  for (double b : {0.5, 0.1, 0.3})
+    runs.push_back(RunSpec{Registered("oracle"), "oracle", b, 0, QuestionMode::kQueryAware});
+  for (double b : {0.2, 0.5})
+    runs.push_back(RunSpec{Registered("h2o"), "h2o", b, 0, QuestionMode::kQueryAware});
+  SetUnionScanForTesting(false);
+  auto want = Replay(tr, runs, Options());
+  SetUnionScanForTesting(true);
+  REQUIRE(want.ok());
+  for (int threads : {1, 3}) {
+    ReplayOptions o = Options();
+    o.threads = threads;
+    auto got = Replay(tr, runs, o);
+    REQUIRE(got.ok());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      INFO("run " << i << ", threads " << threads);
+      CHECK((*got)[i].metrics().output_rel_error_mean() > 0);
+      CHECK((*got)[i].SerializeAsString() == (*want)[i].SerializeAsString());
+    }
+  }
+}
+
 TEST_CASE("replay: the plain-slot sums add in slot order per lane and modality, as the scalar loop does",
           "[replay]") {
   // The scalar loop the engine had: rm[s & 3][mod] += p, in slot order.

@@ -525,4 +525,37 @@ TEST_CASE("TopKIndicesWithThreshold: the AVX-512, AVX2 and portable scans agree 
   CHECK(compared > 1000);
 }
 
+TEST_CASE("TopKIndicesWithThreshold into a reused buffer equals a fresh selection, on every path",
+          "[select]") {
+  // The buffer one caller reuses at every step (oracle's): it arrives holding the previous selection, longer
+  // or shorter than this one, with stale indices past its size; the result must not depend on any of that.
+  std::mt19937 rng(41);
+  std::uniform_int_distribution<int> level(0, 7);
+  std::vector<int32_t> buf = {999, -5, 7};
+  int compared = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 300);
+    std::vector<float> s(n);
+    for (float& x : s) x = 0.125f * static_cast<float>(level(rng));
+    std::vector<float> sorted = s;
+    std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+    const int k = static_cast<int>(rng() % (n + 1));
+    const float tau = k > 0 ? sorted[k - 1] : sorted[0];
+    if (trial % 7 == 0) buf.assign(rng() % 400, 12345);  // stale contents of any length
+    for (int path = 0; path < 3; ++path) {
+      SetSelectAvx512ForTesting(path == 2);
+      SetSelectAvx2ForTesting(path >= 1);
+      INFO("trial " << trial << " n " << n << " k " << k << " path " << path);
+      const std::vector<int32_t> want = TwoBranchTopK(s, k, tau);
+      TopKIndicesWithThreshold(s, k, tau, &buf);
+      CHECK(buf == want);
+      CHECK(TopKIndicesWithThreshold(s, k, tau) == want);
+      ++compared;
+    }
+  }
+  SetSelectAvx512ForTesting(true);
+  SetSelectAvx2ForTesting(true);
+  CHECK(compared == 600);
+}
+
 }  // namespace kvsim
