@@ -48,7 +48,8 @@ void SetEnabledForTesting(bool enabled);
 inline constexpr int kMaxEntries = 8;
 // The memo counters of merge_screen::Stats summed over every thread of the process (tests, bench/).
 struct Totals {
-  long calls = 0, reuse_calls = 0, superset_calls = 0, queries = 0, products = 0, products_without = 0;
+  long calls = 0, reuse_calls = 0, superset_calls = 0, overlap_calls = 0, queries = 0, free_queries = 0,
+       products = 0, products_without = 0;
 };
 Totals ProcessTotals();
 // How many answer sets a unit's memo holds (≤ kMaxEntries; 0 if none was made).
