@@ -229,7 +229,8 @@ bool MemoEnvAllows() {
 const bool kMemoEnvAllows = MemoEnvAllows();
 
 struct AtomicTotals {
-  std::atomic<long> calls{0}, reuse_calls{0}, superset_calls{0}, queries{0}, products{0}, products_without{0};
+  std::atomic<long> calls{0}, reuse_calls{0}, superset_calls{0}, overlap_calls{0}, queries{0},
+      free_queries{0}, products{0}, products_without{0};
 };
 AtomicTotals g_totals;
 
@@ -351,24 +352,33 @@ struct MemoCall {
 // The search. Every block of up to 256 query rows goes to the bf16 screen (AVX512-BF16, regular rows, large
 // enough) or to the exact search; both return the first maximum of the fmaf-chain values (the definition of
 // a merge similarity, round 10), so the answer does not depend on the CPU or on which path took a block.
-// With `mc` (Merger::KeepAndMergeOnce on a unit with a memo), the blocks of regular rows reuse a stored
-// answer set over a subset of the targets. Why every slot and value is still the plain search's, bit for bit:
+// With `mc` (Merger::KeepAndMergeOnce on a unit with a memo), the blocks of regular rows reuse stored
+// answer sets over other target sets A (any overlap with ours since round 13: a subset, a superset, another
+// policy's set). Why every slot and value is still the plain search's, bit for bit:
 //  - Which rows use it: every block whose query rows and targets are regular (NormalizeRows: finite, norm
 //    ≤ 1 + 2^-20, so every value is finite, no NaN); a block with an irregular row, or a call with an
 //    irregular target, is searched as without the memo and stores nothing.
-//  - Values: a value is the fmaf chain (ExactDots) of the two normalised rows, whatever block, path or
+//  - Values: a value v(x) is the fmaf chain (ExactDots) of the two normalised rows, whatever block, path or
 //    target subset it was searched in (NormalizeRows normalises each row alone; the exact search computes
 //    every pair's chain lane by lane; the screen's result is exact for any target set and any number of
-//    rows, ScreenBlock's proof). The memo's entry holds, for query token e, (b, v_A) = the first maximum of
-//    these values over its targets A (in A's slot order) from the same key buffer; so for our call, with
-//    target set K ⊇ A whose slot order lists A's tokens in A's order (checked: A's tokens map to increasing
-//    slots of K), b is the K-first maximum over A.
-//  - Combination: the plain answer j* is the first slot of K with value V = max over K. Split K = A ∪ B
-//    (B = K \ A, searched now in slot order: first maximum (j_B, v_B) over B). V = max(v_A, v_B) and
-//    j* = the smaller slot among the parts that reach V: v_A > v_B → b's slot; v_B > v_A → j_B; equal → the
-//    smaller of the two slots (each part's first maximum is its smallest slot reaching V), with its own
-//    value (+0 and −0 compare equal; the first slot's bits are the plain search's). B empty: (b, v_A).
-//  Only the amount of work depends on which entries exist, i.e. on the order in which runs searched.
+//    rows, ScreenBlock's proof). An entry holds, for query token e, (a*, v*) = the first maximum of these
+//    values over its targets A, in A's order, from the same key buffer.
+//  - Usable entries: A's tokens that are in our K (tokens unique) map to strictly increasing slots of K,
+//    i.e. A ∩ K is in the same relative order in A and in K (checked per call; a duplicate token in A
+//    repeats a slot and fails). A row may use an entry if its a* is in K.
+//  - Claim: then the plain answer (j*, V) = the first maximum over K is the better of a* and (j_B, v_B) =
+//    the first maximum over B = K \ A, in slot order: the strictly greater value wins; equal values: the
+//    smaller slot of K. Proof: every x ∈ A ∩ K has v(x) ≤ v*, and if v(x) = v* then x comes after a* in A's
+//    order (a* is A's first maximum), hence after a* in K's order. As a* ∈ K, V = max(v*, v_B). If
+//    v* > v_B, a* reaches V and no x ∈ B does; any x ∈ A ∩ K reaching V lies after a*: j* = a*. If
+//    v_B > v*, no x ∈ A ∩ K reaches V (all ≤ v*): j* = j_B. If equal, the slots reaching V are a*, the
+//    A ∩ K ones after it, and B's (the first of them j_B): j* = the smaller of a* and j_B, with its own
+//    value (+0 and −0 compare equal; the first slot's bits are the plain search's). B empty (K ⊆ A): (a*, v*)
+//    with no product and no re-check at all. Rows whose a* ∉ K, or with no stored answer, search all of K.
+//  - Choice: each row takes, among the usable entries with a* ∈ K, the one covering most of K (fewest
+//    products |B|); rows are grouped by the entry they use, each group searching its own B. The answer is
+//    the same whichever entry a row takes (each gives the plain answer), so only the work depends on which
+//    entries exist, i.e. on the order in which runs searched.
 void NearestWithMemo(const float* const* queries, int num_queries, const float* const* targets,
                      int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity,
                      const MemoCall* mc) {
@@ -453,20 +463,32 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   };
   merge_screen::Stats& stats = merge_screen::ThreadStats();
   const merge_screen::Stats before = stats;
-  // The memo's source: the stored answer set over a subset A of our targets that covers the most products.
-  // Any regular targets (their values are finite: no NaN in a combination below).
+  // The memo's sources: every stored answer set over targets A whose tokens in our K keep K's order (proof
+  // above). Any regular targets (their values are finite: no NaN in a combination below).
   const bool use_memo = mc != nullptr && targets_regular;
-  std::shared_ptr<const MemoEntry> src;
-  thread_local std::vector<int32_t> slot_of;             // by token: our slot, -1
-  thread_local std::vector<int> rest;                    // B = our slots not in A, in slot order
-  thread_local std::vector<float> tb_buf, qg_buf, simg;  // B's rows, gathered query rows, their answers
-  thread_local std::vector<uint32_t> tpb_buf;
-  thread_local std::vector<int> rows_hit, rows_miss, nearg;
+  // One usable stored set A: its part B = K \ A (our slots not in A, in slot order) is searched for the
+  // rows that use it, its rows packed for the screen or the exact search once per call.
+  struct Source {
+    std::shared_ptr<const MemoEntry> e;
+    int found = 0;  // |A ∩ K|
+    bool rest_ready = false, packed = false, packed_x = false, used = false;
+    float* tb = nullptr;  // B's rows, contiguous
+    ScreenTargets st;
+  };
+  std::vector<Source> srcs;
+  thread_local std::vector<int32_t> slot_of;  // by token: our slot, -1
   thread_local std::vector<char> in_a;
-  bool superset = false;
+  thread_local std::vector<int> pick, rows_miss, nearg;  // by block row: the source used, -1: none
+  thread_local std::vector<float> qg_buf, simg;          // gathered query rows, their answers
+  // Per source (≤ kMaxEntries): B's slots, its rows (in place), buffers, and this block's rows using it.
+  thread_local std::vector<std::vector<int>> rest_of, rows_of;
+  thread_local std::vector<std::vector<const float*>> brow_of;
+  thread_local std::vector<std::vector<float>> tb_of, tbx_of;
+  thread_local std::vector<std::vector<uint32_t>> tpb_of;
+  thread_local std::vector<std::vector<int16_t>> tpb16_of;
+  int32_t max_tok = 0;
   if (use_memo) {
     ++stats.memo_calls;
-    int32_t max_tok = 0;
     for (int32_t tok : mc->targets) max_tok = std::max(max_tok, tok);
     slot_of.assign(static_cast<size_t>(max_tok) + 1, -1);
     bool unique = true;
@@ -475,60 +497,56 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
       unique &= so < 0;
       so = s;
     }
-    long best_score = 0;
-    for (const std::shared_ptr<const MemoEntry>& e :
+    for (std::shared_ptr<const MemoEntry>& e :
          unique ? mc->memo->Snapshot() : std::vector<std::shared_ptr<const MemoEntry>>{}) {
       if (e->keys != mc->keys || e->d != d) continue;
-      const int na = static_cast<int>(e->targets.size());
-      bool subset = na <= num_targets;
+      // A ∩ K in A's order must map to increasing slots of K (a duplicate token in A repeats a slot).
+      bool ordered = true;
       int prev = -1, found = 0;
-      for (int i = 0; i < na && subset; ++i) {
+      for (size_t i = 0; i < e->targets.size() && ordered; ++i) {
         const int32_t tok = e->targets[i];
         const int so = tok <= max_tok ? slot_of[tok] : -1;
-        if (so >= 0) ++found;
-        subset = so > prev;  // in K, and in A's order
+        if (so < 0) continue;
+        ++found;
+        ordered = so > prev;
         prev = so;
       }
-      if (!subset) {
-        // A strict superset of K (a larger budget searched first)? Counted for the order statistics only.
-        if (na > num_targets) {
-          found = 0;
-          for (int32_t tok : e->targets) found += tok <= max_tok && slot_of[tok] >= 0;
-          superset |= found == num_targets;
-        }
-        continue;
-      }
-      long covered = 0;
-      for (int32_t tok : mc->queries)
-        covered += tok < static_cast<int32_t>(e->best.size()) && e->best[tok] >= 0;
-      if (covered * na > best_score) best_score = covered * na, src = e;
+      if (ordered && found > 0) srcs.push_back(Source{std::move(e), found});
     }
-    if (superset) ++stats.memo_superset_calls;
-    if (src) {
-      ++stats.memo_reuse_calls;
-      mc->memo->Touch(src.get());
-      in_a.assign(num_targets, 0);
-      for (int32_t tok : src->targets) in_a[slot_of[tok]] = 1;
-      rest.clear();
-      for (int s = 0; s < num_targets; ++s)
-        if (!in_a[s]) rest.push_back(s);
+    const size_t ns = srcs.size();
+    if (rest_of.size() < ns) {
+      rest_of.resize(ns), rows_of.resize(ns), brow_of.resize(ns), tb_of.resize(ns), tbx_of.resize(ns);
+      tpb_of.resize(ns), tpb16_of.resize(ns);
     }
   }
-  bool packed_b = false, packed_bx = false;
-
-  const int nb = src ? static_cast<int>(rest.size()) : 0;
-  float* tb = nullptr;
-  auto copy_b = [&] {  // B's rows, contiguous
-    if (tb != nullptr) return;
-    tb = Scratch(tb_buf, static_cast<size_t>(nb) * d);
-    for (int i = 0; i < nb; ++i)
-      std::copy_n(prepacked ? trow[rest[i]] : t + static_cast<size_t>(rest[i]) * d, d,
-                  tb + static_cast<size_t>(i) * d);
+  // Source i's B = K \ A (slots in order) and, in place, its rows.
+  auto ready_rest = [&](int i) {
+    Source& s = srcs[i];
+    if (s.rest_ready) return;
+    in_a.assign(num_targets, 0);
+    for (int32_t tok : s.e->targets)
+      if (tok <= max_tok && slot_of[tok] >= 0) in_a[slot_of[tok]] = 1;
+    std::vector<int>& rest = rest_of[i];
+    rest.clear();
+    for (int j = 0; j < num_targets; ++j)
+      if (!in_a[j]) rest.push_back(j);
+    if (prepacked) {
+      brow_of[i].resize(rest.size());
+      for (size_t j = 0; j < rest.size(); ++j) brow_of[i][j] = trow[rest[j]];
+    }
+    s.rest_ready = true;
   };
-  if (prepacked) {
-    brow.resize(nb);
-    for (int i = 0; i < nb; ++i) brow[i] = trow[rest[i]];
-  }
+  auto copy_b = [&](int i) {  // B's rows, contiguous
+    Source& s = srcs[i];
+    if (s.tb != nullptr) return;
+    const std::vector<int>& rest = rest_of[i];
+    const int nb = static_cast<int>(rest.size());
+    s.tb = Scratch(tb_of[i], static_cast<size_t>(nb) * d);
+    for (int j = 0; j < nb; ++j)
+      std::copy_n(prepacked ? trow[rest[j]] : t + static_cast<size_t>(rest[j]) * d, d,
+                  s.tb + static_cast<size_t>(j) * d);
+  };
+
   thread_local std::vector<char> answered;  // by query: searched with regular rows (storable)
   if (use_memo) answered.assign(num_queries, 0);
   for (int b = 0; b < num_queries; b += kBlock) {
@@ -573,7 +591,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
       ip = InPlace{qwords.data(), qerr.data(), qsub.data(), target_rows};
       return &ip;
     };
-    // The block's rows `sub` against every target / against B = K \ A.
+    // The block's rows `sub` against every target / against source i's B = K \ A.
     auto search_all = [&](const int* sub, int n, int* near, float* sim) {
       if (screened) {
         pack();
@@ -588,25 +606,29 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
         ExactBlock(contiguous(sub, n), n, tx_buf.data(), num_targets, d, near, sim);
       }
     };
-    auto search_rest = [&](const int* sub, int n, int* near, float* sim) {
+    auto search_rest = [&](int i, const int* sub, int n, int* near, float* sim) {
+      Source& s = srcs[i];
+      const std::vector<int>& rest = rest_of[i];
+      const int nb = static_cast<int>(rest.size());
       if (screened) {
-        if (!prepacked) copy_b();
-        if (!packed_b) {
-          screen_b = pack_screen(tb, nb, tpb_buf, tpb16_buf, [&](int i) { return rest[i]; });
-          packed_b = true;
+        if (!prepacked) copy_b(i);
+        if (!s.packed) {
+          s.st = pack_screen(s.tb, nb, tpb_of[i], tpb16_of[i], [&](int j) { return rest[j]; });
+          s.packed = true;
         }
         if (prepacked) {
-          ScreenBlock(nullptr, n, nullptr, screen_b, nb, d, near, sim, in_place(sub, n, brow.data()));
+          ScreenBlock(nullptr, n, nullptr, s.st, nb, d, near, sim, in_place(sub, n, brow_of[i].data()));
         } else {
-          ScreenBlock(contiguous(sub, n), n, tb, screen_b, nb, d, near, sim);
+          ScreenBlock(contiguous(sub, n), n, s.tb, s.st, nb, d, near, sim);
         }
       } else {
-        copy_b();
-        if (!packed_bx) {
-          merge_screen::PackExactTargets(tb, nb, d, Scratch(tbx_buf, merge_screen::ExactPackedSize(nb, d)));
-          packed_bx = true;
+        copy_b(i);
+        if (!s.packed_x) {
+          merge_screen::PackExactTargets(s.tb, nb, d,
+                                         Scratch(tbx_of[i], merge_screen::ExactPackedSize(nb, d)));
+          s.packed_x = true;
         }
-        ExactBlock(contiguous(sub, n), n, tbx_buf.data(), nb, d, near, sim);
+        ExactBlock(contiguous(sub, n), n, tbx_of[i].data(), nb, d, near, sim);
       }
     };
     if (!use_memo || !queries_regular) {  // today's search
@@ -615,48 +637,83 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
     }
     std::fill(answered.begin() + b, answered.begin() + b + rows, 1);
     stats.memo_products_without += static_cast<long>(rows) * num_targets;
-    rows_hit.clear(), rows_miss.clear();
+    // Each row takes the usable source with the fewest remaining targets among those whose stored answer
+    // a* is one of our targets; none: every target.
+    const int ns = static_cast<int>(srcs.size());
+    pick.assign(rows, -1);
+    rows_miss.clear();
+    for (int i = 0; i < ns; ++i) rows_of[i].clear();
     for (int r = 0; r < rows; ++r) {
-      const int32_t tok = src ? mc->queries[b + r] : -1;
-      (tok >= 0 && tok < static_cast<int32_t>(src->best.size()) && src->best[tok] >= 0 ? rows_hit : rows_miss)
-          .push_back(r);
+      const int32_t tok = mc->queries[b + r];
+      int best_found = 0;
+      for (int i = 0; i < ns; ++i) {
+        const MemoEntry& e = *srcs[i].e;
+        if (srcs[i].found <= best_found || tok >= static_cast<int32_t>(e.best.size())) continue;
+        const int32_t a = e.best[tok];
+        if (a >= 0 && a <= max_tok && slot_of[a] >= 0) best_found = srcs[i].found, pick[r] = i;
+      }
+      (pick[r] < 0 ? rows_miss : rows_of[pick[r]]).push_back(r);
     }
-    if (rows_hit.empty()) {  // every row over every target
-      search_all(nullptr, rows, nearest->data() + b, similarity->data() + b);
-      stats.memo_products += static_cast<long>(rows) * num_targets;
-      continue;
-    }
-    // Rows without a stored answer: over every target.
+    // Rows without a usable answer: over every target.
     if (!rows_miss.empty()) {
-      nearg.resize(rows_miss.size()), simg.resize(rows_miss.size());
-      search_all(rows_miss.data(), static_cast<int>(rows_miss.size()), nearg.data(), simg.data());
-      for (size_t i = 0; i < rows_miss.size(); ++i) {
-        (*nearest)[b + rows_miss[i]] = nearg[i];
-        (*similarity)[b + rows_miss[i]] = simg[i];
+      const int nm = static_cast<int>(rows_miss.size());
+      if (nm == rows) {
+        search_all(nullptr, rows, nearest->data() + b, similarity->data() + b);
+      } else {
+        nearg.resize(nm), simg.resize(nm);
+        search_all(rows_miss.data(), nm, nearg.data(), simg.data());
+        for (int i = 0; i < nm; ++i) {
+          (*nearest)[b + rows_miss[i]] = nearg[i];
+          (*similarity)[b + rows_miss[i]] = simg[i];
+        }
       }
-      stats.memo_products += static_cast<long>(rows_miss.size()) * num_targets;
+      stats.memo_products += static_cast<long>(nm) * num_targets;
     }
-    // Rows with one: the better of the stored answer over A and a search over B = K \ A (proof above).
-    const int hits = static_cast<int>(rows_hit.size());
-    if (nb > 0) {
-      nearg.resize(hits), simg.resize(hits);
-      search_rest(rows_hit.data(), hits, nearg.data(), simg.data());
-      stats.memo_products += static_cast<long>(hits) * nb;
-    }
-    for (int i = 0; i < hits; ++i) {
-      const int r = b + rows_hit[i];
-      const int32_t tok = mc->queries[r];
-      int slot = slot_of[src->best[tok]];
-      float value = src->value[tok];
+    // Rows with one: the better of the stored answer (a*, v*) and the first maximum over B = K \ A (proof
+    // above); B empty (K ⊆ A): (a*, v*) with no product at all.
+    for (int i = 0; i < ns; ++i) {
+      const std::vector<int>& hit = rows_of[i];
+      if (hit.empty()) continue;
+      Source& s = srcs[i];
+      s.used = true;
+      const int hits = static_cast<int>(hit.size());
+      const int nb = num_targets - s.found;
       if (nb > 0) {
-        const int sb = rest[nearg[i]];
-        const float vb = simg[i];
-        if (vb > value || (vb == value && sb < slot)) slot = sb, value = vb;
+        ready_rest(i);
+        nearg.resize(hits), simg.resize(hits);
+        search_rest(i, hit.data(), hits, nearg.data(), simg.data());
+        stats.memo_products += static_cast<long>(hits) * nb;
+      } else {
+        stats.memo_free_queries += hits;
       }
-      (*nearest)[r] = slot;
-      (*similarity)[r] = value;
+      for (int k = 0; k < hits; ++k) {
+        const int r = b + hit[k];
+        const int32_t tok = mc->queries[r];
+        int slot = slot_of[s.e->best[tok]];
+        float value = s.e->value[tok];
+        if (nb > 0) {
+          const int sb = rest_of[i][nearg[k]];
+          const float vb = simg[k];
+          if (vb > value || (vb == value && sb < slot)) slot = sb, value = vb;
+        }
+        (*nearest)[r] = slot;
+        (*similarity)[r] = value;
+      }
+      stats.memo_queries += hits;
     }
-    stats.memo_queries += hits;
+  }
+  if (use_memo) {
+    bool reused = false, covering = false, overlap = false;
+    for (const Source& s : srcs) {
+      if (!s.used) continue;
+      mc->memo->Touch(s.e.get());
+      reused = true;
+      covering |= s.found == num_targets;
+      overlap |= s.found < num_targets && s.found < static_cast<int>(s.e->targets.size());
+    }
+    stats.memo_reuse_calls += reused;
+    stats.memo_superset_calls += covering;
+    stats.memo_overlap_calls += overlap;
   }
   if (!use_memo) return;
   // Store this call's answers of regular rows (every one is the fmaf-chain first maximum over our targets).
@@ -680,6 +737,8 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   g_totals.calls += stats.memo_calls - before.memo_calls;
   g_totals.reuse_calls += stats.memo_reuse_calls - before.memo_reuse_calls;
   g_totals.superset_calls += stats.memo_superset_calls - before.memo_superset_calls;
+  g_totals.overlap_calls += stats.memo_overlap_calls - before.memo_overlap_calls;
+  g_totals.free_queries += stats.memo_free_queries - before.memo_free_queries;
   g_totals.queries += stats.memo_queries - before.memo_queries;
   g_totals.products += stats.memo_products - before.memo_products;
   g_totals.products_without += stats.memo_products_without - before.memo_products_without;
@@ -695,6 +754,8 @@ Totals ProcessTotals() {
   t.calls = g_totals.calls.load();
   t.reuse_calls = g_totals.reuse_calls.load();
   t.superset_calls = g_totals.superset_calls.load();
+  t.overlap_calls = g_totals.overlap_calls.load();
+  t.free_queries = g_totals.free_queries.load();
   t.queries = g_totals.queries.load();
   t.products = g_totals.products.load();
   t.products_without = g_totals.products_without.load();

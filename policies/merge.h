@@ -33,9 +33,10 @@ void NearestByCosine(const float* const* queries, int num_queries, const float* 
                      int num_targets, int d, std::vector<int>* nearest, std::vector<float>* similarity);
 
 // The similarity memo of a unit's merging runs (issue 14, round 8). A sweep runs MEDA / LOOK-M at several
-// budgets on the same (layer, KV head), and their kept sets are typically nested (K_5 ⊂ K_10 ⊂ ...): an
-// evicted token's best slot over K is the better of its stored best over a subset K_i ⊆ K and its best over
-// K \ K_i. Merger::KeepAndMergeOnce keeps such answers in HeadContext::shared (per unit, a few answer sets)
+// budgets on the same (layer, KV head), and their kept sets are typically nested (K_5 ⊂ K_10 ⊂ ...) or,
+// across policies, overlap heavily: an evicted token's best slot over K is the better of its stored best a*
+// over another set A (if a* ∈ K and A ∩ K is in K's order; round 13) and its best over K \ A (none if K ⊆ A).
+// Merger::KeepAndMergeOnce keeps such answers in HeadContext::shared (per unit, a few answer sets)
 // and reuses them; every slot and similarity is bit for bit NearestByCosine's (the proof is at
 // NearestWithMemo in merge.cc and in docs/performance.md, "Round 8"). Only the amount of work depends on
 // which run searched first.
@@ -48,7 +49,8 @@ void SetEnabledForTesting(bool enabled);
 inline constexpr int kMaxEntries = 8;
 // The memo counters of merge_screen::Stats summed over every thread of the process (tests, bench/).
 struct Totals {
-  long calls = 0, reuse_calls = 0, superset_calls = 0, queries = 0, products = 0, products_without = 0;
+  long calls = 0, reuse_calls = 0, superset_calls = 0, overlap_calls = 0, queries = 0, free_queries = 0,
+       products = 0, products_without = 0;
 };
 Totals ProcessTotals();
 // How many answer sets a unit's memo holds (≤ kMaxEntries; 0 if none was made).

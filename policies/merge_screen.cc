@@ -243,9 +243,18 @@ void ApproxDots(const uint32_t* queries, int num_queries, const uint32_t* target
 #endif
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+namespace {
+int ExactDotsAvx2(const float* const* a, const float* const* b, int n, int d, float* out);
+}  // namespace
+#endif
+
 void ExactDots(const float* const* a, const float* const* b, int n, int d, float* out) {
   constexpr int kChains = 8;
   int i = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (ExactAvx2()) i = ExactDotsAvx2(a, b, n, d, out);  // the groups of 8 pairs; the rest below
+#endif
   for (; i + kChains <= n; i += kChains) {
     float acc[kChains] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int k = 0; k < d; ++k)
@@ -449,6 +458,50 @@ KVSIM_AVX2_TARGET void ExactAvx2Search(const float* q, int nq, const float* t, i
     default:
       break;
   }
+}
+
+// Transposes 8 rows of 8 floats: afterwards r[k] lane c = row c's element k.
+KVSIM_AVX2_TARGET inline __attribute__((always_inline)) void Transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20), r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20), r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31), r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// ExactDots' groups of 8 pairs with AVX2 + FMA (issue 14, round 13): lane c of one register is pair c's
+// chain. Eight dimensions of the 8 a rows and of the 8 b rows are loaded and transposed (lane c = pair c,
+// one register per k), then summed in order k, k + 1, … with one vfmadd231ps each: lane c computes
+// fmaf(a_c[k], b_c[k], acc_c) for k = 0..d-1 from +0, the same chain as the scalar loop (lanes never mix);
+// the last d % 8 dimensions continue each lane's chain with scalar fmaf. Returns the pairs done (n - n % 8).
+KVSIM_AVX2_TARGET int ExactDotsAvx2(const float* const* a, const float* const* b, int n, int d, float* out) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const float* const* pa = a + i;
+    const float* const* pb = b + i;
+    __m256 acc = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= d; k += 8) {
+      __m256 x[8], y[8];
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) x[c] = _mm256_loadu_ps(pa[c] + k), y[c] = _mm256_loadu_ps(pb[c] + k);
+      Transpose8(x);
+      Transpose8(y);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) acc = _mm256_fmadd_ps(x[j], y[j], acc);
+    }
+    _mm256_storeu_ps(out + i, acc);
+    for (; k < d; ++k)
+      for (int c = 0; c < 8; ++c) out[i + c] = std::fma(pa[c][k], pb[c][k], out[i + c]);
+  }
+  return i;
 }
 #endif
 

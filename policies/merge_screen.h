@@ -37,14 +37,18 @@ struct Stats {
   long screened_queries = 0;
   long candidates = 0;  // exact re-checks of the screened queries
   // The similarity memo of a unit's merging runs (policies/merge.h, merge_memo): calls that could use it,
-  // calls that reused a stored answer set, calls for which a stored target set was a strict superset of
-  // theirs (a larger budget searched first: its answers cannot help), queries answered by a stored answer
-  // plus a search over the remaining targets, and the query x target pairs the screened blocks of the memo
-  // calls searched, with the memo and as today's call would have.
+  // calls that reused a stored answer set (any: round 13), calls that reused one containing all their
+  // targets (e.g. a larger budget searched first: those rows need no product), calls that reused one
+  // neither inside nor containing their targets (e.g. another policy's set), queries answered by a stored
+  // answer (plus a search over the remaining targets), those of them with no target left to search, and the
+  // query x target pairs the blocks of regular rows of the memo calls searched, with the memo and as
+  // today's call would have.
   long memo_calls = 0;
   long memo_reuse_calls = 0;
   long memo_superset_calls = 0;
+  long memo_overlap_calls = 0;
   long memo_queries = 0;
+  long memo_free_queries = 0;
   long memo_products = 0;
   long memo_products_without = 0;
 };

@@ -887,13 +887,19 @@ TEST_CASE("merge memo: the memo's answers equal NearestByCosine's bit for bit", 
   SECTION("decreasing order (a superset first), non-nested sets, another call's subset") {
     MemoHead h(Gaussian(n, d, 11u), d);
     auto sets = NestedSets(n, {0.50, 0.20, 0.05}, 13u);
-    const long before = merge_screen::ThreadStats().memo_superset_calls;
-    CHECK(CheckMemoEqualsPlain(h, sets) == 0);
-    if (on) CHECK(merge_screen::ThreadStats().memo_superset_calls - before == 2);
-    // Unrelated sets: no subset, nothing reused; then a set containing the stored 5% set (another
-    // "policy"'s entry) reuses it.
+    const merge_screen::Stats before = merge_screen::ThreadStats();
+    // Since round 13 a stored superset serves every row whose stored answer is one of our targets, with no
+    // product at all.
+    CHECK(CheckMemoEqualsPlain(h, sets) == (on ? 2 : 0));
+    if (on) {
+      const merge_screen::Stats& now = merge_screen::ThreadStats();
+      CHECK(now.memo_superset_calls - before.memo_superset_calls == 2);
+      CHECK(now.memo_free_queries - before.memo_free_queries > 100);
+    }
+    // Another random set overlaps the stored ones (neither inside the other): reused since round 13; then
+    // a set containing the stored 5% set reuses it.
     auto other = NestedSets(n, {0.3}, 99u);
-    CHECK(CheckMemoEqualsPlain(h, other) == 0);
+    CHECK(CheckMemoEqualsPlain(h, other) == (on ? 1 : 0));
     std::vector<int32_t> super = sets[2];
     for (int32_t j = 0; j < n; j += 7) super.push_back(j);
     std::sort(super.begin(), super.end());
@@ -975,8 +981,12 @@ TEST_CASE("merge memo: the unit's keys normalised and packed once screen like ea
   for (int c = 0; c < d; ++c) k[static_cast<size_t>(5) * d + c] = 0.0f;       // a zero row
   for (int c = 0; c < d; ++c) k[static_cast<size_t>(900) * d + c] *= 1e-41f;  // irregular
   MemoHead h(std::move(k), d);
-  for (auto kept : NestedSets(n, {0.3, 0.07}, 61u)) {  // the second is no superset: no reuse
-    std::erase(kept, 900);                             // a query: its block takes the exact search
+  bool second = false;
+  for (auto kept : NestedSets(n, {0.3, 0.07}, 61u)) {
+    std::erase(kept, 900);  // a query: its block takes the exact search
+    // The second lists its slots in descending token order: the stored set's order differs, no reuse.
+    if (second) std::reverse(kept.begin(), kept.end());
+    second = true;
     const merge_screen::Stats s0 = merge_screen::ThreadStats();
     const Assignment plain = h.Assign(kept, false);
     const merge_screen::Stats s1 = merge_screen::ThreadStats();
@@ -1004,6 +1014,137 @@ TEST_CASE("merge memo: every strategy x filter merges the same with and without 
         CheckSameMerges(with, without, d);
       }
     }
+}
+
+// ---- round 13: stored sets that are not inside K (a larger budget's, another policy's) ----
+namespace {
+
+// Keys with exact duplicate pairs (tokens 2p and 2p + 1 share pair p's key, p < 300), near ties (a few
+// pairs' second copy scaled by 1 + 2^-20 …), and query tokens [1000, n) equal to pair (j % 600) / 2's key:
+// every such query ties between the two copies of its pair.
+MemoHead PairHead(int n, int d) {
+  std::vector<float> k = Gaussian(n, d, 23u);
+  for (int i = 0; i + 1 < 600; i += 2)
+    std::copy_n(&k[static_cast<size_t>(i) * d], d, &k[static_cast<size_t>(i + 1) * d]);
+  for (int i = 0; i + 2 < 300; i += 4)
+    k[static_cast<size_t>(i + 2) * d] *= 1.0f + std::ldexp(1.0f, -20 + i % 5);
+  for (int j = 1000; j < n; ++j)
+    std::copy_n(&k[static_cast<size_t>((j % 600) & ~1) * d], d, &k[static_cast<size_t>(j) * d]);
+  return MemoHead(std::move(k), d);
+}
+
+std::vector<int32_t> Range(int32_t lo, int32_t hi) {
+  std::vector<int32_t> r;
+  for (int32_t j = lo; j < hi; ++j) r.push_back(j);
+  return r;
+}
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("merge memo: supersets and other policies' sets reused, bit for bit (round 13)", "[merge][memo]") {
+  constexpr int d = 128, n = 1500;
+  merge_memo::SetEnabledForTesting(true);
+  const bool on = merge_memo::Enabled();
+  const merge_screen::Stats s0 = merge_screen::ThreadStats();
+  auto delta = [&](long merge_screen::Stats::*f) { return merge_screen::ThreadStats().*f - s0.*f; };
+  SECTION("another policy's set at the same budget: overlapping, neither inside the other") {
+    MemoHead h(Gaussian(n, d, 71u, 2.0f), d);
+    const std::vector<int32_t> a = NestedSets(n, {0.2}, 73u)[0];
+    std::vector<int32_t> k = a;
+    std::mt19937 rng(79u);
+    for (int i = 0; i < 30; ++i) k[rng() % k.size()] = static_cast<int32_t>(rng() % n);  // swap some
+    std::sort(k.begin(), k.end());
+    k.erase(std::unique(k.begin(), k.end()), k.end());
+    CHECK(CheckMemoEqualsPlain(h, {a}) == 0);
+    const merge_screen::Stats s1 = merge_screen::ThreadStats();
+    CHECK(CheckMemoEqualsPlain(h, {k}) == (on ? 1 : 0));
+    if (on) {
+      // ~90% of the rows have a* ∈ K and search the ~30 slots of K \ A: far fewer products.
+      const merge_screen::Stats& s2 = merge_screen::ThreadStats();
+      CHECK(s2.memo_overlap_calls - s1.memo_overlap_calls == 1);
+      CHECK(s2.memo_queries - s1.memo_queries > 800);
+      CHECK((s2.memo_products - s1.memo_products) * 4 < s2.memo_products_without - s1.memo_products_without);
+    }
+  }
+  SECTION("a stored answer outside K: those rows search every target") {
+    // Queries [1000, n) are near copies of token 5's key: their stored answer over A is token 5, which K
+    // (A without 5, inside A) lacks; the others take the stored answer with no product.
+    std::vector<float> keys = Gaussian(n, d, 83u);
+    for (int j = 1000; j < n; ++j)
+      for (int c = 0; c < d; ++c)
+        keys[static_cast<size_t>(j) * d + c] += 4.0f * keys[static_cast<size_t>(5) * d + c];
+    MemoHead h(std::move(keys), d);
+    const std::vector<int32_t> a = Range(0, 400);
+    std::vector<int32_t> k = a;
+    std::erase(k, 5);
+    CHECK(CheckMemoEqualsPlain(h, {a, k}) == (on ? 1 : 0));
+    if (on) {
+      CHECK(delta(&merge_screen::Stats::memo_superset_calls) == 1);
+      CHECK(delta(&merge_screen::Stats::memo_free_queries) > 0);
+      CHECK(delta(&merge_screen::Stats::memo_free_queries) <= 600);  // not queries [1000, n)
+      CHECK(delta(&merge_screen::Stats::memo_products) >= 500L * 399);
+    }
+  }
+  SECTION("ties between the stored answer and a target outside A, either side first") {
+    // A (another policy's set): one copy of each pair (the even one for even p, the odd one for odd p) and
+    // tokens K lacks; K: both copies of every pair and tokens A lacks. A query equal to pair p ties between
+    // a* ∈ A ∩ K and the other copy in K \ A: the first copy (slot 2p) must win on either side.
+    MemoHead h = PairHead(n, d);
+    std::vector<int32_t> a;
+    for (int32_t p = 0; p < 300; ++p) a.push_back(2 * p + (p % 2));
+    a = Concat(a, Range(600, 700));
+    const std::vector<int32_t> k = Concat(Range(0, 600), Range(800, 850));
+    CHECK(CheckMemoEqualsPlain(h, {a, k}) == (on ? 1 : 0));
+    if (on) CHECK(delta(&merge_screen::Stats::memo_overlap_calls) == 1);
+    const Assignment got = h.Assign(k, true);  // evicted: [600, 800) and [850, n)
+    int wrong = 0, checked = 0;
+    for (int j = 1000; j < n; ++j) {
+      const int p = (j % 600) / 2;
+      if (p % 2 == 1 && p < 150) continue;  // perturbed pair: no exact tie
+      ++checked;
+      wrong += got.by_token[j - 650].first != 2 * p;
+    }
+    CHECK(checked > 300);
+    CHECK(wrong == 0);
+  }
+  SECTION("ties inside A ∩ K, in the same order: no product") {
+    MemoHead h = PairHead(n, d);
+    const std::vector<int32_t> a = Concat(Range(0, 600), Range(600, 650));
+    const std::vector<int32_t> k = Range(0, 600);
+    CHECK(CheckMemoEqualsPlain(h, {a, k}) == (on ? 1 : 0));
+    if (on) CHECK(delta(&merge_screen::Stats::memo_free_queries) >= n - 1000);
+  }
+  SECTION("A ∩ K in another order: not used") {
+    // A lists the pairs' tokens in descending order, so its first maximum is each pair's second copy; K
+    // lists them ascending, where the first copy wins. Using A would answer 2p + 1.
+    MemoHead h = PairHead(n, d);
+    std::vector<int32_t> a = Range(0, 650);
+    std::reverse(a.begin(), a.end());
+    const std::vector<int32_t> k = Range(0, 600);
+    CHECK(CheckMemoEqualsPlain(h, {a, k}) == 0);
+    // The same sets in one order: reused.
+    MemoHead h2 = PairHead(n, d);
+    std::reverse(a.begin(), a.end());
+    CHECK(CheckMemoEqualsPlain(h2, {a, k}) == (on ? 1 : 0));
+  }
+  SECTION("per row: each row takes the stored set covering most of K") {
+    // Budgets in increasing order after a large one: rows answered by the 50% set (a* ∈ K) need no product,
+    // the others take the 20% set (inside K) and search K \ A.
+    MemoHead h(Gaussian(n, d, 89u), d);
+    const auto sets = NestedSets(n, {0.5, 0.2, 0.3}, 97u);
+    CHECK(CheckMemoEqualsPlain(h, {sets[0], sets[1]}) == (on ? 1 : 0));
+    const merge_screen::Stats s1 = merge_screen::ThreadStats();
+    CHECK(CheckMemoEqualsPlain(h, {sets[2]}) == (on ? 1 : 0));
+    // About 0.6 of the 750 rows answered over the 50% set are free, the other rows search 10% of n: ~1/5
+    // of the products without the memo (one set for the whole call: >= 1/3).
+    const merge_screen::Stats& s2 = merge_screen::ThreadStats();
+    if (on)
+      CHECK((s2.memo_products - s1.memo_products) * 4 < s2.memo_products_without - s1.memo_products_without);
+  }
 }
 
 TEST_CASE("merge memo: switched off, nothing is stored or reused; the memo keeps a bounded number of sets",
@@ -1154,6 +1295,32 @@ TEST_CASE("merge exact: the kernel's values are the scalar fmaf chain bit for bi
       bad += CheckExactKernel(q, 256, t, 1640, d, avx2 || d == 2), ++cases;
     }
     CAPTURE(avx2, cases);
+    CHECK(bad == 0);
+  }
+  merge_screen::SetExactAvx2ForTesting(true);
+}
+
+TEST_CASE("merge exact: ExactDots' pairs (scattered rows, 8 lanes transposed) are the scalar fmaf chain",
+          "[merge][exact]") {
+  // Pair counts 1 ... 27 (every tail of the 8-pair groups), d = 1 ... 40 and 128 (every tail of the 8-wide
+  // dimension blocks), each pair's rows anywhere (rows of two buffers, repeated, in shuffled order).
+  for (bool avx2 : ExactPaths()) {
+    merge_screen::SetExactAvx2ForTesting(avx2);
+    int bad = 0;
+    for (int d = 1; d <= 129; d += d < 40 ? 1 : 88) {
+      const std::vector<float> x = MixedRows(60, d, 3000u + d), y = MixedRows(60, d, 4000u + d);
+      std::mt19937 rng(5000u + d);
+      for (int n = 1; n <= 27; ++n) {
+        std::vector<const float*> a(n), b(n);
+        for (int i = 0; i < n; ++i)
+          a[i] = x.data() + static_cast<size_t>(rng() % 60) * d,
+          b[i] = y.data() + static_cast<size_t>(rng() % 60) * d;
+        std::vector<float> out(n, -7.0f);
+        merge_screen::ExactDots(a.data(), b.data(), n, d, out.data());
+        for (int i = 0; i < n; ++i) bad += !SameBits(out[i], ChainRef(a[i], b[i], d));
+      }
+    }
+    CAPTURE(avx2);
     CHECK(bad == 0);
   }
   merge_screen::SetExactAvx2ForTesting(true);
