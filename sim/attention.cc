@@ -297,24 +297,36 @@ namespace {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // kSteps steps x NV accumulators of 8 columns over the shared slots: each value row is loaded once for every
-// step (GatherWeightedBlock loads it once per step).
+// step (GatherWeightedBlock loads it once per step). The weights come packed, w[4 i + s] = p[s][tok[i]]
+// (GatherWeightedRowsSteps gathers them once for all column blocks: contiguous broadcasts instead of four
+// scattered loads per slot and block), and the value row kAhead slots ahead is prefetched (the rows are
+// scattered over the cache's tokens, beyond L2 on the demo trace; the loads of this block's columns
+// missed). The same multiply-adds in the same order.
 template <int NV>
-inline void GatherWeightedStepsBlock(const float* const* p, const int32_t* tok, size_t n, const float* values,
+inline void GatherWeightedStepsBlock(const float* w, const int32_t* tok, size_t n, const float* values,
                                      size_t d, size_t col, float* const* out) {
   constexpr int kSteps = 4;
+  constexpr size_t kAhead = 12;
   __m256 acc[kSteps][NV];
   for (int s = 0; s < kSteps; ++s)
     for (int j = 0; j < NV; ++j) acc[s][j] = _mm256_setzero_ps();
-  for (size_t i = 0; i < n; ++i) {
-    const int32_t t = tok[i];
-    const float* v = values + static_cast<size_t>(t) * d + col;
+  auto add = [&](size_t i) {
+    const float* v = values + static_cast<size_t>(tok[i]) * d + col;
     __m256 x[NV];
     for (int j = 0; j < NV; ++j) x[j] = _mm256_loadu_ps(v + 8 * j);
     for (int s = 0; s < kSteps; ++s) {
-      const __m256 w = _mm256_set1_ps(p[s][t]);
-      for (int j = 0; j < NV; ++j) acc[s][j] = _mm256_fmadd_ps(w, x[j], acc[s][j]);
+      const __m256 ws = _mm256_broadcast_ss(w + 4 * i + s);
+      for (int j = 0; j < NV; ++j) acc[s][j] = _mm256_fmadd_ps(ws, x[j], acc[s][j]);
     }
+  };
+  size_t i = 0;
+  for (; i + kAhead < n; ++i) {
+    const float* va = values + static_cast<size_t>(tok[i + kAhead]) * d + col;
+    _mm_prefetch(reinterpret_cast<const char*>(va), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(va + 8 * NV - 1), _MM_HINT_T0);
+    add(i);
   }
+  for (; i < n; ++i) add(i);
   for (int s = 0; s < kSteps; ++s)
     for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out[s] + col + 8 * j, acc[s][j]);
 }
@@ -339,9 +351,16 @@ void GatherWeightedRowsSteps(const float* const* p, const int32_t* const* tok, c
                              const float* values, int d, float* const* out) {
   const size_t dd = static_cast<size_t>(d);
 #if defined(__AVX2__) && defined(__FMA__)
+  static_assert(kGatherSteps == 4);
+  thread_local std::vector<float> packed;  // packed[4 i + s] = p[s][tok[0][i]]
+  packed.resize(4 * common);
+  for (size_t i = 0; i < common; ++i)
+    for (int s = 0; s < kGatherSteps; ++s) packed[4 * i + s] = p[s][tok[0][i]];
   size_t k0 = 0;
-  for (; k0 + 16 <= dd; k0 += 16) GatherWeightedStepsBlock<2>(p, tok[0], common, values, dd, k0, out);
-  for (; k0 + 8 <= dd; k0 += 8) GatherWeightedStepsBlock<1>(p, tok[0], common, values, dd, k0, out);
+  for (; k0 + 16 <= dd; k0 += 16)
+    GatherWeightedStepsBlock<2>(packed.data(), tok[0], common, values, dd, k0, out);
+  for (; k0 + 8 <= dd; k0 += 8)
+    GatherWeightedStepsBlock<1>(packed.data(), tok[0], common, values, dd, k0, out);
   // The remaining columns (d % 8) of the shared slots, one step at a time: the portable loop's order.
   for (int s = 0; s < kGatherSteps; ++s) {
     for (size_t k = k0; k < dd; ++k) out[s][k] = 0.0f;
