@@ -223,6 +223,26 @@ ReplayOptions Options(const LatencyModel* latency = nullptr) {
   return o;
 }
 
+// The runs replayed with an engine path switched off (`set(false)`: the reference) and on, at 1 and 3
+// threads: every result the same, bit for bit, and every run with some output error (so the path mattered).
+void CheckSameWithout(MemoryTrace& tr, const std::vector<RunSpec>& runs, void (*set)(bool)) {
+  set(false);
+  auto want = Replay(tr, runs, Options());
+  set(true);
+  REQUIRE(want.ok());
+  for (int threads : {1, 3}) {
+    ReplayOptions o = Options();
+    o.threads = threads;
+    auto got = Replay(tr, runs, o);
+    REQUIRE(got.ok());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      INFO("run " << i << ", threads " << threads);
+      CHECK((*got)[i].metrics().output_rel_error_mean() > 0);
+      CHECK((*got)[i].SerializeAsString() == (*want)[i].SerializeAsString());
+    }
+  }
+}
+
 std::shared_ptr<const Policy> Registered(const std::string& name, std::vector<std::string> sets = {}) {
   auto p = PolicyRegistry::Default().Create(name, sets);
   REQUIRE(p.ok());
@@ -1885,21 +1905,7 @@ TEST_CASE("replay: the output product from runs of consecutive tokens equals the
   REQUIRE(streaming.ok());
   std::vector<RunSpec> runs{Spec(window, spec.prefill_length), Spec(scattered, spec.prefill_length),
                             RunSpec{*streaming, "streaming", 0.2, 0, QuestionMode::kQueryAware}};
-  SetRunListsForTesting(false);
-  auto want = Replay(tr, runs, Options());
-  SetRunListsForTesting(true);
-  REQUIRE(want.ok());
-  for (int threads : {1, 3}) {
-    ReplayOptions o = Options();
-    o.threads = threads;
-    auto got = Replay(tr, runs, o);
-    REQUIRE(got.ok());
-    for (size_t i = 0; i < runs.size(); ++i) {
-      INFO("run " << i << ", threads " << threads);
-      CHECK((*got)[i].metrics().output_rel_error_mean() > 0);
-      CHECK((*got)[i].SerializeAsString() == (*want)[i].SerializeAsString());
-    }
-  }
+  CheckSameWithout(tr, runs, &SetRunListsForTesting);
 }
 
 // FinishRun's token-by-token loops build the union U of a cache re-selected every step (the tokens' range
@@ -1934,21 +1940,7 @@ TEST_CASE("replay: a union ordered by a marker scan equals the sorted one", "[re
     runs.push_back(RunSpec{Registered("oracle"), "oracle", b, 0, QuestionMode::kQueryAware});
   for (double b : {0.2, 0.5})
     runs.push_back(RunSpec{Registered("h2o"), "h2o", b, 0, QuestionMode::kQueryAware});
-  SetUnionScanForTesting(false);
-  auto want = Replay(tr, runs, Options());
-  SetUnionScanForTesting(true);
-  REQUIRE(want.ok());
-  for (int threads : {1, 3}) {
-    ReplayOptions o = Options();
-    o.threads = threads;
-    auto got = Replay(tr, runs, o);
-    REQUIRE(got.ok());
-    for (size_t i = 0; i < runs.size(); ++i) {
-      INFO("run " << i << ", threads " << threads);
-      CHECK((*got)[i].metrics().output_rel_error_mean() > 0);
-      CHECK((*got)[i].SerializeAsString() == (*want)[i].SerializeAsString());
-    }
-  }
+  CheckSameWithout(tr, runs, &SetUnionScanForTesting);
 }
 
 TEST_CASE("replay: the plain-slot sums add in slot order per lane and modality, as the scalar loop does",
