@@ -78,15 +78,7 @@ class H2OHead final : public HeadPolicy {
   }
   void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) override {
     if (p_.one_shot()) return;
-    if (ctx.group_size == 1) {  // AggregateGroup of one row is the row (x / 1 is x): added in place
-      for (int s = 0; s < att.num_slots; ++s) acc_[cache->token(s)] += att.cache_probs[s];
-      return;
-    }
-    std::vector<std::span<const float>> rows;
-    for (int g = 0; g < ctx.group_size; ++g)
-      rows.emplace_back(att.cache_probs + static_cast<size_t>(g) * att.num_slots, att.num_slots);
-    const std::vector<float> step = AggregateGroup(rows, p_.group_aggregation());
-    for (int s = 0; s < att.num_slots; ++s) acc_[cache->token(s)] += step[s];
+    AddGroupStepRow(ctx, att, p_.group_aggregation(), *cache, &acc_);
   }
 
  private:

@@ -58,15 +58,7 @@ class HAEHead final : public HeadPolicy {
 
   void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) override {
     if (p_.components() == policy::HAEParams::DAP_ONLY) return;
-    if (ctx.group_size == 1) {  // AggregateGroup of one row is the row (x / 1 is x): added in place
-      for (int s = 0; s < att.num_slots; ++s) beta_[cache->token(s)] += att.cache_probs[s];  // Eq. 5
-    } else {
-      std::vector<std::span<const float>> rows;
-      for (int g = 0; g < ctx.group_size; ++g)
-        rows.emplace_back(att.cache_probs + static_cast<size_t>(g) * att.num_slots, att.num_slots);
-      const std::vector<float> step = AggregateGroup(rows, p_.group_aggregation());
-      for (int s = 0; s < att.num_slots; ++s) beta_[cache->token(s)] += step[s];  // Eq. 5
-    }
+    AddGroupStepRow(ctx, att, p_.group_aggregation(), *cache, &beta_);  // Eq. 5
     // The bin is full once d tokens have been added since the last flush: evict back to l at once.
     if (cache->size() >= base_ + p_.rc_size()) {
       std::vector<float> slot_scores(cache->size());

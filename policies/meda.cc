@@ -23,15 +23,6 @@ std::vector<float> Gather(const float* src, std::span<const int32_t> idx, int d)
   return out;
 }
 
-// Group-aggregated scores over the cache slots of one decode step.
-std::vector<float> GroupStepRow(const HeadContext& ctx, const StepAttention& att,
-                                policy::GroupAggregation agg) {
-  std::vector<std::span<const float>> rows;
-  for (int g = 0; g < ctx.group_size; ++g)
-    rows.emplace_back(att.cache_probs + static_cast<size_t>(g) * att.num_slots, att.num_slots);
-  return AggregateGroup(rows, agg);
-}
-
 struct MedaPlan final : PolicyPlan {
   std::vector<double> entropy;  // per layer
 };

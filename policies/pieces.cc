@@ -37,6 +37,24 @@ std::vector<float> GroupWindowColumnSums(const HeadContext& ctx, int window, pol
   return AggregateGroup(rows, agg);
 }
 
+std::vector<float> GroupStepRow(const HeadContext& ctx, const StepAttention& att,
+                                policy::GroupAggregation agg) {
+  std::vector<std::span<const float>> rows;
+  for (int g = 0; g < ctx.group_size; ++g)
+    rows.emplace_back(att.cache_probs + static_cast<size_t>(g) * att.num_slots, att.num_slots);
+  return AggregateGroup(rows, agg);
+}
+
+void AddGroupStepRow(const HeadContext& ctx, const StepAttention& att, policy::GroupAggregation agg,
+                     const HeadCache& cache, std::vector<float>* acc) {
+  if (ctx.group_size == 1) {
+    for (int s = 0; s < att.num_slots; ++s) (*acc)[cache.token(s)] += att.cache_probs[s];
+    return;
+  }
+  const std::vector<float> step = GroupStepRow(ctx, att, agg);
+  for (int s = 0; s < att.num_slots; ++s) (*acc)[cache.token(s)] += step[s];
+}
+
 std::vector<float> Pool1D(std::span<const float> x, int kernel, policy::Pooling pooling) {
   if (pooling == policy::NO_POOL || kernel <= 1) return {x.begin(), x.end()};
   const int n = static_cast<int>(x.size()), half = kernel / 2;

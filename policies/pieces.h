@@ -19,6 +19,15 @@ std::vector<float> AggregateGroup(std::span<const std::span<const float>> per_he
 // Convenience: aggregates PromptScores::ColumnSums / WindowColumnSums over the group.
 std::vector<float> GroupColumnSums(const HeadContext& ctx, policy::GroupAggregation agg);
 std::vector<float> GroupWindowColumnSums(const HeadContext& ctx, int window, policy::GroupAggregation agg);
+// The decode step's attention over the cache slots, aggregated over the group (AggregateGroup of the group's
+// `att.cache_probs` rows).
+std::vector<float> GroupStepRow(const HeadContext& ctx, const StepAttention& att,
+                                policy::GroupAggregation agg);
+// (*acc)[cache.token(s)] += GroupStepRow(ctx, att, agg)[s] for every slot s (a per-token running score: H2O's
+// accumulated attention, HAE's β). A group of one adds its row in place, with no vector: AggregateGroup of
+// one row is that row (MEAN divides by 1, which is exact), so the sums are the same.
+void AddGroupStepRow(const HeadContext& ctx, const StepAttention& att, policy::GroupAggregation agg,
+                     const HeadCache& cache, std::vector<float>* acc);
 // The first-pass twin: KV head `kv_head`'s group-aggregated column sums over [0, view.compress_end) of the
 // last `window` compressible queries, computed from the layer's tensors with the same arithmetic as
 // PromptScores::WindowColumnSums at the prefill hook (so a plan and the heads agree bit for bit).

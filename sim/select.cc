@@ -186,8 +186,8 @@ std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int
 void TopKIndicesWithThreshold(std::span<const float> scores, int k, float tau, std::vector<int32_t>* out) {
   // Takes every score above tau and the first k - above equal to it in index order (more than k if tau is
   // below the k-th largest, as before), ascending. The scans write up to one register of indices past the
-  // last taken one: *out only grows to hold them (growing zero-fills the new part, which the scans then
-  // overwrite; a reused buffer is not filled again).
+  // last taken one, so *out is first grown to hold them (within its capacity once it has grown: no
+  // allocation; the part past the previous call's count is zero-filled again, then overwritten).
   const int n = static_cast<int>(scores.size());
   k = std::clamp(k, 0, n);
   std::vector<int32_t>& idx = *out;
