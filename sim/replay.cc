@@ -219,14 +219,17 @@ struct WorkerScratch {
   // The steps' plain visible slots (token positions), step t's in [step_begin[t], step_begin[t + 1]).
   std::vector<int32_t> plain;
   std::vector<size_t> step_begin;
-  // While `prefix`: every step so far had only plain slots, all visible, and changed its cache only by
-  // appending tokens newer than the previous step's position, so step t's plain slots are the first
-  // (step_begin[t + 1] - step_begin[t]) tokens of `ptok` (the latest step's tokens, in slot order) and
-  // `plain` stays empty. The first step that breaks this writes the earlier steps into `plain`
+  // While `prefix`: every slot of every step so far was visible and the cache changed only by appending
+  // tokens newer than the previous step's position (its version unchanged since step 0), so step t's plain
+  // slots are the first (step_begin[t + 1] - step_begin[t]) tokens of `ptok` (the latest step's plain
+  // slots, in slot order) and `plain` stays empty. The cache may hold merged slots (a policy that merged
+  // before step 0 and keeps its merges, e.g. MEDA's paper variant and LOOK-M): they are not plain, and the
+  // same at every step. The first step that breaks this writes the earlier steps into `plain`
   // (ExpandPrefix), and the run continues as before.
   bool prefix = false;
   uint64_t prefix_version = 0;
   std::vector<int32_t> ptok;
+  int pslots = 0;  // the cache's slots at the latest prefix step (appended slots are those beyond)
   // Steps [0, deferred) were prefix-closed and their plain-slot sums (and every metric Step derives from
   // them) are not computed yet: FlushPrefixSums computes them for all those steps at once, when the run
   // stops being prefix-closed or in FinishRun. Only for runs whose policy does not read the step's
@@ -318,6 +321,7 @@ void GrowTo(std::vector<T>& v, size_t n) {
 std::atomic<bool> g_kth_from_sums{true};  // SetFullKthFromSumsForTesting
 std::atomic<bool> g_run_lists{true};      // SetRunListsForTesting
 std::atomic<bool> g_union_scan{true};     // SetUnionScanForTesting
+std::atomic<bool> g_merged_prefix{true};  // SetMergedPrefixForTesting
 
 }  // namespace
 
@@ -1360,23 +1364,32 @@ class LayerPass {
     const int first0 = w.refs[0].first[t];
     const bool whole = first0 == 0 && !cache.has_merges();  // every slot is plain and visible
     if (ws.prefix) {
-      // Unchanged version: only appends since the previous step; they must be newer than its position.
-      bool keeps = whole && cache.version() == ws.prefix_version;
-      for (size_t s = ws.ptok.size(); keeps && s < tokens.size(); ++s) keeps = tokens[s] >= pos;
+      // Unchanged version: only appends since the previous step (plain slots); they must be newer than its
+      // position.
+      bool keeps = first0 == 0 && cache.version() == ws.prefix_version && slots >= ws.pslots;
+      for (int s = ws.pslots; keeps && s < slots; ++s) keeps = tokens[s] >= pos;
       if (keeps) {
-        ws.ptok.insert(ws.ptok.end(), tokens.begin() + static_cast<std::ptrdiff_t>(ws.ptok.size()),
-                       tokens.end());
+        ws.ptok.insert(ws.ptok.end(), tokens.begin() + ws.pslots, tokens.end());
+        ws.pslots = slots;
       } else {
         FlushPrefixSums(u, r, ws);
         ExpandPrefix(ws);
       }
-    } else if (t == 0 && whole) {
+    } else if (t == 0 && first0 == 0 &&
+               (!cache.has_merges() || g_merged_prefix.load(std::memory_order_relaxed))) {
       ws.prefix = true;
       ws.prefix_version = cache.version();
-      ws.ptok.assign(tokens.begin(), tokens.end());
+      ws.pslots = slots;
+      if (cache.has_merges()) {
+        ws.ptok.clear();
+        for (int s = 0; s < slots; ++s)
+          if (!cache.is_merged(s)) ws.ptok.push_back(tokens[s]);
+      } else {
+        ws.ptok.assign(tokens.begin(), tokens.end());
+      }
     }
     if (ws.prefix)
-      ws.step_begin.push_back(ws.step_begin.back() + slots);
+      ws.step_begin.push_back(ws.step_begin.back() + ws.ptok.size());
     else if (whole)
       ws.plain.insert(ws.plain.end(), tokens.begin(), tokens.end());
     else {  // every token written, the kept ones counted (no call per slot)
@@ -1435,7 +1448,7 @@ class LayerPass {
     }
     // A prefix-closed step of a run whose policy does not read its attention: its sums later, with the
     // other such steps' (FlushPrefixSums).
-    const bool defer = ws.prefix && !want_cp;
+    const bool defer = ws.prefix && !want_cp && !cache.has_merges();
     if (defer) ++ws.deferred;
     for (int g = 0; g < group && !defer; ++g) {
       const int qh = u * group + g;
@@ -2132,6 +2145,7 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
 void SetFullKthFromSumsForTesting(bool allowed) { g_kth_from_sums.store(allowed, std::memory_order_relaxed); }
 void SetRunListsForTesting(bool allowed) { g_run_lists.store(allowed, std::memory_order_relaxed); }
 void SetUnionScanForTesting(bool allowed) { g_union_scan.store(allowed, std::memory_order_relaxed); }
+void SetMergedPrefixForTesting(bool allowed) { g_merged_prefix.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

@@ -115,6 +115,9 @@ void SetRunListsForTesting(bool allowed);
 // Test hook: false makes FinishRun's token-by-token loops list the union U's tokens at first sight and sort
 // them, instead of one scan of the markers over the tokens' range (the same U).
 void SetUnionScanForTesting(bool allowed);
+// Test hook: false keeps a cache that holds merged slots at step 0 out of Step's prefix mode (its steps'
+// plain slots then listed one by one, step by step, as before round 14), which only a plain cache entered.
+void SetMergedPrefixForTesting(bool allowed);
 
 // A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
 // its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in

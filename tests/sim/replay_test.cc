@@ -1943,6 +1943,60 @@ TEST_CASE("replay: a union ordered by a marker scan equals the sorted one", "[re
   CheckSameWithout(tr, runs, &SetUnionScanForTesting);
 }
 
+// Step's prefix mode also takes a cache holding merged slots at step 0 whose version then stays (only
+// appends): its steps' plain slots are prefixes of one list, and FinishRun's output product reads that list
+// instead of the steps' lists. Every result must be the step-by-step lists', bit for bit, at 1 and 3
+// threads: MEDA (both variants: the official code's step 0 holds the whole prompt, a plain cache that merges
+// later), LOOK-M, SnapKV with averaged merges, and hand-made caches that merge at step 0 and then keep
+// their merges, evict (leaving the mode at step 3), merge again (step 5) or merge into a decode token's
+// slot (step 2).
+TEST_CASE("replay: a merged cache's steps as prefixes of one list equal the step-by-step lists", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 400;
+  spec.decode_steps = 10;
+  spec.image_begin = 40;
+  spec.image_end = 300;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  const int d = tr.meta().model.head_dim;
+  std::vector<float> k(d, 0.25f), v(d, -0.5f);
+  // Keeps [0, 120) with tokens 120..139 merged into slots 10, 30, ...; `then` acts at later steps.
+  auto merged = [k, v](std::function<void(int, HeadCache*)> then) {
+    return std::make_shared<ActPolicy>([k, v, then](int step, HeadCache* c) {
+      if (step == 0) {
+        std::vector<int32_t> keep;
+        for (int32_t t = 0; t < 120; ++t) keep.push_back(t);
+        keep.push_back(399);
+        c->Assign(keep);
+        for (int32_t t = 120; t < 140; ++t) c->MergeInto(10 + 20 * ((t - 120) % 5), t, 0.5f, k, v);
+      }
+      then(step, c);
+    });
+  };
+  std::vector<RunSpec> runs{Spec(merged([](int, HeadCache*) {}), spec.prefill_length),
+                            Spec(merged([](int step, HeadCache* c) {
+                                   if (step == 3) c->EvictSlot(5);
+                                 }),
+                                 spec.prefill_length),
+                            Spec(merged([k, v](int step, HeadCache* c) {
+                                   if (step == 5) c->MergeInto(50, 200, 0.25f, k, v);
+                                 }),
+                                 spec.prefill_length),
+                            Spec(merged([k, v](int step, HeadCache* c) {
+                                   if (step == 2) c->MergeInto(c->size() - 1, 300, 0.5f, k, v);
+                                 }),
+                                 spec.prefill_length)};
+  for (double b : {0.1, 0.4}) {
+    runs.push_back(RunSpec{Registered("meda"), "meda", b, 0, QuestionMode::kQueryAware});
+    runs.push_back(RunSpec{Registered("meda", {"variant=OFFICIAL_CODE"}), "meda official", b, 0,
+                           QuestionMode::kQueryAware});
+    runs.push_back(RunSpec{Registered("look_m"), "look_m", b, 0, QuestionMode::kQueryAware});
+    runs.push_back(RunSpec{Registered("snapkv+average"), "snapkv+average", b, 0, QuestionMode::kQueryAware});
+  }
+  CheckSameWithout(tr, runs, &SetMergedPrefixForTesting);
+}
+
 TEST_CASE("replay: the plain-slot sums add in slot order per lane and modality, as the scalar loop does",
           "[replay]") {
   // The scalar loop the engine had: rm[s & 3][mod] += p, in slot order.
