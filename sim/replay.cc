@@ -265,6 +265,11 @@ struct WorkerScratch {
   // The block's member sums of steps [ms0, ms0 + kMemberChunk) (see MemberSums); ms0 = -1: none.
   int ms0 = -1;
   std::vector<double> msum;  // [g][kMemberChunk][M]
+  // The block's steps [cs0, cs_end) (within the member sums' chunk) summed over the cache's first cslots
+  // slots by MergedSlotSumsSteps, per group member ([g][kMemberChunk]), their weights already in mw (see
+  // ChunkSlotSums); cs0 = -1: none.
+  int cs0 = -1, cs_end = -1, cslots = 0;
+  std::vector<MergedSlotSumsResult> csums;
   // The step's merged slots in slot order (outside a block; in one: mslot) and, per group member, their
   // weights and member sums (entries of masked slots are not written): MergedSlotSums' input.
   std::vector<int32_t> step_mslot;
@@ -322,6 +327,7 @@ std::atomic<bool> g_kth_from_sums{true};  // SetFullKthFromSumsForTesting
 std::atomic<bool> g_run_lists{true};      // SetRunListsForTesting
 std::atomic<bool> g_union_scan{true};     // SetUnionScanForTesting
 std::atomic<bool> g_merged_prefix{true};  // SetMergedPrefixForTesting
+std::atomic<bool> g_chunk_sums{true};     // SetChunkSlotSumsForTesting
 
 }  // namespace
 
@@ -561,6 +567,118 @@ MergedSlotSumsResult MergedSlotSums(const int32_t* tk, int slots, const float* p
 #endif
   r.visible = visible;
   return r;
+}
+
+// MergedSlotSumsSteps (replay.h): the chains of MergedSlotSums (wsum, retained, anchor, covered, merged_w,
+// merged_mass, one per modality), each a register of four steps' sums, every lane adding its step's values
+// in slot order. A modality's sum gets only its own slots' values here, where MergedSlotSums' AVX2 path adds
+// +0.0 to the three others: a sum that starts at +0.0 and adds values >= -0.0 is unchanged by adding +0.0.
+void MergedSlotSumsSteps(const int32_t* tk, int slots, const float* pt, size_t stride, const Modality* mod,
+                         const int32_t* merged, int num_merged, const float* mw, size_t mw_stride,
+                         const double* members, size_t members_stride, int nsteps,
+                         MergedSlotSumsResult* out) {
+  constexpr int kAhead = 16;
+  for (int i0 = 0; i0 < nsteps; i0 += 4) {
+    const int nb = std::min(4, nsteps - i0);
+    const float* p0 = pt + i0;
+#ifdef __AVX2__
+    __m256d wsum = _mm256_setzero_pd(), retained = wsum, anchor = wsum, covered = wsum, merged_w = wsum,
+            merged_mass = wsum, rm0 = wsum, rm1 = wsum, rm2 = wsum, rm3 = wsum;
+    auto plain = [&](int s0, int s1) {
+      for (int s = s0; s < s1; ++s) {
+        const int32_t tok = tk[s];
+        // The slots' rows lie scattered over the transposed probabilities (beyond L2): the row kAhead slots
+        // further is fetched while this one is added.
+        __builtin_prefetch(p0 + static_cast<size_t>(tk[std::min(s + kAhead, slots - 1)]) * stride);
+        const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(p0 + static_cast<size_t>(tok) * stride));
+        retained = _mm256_add_pd(retained, v);
+        covered = _mm256_add_pd(covered, v);
+        wsum = _mm256_add_pd(wsum, v);
+        switch (mod[tok]) {
+          case Modality::kText:
+            rm0 = _mm256_add_pd(rm0, v);
+            break;
+          case Modality::kImage:
+            rm1 = _mm256_add_pd(rm1, v);
+            break;
+          case Modality::kVideo:
+            rm2 = _mm256_add_pd(rm2, v);
+            break;
+          default:
+            rm3 = _mm256_add_pd(rm3, v);
+            break;
+        }
+      }
+    };
+    int s = 0;
+    for (int j = 0; j < num_merged; ++j) {
+      const int sm = merged[j];
+      plain(s, sm);
+      s = sm + 1;
+      const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(p0 + static_cast<size_t>(tk[sm]) * stride));
+      // The steps' weights and member sums: lanes built in registers (a vector load of four scalar stores
+      // would wait for them: no store forwarding); a short last group repeats its last step (unused).
+      auto at = [&](int b) { return static_cast<size_t>(i0 + std::min(b, nb - 1)); };
+      const __m256d w = _mm256_setr_pd(mw[at(0) * mw_stride + j], mw[at(1) * mw_stride + j],
+                                       mw[at(2) * mw_stride + j], mw[at(3) * mw_stride + j]);
+      const __m256d m =
+          _mm256_setr_pd(members[at(0) * members_stride + j], members[at(1) * members_stride + j],
+                         members[at(2) * members_stride + j], members[at(3) * members_stride + j]);
+      anchor = _mm256_add_pd(anchor, v);
+      covered = _mm256_add_pd(covered, v);
+      covered = _mm256_add_pd(covered, m);
+      merged_w = _mm256_add_pd(merged_w, w);
+      merged_mass = _mm256_add_pd(merged_mass, _mm256_add_pd(v, m));
+      wsum = _mm256_add_pd(wsum, w);
+    }
+    plain(s, slots);
+    alignas(32) double l[10][4];
+    _mm256_store_pd(l[0], wsum);
+    _mm256_store_pd(l[1], retained);
+    _mm256_store_pd(l[2], anchor);
+    _mm256_store_pd(l[3], covered);
+    _mm256_store_pd(l[4], merged_w);
+    _mm256_store_pd(l[5], merged_mass);
+    _mm256_store_pd(l[6], rm0);
+    _mm256_store_pd(l[7], rm1);
+    _mm256_store_pd(l[8], rm2);
+    _mm256_store_pd(l[9], rm3);
+    for (int b = 0; b < nb; ++b) {
+      MergedSlotSumsResult& r = out[i0 + b];
+      r.wsum = l[0][b];
+      r.retained = l[1][b];
+      r.anchor = l[2][b];
+      r.covered = l[3][b];
+      r.merged_w = l[4][b];
+      r.merged_mass = l[5][b];
+      for (int mo = 0; mo < 4; ++mo) r.ret_mod[mo] = l[6 + mo][b];
+      r.visible = slots;
+    }
+#else
+    std::vector<float> row;
+    for (int b = 0; b < nb; ++b) {
+      // A step's row of p over the tokens the slots hold (others stay 0: never read).
+      int32_t hi = 0;
+      for (int s = 0; s < slots; ++s) hi = std::max(hi, tk[s]);
+      row.assign(static_cast<size_t>(hi) + 1, 0.0f);
+      for (int s = 0; s < slots; ++s) row[tk[s]] = p0[static_cast<size_t>(tk[s]) * stride + b];
+      out[i0 + b] = MergedSlotSums(tk, slots, row.data(), mod, 0, merged, num_merged,
+                                   mw + (i0 + b) * mw_stride, members + (i0 + b) * members_stride, nullptr);
+    }
+#endif
+  }
+}
+
+void MergedSlotSumsAppend(const int32_t* tk, int n, const float* p, const Modality* mod,
+                          MergedSlotSumsResult* r) {
+  for (int s = 0; s < n; ++s) {
+    const float pt = p[tk[s]];
+    r->retained += pt;
+    r->covered += pt;
+    r->wsum += pt;
+    r->ret_mod[static_cast<int>(mod[tk[s]])] += pt;
+    ++r->visible;
+  }
 }
 
 // MergedWeights (replay.h). Why the AVX2 path returns std::exp's float, for x = double(tf(dot)) - lse in
@@ -1028,6 +1146,7 @@ class LayerPass {
     ws.has_extra.assign(steps, 0);
     ws.extra.clear();
     ws.mt0 = ws.mt_end = -1;
+    ws.cs0 = ws.cs_end = -1;
     ws.mlen = steps;
   }
 
@@ -1064,6 +1183,7 @@ class LayerPass {
                   d, ws.mk.data(), d, 0.0f, ws.mdot.data() + static_cast<size_t>(g) * rows * mm, mm);
     ws.mversion = cache.version();
     ws.ms0 = -1;
+    ws.cs0 = ws.cs_end = -1;
     ws.mt0 = t;
     ws.mt_end = t;
     ws.mrows = rows;
@@ -1205,6 +1325,41 @@ class LayerPass {
     ws.ms0 = t;
   }
 
+  // For the steps [t, t + kMemberChunk) of the block (those it covers), when every slot is visible at each
+  // and the policy reads no attention: their merged weights written in place now (MergedWeights on the same
+  // dots and log-normaliser as Step's own call) and their sums over the cache's slots now, four steps per
+  // instruction (MergedSlotSumsSteps, from the transposed probabilities): while the version stays, a later
+  // step of the chunk holds these slots and appended plain ones (MergedSlotSumsAppend adds them in Step).
+  void ChunkSlotSums(int u, int t, const HeadCache& cache, WorkerScratch& ws, bool want_cp) {
+    ws.cs0 = ws.cs_end = -1;
+    if (want_cp || !g_chunk_sums.load(std::memory_order_relaxed)) return;
+    UnitWork& w = units_[u];
+    const int steps = meta_.num_decode_steps, group = m_.GroupSize();
+    const int end = std::min({t + kMemberChunk, ws.mt0 + ws.mrows, steps});
+    for (int g = 0; g < group; ++g)
+      for (int t1 = t; t1 < end; ++t1)
+        if (w.refs[g].first[t1] != 0) return;
+    const int mm = static_cast<int>(ws.mslot.size()), slots = cache.size();
+    const size_t mrows = static_cast<size_t>(ws.mrows) * mm,
+                 ts = static_cast<size_t>(meta_.total_tokens()) * steps;
+    const LogitTransform tf(m_);
+    const float* probs_t = ProbsT(w);
+    ws.csums.resize(static_cast<size_t>(group) * kMemberChunk);
+    for (int g = 0; g < group; ++g) {
+      float* mw = ws.mw.data() + g * mrows + static_cast<size_t>(t - ws.mt0) * mm;
+      for (int t1 = t; t1 < end; ++t1)
+        MergedWeights(ws.mdot.data() + g * mrows + static_cast<size_t>(t1 - ws.mt0) * mm, mm, tf,
+                      w.refs[g].log_z[t1], mw + static_cast<size_t>(t1 - t) * mm);
+      MergedSlotSumsSteps(cache.tokens().data(), slots, probs_t + g * ts + t, steps,
+                          meta_.tokens.modality.data(), ws.mslot.data(), mm, mw, mm,
+                          ws.msum.data() + static_cast<size_t>(g) * kMemberChunk * mm, mm, end - t,
+                          ws.csums.data() + static_cast<size_t>(g) * kMemberChunk);
+    }
+    ws.cs0 = t;
+    ws.cs_end = end;
+    ws.cslots = slots;
+  }
+
   // Adds the block's merged values, weighted by its steps' weights, to those steps' `extra` (one GEMM per
   // group member over the steps [mt0, mt_end) it was used for), and ends the block.
   void FlushMergedBlock(WorkerScratch& ws) const {
@@ -1223,6 +1378,7 @@ class LayerPass {
     ws.mlen = used < rows ? std::max(4, 2 * used) : 2 * rows;
     ws.mt0 = ws.mt_end = -1;
     ws.ms0 = -1;
+    ws.cs0 = ws.cs_end = -1;
   }
 
   // Ends the prefix mode (WorkerScratch::prefix): writes the steps so far into `plain`.
@@ -1425,7 +1581,10 @@ class LayerPass {
     const size_t mrows = bulk ? static_cast<size_t>(ws.mrows) * mm : 0;
     if (bulk) {
       ws.mt_end = t + 1;
-      if (ws.ms0 < 0 || t >= ws.ms0 + kMemberChunk) MemberSums(u, t, cache, ws);
+      if (ws.ms0 < 0 || t >= ws.ms0 + kMemberChunk) {
+        MemberSums(u, t, cache, ws);
+        ChunkSlotSums(u, t, cache, ws, want_cp);
+      }
     }
     const double* msum = bulk ? ws.msum.data() + static_cast<size_t>(t - ws.ms0) * mm : nullptr;
     // The merged slots in slot order: the block's, else listed here.
@@ -1470,9 +1629,17 @@ class LayerPass {
       } else {
         // The merged slots' weights and member sums (in place in a block, per step outside), then the sums
         // over all slots in slot order (MergedSlotSums).
-        const float* weights;
-        const double* member_sums;
-        if (bulk) {
+        const float* weights = nullptr;
+        const double* member_sums = nullptr;
+        const bool chunked = bulk && t >= ws.cs0 && t < ws.cs_end;
+        if (chunked) {
+          // Summed over the chunk's first slots already (ChunkSlotSums; every slot visible, the weights in
+          // place): only the plain slots appended since are left.
+          if (num_merged > 0 && !ws.has_extra[t]) {
+            if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
+            ws.has_extra[t] = 1;
+          }
+        } else if (bulk) {
           // In a block the step's dots, weights and member sums are rows of ws.mdot, ws.mw and ws.msum: the
           // weights are written in place (all at once, MergedWeights; masked slots get 0) and
           // MergedSlotSums reads all three there (the same values as the per-step path below).
@@ -1541,9 +1708,15 @@ class LayerPass {
           weights = ws.step_mw.data();
           member_sums = ws.step_members.data();
         }
-        const MergedSlotSumsResult sums =
-            MergedSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, mslot, num_merged,
-                           weights, member_sums, cp);
+        MergedSlotSumsResult sums;
+        if (chunked) {
+          sums = ws.csums[static_cast<size_t>(g) * kMemberChunk + (t - ws.cs0)];
+          MergedSlotSumsAppend(tokens.data() + ws.cslots, slots - ws.cslots, p, meta_.tokens.modality.data(),
+                               &sums);
+        } else {
+          sums = MergedSlotSums(tokens.data(), slots, p, meta_.tokens.modality.data(), first, mslot,
+                                num_merged, weights, member_sums, cp);
+        }
         wsum = sums.wsum;
         retained = sums.retained;
         anchor = sums.anchor;
@@ -2146,6 +2319,7 @@ void SetFullKthFromSumsForTesting(bool allowed) { g_kth_from_sums.store(allowed,
 void SetRunListsForTesting(bool allowed) { g_run_lists.store(allowed, std::memory_order_relaxed); }
 void SetUnionScanForTesting(bool allowed) { g_union_scan.store(allowed, std::memory_order_relaxed); }
 void SetMergedPrefixForTesting(bool allowed) { g_merged_prefix.store(allowed, std::memory_order_relaxed); }
+void SetChunkSlotSumsForTesting(bool allowed) { g_chunk_sums.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

@@ -118,6 +118,9 @@ void SetUnionScanForTesting(bool allowed);
 // Test hook: false keeps a cache that holds merged slots at step 0 out of Step's prefix mode (its steps'
 // plain slots then listed one by one, step by step, as before round 14), which only a plain cache entered.
 void SetMergedPrefixForTesting(bool allowed);
+// Test hook: false makes Step sum a merged-slot block's steps one at a time (MergedSlotSums) instead of a
+// chunk's steps at once over their common slots (MergedSlotSumsSteps, then the appended ones).
+void SetChunkSlotSumsForTesting(bool allowed);
 
 // A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
 // its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in
@@ -135,6 +138,20 @@ struct MergedSlotSumsResult {
 MergedSlotSumsResult MergedSlotSums(const int32_t* tk, int slots, const float* p, const Modality* mod,
                                     int first, const int32_t* merged, int num_merged, const float* mw,
                                     const double* members, float* cp);
+// MergedSlotSums of `nsteps` steps of one cache at once, for steps whose slots are all visible (first 0) and
+// that hold the same slots tk[0..slots) with the same merged ones merged[0..num_merged): step i's p[tok] is
+// pt[tok * stride + i] (transposed probabilities: a token's steps contiguous; pt + tok * stride + i is
+// readable up to i = 4 * ceil(nsteps / 4) - 1), its weights mw + i * mw_stride, its member sums members +
+// i * members_stride. out[i] is MergedSlotSums(tk, slots, p_i, mod, 0, merged, num_merged, mw + i *
+// mw_stride, members + i * members_stride, nullptr), bit for bit: with AVX2 four steps share each
+// instruction (lane i: step i's sums, each added in slot order as there). MergedSlotSumsAppend then continues
+// one step's sums over plain slots after these (appended since), as MergedSlotSums would (for a policy that
+// reads no attention: neither writes MergedSlotSums' `cp`).
+void MergedSlotSumsSteps(const int32_t* tk, int slots, const float* pt, size_t stride, const Modality* mod,
+                         const int32_t* merged, int num_merged, const float* mw, size_t mw_stride,
+                         const double* members, size_t members_stride, int nsteps, MergedSlotSumsResult* out);
+void MergedSlotSumsAppend(const int32_t* tk, int n, const float* p, const Modality* mod,
+                          MergedSlotSumsResult* r);
 
 // The merged slots' attention weights of one step: out[j] = static_cast<float>(std::exp(
 // static_cast<double>(tf(dots[j])) - lse)) for j in [0, n), bit for bit (issue 14, round 12). With AVX2 and

@@ -1997,6 +1997,44 @@ TEST_CASE("replay: a merged cache's steps as prefixes of one list equal the step
   CheckSameWithout(tr, runs, &SetMergedPrefixForTesting);
 }
 
+// Step sums a merged-slot block's steps a chunk at a time over the slots they share (ChunkSlotSums), then
+// each step's appended ones. Every result must be the per-step sums', bit for bit, at 1 and 3 threads: caches
+// that keep their merges (hand-made, MEDA, LOOK-M, SnapKV with averaged merges), one that changes them at
+// step 5 (a new block mid-chunk), MEDA's official code (which reads the steps' attention: per step).
+TEST_CASE("replay: a merged block's chunked sums equal the per-step sums", "[replay][merge]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 400;
+  spec.decode_steps = 21;  // a chunk of 16 steps and a short one
+  spec.image_begin = 40;
+  spec.image_end = 300;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  const int d = tr.meta().model.head_dim;
+  std::vector<float> k(d, 0.25f), v(d, -0.5f);
+  auto merged = [k, v](int again) {
+    return std::make_shared<ActPolicy>([k, v, again](int step, HeadCache* c) {
+      if (step == 0) {
+        std::vector<int32_t> keep;
+        for (int32_t t = 0; t < 120; ++t) keep.push_back(t);
+        keep.push_back(399);
+        c->Assign(keep);
+        for (int32_t t = 120; t < 140; ++t) c->MergeInto(10 + 20 * ((t - 120) % 5), t, 0.5f, k, v);
+      }
+      if (step == again) c->MergeInto(50, 200, 0.25f, k, v);
+    });
+  };
+  std::vector<RunSpec> runs{Spec(merged(-1), spec.prefill_length), Spec(merged(5), spec.prefill_length)};
+  for (double b : {0.1, 0.4}) {
+    runs.push_back(RunSpec{Registered("meda"), "meda", b, 0, QuestionMode::kQueryAware});
+    runs.push_back(RunSpec{Registered("meda", {"variant=OFFICIAL_CODE"}), "meda official", b, 0,
+                           QuestionMode::kQueryAware});
+    runs.push_back(RunSpec{Registered("look_m"), "look_m", b, 0, QuestionMode::kQueryAware});
+    runs.push_back(RunSpec{Registered("snapkv+average"), "snapkv+average", b, 0, QuestionMode::kQueryAware});
+  }
+  CheckSameWithout(tr, runs, &SetChunkSlotSumsForTesting);
+}
+
 TEST_CASE("replay: the plain-slot sums add in slot order per lane and modality, as the scalar loop does",
           "[replay]") {
   // The scalar loop the engine had: rm[s & 3][mod] += p, in slot order.
@@ -2706,6 +2744,72 @@ TEST_CASE("replay: the merged-slot sums add in slot order, as the per-slot loop 
     }
   }
   CHECK(cases == 8 * 5 * 2 * 2);
+}
+
+// MergedSlotSumsSteps (several steps at once from transposed probabilities) and MergedSlotSumsAppend (a
+// step's appended plain slots) against MergedSlotSums of each step over all its slots, bit for bit: values
+// over many binades (any other order of a sum's additions changes it), zeros and subnormals, every count of
+// steps up to 9 (partial groups of four), merged slots anywhere or none, appended slots or none.
+TEST_CASE("replay: merged-slot sums of several steps at once equal each step's", "[replay][merge]") {
+  auto bits = [](double x) { return std::bit_cast<uint64_t>(x); };
+  std::mt19937 rng(12);
+  auto binades = [&](int spread) {
+    return std::ldexp(std::uniform_real_distribution<float>(1, 2)(rng), -static_cast<int>(rng() % spread));
+  };
+  const int n = 300, stride = 16;  // tokens; the transposed rows' length (>= 4 * ceil(9 / 4))
+  int cases = 0;
+  for (int slots : {0, 1, 5, 64, 131}) {
+    for (int every : {0, 1, 3, 17}) {
+      for (int nsteps : {1, 2, 3, 4, 5, 8, 9}) {
+        for (int appended : {0, 3}) {
+          std::vector<float> pt(static_cast<size_t>(n) * stride + stride);  // [token][step] (+ padding)
+          for (float& x : pt) x = binades(40);
+          pt[5 * stride + 1] = 0.0f;
+          pt[6 * stride] = std::numeric_limits<float>::denorm_min();
+          std::vector<Modality> mod(n);
+          for (auto& m : mod) m = static_cast<Modality>(rng() % 4);
+          std::vector<int32_t> tk(slots + appended);
+          for (int s = 0; s < slots; ++s) tk[s] = static_cast<int32_t>(rng() % 250);
+          for (int s = 0; s < appended; ++s) tk[slots + s] = 250 + s;
+          std::vector<int32_t> merged;
+          const int offset = every > 1 ? static_cast<int>(rng() % every) : 0;
+          for (int s = 0; s < slots; ++s)
+            if (every == 1 || (every > 1 && s % every == offset)) merged.push_back(s);
+          const int mm = static_cast<int>(merged.size());
+          std::vector<float> mw(static_cast<size_t>(nsteps) * mm);
+          std::vector<double> members(mw.size());
+          for (size_t j = 0; j < mw.size(); ++j) {
+            mw[j] = binades(30);
+            members[j] = static_cast<double>(binades(30)) * (1 + std::ldexp(static_cast<double>(rng()), -60));
+          }
+          std::vector<MergedSlotSumsResult> got(nsteps);
+          MergedSlotSumsSteps(tk.data(), slots, pt.data(), stride, mod.data(), merged.data(), mm, mw.data(),
+                              mm, members.data(), mm, nsteps, got.data());
+          for (int i = 0; i < nsteps; ++i) {
+            std::vector<float> p(n);
+            for (int tok = 0; tok < n; ++tok) p[tok] = pt[static_cast<size_t>(tok) * stride + i];
+            MergedSlotSumsAppend(tk.data() + slots, appended, p.data(), mod.data(), &got[i]);
+            const MergedSlotSumsResult want =
+                MergedSlotSums(tk.data(), slots + appended, p.data(), mod.data(), 0, merged.data(), mm,
+                               mw.data() + static_cast<size_t>(i) * mm,
+                               members.data() + static_cast<size_t>(i) * mm, nullptr);
+            INFO("slots " << slots << ", merged every " << every << ", steps " << nsteps << ", step " << i
+                          << ", appended " << appended);
+            CHECK(got[i].visible == want.visible);
+            CHECK(bits(got[i].wsum) == bits(want.wsum));
+            CHECK(bits(got[i].retained) == bits(want.retained));
+            CHECK(bits(got[i].anchor) == bits(want.anchor));
+            CHECK(bits(got[i].covered) == bits(want.covered));
+            CHECK(bits(got[i].merged_w) == bits(want.merged_w));
+            CHECK(bits(got[i].merged_mass) == bits(want.merged_mass));
+            for (int mo = 0; mo < 4; ++mo) CHECK(bits(got[i].ret_mod[mo]) == bits(want.ret_mod[mo]));
+          }
+          ++cases;
+        }
+      }
+    }
+  }
+  CHECK(cases == 5 * 4 * 7 * 2);
 }
 
 // MergedWeights against the formula it replaces, bit for bit: random steps' dots, the ends of its vector
