@@ -1841,18 +1841,18 @@ void SetByModality(ByModality* b, const double v[4]) {
 void FillQuality(const TraceMeta& meta, const RunAccum& a, int l0, int l1, Metrics* m) {
   const int h = meta.model.num_heads, hkv = meta.model.num_kv_heads, s = meta.num_decode_steps;
   const size_t b = static_cast<size_t>(l0) * h * s, e = static_cast<size_t>(l1) * h * s;
-  auto slice = [&](const std::vector<float>& v) { return std::vector<float>(v.begin() + b, v.begin() + e); };
-  const auto ret = slice(a.retained), anc = slice(a.anchor), cov = slice(a.covered), err = slice(a.err),
-             reg = slice(a.regret);
+  // Means over the samples in place; a quantile partially sorts one copy (Quantile's own), not two.
+  auto span = [&](const std::vector<float>& v) { return std::span<const float>(v.data() + b, e - b); };
+  auto copy = [&](const std::vector<float>& v) { return std::vector<float>(v.begin() + b, v.begin() + e); };
   m->set_samples(static_cast<double>(e - b));
-  m->set_retained_mass_mean(Mean(ret));
-  m->set_retained_mass_p5(Quantile(ret, 0.05));
-  m->set_merged_anchor_mass_mean(Mean(anc));
-  m->set_covered_mass_mean(Mean(cov));
-  m->set_output_rel_error_mean(Mean(err));
-  m->set_output_rel_error_p95(Quantile(err, 0.95));
-  m->set_regret_vs_oracle_mean(Mean(reg));
-  m->set_regret_vs_oracle_p95(Quantile(reg, 0.95));
+  m->set_retained_mass_mean(Mean(span(a.retained)));
+  m->set_retained_mass_p5(Quantile(copy(a.retained), 0.05));
+  m->set_merged_anchor_mass_mean(Mean(span(a.anchor)));
+  m->set_covered_mass_mean(Mean(span(a.covered)));
+  m->set_output_rel_error_mean(Mean(span(a.err)));
+  m->set_output_rel_error_p95(Quantile(copy(a.err), 0.95));
+  m->set_regret_vs_oracle_mean(Mean(span(a.regret)));
+  m->set_regret_vs_oracle_p95(Quantile(copy(a.regret), 0.95));
   double rm[4] = {0, 0, 0, 0}, fm[4] = {0, 0, 0, 0}, km[4] = {0, 0, 0, 0};
   for (size_t i = static_cast<size_t>(l0) * h; i < static_cast<size_t>(l1) * h; ++i)
     for (int mo = 0; mo < 4; ++mo) {
@@ -2152,7 +2152,26 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     p.may_exceed = runs[r].policy->may_exceed_budget();
     p.compression_step = runs[r].policy->compression_step();
     p.headroom = std::max(0, runs[r].policy->decode_headroom());
-    RunAccum& a = acc[r];
+  }
+  // The two layer buffers (one replayed or observed, the next read in the background), shared by the first
+  // pass and the replay: ReadLayer reuses a buffer's capacity (a fresh ~100 MB layer faulted ~25 K pages
+  // in), and a layer read with fewer query rows than the buffer's last one refuses the rows it lacks
+  // (LayerData::query_rows).
+  LayerData current, next;
+  // The first layer's keys, values and queries sized (zero-filled: their pages faulted in) and the runs'
+  // accumulators zeroed in parallel: the first read would otherwise fault the buffers in on this thread
+  // alone while the other cores wait for the layer. The read overwrites every key and value and the query
+  // rows it reads; the other query rows stay zero as after its own resize, so nothing read depends on this.
+  const size_t kv_floats = static_cast<size_t>(hkv) * meta.total_tokens() * meta.model.head_dim;
+  const size_t q_floats = static_cast<size_t>(h) * meta.query_positions.size() * meta.model.head_dim;
+  std::vector<float>* const first_buffers[3] = {&current.keys, &current.values, &current.queries};
+  const size_t first_sizes[3] = {kv_floats, kv_floats, q_floats};
+  ParallelFor(3 + static_cast<int>(runs.size()), options.threads, [&](int item) {
+    if (item < 3) {
+      first_buffers[item]->resize(first_sizes[item]);
+      return;
+    }
+    RunAccum& a = acc[item - 3];
     const size_t samples = static_cast<size_t>(num_layers) * h * steps;
     a.retained.assign(samples, 0);
     a.anchor.assign(samples, 0);
@@ -2171,12 +2190,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     a.merged_slots.assign(a.bound_checks.size(), 0);
     a.merge_max.assign(a.bound_checks.size(), 0);
     a.tokens.assign(a.bound_checks.size() * (steps + 1), 0);
-  }
-  // The two layer buffers (one replayed or observed, the next read in the background), shared by the first
-  // pass and the replay: ReadLayer reuses a buffer's capacity (a fresh ~100 MB layer faulted ~25 K pages
-  // in), and a layer read with fewer query rows than the buffer's last one refuses the rows it lacks
-  // (LayerData::query_rows).
-  LayerData current, next;
+  });
   // First pass for policies that need cross-layer information: one plan per (policy object, compressible
   // region), shared by every budget. Then every run's per-layer budgets.
   std::map<std::pair<const Policy*, int>, std::shared_ptr<PolicyPlan>> shared_plans;
@@ -2329,7 +2343,9 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
   auto token_steps = MakeTokenStepLatencyModel();
   const LatencyModel& latency = options.latency ? *options.latency : *token_steps;
   std::vector<RunResult> results(runs.size());
-  for (size_t r = 0; r < runs.size(); ++r) {
+  // Each run's result from its own accumulators only, so the runs are assembled in parallel (the sweep's
+  // serial end: their quantiles, timelines and per-layer metrics kept one core idle).
+  ParallelFor(static_cast<int>(runs.size()), options.threads, [&](int r) {
     const RunPlan& p = plans[r];
     const RunAccum& a = acc[r];
     RunResult& out = results[r];
@@ -2414,7 +2430,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
                                        : 0);
       FillMemory(meta, Timeline(meta, a, l, l + 1, options.prefill_chunk), 1, dur, lr->mutable_metrics());
     }
-  }
+  });
   return results;
 }
 
