@@ -2162,10 +2162,9 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
   // accumulators zeroed in parallel: the first read would otherwise fault the buffers in on this thread
   // alone while the other cores wait for the layer. The read overwrites every key and value and the query
   // rows it reads; the other query rows stay zero as after its own resize, so nothing read depends on this.
-  const size_t kv_floats = static_cast<size_t>(hkv) * meta.total_tokens() * meta.model.head_dim;
-  const size_t q_floats = static_cast<size_t>(h) * meta.query_positions.size() * meta.model.head_dim;
+  const LayerSizes sizes = ExpectedLayerSizes(meta);
   std::vector<float>* const first_buffers[3] = {&current.keys, &current.values, &current.queries};
-  const size_t first_sizes[3] = {kv_floats, kv_floats, q_floats};
+  const size_t first_sizes[3] = {sizes.kv, sizes.kv, sizes.queries};
   ParallelFor(3 + static_cast<int>(runs.size()), options.threads, [&](int item) {
     if (item < 3) {
       first_buffers[item]->resize(first_sizes[item]);
