@@ -2319,7 +2319,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
   }
   // Layer l + 1 is read in the background while layer l is replayed (at most two layers resident).
   // Only the query rows the runs read (ReplayQueryRows).
-  PassBuffers buffers;  // every layer's passes reuse them
+  auto buffers = std::make_unique<PassBuffers>();  // every layer's passes reuse them
   const LayerReadOptions read{ReplayQueryRows(meta, runs, /*first_pass=*/false), options.threads};
   Status read_status = trace.ReadLayer(0, &current, read);
   for (int l = 0; l < num_layers && read_status.ok(); ++l) {
@@ -2328,7 +2328,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
       prefetch = std::async(std::launch::async,
                             [&trace, &next, &read, l] { return trace.ReadLayer(l + 1, &next, read); });
     current.layer = l;
-    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder, buffers);
+    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder, *buffers);
     pass.Run();
     if (options.progress) options.progress->Update("layer", l + 1, num_layers);
     if (prefetch.valid()) {
@@ -2343,8 +2343,25 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
   const LatencyModel& latency = options.latency ? *options.latency : *token_steps;
   std::vector<RunResult> results(runs.size());
   // Each run's result from its own accumulators only, so the runs are assembled in parallel (the sweep's
-  // serial end: their quantiles, timelines and per-layer metrics kept one core idle).
-  ParallelFor(static_cast<int>(runs.size()), options.threads, [&](int r) {
+  // serial end: their quantiles, timelines and per-layer metrics kept one core idle), after the first items
+  // hand the layer buffers and the units' pooled buffers back to the system (their unmapping, too, was
+  // serial work on this thread).
+  constexpr int kReleases = 3;
+  ParallelFor(kReleases + static_cast<int>(runs.size()), options.threads, [&](int item) {
+    switch (item) {
+      case 0:
+        current = LayerData();
+        return;
+      case 1:
+        next = LayerData();
+        return;
+      case 2:
+        buffers.reset();
+        return;
+      default:
+        break;
+    }
+    const int r = item - kReleases;
     const RunPlan& p = plans[r];
     const RunAccum& a = acc[r];
     RunResult& out = results[r];
