@@ -160,7 +160,8 @@ std::vector<Aggregate> AggregateRuns(const std::vector<RunResult>& runs, uint64_
 
 // Writes results.json, runs.csv, layers.csv, aggregates.csv and summary.md into `out_dir` (created, or
 // replaced as a whole if it holds only an earlier sweep's outputs; any other existing file or folder is an
-// error). The folder appears only when everything is written; its units/ folder is kept.
-Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir);
+// error). The folder appears only when everything is written; its units/ folder is kept. The texts are
+// formatted on up to 2 of `threads` threads (<= 0: hardware); they do not depend on it.
+Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir, int threads = 1);
 
 }  // namespace kvsim

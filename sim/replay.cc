@@ -2027,18 +2027,18 @@ void SetByModality(ByModality* b, const double v[4]) {
 void FillQuality(const TraceMeta& meta, const RunAccum& a, int l0, int l1, Metrics* m) {
   const int h = meta.model.num_heads, hkv = meta.model.num_kv_heads, s = meta.num_decode_steps;
   const size_t b = static_cast<size_t>(l0) * h * s, e = static_cast<size_t>(l1) * h * s;
-  auto slice = [&](const std::vector<float>& v) { return std::vector<float>(v.begin() + b, v.begin() + e); };
-  const auto ret = slice(a.retained), anc = slice(a.anchor), cov = slice(a.covered), err = slice(a.err),
-             reg = slice(a.regret);
+  // Means over the samples in place; a quantile partially sorts one copy (Quantile's own), not two.
+  auto span = [&](const std::vector<float>& v) { return std::span<const float>(v.data() + b, e - b); };
+  auto copy = [&](const std::vector<float>& v) { return std::vector<float>(v.begin() + b, v.begin() + e); };
   m->set_samples(static_cast<double>(e - b));
-  m->set_retained_mass_mean(Mean(ret));
-  m->set_retained_mass_p5(Quantile(ret, 0.05));
-  m->set_merged_anchor_mass_mean(Mean(anc));
-  m->set_covered_mass_mean(Mean(cov));
-  m->set_output_rel_error_mean(Mean(err));
-  m->set_output_rel_error_p95(Quantile(err, 0.95));
-  m->set_regret_vs_oracle_mean(Mean(reg));
-  m->set_regret_vs_oracle_p95(Quantile(reg, 0.95));
+  m->set_retained_mass_mean(Mean(span(a.retained)));
+  m->set_retained_mass_p5(Quantile(copy(a.retained), 0.05));
+  m->set_merged_anchor_mass_mean(Mean(span(a.anchor)));
+  m->set_covered_mass_mean(Mean(span(a.covered)));
+  m->set_output_rel_error_mean(Mean(span(a.err)));
+  m->set_output_rel_error_p95(Quantile(copy(a.err), 0.95));
+  m->set_regret_vs_oracle_mean(Mean(span(a.regret)));
+  m->set_regret_vs_oracle_p95(Quantile(copy(a.regret), 0.95));
   double rm[4] = {0, 0, 0, 0}, fm[4] = {0, 0, 0, 0}, km[4] = {0, 0, 0, 0};
   for (size_t i = static_cast<size_t>(l0) * h; i < static_cast<size_t>(l1) * h; ++i)
     for (int mo = 0; mo < 4; ++mo) {
@@ -2340,7 +2340,25 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     p.may_exceed = runs[r].policy->may_exceed_budget();
     p.compression_step = runs[r].policy->compression_step();
     p.headroom = std::max(0, runs[r].policy->decode_headroom());
-    RunAccum& a = acc[r];
+  }
+  // The two layer buffers (one replayed or observed, the next read in the background), shared by the first
+  // pass and the replay: ReadLayer reuses a buffer's capacity (a fresh ~100 MB layer faulted ~25 K pages
+  // in), and a layer read with fewer query rows than the buffer's last one refuses the rows it lacks
+  // (LayerData::query_rows).
+  LayerData current, next;
+  // The first layer's keys, values and queries sized (zero-filled: their pages faulted in) and the runs'
+  // accumulators zeroed in parallel: the first read would otherwise fault the buffers in on this thread
+  // alone while the other cores wait for the layer. The read overwrites every key and value and the query
+  // rows it reads; the other query rows stay zero as after its own resize, so nothing read depends on this.
+  const LayerSizes sizes = ExpectedLayerSizes(meta);
+  std::vector<float>* const first_buffers[3] = {&current.keys, &current.values, &current.queries};
+  const size_t first_sizes[3] = {sizes.kv, sizes.kv, sizes.queries};
+  ParallelFor(3 + static_cast<int>(runs.size()), options.threads, [&](int item) {
+    if (item < 3) {
+      first_buffers[item]->resize(first_sizes[item]);
+      return;
+    }
+    RunAccum& a = acc[item - 3];
     const size_t samples = static_cast<size_t>(num_layers) * h * steps;
     a.retained.assign(samples, 0);
     a.anchor.assign(samples, 0);
@@ -2359,12 +2377,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
     a.merged_slots.assign(a.bound_checks.size(), 0);
     a.merge_max.assign(a.bound_checks.size(), 0);
     a.tokens.assign(a.bound_checks.size() * (steps + 1), 0);
-  }
-  // The two layer buffers (one replayed or observed, the next read in the background), shared by the first
-  // pass and the replay: ReadLayer reuses a buffer's capacity (a fresh ~100 MB layer faulted ~25 K pages
-  // in), and a layer read with fewer query rows than the buffer's last one refuses the rows it lacks
-  // (LayerData::query_rows).
-  LayerData current, next;
+  });
   // First pass for policies that need cross-layer information: one plan per (policy object, compressible
   // region), shared by every budget. Then every run's per-layer budgets.
   std::map<std::pair<const Policy*, int>, std::shared_ptr<PolicyPlan>> shared_plans;
@@ -2494,7 +2507,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
   }
   // Layer l + 1 is read in the background while layer l is replayed (at most two layers resident).
   // Only the query rows the runs read (ReplayQueryRows).
-  PassBuffers buffers;  // every layer's passes reuse them
+  auto buffers = std::make_unique<PassBuffers>();  // every layer's passes reuse them
   const LayerReadOptions read{ReplayQueryRows(meta, runs, /*first_pass=*/false), options.threads};
   Status read_status = trace.ReadLayer(0, &current, read);
   for (int l = 0; l < num_layers && read_status.ok(); ++l) {
@@ -2503,7 +2516,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
       prefetch = std::async(std::launch::async,
                             [&trace, &next, &read, l] { return trace.ReadLayer(l + 1, &next, read); });
     current.layer = l;
-    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder, buffers);
+    LayerPass pass(meta, current, ordered_plans, ordered_acc, options.threads, options.recorder, *buffers);
     pass.Run();
     if (options.progress) options.progress->Update("layer", l + 1, num_layers);
     if (prefetch.valid()) {
@@ -2517,7 +2530,26 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
   auto token_steps = MakeTokenStepLatencyModel();
   const LatencyModel& latency = options.latency ? *options.latency : *token_steps;
   std::vector<RunResult> results(runs.size());
-  for (size_t r = 0; r < runs.size(); ++r) {
+  // Each run's result from its own accumulators only, so the runs are assembled in parallel (the sweep's
+  // serial end: their quantiles, timelines and per-layer metrics kept one core idle), after the first items
+  // hand the layer buffers and the units' pooled buffers back to the system (their unmapping, too, was
+  // serial work on this thread).
+  constexpr int kReleases = 3;
+  ParallelFor(kReleases + static_cast<int>(runs.size()), options.threads, [&](int item) {
+    switch (item) {
+      case 0:
+        current = LayerData();
+        return;
+      case 1:
+        next = LayerData();
+        return;
+      case 2:
+        buffers.reset();
+        return;
+      default:
+        break;
+    }
+    const int r = item - kReleases;
     const RunPlan& p = plans[r];
     const RunAccum& a = acc[r];
     RunResult& out = results[r];
@@ -2602,7 +2634,7 @@ StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunS
                                        : 0);
       FillMemory(meta, Timeline(meta, a, l, l + 1, options.prefill_chunk), 1, dur, lr->mutable_metrics());
     }
-  }
+  });
   return results;
 }
 

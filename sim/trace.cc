@@ -603,13 +603,19 @@ Status ValidateBlockLayer(const TraceMeta& meta, int layer, const BlockLayerData
   return Status::Ok();
 }
 
+LayerSizes ExpectedLayerSizes(const TraceMeta& meta) {
+  const ModelInfo& m = meta.model;
+  return {static_cast<size_t>(m.num_kv_heads) * meta.total_tokens() * m.head_dim,
+          static_cast<size_t>(m.num_heads) * meta.query_positions.size() * m.head_dim};
+}
+
 Status ValidateLayer(const TraceMeta& meta, const LayerData& layer, const std::string& what,
                      bool check_finite) {
   const ModelInfo& m = meta.model;
   const std::string where = what + ": layer " + std::to_string(layer.layer);
   const size_t t = meta.total_tokens();
-  const size_t kv = static_cast<size_t>(m.num_kv_heads) * t * m.head_dim;
-  const size_t q = static_cast<size_t>(m.num_heads) * meta.query_positions.size() * m.head_dim;
+  const LayerSizes sizes = ExpectedLayerSizes(meta);
+  const size_t kv = sizes.kv, q = sizes.queries;
   auto shape = [&](const char* name, size_t got, size_t want, const std::string& dims) -> Status {
     if (got != want)
       return Status::InvalidArgument(where + " dataset '" + name + "' has " + std::to_string(got) +

@@ -303,6 +303,13 @@ class MemoryTrace : public TraceSource, public TraceSink {
   std::vector<LayerData> layers_;
 };
 
+// The float counts a layer of `meta` holds (what ValidateLayer requires): keys and values each
+// [num_kv_heads][T][head_dim], queries [num_heads][Tq][head_dim].
+struct LayerSizes {
+  size_t kv = 0, queries = 0;
+};
+LayerSizes ExpectedLayerSizes(const TraceMeta& meta);
+
 // Checks a layer's tensor sizes against the meta, and finiteness (of the query rows in layer.query_rows)
 // unless the caller has already checked it (`check_finite` false: a reader that scanned the values as it
 // converted them, reporting with NonFiniteError). `what` names the source for messages.

@@ -566,7 +566,7 @@ int CmdSweep(int argc, char** argv) {
     st = WriteChromeTrace(ChromeTraceForRuns(std::vector<RunResult>(res->runs().begin(), res->runs().end())),
                           chrome_trace);
   const bool trace_written = st.ok() && !chrome_trace.empty();
-  if (st.ok()) st = WriteSweepOutputs(*res, out);
+  if (st.ok()) st = WriteSweepOutputs(*res, out, threads);
   if (!st.ok()) return Fail(RemoveOnFailure(st, trace_written ? chrome_trace : ""));
   return report_units(res->runs_size(), "results.json,runs.csv,layers.csv,aggregates.csv,summary.md",
                       res->failed_units());

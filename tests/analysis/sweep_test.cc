@@ -176,6 +176,33 @@ TEST_CASE("run and sweep: the trace hash beside the replay (page cache warm) is 
   CHECK(google::protobuf::util::MessageDifferencer::Equals(*x, *y));
 }
 
+TEST_CASE("sweep outputs: the files are the same at any thread count, each in its place", "[sweep]") {
+  // WriteSweepOutputs formats results.json beside the tables (2 threads): every file byte for byte the
+  // serial one's, and each under its own name.
+  const Dataset& d = TwoTraces();
+  auto result = RunSweep(d.experiment, d.dir, RunOptions{1, false, "", -1, "", ""});
+  REQUIRE(result.ok());
+  const std::string dir = testing::ScratchDir("sweep_outputs");
+  REQUIRE(WriteSweepOutputs(*result, dir + "/serial", 1).ok());
+  const std::vector<RunResult> runs(result->runs().begin(), result->runs().end());
+  const std::vector<Aggregate> aggregates(result->aggregates().begin(), result->aggregates().end());
+  CHECK(testing::ReadFile(dir + "/serial/results.json") == ToJson(*result));
+  CHECK(testing::ReadFile(dir + "/serial/runs.csv") == RunsCsv(runs));
+  CHECK(testing::ReadFile(dir + "/serial/layers.csv") == LayersCsv(runs));
+  CHECK(testing::ReadFile(dir + "/serial/aggregates.csv") == AggregatesCsv(aggregates));
+  CHECK(
+      testing::ReadFile(dir + "/serial/summary.md").rfind(SummaryMarkdown(runs, "kvsim sweep summary"), 0) ==
+      0);
+  for (int threads : {0, 2, 3}) {
+    const std::string out = dir + "/t" + std::to_string(threads);
+    REQUIRE(WriteSweepOutputs(*result, out, threads).ok());
+    for (const std::string& name : kSweepOutputNames) {
+      INFO(name << " threads " << threads);
+      CHECK(testing::ReadFile(out + "/" + name) == testing::ReadFile(dir + "/serial/" + name));
+    }
+  }
+}
+
 TEST_CASE("sweep input: --trace folders and --manifest replace the experiment's traces", "[sweep]") {
   const Dataset& d = TwoTraces();
   const std::string dir = testing::ScratchDir("sweep_input");

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -890,6 +891,62 @@ TEST_CASE("replay: (KV head, run) items are bit-identical at any thread count (G
     }
     // The full cache reproduces the reference output (up to the renormalisation by Σ p = 1 ± rounding).
     CHECK((*a)[0].metrics().output_rel_error_mean() < 1e-6);
+  }
+}
+
+// A TraceSource over another that records the sizes of the buffers each ReadLayer is handed.
+class SizeRecordingTrace final : public TraceSource {
+ public:
+  explicit SizeRecordingTrace(TraceSource& base) : base_(base) {}
+  const TraceMeta& meta() const override { return base_.meta(); }
+  using TraceSource::ReadLayer;
+  Status ReadLayer(int layer, LayerData* out, const LayerReadOptions& options) override {
+    handed.push_back({out->keys.size(), out->values.size(), out->queries.size()});
+    return base_.ReadLayer(layer, out, options);
+  }
+  std::string Describe() const override { return base_.Describe(); }
+  std::vector<std::array<size_t, 3>> handed;
+
+ private:
+  TraceSource& base_;
+};
+
+TEST_CASE("replay: the first read gets the layer's buffers already sized (faulted in on the workers)",
+          "[replay]") {
+  // Replay sizes the first layer's keys, values and queries (and zeroes the runs' accumulators) in
+  // parallel before the first ReadLayer, which then writes into them; the results stay those of a replay
+  // whose reader sizes them itself (every other test's), at any thread count.
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 3;
+  spec.num_heads = 6;
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 40;
+  spec.decode_steps = 9;
+  spec.image_end = 30;
+  spec.seed = 31;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  const LayerSizes want = ExpectedLayerSizes(trace.meta());
+  REQUIRE(want.kv == 2u * (40 + 9) * trace.meta().model.head_dim);
+  REQUIRE(want.queries == 6u * trace.meta().query_positions.size() * trace.meta().model.head_dim);
+  std::vector<RunSpec> runs;
+  for (const char* name : {"full", "snapkv", "hae"}) {  // hae: a first pass reads first
+    auto p = PolicyRegistry::Default().Create(name);
+    REQUIRE(p.ok());
+    runs.push_back(RunSpec{*p, name, 0.25, 0, QuestionMode::kQueryAware});
+  }
+  auto serial = Replay(trace, runs, ReplayOptions{.threads = 1});
+  REQUIRE(serial.ok());
+  for (int threads : {1, 3}) {
+    for (size_t n : {size_t{1}, runs.size()}) {
+      SizeRecordingTrace recorded(trace);
+      auto got =
+          Replay(recorded, std::span<const RunSpec>(runs.data(), n), ReplayOptions{.threads = threads});
+      REQUIRE(got.ok());
+      INFO("threads " << threads << " runs " << n);
+      REQUIRE(recorded.handed.size() >= 2);
+      CHECK(recorded.handed[0] == std::array<size_t, 3>{want.kv, want.kv, want.queries});
+      for (size_t i = 0; i < n; ++i) CHECK((*got)[i].SerializeAsString() == (*serial)[i].SerializeAsString());
+    }
   }
 }
 
