@@ -535,6 +535,90 @@ void KeepGroups(const float* v, size_t n, int ng, const uint32_t* from, const in
 }
 }  // namespace
 
+namespace {
+std::atomic<bool> g_kind_sums_avx2_allowed{true};
+}  // namespace
+
+void SetKindSumsAvx2ForTesting(bool allowed) {
+  g_kind_sums_avx2_allowed.store(allowed, std::memory_order_relaxed);
+}
+
+bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_end,
+                   std::span<const uint8_t> run_kind, double kind_sums[4], double* total) {
+  const size_t n = values.size();
+  const float* v = values.data();
+  double ks[4] = {};
+  uint32_t raw = 0;    // the largest bit pattern (any negative value but -0 lies above 0x80000000)
+  uint32_t unz = ~0u;  // the smallest nonzero magnitude's bit pattern, minus 1 (a zero wraps to ~0)
+  size_t at = 0;
+  bool vec = false;
+#if defined(__AVX2__)
+  vec = g_kind_sums_avx2_allowed.load(std::memory_order_relaxed);
+  if (vec) {
+    __m256i vraw = _mm256_setzero_si256(), vnz = _mm256_set1_epi32(-1);
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), one = _mm256_set1_epi32(1);
+    for (size_t r = 0; r < run_end.size(); ++r) {
+      const size_t end = static_cast<size_t>(run_end[r]);
+      __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+      for (; at + 8 <= end; at += 8) {
+        const __m256 f = _mm256_loadu_ps(v + at);
+        const __m256i u = _mm256_castps_si256(f);
+        vraw = _mm256_max_epu32(vraw, u);
+        vnz = _mm256_min_epu32(vnz, _mm256_sub_epi32(_mm256_and_si256(u, abs), one));
+        a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
+        a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
+      }
+      double l[4];
+      _mm256_storeu_pd(l, _mm256_add_pd(a0, a1));
+      double s = (l[0] + l[1]) + (l[2] + l[3]);
+      for (; at < end; ++at) {
+        uint32_t u;
+        std::memcpy(&u, v + at, 4);
+        raw = std::max(raw, u);
+        unz = std::min(unz, (u & 0x7fffffffu) - 1);
+        s += v[at];
+      }
+      ks[run_kind[r] & 3] += s;
+    }
+    uint32_t r8[8], z8[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r8), vraw);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(z8), vnz);
+    for (int l = 0; l < 8; ++l) {
+      raw = std::max(raw, r8[l]);
+      unz = std::min(unz, z8[l]);
+    }
+  }
+#endif
+  if (!vec)
+    for (size_t r = 0; r < run_end.size(); ++r) {
+      double s = 0;
+      for (const size_t end = static_cast<size_t>(run_end[r]); at < end; ++at) {
+        uint32_t u;
+        std::memcpy(&u, v + at, 4);
+        raw = std::max(raw, u);
+        unz = std::min(unz, (u & 0x7fffffffu) - 1);
+        s += v[at];
+      }
+      ks[run_kind[r] & 3] += s;
+    }
+  KVSIM_CHECK_MSG(at == n, "ExactKindSums: the runs must end at the row's end");
+  const double sum = (ks[0] + ks[1]) + (ks[2] + ks[3]);
+  // A sum of non-negative values in any order is within n * 2^-53 (relative) of the true one: sum * (1 +
+  // 2^-20) bounds it (n < 2^30), as in SortForDescendingSums. A value below -0 or a non-finite one: no.
+  if (raw > 0x80000000u || !std::isfinite(sum)) return false;
+  int e = 0;
+  std::frexp(sum * (1.0 + 0x1p-20), &e);
+  const float big = std::ldexp(1.0f, e - 30);  // 2^L (0 when L is below the smallest subnormal)
+  uint32_t ubig;
+  std::memcpy(&ubig, &big, 4);
+  if (ubig < 0x00800000u) ubig = 0;      // 2^L subnormal: every value counts as big (see TopKSums)
+  const uint32_t nonzero_min = unz + 1;  // 0 when every value is a zero
+  if (nonzero_min != 0 && nonzero_min < ubig) return false;
+  for (int k = 0; k < 4; ++k) kind_sums[k] = ks[k];
+  *total = sum;
+  return true;
+}
+
 double TopKSums::AddRow(std::span<const float> values, int kmax) {
   const size_t n = values.size();
   Row row;

@@ -44,6 +44,20 @@ void SortDescendingNonNegative(std::span<const float> values, std::vector<float>
 void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<float>* head,
                            double* exact_sum, std::vector<float>* tail);
 
+// The sums of a row of non-negative values by kind (up to 4 kinds, given as runs: run r covers positions
+// [r == 0 ? 0 : run_end[r - 1], run_end[r]) of `values` and has kind run_kind[r]; the last run ends at
+// values.size()), and the whole row's sum, when they are exact in any order: when no value is below -0,
+// the sum is finite and every nonzero value is >= 2^L (as in SortForDescendingSums: L = E - 30, 2^E above
+// the sum; or 2^L subnormal). Then every partial sum of any subset is exact (the proof above), so
+// kind_sums[k] is bit-identical to the sequential sum, in double from +0.0 in index order, of the values
+// of kind k (and *total to the row's S[n], and to the sequential sum of all values): the sums are taken by
+// runs, in vector lanes, in any order. Returns false, and leaves the outputs unspecified, otherwise (a
+// caller then sums in its own order, and its own checks report a negative or non-finite value).
+bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_end,
+                   std::span<const uint8_t> run_kind, double kind_sums[4], double* total);
+// Tests only: false makes ExactKindSums take its portable loops on a CPU with AVX2 too.
+void SetKindSumsAvx2ForTesting(bool allowed);
+
 // The same descending prefix sums S[k] of many rows of non-negative finite values, answered one k at a time
 // without sorting the rows (the regret needs one S[k] per run, step and query head: RegretSums in
 // sim/replay.cc). A row is added once (O(n) passes); Sum(row, k) then returns S[k], bit-identical to the
