@@ -423,7 +423,7 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
   out->output.resize(static_cast<size_t>(num_steps) * d);
   out->first.resize(num_steps);
   out->exact.assign(modality != nullptr ? num_steps : 0, 0);
-  out->sums.resize(modality != nullptr ? static_cast<size_t>(num_steps) * 5 : 0);
+  out->sums.resize(modality != nullptr ? num_steps : 0);
   if (num_steps == 0) return;
   // The keys' runs of one modality (run r ends at run_end[r]), clipped to each row's visible keys below.
   thread_local std::vector<int32_t> run_end, row_end;
@@ -460,9 +460,8 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
         row_kind.push_back(run_kind[r]);
         if (e == pos + 1) break;
       }
-      double* s = &out->sums[static_cast<size_t>(t) * 5];
-      out->exact[t] =
-          ExactKindSums({row + first, static_cast<size_t>(pos - first + 1)}, row_end, row_kind, s, s + 4);
+      out->exact[t] = ExactKindSums({row + first, static_cast<size_t>(pos - first + 1)}, row_end, row_kind,
+                                    &out->sums[t]);
     }
     std::fill(row, row + first, 0.0f);
     std::fill(row + pos + 1, row + t_all, 0.0f);

@@ -6,6 +6,7 @@
 #include <span>
 #include <vector>
 
+#include "sim/select.h"
 #include "sim/trace.h"
 
 namespace kvsim {
@@ -35,11 +36,12 @@ struct DecodeReference {
   std::vector<float> output;   // [num_steps][head_dim] o_t = Σ_j p_tj v_j
   std::vector<int32_t> first;  // [num_steps] first visible key
   // When ComputeDecodeReference was given the keys' modalities: [t] whether row t's sums below are exact
-  // (ExactKindSums, sim/select.h: every nonzero value >= 2^L), and [t][5] the row's visible values summed
-  // by modality (kind_sums) and in all (the row's S[n]), each bit-identical to the sequential sums in key
-  // order; taken right after the row's softmax, while it is in the cache. Empty without modalities.
+  // (ExactKindSums, sim/select.h: every nonzero value >= 2^L), and [t] the row's visible values summed by
+  // modality and in all (its S[n]), each bit-identical to the sequential sums in key order, with its
+  // extreme bit patterns (for TopKSums::AddRow); taken right after the row's softmax, while it is in the
+  // cache. Empty without modalities.
   std::vector<uint8_t> exact;
-  std::vector<double> sums;
+  std::vector<RowSums> sums;
   const float* row(int t) const { return probs.data() + static_cast<size_t>(t) * num_keys; }
   const float* out(int t) const { return output.data() + static_cast<size_t>(t) * head_dim; }
   int last(int t) const { return num_keys - num_steps + t; }  // last visible key (the token itself)

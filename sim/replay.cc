@@ -862,12 +862,13 @@ class LayerPass {
           lo = std::min(lo, first);
           hi = std::max(hi, last);
           if (w.use_sums) {  // row g * steps + t
-            tot[b] = w.sums.AddRow({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kpre);
+            tot[b] = w.sums.AddRow({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kpre,
+                                   exact(t) ? &ref.sums[t] : nullptr);
             tails[b].clear();
             continue;
           }
           if (exact(t)) {  // S[n], taken after the row's softmax (kpre is 0 here: no head, no tail)
-            tot[b] = ref.sums[static_cast<size_t>(t) * 5 + 4];
+            tot[b] = ref.sums[t].total;
             tails[b].clear();
             continue;
           }
@@ -901,7 +902,7 @@ class LayerPass {
         bool all_exact = true;
         for (int b = 0; b < nb; ++b) all_exact = all_exact && exact(t0 + b);
         if (all_exact) {  // the same sums, taken after each row's softmax (zeros add nothing)
-          for (int b = 0; b < nb; ++b) std::copy_n(&ref.sums[static_cast<size_t>(t0 + b) * 5], 4, fm[b]);
+          for (int b = 0; b < nb; ++b) std::copy_n(ref.sums[t0 + b].kind, 4, fm[b]);
         } else {
           for (int j = lo; j <= hi; ++j) {
             const int mo = static_cast<int>(mod[j]);
