@@ -551,12 +551,14 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
   uint32_t raw = 0;             // the largest bit pattern (any negative value but -0 lies above 0x80000000)
   uint32_t unz = ~0u;           // the smallest nonzero magnitude's bit pattern, minus 1 (a zero wraps to ~0)
   uint32_t umin = 0x7fffffffu;  // the smallest magnitude's bit pattern
+  uint32_t umax = 0;            // the largest magnitude's bit pattern
   size_t at = 0;
   bool vec = false;
 #if defined(__AVX2__)
   vec = g_kind_sums_avx2_allowed.load(std::memory_order_relaxed);
   if (vec) {
-    __m256i vraw = _mm256_setzero_si256(), vnz = _mm256_set1_epi32(-1), vmin = _mm256_set1_epi32(0x7fffffff);
+    __m256i vraw = _mm256_setzero_si256(), vnz = _mm256_set1_epi32(-1), vmin = _mm256_set1_epi32(0x7fffffff),
+            vmax = _mm256_setzero_si256();
     const __m256i abs = _mm256_set1_epi32(0x7fffffff), one = _mm256_set1_epi32(1);
     for (size_t r = 0; r < run_end.size(); ++r) {
       const size_t end = static_cast<size_t>(run_end[r]);
@@ -567,6 +569,7 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
         vraw = _mm256_max_epu32(vraw, u);
         const __m256i a = _mm256_and_si256(u, abs);
         vmin = _mm256_min_epu32(vmin, a);
+        vmax = _mm256_max_epu32(vmax, a);
         vnz = _mm256_min_epu32(vnz, _mm256_sub_epi32(a, one));
         a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
         a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
@@ -579,12 +582,14 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
         std::memcpy(&u, v + at, 4);
         raw = std::max(raw, u);
         umin = std::min(umin, u & 0x7fffffffu);
+        umax = std::max(umax, u & 0x7fffffffu);
         unz = std::min(unz, (u & 0x7fffffffu) - 1);
         s += v[at];
       }
       ks[run_kind[r] & 3] += s;
     }
-    uint32_t r8[8], z8[8], m8[8];
+    uint32_t r8[8], z8[8], m8[8], x8[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x8), vmax);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(r8), vraw);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(z8), vnz);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(m8), vmin);
@@ -592,6 +597,7 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
       raw = std::max(raw, r8[l]);
       unz = std::min(unz, z8[l]);
       umin = std::min(umin, m8[l]);
+      umax = std::max(umax, x8[l]);
     }
   }
 #endif
@@ -603,6 +609,7 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
         std::memcpy(&u, v + at, 4);
         raw = std::max(raw, u);
         umin = std::min(umin, u & 0x7fffffffu);
+        umax = std::max(umax, u & 0x7fffffffu);
         unz = std::min(unz, (u & 0x7fffffffu) - 1);
         s += v[at];
       }
@@ -623,7 +630,7 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
   if (nonzero_min != 0 && nonzero_min < ubig) return false;
   for (int k = 0; k < 4; ++k) out->kind[k] = ks[k];
   out->total = sum;
-  out->umax = raw == 0x80000000u ? 0 : raw;  // no value below -0: the largest pattern is the largest value's
+  out->umax = umax;
   out->umin = n > 0 ? umin : 0;
   out->unz = nonzero_min;
   return true;
