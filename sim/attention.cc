@@ -16,6 +16,7 @@
 
 #include "sim/cpu.h"
 #include "sim/parallel.h"
+#include "sim/select.h"
 
 namespace kvsim {
 namespace {
@@ -406,7 +407,8 @@ float SoftmaxInPlace(float* x, int n) {
 }
 
 void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_steps, const float* q_decode,
-                            const float* keys, const float* values, DecodeReference* out) {
+                            const float* keys, const float* values, DecodeReference* out,
+                            const Modality* modality) {
   EnsureSingleThreadedBlas();
   const int d = m.head_dim;
   const int t_all = prefill_length + num_steps;
@@ -420,7 +422,23 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
   out->log_z.resize(num_steps);
   out->output.resize(static_cast<size_t>(num_steps) * d);
   out->first.resize(num_steps);
+  out->exact.assign(modality != nullptr ? num_steps : 0, 0);
+  out->sums.resize(modality != nullptr ? num_steps : 0);
   if (num_steps == 0) return;
+  // The keys' runs of one modality (run r ends at run_end[r]), clipped to each row's visible keys below.
+  thread_local std::vector<int32_t> run_end, row_end;
+  thread_local std::vector<uint8_t> run_kind, row_kind;
+  run_end.clear();
+  run_kind.clear();
+  if (modality != nullptr)
+    for (int j = 0; j < t_all; ++j) {
+      const uint8_t k = static_cast<uint8_t>(modality[j]);
+      if (j == 0 || k != run_kind.back()) {
+        if (j > 0) run_end.push_back(j);
+        run_kind.push_back(k);
+      }
+    }
+  if (modality != nullptr) run_end.push_back(t_all);
   // Logits for all steps at once: [S][T] = scale * Qd [S][d] x K^T.
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, num_steps, t_all, d,
               static_cast<float>(m.softmax_scale), q_decode, d, keys, d, 0.0f, out->probs.data(), t_all);
@@ -432,6 +450,19 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
     out->first[t] = first;
     SoftCap(row + first, pos - first + 1, cap);
     out->log_z[t] = SoftmaxInPlace(row + first, pos - first + 1);
+    if (modality != nullptr) {  // the row's sums by modality and in all, from the cache
+      row_end.clear();
+      row_kind.clear();
+      for (size_t r = 0; r < run_end.size(); ++r) {
+        const int e = std::min(run_end[r], pos + 1);
+        if (e <= first) continue;
+        row_end.push_back(e - first);
+        row_kind.push_back(run_kind[r]);
+        if (e == pos + 1) break;
+      }
+      out->exact[t] = ExactKindSums({row + first, static_cast<size_t>(pos - first + 1)}, row_end, row_kind,
+                                    &out->sums[t]);
+    }
     std::fill(row, row + first, 0.0f);
     std::fill(row + pos + 1, row + t_all, 0.0f);
   }

@@ -6,6 +6,7 @@
 #include <span>
 #include <vector>
 
+#include "sim/select.h"
 #include "sim/trace.h"
 
 namespace kvsim {
@@ -34,14 +35,23 @@ struct DecodeReference {
   std::vector<float> log_z;    // [num_steps] log-sum-exp of the logits (for slots with new keys)
   std::vector<float> output;   // [num_steps][head_dim] o_t = Σ_j p_tj v_j
   std::vector<int32_t> first;  // [num_steps] first visible key
+  // When ComputeDecodeReference was given the keys' modalities: [t] whether row t's sums below are exact
+  // (ExactKindSums, sim/select.h: every nonzero value >= 2^L), and [t] the row's visible values summed by
+  // modality and in all (its S[n]), each bit-identical to the sequential sums in key order, with its
+  // extreme bit patterns (for TopKSums::AddRow); taken right after the row's softmax, while it is in the
+  // cache. Empty without modalities.
+  std::vector<uint8_t> exact;
+  std::vector<RowSums> sums;
   const float* row(int t) const { return probs.data() + static_cast<size_t>(t) * num_keys; }
   const float* out(int t) const { return output.data() + static_cast<size_t>(t) * head_dim; }
   int last(int t) const { return num_keys - num_steps + t; }  // last visible key (the token itself)
 };
 
-// q_decode: [num_steps][d] queries of the decode tokens; keys/values: [T][d].
+// q_decode: [num_steps][d] queries of the decode tokens; keys/values: [T][d]; modality: [T] or null (then
+// out->exact and out->sums are left empty).
 void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_steps, const float* q_decode,
-                            const float* keys, const float* values, DecodeReference* out);
+                            const float* keys, const float* values, DecodeReference* out,
+                            const Modality* modality = nullptr);
 
 // Adds Σ_i softmax_i[j] into col_sums[j] for the given queries (absolute positions q_pos[i], ascending)
 // over keys [0, key_limit): each row's softmax is over its causal/window-visible keys restricted to

@@ -323,11 +323,12 @@ void GrowTo(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-std::atomic<bool> g_kth_from_sums{true};  // SetFullKthFromSumsForTesting
-std::atomic<bool> g_run_lists{true};      // SetRunListsForTesting
-std::atomic<bool> g_union_scan{true};     // SetUnionScanForTesting
-std::atomic<bool> g_merged_prefix{true};  // SetMergedPrefixForTesting
-std::atomic<bool> g_chunk_sums{true};     // SetChunkSlotSumsForTesting
+std::atomic<bool> g_kth_from_sums{true};   // SetFullKthFromSumsForTesting
+std::atomic<bool> g_exact_row_sums{true};  // SetExactRowSumsForTesting
+std::atomic<bool> g_run_lists{true};       // SetRunListsForTesting
+std::atomic<bool> g_union_scan{true};      // SetUnionScanForTesting
+std::atomic<bool> g_merged_prefix{true};   // SetMergedPrefixForTesting
+std::atomic<bool> g_chunk_sums{true};      // SetChunkSlotSumsForTesting
 
 }  // namespace
 
@@ -872,7 +873,8 @@ class LayerPass {
     // Full-attention reference, shared by every run.
     w.refs.resize(group);
     for (int g = 0; g < group; ++g)
-      ComputeDecodeReference(m_, n, steps, DecodeQuery(u * group + g, 0), keys, values, &w.refs[g]);
+      ComputeDecodeReference(m_, n, steps, DecodeQuery(u * group + g, 0), keys, values, &w.refs[g],
+                             meta_.tokens.modality.data());
     w.probs_t_once = std::make_unique<std::once_flag>();
     w.all_once = std::make_unique<std::once_flag>();
     w.shared = std::make_unique<UnitShared>();
@@ -970,6 +972,9 @@ class LayerPass {
     const Modality* mod = meta_.tokens.modality.data();
     for (int g = 0; g < group; ++g) {
       const DecodeReference& ref = w.refs[g];
+      // Row t's sums by modality and in all, exact and taken after its softmax (ComputeDecodeReference).
+      const bool row_sums = g_exact_row_sums.load(std::memory_order_relaxed) && !ref.exact.empty();
+      auto exact = [&](int t) { return row_sums && ref.exact[t] != 0; };
       for (int t0 = 0; t0 < steps; t0 += kBlock) {
         const int nb = std::min(kBlock, steps - t0);
         int hlen = 0, tlen = 0, lo = t_all, hi = 0;
@@ -979,7 +984,13 @@ class LayerPass {
           lo = std::min(lo, first);
           hi = std::max(hi, last);
           if (w.use_sums) {  // row g * steps + t
-            tot[b] = w.sums.AddRow({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kpre);
+            tot[b] = w.sums.AddRow({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kpre,
+                                   exact(t) ? &ref.sums[t] : nullptr);
+            tails[b].clear();
+            continue;
+          }
+          if (exact(t)) {  // S[n], taken after the row's softmax (kpre is 0 here: no head, no tail)
+            tot[b] = ref.sums[t].total;
             tails[b].clear();
             continue;
           }
@@ -1010,9 +1021,15 @@ class LayerPass {
           const int len = ref.last(t0 + b) - ref.first[t0 + b] + 1;
           if (len <= kpre) tot[b] = pre[b][len];
         }
-        for (int j = lo; j <= hi; ++j) {
-          const int mo = static_cast<int>(mod[j]);
-          for (int b = 0; b < nb; ++b) fm[b][mo] += ref.row(t0 + b)[j];
+        bool all_exact = true;
+        for (int b = 0; b < nb; ++b) all_exact = all_exact && exact(t0 + b);
+        if (all_exact) {  // the same sums, taken after each row's softmax (zeros add nothing)
+          for (int b = 0; b < nb; ++b) std::copy_n(ref.sums[t0 + b].kind, 4, fm[b]);
+        } else {
+          for (int j = lo; j <= hi; ++j) {
+            const int mo = static_cast<int>(mod[j]);
+            for (int b = 0; b < nb; ++b) fm[b][mo] += ref.row(t0 + b)[j];
+          }
         }
         for (int b = 0; b < nb; ++b) {
           w.top_all[static_cast<size_t>(g) * steps + t0 + b] = tot[b];
@@ -2316,6 +2333,7 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
 }
 
 void SetFullKthFromSumsForTesting(bool allowed) { g_kth_from_sums.store(allowed, std::memory_order_relaxed); }
+void SetExactRowSumsForTesting(bool allowed) { g_exact_row_sums.store(allowed, std::memory_order_relaxed); }
 void SetRunListsForTesting(bool allowed) { g_run_lists.store(allowed, std::memory_order_relaxed); }
 void SetUnionScanForTesting(bool allowed) { g_union_scan.store(allowed, std::memory_order_relaxed); }
 void SetMergedPrefixForTesting(bool allowed) { g_merged_prefix.store(allowed, std::memory_order_relaxed); }

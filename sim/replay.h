@@ -108,6 +108,9 @@ void RowNorms(const float* x, int rows, int d, float* out);
 // Tests only: false makes the oracle's k-th largest value come from a selection in a copy of the row
 // instead of the regret's buckets (TopKSums::Kth), so a test can compare the two.
 void SetFullKthFromSumsForTesting(bool allowed);
+// Tests only: false makes the regret's row sums ignore the exact sums taken after each reference row's
+// softmax (DecodeReference::sums) and add every row again in its own order, as before round 14.
+void SetExactRowSumsForTesting(bool allowed);
 // Test hook: false keeps FinishRun's output product off its run-of-tokens path (the union of the steps'
 // slot lists as merged intervals, A's rows as copies of p's stretches), on the token-by-token loops (the
 // same U and A).

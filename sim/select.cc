@@ -535,7 +535,108 @@ void KeepGroups(const float* v, size_t n, int ng, const uint32_t* from, const in
 }
 }  // namespace
 
-double TopKSums::AddRow(std::span<const float> values, int kmax) {
+namespace {
+std::atomic<bool> g_kind_sums_avx2_allowed{true};
+}  // namespace
+
+void SetKindSumsAvx2ForTesting(bool allowed) {
+  g_kind_sums_avx2_allowed.store(allowed, std::memory_order_relaxed);
+}
+
+bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_end,
+                   std::span<const uint8_t> run_kind, RowSums* out) {
+  const size_t n = values.size();
+  const float* v = values.data();
+  double ks[4] = {};
+  uint32_t raw = 0;             // the largest bit pattern (any negative value but -0 lies above 0x80000000)
+  uint32_t unz = ~0u;           // the smallest nonzero magnitude's bit pattern, minus 1 (a zero wraps to ~0)
+  uint32_t umin = 0x7fffffffu;  // the smallest magnitude's bit pattern
+  uint32_t umax = 0;            // the largest magnitude's bit pattern
+  size_t at = 0;
+  bool vec = false;
+#if defined(__AVX2__)
+  vec = g_kind_sums_avx2_allowed.load(std::memory_order_relaxed);
+  if (vec) {
+    __m256i vraw = _mm256_setzero_si256(), vnz = _mm256_set1_epi32(-1), vmin = _mm256_set1_epi32(0x7fffffff),
+            vmax = _mm256_setzero_si256();
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), one = _mm256_set1_epi32(1);
+    for (size_t r = 0; r < run_end.size(); ++r) {
+      const size_t end = static_cast<size_t>(run_end[r]);
+      __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+      for (; at + 8 <= end; at += 8) {
+        const __m256 f = _mm256_loadu_ps(v + at);
+        const __m256i u = _mm256_castps_si256(f);
+        vraw = _mm256_max_epu32(vraw, u);
+        const __m256i a = _mm256_and_si256(u, abs);
+        vmin = _mm256_min_epu32(vmin, a);
+        vmax = _mm256_max_epu32(vmax, a);
+        vnz = _mm256_min_epu32(vnz, _mm256_sub_epi32(a, one));
+        a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
+        a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
+      }
+      double l[4];
+      _mm256_storeu_pd(l, _mm256_add_pd(a0, a1));
+      double s = (l[0] + l[1]) + (l[2] + l[3]);
+      for (; at < end; ++at) {
+        uint32_t u;
+        std::memcpy(&u, v + at, 4);
+        raw = std::max(raw, u);
+        umin = std::min(umin, u & 0x7fffffffu);
+        umax = std::max(umax, u & 0x7fffffffu);
+        unz = std::min(unz, (u & 0x7fffffffu) - 1);
+        s += v[at];
+      }
+      ks[run_kind[r] & 3] += s;
+    }
+    uint32_t r8[8], z8[8], m8[8], x8[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x8), vmax);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r8), vraw);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(z8), vnz);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(m8), vmin);
+    for (int l = 0; l < 8; ++l) {
+      raw = std::max(raw, r8[l]);
+      unz = std::min(unz, z8[l]);
+      umin = std::min(umin, m8[l]);
+      umax = std::max(umax, x8[l]);
+    }
+  }
+#endif
+  if (!vec)
+    for (size_t r = 0; r < run_end.size(); ++r) {
+      double s = 0;
+      for (const size_t end = static_cast<size_t>(run_end[r]); at < end; ++at) {
+        uint32_t u;
+        std::memcpy(&u, v + at, 4);
+        raw = std::max(raw, u);
+        umin = std::min(umin, u & 0x7fffffffu);
+        umax = std::max(umax, u & 0x7fffffffu);
+        unz = std::min(unz, (u & 0x7fffffffu) - 1);
+        s += v[at];
+      }
+      ks[run_kind[r] & 3] += s;
+    }
+  KVSIM_CHECK_MSG(at == n, "ExactKindSums: the runs must end at the row's end");
+  const double sum = (ks[0] + ks[1]) + (ks[2] + ks[3]);
+  // A sum of non-negative values in any order is within n * 2^-53 (relative) of the true one: sum * (1 +
+  // 2^-20) bounds it (n < 2^30), as in SortForDescendingSums. A value below -0 or a non-finite one: no.
+  if (raw > 0x80000000u || !std::isfinite(sum)) return false;
+  int e = 0;
+  std::frexp(sum * (1.0 + 0x1p-20), &e);
+  const float big = std::ldexp(1.0f, e - 30);  // 2^L (0 when L is below the smallest subnormal)
+  uint32_t ubig;
+  std::memcpy(&ubig, &big, 4);
+  if (ubig < 0x00800000u) ubig = 0;      // 2^L subnormal: every value counts as big (see TopKSums)
+  const uint32_t nonzero_min = unz + 1;  // 0 when every value is a zero
+  if (nonzero_min != 0 && nonzero_min < ubig) return false;
+  for (int k = 0; k < 4; ++k) out->kind[k] = ks[k];
+  out->total = sum;
+  out->umax = umax;
+  out->umin = n > 0 ? umin : 0;
+  out->unz = nonzero_min;
+  return true;
+}
+
+double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* known) {
   const size_t n = values.size();
   Row row;
   row.n = static_cast<int>(n);
@@ -548,65 +649,73 @@ double TopKSums::AddRow(std::span<const float> values, int kmax) {
   double s4[4] = {};
   uint32_t neg4[4] = {}, umax4[4] = {}, umin4[4] = {0x7fffffffu, 0x7fffffffu, 0x7fffffffu, 0x7fffffffu},
            unz4[4] = {~0u, ~0u, ~0u, ~0u};
+  uint32_t negative = 0, umax = 0, umin = 0, unz = 0;
   size_t i = 0;
+  if (known != nullptr) {  // ExactKindSums' pass, taken earlier: the same bound (its sum is exact too)
+    s4[0] = known->total;
+    umax = known->umax;
+    umin = known->umin;
+    unz = known->unz - 1;  // the smallest nonzero pattern minus 1, as below (a row of zeros wraps to ~0)
+  } else {
 #if defined(__AVX2__)
-  {  // the same lanes in registers (GCC does not vectorise the loop below: float to double, mixed types)
-    __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd();
-    __m128i vneg = _mm_setzero_si128(), vmax = _mm_setzero_si128(), vmin = _mm_set1_epi32(0x7fffffff),
-            vnz = _mm_set1_epi32(-1);
-    const __m128i abs = _mm_set1_epi32(0x7fffffff), sign = _mm_set1_epi32(static_cast<int>(0x80000000u)),
-                  one = _mm_set1_epi32(1);
-    auto block = [&](size_t at, __m256d& sum) {
-      const __m128 f = _mm_loadu_ps(&values[at]);
-      const __m128i u = _mm_castps_si128(f);
-      // u > 0x80000000 unsigned <=> (u ^ 0x80000000) > 0 signed
-      vneg = _mm_or_si128(vneg, _mm_cmpgt_epi32(_mm_xor_si128(u, sign), _mm_setzero_si128()));
-      const __m128i a = _mm_and_si128(u, abs);
-      vmax = _mm_max_epu32(vmax, a);
-      vmin = _mm_min_epu32(vmin, a);
-      vnz = _mm_min_epu32(vnz, _mm_sub_epi32(a, one));
-      sum = _mm256_add_pd(sum, _mm256_cvtps_pd(f));
-    };
-    for (; i + 8 <= n; i += 8) {  // two chains of additions
-      block(i, acc);
-      block(i + 4, acc2);
+    {  // the same lanes in registers (GCC does not vectorise the loop below: float to double, mixed types)
+      __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd();
+      __m128i vneg = _mm_setzero_si128(), vmax = _mm_setzero_si128(), vmin = _mm_set1_epi32(0x7fffffff),
+              vnz = _mm_set1_epi32(-1);
+      const __m128i abs = _mm_set1_epi32(0x7fffffff), sign = _mm_set1_epi32(static_cast<int>(0x80000000u)),
+                    one = _mm_set1_epi32(1);
+      auto block = [&](size_t at, __m256d& sum) {
+        const __m128 f = _mm_loadu_ps(&values[at]);
+        const __m128i u = _mm_castps_si128(f);
+        // u > 0x80000000 unsigned <=> (u ^ 0x80000000) > 0 signed
+        vneg = _mm_or_si128(vneg, _mm_cmpgt_epi32(_mm_xor_si128(u, sign), _mm_setzero_si128()));
+        const __m128i a = _mm_and_si128(u, abs);
+        vmax = _mm_max_epu32(vmax, a);
+        vmin = _mm_min_epu32(vmin, a);
+        vnz = _mm_min_epu32(vnz, _mm_sub_epi32(a, one));
+        sum = _mm256_add_pd(sum, _mm256_cvtps_pd(f));
+      };
+      for (; i + 8 <= n; i += 8) {  // two chains of additions
+        block(i, acc);
+        block(i + 4, acc2);
+      }
+      if (i + 4 <= n) {
+        block(i, acc);
+        i += 4;
+      }
+      _mm256_storeu_pd(s4, _mm256_add_pd(acc, acc2));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(neg4), vneg);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(umax4), vmax);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(umin4), vmin);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(unz4), vnz);
     }
-    if (i + 4 <= n) {
-      block(i, acc);
-      i += 4;
-    }
-    _mm256_storeu_pd(s4, _mm256_add_pd(acc, acc2));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(neg4), vneg);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(umax4), vmax);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(umin4), vmin);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(unz4), vnz);
-  }
 #else
-  for (; i + 4 <= n; i += 4)
-    for (int l = 0; l < 4; ++l) {
-      uint32_t u;
-      std::memcpy(&u, &values[i + l], 4);
-      neg4[l] |= u > 0x80000000u;
-      u &= 0x7fffffffu;
-      umax4[l] = std::max(umax4[l], u);
-      umin4[l] = std::min(umin4[l], u);
-      unz4[l] = std::min(unz4[l], u - 1);
-      s4[l] += values[i + l];
-    }
+    for (; i + 4 <= n; i += 4)
+      for (int l = 0; l < 4; ++l) {
+        uint32_t u;
+        std::memcpy(&u, &values[i + l], 4);
+        neg4[l] |= u > 0x80000000u;
+        u &= 0x7fffffffu;
+        umax4[l] = std::max(umax4[l], u);
+        umin4[l] = std::min(umin4[l], u);
+        unz4[l] = std::min(unz4[l], u - 1);
+        s4[l] += values[i + l];
+      }
 #endif
-  uint32_t negative = (neg4[0] | neg4[1]) | (neg4[2] | neg4[3]);
-  uint32_t umax = std::max(std::max(umax4[0], umax4[1]), std::max(umax4[2], umax4[3]));
-  uint32_t umin = std::min(std::min(umin4[0], umin4[1]), std::min(umin4[2], umin4[3]));
-  uint32_t unz = std::min(std::min(unz4[0], unz4[1]), std::min(unz4[2], unz4[3]));
-  for (; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &values[i], 4);
-    negative |= u > 0x80000000u;
-    u &= 0x7fffffffu;
-    umax = std::max(umax, u);
-    umin = std::min(umin, u);
-    unz = std::min(unz, u - 1);
-    s4[0] += values[i];
+    negative = (neg4[0] | neg4[1]) | (neg4[2] | neg4[3]);
+    umax = std::max(std::max(umax4[0], umax4[1]), std::max(umax4[2], umax4[3]));
+    umin = std::min(std::min(umin4[0], umin4[1]), std::min(umin4[2], umin4[3]));
+    unz = std::min(std::min(unz4[0], unz4[1]), std::min(unz4[2], unz4[3]));
+    for (; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &values[i], 4);
+      negative |= u > 0x80000000u;
+      u &= 0x7fffffffu;
+      umax = std::max(umax, u);
+      umin = std::min(umin, u);
+      unz = std::min(unz, u - 1);
+      s4[0] += values[i];
+    }
   }
   // Per bucket (absolute: by the value's top bits, so before 2^L is known) the count, for the two halves of
   // the row separately ([0, h) and [h, n)): two independent chains of increments instead of one whose every

@@ -44,6 +44,28 @@ void SortDescendingNonNegative(std::span<const float> values, std::vector<float>
 void SortForDescendingSums(std::span<const float> values, int kmax, std::vector<float>* head,
                            double* exact_sum, std::vector<float>* tail);
 
+// A row's sums by kind and in all, and its extreme bit patterns, when exact in any order (ExactKindSums).
+struct RowSums {
+  double kind[4] = {};  // the values of kind k, summed
+  double total = 0;     // every value, summed: the row's S[n]
+  uint32_t umax = 0;    // the largest magnitude's bit pattern
+  uint32_t umin = 0;    // the smallest magnitude's bit pattern (0 when the row holds a zero)
+  uint32_t unz = 0;     // the smallest nonzero magnitude's bit pattern (0 when every value is a zero)
+};
+// The sums of a row of non-negative values by kind (up to 4 kinds, given as runs: run r covers positions
+// [r == 0 ? 0 : run_end[r - 1], run_end[r]) of `values` and has kind run_kind[r]; the last run ends at
+// values.size()), and the whole row's sum, when they are exact in any order: when no value is below -0,
+// the sum is finite and every nonzero value is >= 2^L (as in SortForDescendingSums: L = E - 30, 2^E above
+// the sum; or 2^L subnormal). Then every partial sum of any subset is exact (the proof above), so
+// out->kind[k] is bit-identical to the sequential sum, in double from +0.0 in index order, of the values
+// of kind k (and out->total to the row's S[n], and to the sequential sum of all values): the sums are
+// taken by runs, in vector lanes, in any order. Returns false, and leaves *out unspecified, otherwise (a
+// caller then sums in its own order, and its own checks report a negative or non-finite value).
+bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_end,
+                   std::span<const uint8_t> run_kind, RowSums* out);
+// Tests only: false makes ExactKindSums take its portable loops on a CPU with AVX2 too.
+void SetKindSumsAvx2ForTesting(bool allowed);
+
 // The same descending prefix sums S[k] of many rows of non-negative finite values, answered one k at a time
 // without sorting the rows (the regret needs one S[k] per run, step and query head: RegretSums in
 // sim/replay.cc). A row is added once (O(n) passes); Sum(row, k) then returns S[k], bit-identical to the
@@ -74,7 +96,9 @@ class TopKSums {
   void Reserve(int rows, size_t values);
   // Adds the next row (rows are numbered 0, 1, ... in the order added) and returns its whole sum S[n].
   // Sum will be asked for k <= kmax only.
-  double AddRow(std::span<const float> values, int kmax);
+  // `known`, when given, is ExactKindSums' result for these values (it returned true): its total and bit
+  // patterns replace AddRow's first pass over the row (the same results: its sum is then exact too).
+  double AddRow(std::span<const float> values, int kmax, const RowSums* known = nullptr);
   // S[k] of row `row`, k in [0, kmax] (k >= n is S[n]). `scratch` holds one bucket's values (it is grown
   // to a group's length and not shrunk).
   double Sum(int row, int k, std::vector<float>* scratch) const;

@@ -1037,6 +1037,46 @@ TEST_CASE("replay: the oracle's k-th largest from the regret's buckets equals a 
   }
 }
 
+TEST_CASE("replay: the reference rows' sums taken after their softmax equal the regret's own pass",
+          "[replay]") {
+  // RegretSums reads each row's total and modality sums from ComputeDecodeReference (ExactKindSums, after
+  // the row's softmax) and gives AddRow the row's bit patterns; the test switch makes it add every row
+  // again in its own order (key order by modality, the descending total). `full` alone (no top-k sums:
+  // the total from the sort path) and beside capped runs (TopKSums), GQA, text and image tokens in several
+  // runs (a sliding window too: rows starting past key 0), at 1 and 3 threads: every result equal.
+  for (int window : {0, 21}) {
+    testing::TinyTraceSpec spec;
+    spec.num_heads = 4;
+    spec.num_kv_heads = 2;
+    spec.prefill_length = 48;
+    spec.decode_steps = 11;
+    spec.image_begin = 5;
+    spec.image_end = 30;
+    spec.seed = 43;
+    MemoryTrace trace = testing::MakeTinyTrace(spec);
+    if (window > 0) SetSlidingWindow(trace, window);
+    const std::vector<std::vector<RunSpec>> sets{
+        {RunSpec{Registered("full"), "full", 1.0, 0, QuestionMode::kQueryAware}},
+        {RunSpec{Registered("full"), "full", 1.0, 0, QuestionMode::kQueryAware},
+         RunSpec{Registered("snapkv"), "snapkv", 0.2, 0, QuestionMode::kQueryAware},
+         RunSpec{Registered("streaming_llm"), "streaming", 0.1, 0, QuestionMode::kQueryAware},
+         RunSpec{Registered("oracle"), "oracle", 0.3, 0, QuestionMode::kQueryAware}}};
+    for (const std::vector<RunSpec>& runs : sets)
+      for (int threads : {1, 3}) {
+        auto fused = Replay(trace, runs, ReplayOptions{.threads = threads});
+        SetExactRowSumsForTesting(false);
+        auto again = Replay(trace, runs, ReplayOptions{.threads = threads});
+        SetExactRowSumsForTesting(true);
+        REQUIRE(fused.ok());
+        REQUIRE(again.ok());
+        for (size_t i = 0; i < runs.size(); ++i) {
+          INFO(runs[i].label << " of " << runs.size() << ", window " << window << ", threads " << threads);
+          CHECK((*fused)[i].SerializeAsString() == (*again)[i].SerializeAsString());
+        }
+      }
+  }
+}
+
 TEST_CASE("replay: KV heads replayed in chunks give the same results as one chunk", "[replay]") {
   // LayerPass::Run replays 2 x threads KV heads at a time and frees a chunk's state before the next: with 8
   // KV heads, 1 thread is 4 chunks of 2, 3 threads are chunks of 6 and 2, 8 threads one chunk of 8.

@@ -558,4 +558,167 @@ TEST_CASE("TopKIndicesWithThreshold into a reused buffer equals a fresh selectio
   CHECK(compared == 600);
 }
 
+namespace {
+
+// Random runs of kinds 0..3 covering [0, n) (lengths 1 .. 40, some of one value).
+void RandomRuns(std::mt19937& rng, int n, std::vector<int32_t>* end, std::vector<uint8_t>* kind) {
+  end->clear();
+  kind->clear();
+  std::uniform_int_distribution<int> len(1, 40), k(0, 3);
+  for (int at = 0; at < n;) {
+    at = std::min(n, at + (k(rng) == 0 ? 1 : len(rng)));
+    end->push_back(at);
+    kind->push_back(static_cast<uint8_t>(k(rng)));
+  }
+}
+
+// ExactKindSums on both paths: when it accepts the row, every sum equals the sequential one (by kind in
+// index order from +0.0, the total as a full descending sort's S[n] and as the index-order sum) and the
+// bit patterns the row's; both paths accept the same rows. Returns whether it accepted.
+bool CheckKindSums(const std::vector<float>& v, const std::vector<int32_t>& end,
+                   const std::vector<uint8_t>& kind) {
+  double want[4] = {}, in_order = 0;
+  uint32_t umax = 0, umin = 0x7fffffffu, unz = 0;
+  size_t at = 0;
+  for (size_t r = 0; r < end.size(); ++r)
+    for (; at < static_cast<size_t>(end[r]); ++at) {
+      want[kind[r]] += v[at];
+      in_order += v[at];
+      uint32_t u;
+      std::memcpy(&u, &v[at], 4);
+      u &= 0x7fffffffu;
+      umax = std::max(umax, u);
+      umin = std::min(umin, u);
+      if (u != 0 && (unz == 0 || u < unz)) unz = u;
+    }
+  if (v.empty()) umin = 0;
+  bool accepted[2];
+  for (bool avx2 : {true, false}) {
+    SetKindSumsAvx2ForTesting(avx2);
+    RowSums got;
+    accepted[avx2] = ExactKindSums(v, end, kind, &got);
+    SetKindSumsAvx2ForTesting(true);
+    if (!accepted[avx2]) continue;
+    INFO("avx2 " << avx2 << ", n " << v.size());
+    for (int k = 0; k < 4; ++k) REQUIRE(got.kind[k] == want[k]);  // bit for bit
+    REQUIRE(got.total == DescendingPrefix(v).back());
+    REQUIRE(got.total == in_order);
+    REQUIRE(got.umax == umax);
+    REQUIRE(got.umin == umin);
+    REQUIRE(got.unz == unz);
+  }
+  REQUIRE(accepted[0] == accepted[1]);
+  return accepted[1];
+}
+
+}  // namespace
+
+TEST_CASE("ExactKindSums: accepted rows' sums by kind and in all are the sequential ones, bit for bit",
+          "[select]") {
+  std::mt19937 rng(31);
+  std::normal_distribution<float> logit(0.0f, 2.0f);
+  const float denorm = std::numeric_limits<float>::denorm_min();
+  std::vector<int32_t> end;
+  std::vector<uint8_t> kind;
+  // Hand rows: empty, zeros of either sign, one value, a sum far below 2^-126 (2^L subnormal: every value
+  // counts as big, so accepted).
+  for (const std::vector<float>& v : std::vector<std::vector<float>>{
+           {}, {0.0f}, {0.0f, -0.0f, 0.0f}, {0.5f}, {denorm, denorm, 3 * denorm, 0.0f, 7 * denorm}}) {
+    RandomRuns(rng, static_cast<int>(v.size()), &end, &kind);
+    CHECK(CheckKindSums(v, end, kind));
+  }
+  int accepted = 0, refused = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    // Softmax rows (exp of N(0, s^2) logits normalised in float), lengths around the AVX2 blocks, with
+    // zeros and negative zeros mixed in; every third trial one value put below 2^L (2^-40 of the sum, or
+    // a subnormal), which the row must refuse (its order would matter), and sums far from 1.
+    const int n = 1 + (trial * 97) % 700 + (trial % 5 == 0 ? 3400 : 0);
+    std::vector<float> v(n);
+    double z = 0;
+    const float s = trial % 4 == 0 ? 4.0f : 1.0f;  // a wide row: some values below 2^L
+    for (float& x : v) {
+      x = std::exp(std::min(logit(rng) * s, 60.0f));
+      z += x;
+    }
+    const float scale = trial % 7 == 3 ? 1e30f : trial % 7 == 5 ? 1e-35f : 1.0f;
+    for (float& x : v) x = static_cast<float>(x / z) * scale;
+    for (int i = 0; i < n; i += 13) v[i] = (i / 13) % 2 ? 0.0f : -0.0f;
+    bool small = false;
+    if (trial % 3 == 1 && n > 2) {
+      v[n / 2] = trial % 2 ? std::ldexp(scale, -40) : denorm;
+      small = true;
+    }
+    // Values below 2^L the softmax of a wide row makes itself: refused too (checked against the bound).
+    double sum = 0;
+    for (float x : v) sum += x;
+    int e = 0;
+    std::frexp(sum * (1.0 + 0x1p-20), &e);
+    const float big = std::ldexp(1.0f, e - 30);
+    bool below = false;
+    for (float x : v) below = below || (x != 0.0f && x < big && big >= std::numeric_limits<float>::min());
+    RandomRuns(rng, n, &end, &kind);
+    INFO("trial " << trial);
+    const bool ok = CheckKindSums(v, end, kind);
+    CHECK(ok == !below);
+    if (small && scale == 1.0f) CHECK(!ok);
+    (ok ? accepted : refused)++;
+  }
+  CHECK(accepted > 10);
+  CHECK(refused > 5);
+  // A value below -0, an infinity or a NaN: refused.
+  for (float bad :
+       {-1e-3f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    std::vector<float> v(100, 0.01f);
+    v[57] = bad;
+    RandomRuns(rng, 100, &end, &kind);
+    CHECK(!CheckKindSums(v, end, kind));
+  }
+}
+
+TEST_CASE("TopKSums: AddRow with ExactKindSums' result equals AddRow alone", "[select]") {
+  // The known total and bit patterns replace AddRow's first pass: every S[k], Kth and total the same, for
+  // rows with and without zeros, kmax from 0 to n, interleaved with rows added without them.
+  std::mt19937 rng(37);
+  std::normal_distribution<float> logit(0.0f, 3.0f);
+  TopKSums with, without;
+  std::vector<std::vector<float>> rows;
+  std::vector<int> kmaxes;
+  std::vector<float> scratch;
+  for (int trial = 0; trial < 24; ++trial) {
+    const int n = trial == 0 ? 0 : 1 + (trial * 151) % 900;
+    std::vector<float> v(n);
+    double z = 0;
+    for (float& x : v) z += (x = std::exp(logit(rng)));
+    for (float& x : v) x = static_cast<float>(x / z);
+    if (trial % 2)
+      for (int i = 0; i < n; i += 5) v[i] = 0.0f;
+    if (trial == 1) std::fill(v.begin(), v.end(), 0.0f);
+    const std::vector<int32_t> end{n};
+    const std::vector<uint8_t> kind{0};
+    RowSums known;
+    const int kmax = trial % 4 == 0 ? 0 : trial % 4 == 1 ? n : (trial * 37) % (n + 1);
+    const double a = without.AddRow(v, kmax);
+    double b;
+    if (ExactKindSums(v, end, kind, &known)) {
+      b = with.AddRow(v, kmax, &known);
+    } else {
+      b = with.AddRow(v, kmax);
+    }
+    REQUIRE(a == b);
+    rows.push_back(v);
+    kmaxes.push_back(kmax);
+  }
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const int n = static_cast<int>(rows[r].size());
+    const std::vector<double> pre = DescendingPrefix(rows[r]);
+    for (int k = 0; k <= std::min(kmaxes[r], n); ++k) {
+      INFO("row " << r << " k " << k);
+      REQUIRE(with.Sum(static_cast<int>(r), k, &scratch) == pre[k]);
+      REQUIRE(with.Sum(static_cast<int>(r), k, &scratch) == without.Sum(static_cast<int>(r), k, &scratch));
+      if (k >= 1)
+        REQUIRE(with.Kth(static_cast<int>(r), k, &scratch) == without.Kth(static_cast<int>(r), k, &scratch));
+    }
+  }
+}
+
 }  // namespace kvsim
