@@ -139,15 +139,26 @@ struct InPlace {
   const float* const* trows = nullptr;
 };
 
+//
+// With `floor` (issue 14, round 14; int16 screen only), the caller needs only the targets that can reach
+// floor[r] (the value of a stored answer that a target of this block must equal or beat to matter:
+// NearestWithMemo's rest searches). The candidates are then also limited to S_j ≥ F_r := ⌊floor[r] 2^28⌋ −
+// Slack: a target with v_j ≥ floor[r] has S_j / 2^28 ≥ v_j − ε ≥ floor[r] − ε, and Slack ≥ 2ε 2^28, so it
+// stays a candidate; in particular j* stays one whenever V ≥ floor[r], and the result is then the same
+// (j*, V). When V < floor[r] the row may have other candidates (its result is some (j, v_j) with
+// v_j ≤ V < floor[r]) or none: nearest[r] = −1. Either way the caller, which takes a target's answer only
+// if it beats or ties floor[r], decides as with the full search. (floor[r] · 2^28 is exact in double: a
+// float times a power of two; a non-finite floor or a saturated Slack sets no floor.)
 void ScreenBlock(const float* q, int rows, const float* t, const ScreenTargets& tp, int num_targets, int d,
-                 int* nearest, float* similarity, const InPlace* in_place = nullptr) {
+                 int* nearest, float* similarity, const InPlace* in_place = nullptr,
+                 const float* floor = nullptr) {
   thread_local std::vector<uint32_t> qp_buf;
   thread_local std::vector<float> approx_buf, values;
   thread_local std::vector<double> q_err;
   thread_local std::vector<const float*> ca, cb;
   thread_local std::vector<int> crow, cidx;
   thread_local std::vector<int16_t> qp16_buf;
-  thread_local std::vector<int64_t> slack;
+  thread_local std::vector<int64_t> slack, floor_s;
   double* qe = Scratch(q_err, rows);
   ca.clear(), cb.clear(), crow.clear(), cidx.clear();
   if (tp.int16 != nullptr) {
@@ -162,7 +173,17 @@ void ScreenBlock(const float* q, int rows, const float* t, const ScreenTargets& 
     }
     int64_t* sl = Scratch(slack, rows);
     for (int r = 0; r < rows; ++r) sl[r] = merge_screen::int16::Slack(d, qe[r], tp.err);
-    merge_screen::int16::Candidates(qp, rows, tp.int16, num_targets, d, sl, &crow, &cidx);
+    int64_t* fl = nullptr;
+    if (floor != nullptr) {
+      fl = Scratch(floor_s, rows);
+      for (int r = 0; r < rows; ++r) {
+        nearest[r] = -1, similarity[r] = 0.0f;
+        fl[r] = std::isfinite(floor[r]) && sl[r] < (int64_t{1} << 30)
+                    ? static_cast<int64_t>(std::floor(std::ldexp(static_cast<double>(floor[r]), 28))) - sl[r]
+                    : std::numeric_limits<int64_t>::min();
+      }
+    }
+    merge_screen::int16::Candidates(qp, rows, tp.int16, num_targets, d, sl, &crow, &cidx, fl);
     for (size_t i = 0; i < crow.size(); ++i) {
       if (in_place != nullptr) {
         ca.push_back(in_place->qrows[crow[i]]), cb.push_back(in_place->trows[cidx[i]]);
@@ -222,6 +243,8 @@ void ScreenBlock(const float* q, int rows, const float* t, const ScreenTargets& 
 // ---- the similarity memo of a unit's merging runs (merge.h, merge_memo; issue 14, round 8) ----
 
 std::atomic<bool> g_memo_test_enabled{true};
+std::atomic<bool> g_rest_floor{true};
+bool rest_floor_enabled() { return g_rest_floor.load(std::memory_order_relaxed); }
 bool MemoEnvAllows() {
   const char* v = std::getenv("KVSIM_MERGE_MEMO");
   return v == nullptr || std::string(v) != "0";
@@ -479,7 +502,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   thread_local std::vector<int32_t> slot_of;  // by token: our slot, -1
   thread_local std::vector<char> in_a;
   thread_local std::vector<int> pick, rows_miss, nearg;  // by block row: the source used, -1: none
-  thread_local std::vector<float> qg_buf, simg;          // gathered query rows, their answers
+  thread_local std::vector<float> qg_buf, simg, floorg;  // gathered query rows, their answers, floors
   // Per source (≤ kMaxEntries): B's slots, its rows (in place), buffers, and this block's rows using it.
   thread_local std::vector<std::vector<int>> rest_of, rows_of;
   thread_local std::vector<std::vector<const float*>> brow_of;
@@ -606,7 +629,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
         ExactBlock(contiguous(sub, n), n, tx_buf.data(), num_targets, d, near, sim);
       }
     };
-    auto search_rest = [&](int i, const int* sub, int n, int* near, float* sim) {
+    auto search_rest = [&](int i, const int* sub, int n, int* near, float* sim, const float* fl) {
       Source& s = srcs[i];
       const std::vector<int>& rest = rest_of[i];
       const int nb = static_cast<int>(rest.size());
@@ -617,9 +640,9 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
           s.packed = true;
         }
         if (prepacked) {
-          ScreenBlock(nullptr, n, nullptr, s.st, nb, d, near, sim, in_place(sub, n, brow_of[i].data()));
+          ScreenBlock(nullptr, n, nullptr, s.st, nb, d, near, sim, in_place(sub, n, brow_of[i].data()), fl);
         } else {
-          ScreenBlock(contiguous(sub, n), n, s.tb, s.st, nb, d, near, sim);
+          ScreenBlock(contiguous(sub, n), n, s.tb, s.st, nb, d, near, sim, nullptr, fl);
         }
       } else {
         copy_b(i);
@@ -680,8 +703,11 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
       const int nb = num_targets - s.found;
       if (nb > 0) {
         ready_rest(i);
-        nearg.resize(hits), simg.resize(hits);
-        search_rest(i, hit.data(), hits, nearg.data(), simg.data());
+        nearg.resize(hits), simg.resize(hits), floorg.resize(hits);
+        // Only a target that beats or ties the stored value can change a row's answer (below).
+        for (int k = 0; k < hits; ++k) floorg[k] = s.e->value[mc->queries[b + hit[k]]];
+        search_rest(i, hit.data(), hits, nearg.data(), simg.data(),
+                    rest_floor_enabled() ? floorg.data() : nullptr);
         stats.memo_products += static_cast<long>(hits) * nb;
       } else {
         stats.memo_free_queries += hits;
@@ -691,7 +717,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
         const int32_t tok = mc->queries[r];
         int slot = slot_of[s.e->best[tok]];
         float value = s.e->value[tok];
-        if (nb > 0) {
+        if (nb > 0 && nearg[k] >= 0) {  // −1: no target of B can reach v* (ScreenBlock's floor)
           const int sb = rest_of[i][nearg[k]];
           const float vb = simg[k];
           if (vb > value || (vb == value && sb < slot)) slot = sb, value = vb;
@@ -749,6 +775,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
 namespace merge_memo {
 bool Enabled() { return kMemoEnvAllows && g_memo_test_enabled.load(std::memory_order_relaxed); }
 void SetEnabledForTesting(bool enabled) { g_memo_test_enabled.store(enabled, std::memory_order_relaxed); }
+void SetRestFloorForTesting(bool enabled) { g_rest_floor.store(enabled, std::memory_order_relaxed); }
 Totals ProcessTotals() {
   Totals t;
   t.calls = g_totals.calls.load();

@@ -45,6 +45,10 @@ namespace merge_memo {
 // SetEnabledForTesting(false). It serves the query blocks of regular rows (merge.cc) on every CPU.
 bool Enabled();
 void SetEnabledForTesting(bool enabled);
+// The rest searches' floor (round 14: a row with a stored answer v* re-checks only the targets of K \ A that
+// can reach v*; merge.cc ScreenBlock): on by default; off (false) for tests comparing the two. The same
+// answers either way.
+void SetRestFloorForTesting(bool enabled);
 // Answer sets a unit keeps (the least recently used goes first).
 inline constexpr int kMaxEntries = 8;
 // The memo counters of merge_screen::Stats summed over every thread of the process (tests, bench/).

@@ -121,9 +121,9 @@ KVSIM_INT16_TARGET void DotsAvx2(const int16_t* queries, int nq, const int16_t* 
 }
 
 // The candidates of `rows` (≤ kRows) query rows whose products are in buf (row stride ld, padding set to
-// INT32_MIN).
+// INT32_MIN); with `floor`, only those with S ≥ floor[r] too.
 KVSIM_INT16_TARGET void Collect(const int32_t* buf, long ld, int rows, int r0, const int64_t* slack,
-                                std::vector<int>* out_rows, std::vector<int>* out_idx) {
+                                const int64_t* floor, std::vector<int>* out_rows, std::vector<int>* out_idx) {
   for (int r = 0; r < rows; ++r) {
     const int32_t* s = buf + r * ld;
     __m256i mx = _mm256_set1_epi32(INT32_MIN);
@@ -134,7 +134,11 @@ KVSIM_INT16_TARGET void Collect(const int32_t* buf, long ld, int rows, int r0, c
     int32_t m = lane[0];
     for (int k = 1; k < 8; ++k) m = std::max(m, lane[k]);
     // m ≥ −2.8e8 and the slack ≤ 2^30: no overflow; S ≥ m − slack ⟺ S > m − slack − 1.
-    const int32_t below = static_cast<int32_t>(m - std::min<int64_t>(slack[r0 + r], int64_t{1} << 30) - 1);
+    // A floor above every S (> 2^30) leaves no candidate; one below every S (< −2^30) changes nothing.
+    int64_t lo = m - std::min<int64_t>(slack[r0 + r], int64_t{1} << 30);
+    if (floor != nullptr)
+      lo = std::max(lo, std::clamp<int64_t>(floor[r0 + r], -(int64_t{1} << 30), int64_t{1} << 30));
+    const int32_t below = static_cast<int32_t>(lo - 1);
     const __m256i th = _mm256_set1_epi32(below);
     for (long j = 0; j < ld; j += 8) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + j));
@@ -179,7 +183,7 @@ KVSIM_INT16_TARGET void PackQueriesAvx2(const float* rows, int n, int d, int16_t
 }
 
 KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int16_t* targets, int nt, int d,
-                                       const int64_t* slack, std::vector<int>* out_rows,
+                                       const int64_t* slack, const int64_t* floor, std::vector<int>* out_rows,
                                        std::vector<int>* out_idx) {
   thread_local std::vector<int32_t> buf;
   const int groups = PaddedTargets(nt) / 8;
@@ -190,7 +194,7 @@ KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int
     const int rows = std::min(kRows, nq - r);
     RowsN(rows, queries + static_cast<long>(r) * d, d, t, groups, buf.data(), ld);
     for (int i = 0; i < rows; ++i) std::fill(buf.data() + i * ld + nt, buf.data() + (i + 1) * ld, INT32_MIN);
-    Collect(buf.data(), ld, rows, r, slack, out_rows, out_idx);
+    Collect(buf.data(), ld, rows, r, slack, floor, out_rows, out_idx);
   }
 }
 #endif
@@ -259,12 +263,12 @@ void Dots(const int16_t* queries, int num_queries, const int16_t* targets, int n
 }
 
 void Candidates(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
-                const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx) {
+                const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx, const int64_t* floor) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  CandidatesAvx2(queries, num_queries, targets, num_targets, d, slack, rows, idx);
+  CandidatesAvx2(queries, num_queries, targets, num_targets, d, slack, floor, rows, idx);
 #else
   (void)queries, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)slack, (void)rows,
-      (void)idx;
+      (void)idx, (void)floor;
   std::abort();  // callers check Supported()
 #endif
 }

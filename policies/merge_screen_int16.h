@@ -44,9 +44,11 @@ void Dots(const int16_t* queries, int num_queries, const int16_t* targets, int n
 // The screen: for each query row r, in row order, the targets j (ascending) whose integer dot product S_rj
 // is at least max_j S_rj − slack[r] (slack[r] ≥ 0; values above 2^30 count as 2^30), appended to `rows`
 // (r) and `idx` (j). Works on six query rows at a time, so their products stay near (≤ 6 x targets int32: L1
-// or L2). Requires Supported().
+// or L2). With `floor` (issue 14, round 14), only the targets whose S_rj is also ≥ floor[r] (a row may then
+// have none). Requires Supported().
 void Candidates(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
-                const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx);
+                const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx,
+                const int64_t* floor = nullptr);
 
 // The slack for a query whose rounding error norm is rq against targets whose largest is rt:
 // ceil(2 · merge_screen::ErrorBound(d, rq, rt) · 2^(2 kShift)), saturated at 2^30.

@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -208,6 +209,29 @@ TEST_CASE("int16 screen: candidates are the targets within the slack of the row 
         CAPTURE(nq, nt, base);
         CHECK(rows == want_rows);
         CHECK(idx == want_idx);
+        // With a floor (round 14): the same list restricted to S ≥ floor[r]; a floor at or below every S
+        // (down to INT64_MIN) changes nothing, one above every S (up to INT64_MAX) leaves the row none.
+        std::vector<int64_t> floor(nq);
+        for (int r = 0; r < nq; ++r) {
+          const int32_t* row = &s[r * ld];
+          const int64_t m = *std::max_element(row, row + nt), lo = *std::min_element(row, row + nt);
+          const int64_t pick[] = {std::numeric_limits<int64_t>::min(),
+                                  lo,
+                                  row[(r * 7) % nt],
+                                  m,
+                                  m + 1,
+                                  std::numeric_limits<int64_t>::max(),
+                                  -(int64_t{1} << 31),
+                                  int64_t{1} << 31};
+          floor[r] = pick[(r + base % 5) % 8];
+        }
+        std::vector<int> frows{-7}, fidx{-7}, want_frows{-7}, want_fidx{-7};
+        i16::Candidates(qp.data(), nq, tp.data(), nt, d, slack.data(), &frows, &fidx, floor.data());
+        for (size_t i = 1; i < want_rows.size(); ++i)
+          if (s[want_rows[i] * ld + want_idx[i]] >= floor[want_rows[i]])
+            want_frows.push_back(want_rows[i]), want_fidx.push_back(want_idx[i]);
+        CHECK(frows == want_frows);
+        CHECK(fidx == want_fidx);
       }
     }
 }
