@@ -553,6 +553,19 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
   uint32_t umin = 0x7fffffffu;  // the smallest magnitude's bit pattern
   uint32_t umax = 0;            // the largest magnitude's bit pattern
   size_t at = 0;
+  // Values [at, end) one at a time into the bit-pattern bounds, their sum added to s (the vector path's
+  // tails, and every value without it).
+  auto scalar = [&](size_t end, double& s) {
+    for (; at < end; ++at) {
+      uint32_t u;
+      std::memcpy(&u, v + at, 4);
+      raw = std::max(raw, u);
+      umin = std::min(umin, u & 0x7fffffffu);
+      umax = std::max(umax, u & 0x7fffffffu);
+      unz = std::min(unz, (u & 0x7fffffffu) - 1);
+      s += v[at];
+    }
+  };
   bool vec = false;
 #if defined(__AVX2__)
   vec = g_kind_sums_avx2_allowed.load(std::memory_order_relaxed);
@@ -577,15 +590,7 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
       double l[4];
       _mm256_storeu_pd(l, _mm256_add_pd(a0, a1));
       double s = (l[0] + l[1]) + (l[2] + l[3]);
-      for (; at < end; ++at) {
-        uint32_t u;
-        std::memcpy(&u, v + at, 4);
-        raw = std::max(raw, u);
-        umin = std::min(umin, u & 0x7fffffffu);
-        umax = std::max(umax, u & 0x7fffffffu);
-        unz = std::min(unz, (u & 0x7fffffffu) - 1);
-        s += v[at];
-      }
+      scalar(end, s);
       ks[run_kind[r] & 3] += s;
     }
     uint32_t r8[8], z8[8], m8[8], x8[8];
@@ -604,15 +609,7 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
   if (!vec)
     for (size_t r = 0; r < run_end.size(); ++r) {
       double s = 0;
-      for (const size_t end = static_cast<size_t>(run_end[r]); at < end; ++at) {
-        uint32_t u;
-        std::memcpy(&u, v + at, 4);
-        raw = std::max(raw, u);
-        umin = std::min(umin, u & 0x7fffffffu);
-        umax = std::max(umax, u & 0x7fffffffu);
-        unz = std::min(unz, (u & 0x7fffffffu) - 1);
-        s += v[at];
-      }
+      scalar(static_cast<size_t>(run_end[r]), s);
       ks[run_kind[r] & 3] += s;
     }
   KVSIM_CHECK_MSG(at == n, "ExactKindSums: the runs must end at the row's end");

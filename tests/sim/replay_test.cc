@@ -17,6 +17,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -2040,50 +2041,39 @@ TEST_CASE("replay: a union ordered by a marker scan equals the sorted one", "[re
   CheckSameWithout(tr, runs, &SetUnionScanForTesting);
 }
 
-// Step's prefix mode also takes a cache holding merged slots at step 0 whose version then stays (only
-// appends): its steps' plain slots are prefixes of one list, and FinishRun's output product reads that list
-// instead of the steps' lists. Every result must be the step-by-step lists', bit for bit, at 1 and 3
-// threads: MEDA (both variants: the official code's step 0 holds the whole prompt, a plain cache that merges
-// later), LOOK-M, SnapKV with averaged merges, and hand-made caches that merge at step 0 and then keep
-// their merges, evict (leaving the mode at step 3), merge again (step 5) or merge into a decode token's
-// slot (step 2).
-TEST_CASE("replay: a merged cache's steps as prefixes of one list equal the step-by-step lists", "[replay]") {
+// The merged-cache engine tests' trace (GQA groups of 2, image tokens) and runs: MEDA (both variants: the
+// official code's step 0 holds the whole prompt, a plain cache that merges later), LOOK-M and SnapKV with
+// averaged merges at 10% and 40%, after hand-made caches that keep [0, 120) with tokens 120..139 merged into
+// slots 10, 30, ... at step 0, then act at later steps as `then[i]` says (given a key and a value to merge).
+MemoryTrace MergedCacheTrace(int decode_steps) {
   testing::TinyTraceSpec spec;
-  spec.num_heads = 4;  // GQA: group of 2
+  spec.num_heads = 4;
   spec.num_kv_heads = 2;
   spec.prefill_length = 400;
-  spec.decode_steps = 10;
+  spec.decode_steps = decode_steps;
   spec.image_begin = 40;
   spec.image_end = 300;
-  MemoryTrace tr = testing::MakeTinyTrace(spec);
-  const int d = tr.meta().model.head_dim;
+  return testing::MakeTinyTrace(spec);
+}
+using MergedAct =
+    std::function<void(int step, HeadCache* c, std::span<const float> k, std::span<const float> v)>;
+std::vector<RunSpec> MergedCacheRuns(const MemoryTrace& tr, const std::vector<MergedAct>& then) {
+  const int d = tr.meta().model.head_dim, n = tr.meta().prefill_length;
   std::vector<float> k(d, 0.25f), v(d, -0.5f);
-  // Keeps [0, 120) with tokens 120..139 merged into slots 10, 30, ...; `then` acts at later steps.
-  auto merged = [k, v](std::function<void(int, HeadCache*)> then) {
-    return std::make_shared<ActPolicy>([k, v, then](int step, HeadCache* c) {
-      if (step == 0) {
-        std::vector<int32_t> keep;
-        for (int32_t t = 0; t < 120; ++t) keep.push_back(t);
-        keep.push_back(399);
-        c->Assign(keep);
-        for (int32_t t = 120; t < 140; ++t) c->MergeInto(10 + 20 * ((t - 120) % 5), t, 0.5f, k, v);
-      }
-      then(step, c);
-    });
-  };
-  std::vector<RunSpec> runs{Spec(merged([](int, HeadCache*) {}), spec.prefill_length),
-                            Spec(merged([](int step, HeadCache* c) {
-                                   if (step == 3) c->EvictSlot(5);
-                                 }),
-                                 spec.prefill_length),
-                            Spec(merged([k, v](int step, HeadCache* c) {
-                                   if (step == 5) c->MergeInto(50, 200, 0.25f, k, v);
-                                 }),
-                                 spec.prefill_length),
-                            Spec(merged([k, v](int step, HeadCache* c) {
-                                   if (step == 2) c->MergeInto(c->size() - 1, 300, 0.5f, k, v);
-                                 }),
-                                 spec.prefill_length)};
+  std::vector<RunSpec> runs;
+  for (const MergedAct& act : then)
+    runs.push_back(Spec(std::make_shared<ActPolicy>([k, v, act](int step, HeadCache* c) {
+                          if (step == 0) {
+                            std::vector<int32_t> keep;
+                            for (int32_t t = 0; t < 120; ++t) keep.push_back(t);
+                            keep.push_back(399);
+                            c->Assign(keep);
+                            for (int32_t t = 120; t < 140; ++t)
+                              c->MergeInto(10 + 20 * ((t - 120) % 5), t, 0.5f, k, v);
+                          }
+                          act(step, c, k, v);
+                        }),
+                        n));
   for (double b : {0.1, 0.4}) {
     runs.push_back(RunSpec{Registered("meda"), "meda", b, 0, QuestionMode::kQueryAware});
     runs.push_back(RunSpec{Registered("meda", {"variant=OFFICIAL_CODE"}), "meda official", b, 0,
@@ -2091,44 +2081,40 @@ TEST_CASE("replay: a merged cache's steps as prefixes of one list equal the step
     runs.push_back(RunSpec{Registered("look_m"), "look_m", b, 0, QuestionMode::kQueryAware});
     runs.push_back(RunSpec{Registered("snapkv+average"), "snapkv+average", b, 0, QuestionMode::kQueryAware});
   }
+  return runs;
+}
+
+// Step's prefix mode also takes a cache holding merged slots at step 0 whose version then stays (only
+// appends): its steps' plain slots are prefixes of one list, and FinishRun's output product reads that list
+// instead of the steps' lists. Every result must be the step-by-step lists', bit for bit, at 1 and 3
+// threads: the merging policies and hand-made caches that keep their merges, evict (leaving the mode at
+// step 3), merge again (step 5) or merge into a decode token's slot (step 2).
+TEST_CASE("replay: a merged cache's steps as prefixes of one list equal the step-by-step lists", "[replay]") {
+  MemoryTrace tr = MergedCacheTrace(10);
+  const auto runs = MergedCacheRuns(tr, {[](int, HeadCache*, auto, auto) {},
+                                         [](int step, HeadCache* c, auto, auto) {
+                                           if (step == 3) c->EvictSlot(5);
+                                         },
+                                         [](int step, HeadCache* c, auto k, auto v) {
+                                           if (step == 5) c->MergeInto(50, 200, 0.25f, k, v);
+                                         },
+                                         [](int step, HeadCache* c, auto k, auto v) {
+                                           if (step == 2) c->MergeInto(c->size() - 1, 300, 0.5f, k, v);
+                                         }});
   CheckSameWithout(tr, runs, &SetMergedPrefixForTesting);
 }
 
 // Step sums a merged-slot block's steps a chunk at a time over the slots they share (ChunkSlotSums), then
-// each step's appended ones. Every result must be the per-step sums', bit for bit, at 1 and 3 threads: caches
-// that keep their merges (hand-made, MEDA, LOOK-M, SnapKV with averaged merges), one that changes them at
-// step 5 (a new block mid-chunk), MEDA's official code (which reads the steps' attention: per step).
+// each step's appended ones. Every result must be the per-step sums', bit for bit, at 1 and 3 threads, over
+// 21 steps (a chunk of 16 and a short one): caches that keep their merges (hand-made, MEDA, LOOK-M, SnapKV
+// with averaged merges), one that changes them at step 5 (a new block mid-chunk), MEDA's official code
+// (which reads the steps' attention: per step).
 TEST_CASE("replay: a merged block's chunked sums equal the per-step sums", "[replay][merge]") {
-  testing::TinyTraceSpec spec;
-  spec.num_heads = 4;  // GQA: group of 2
-  spec.num_kv_heads = 2;
-  spec.prefill_length = 400;
-  spec.decode_steps = 21;  // a chunk of 16 steps and a short one
-  spec.image_begin = 40;
-  spec.image_end = 300;
-  MemoryTrace tr = testing::MakeTinyTrace(spec);
-  const int d = tr.meta().model.head_dim;
-  std::vector<float> k(d, 0.25f), v(d, -0.5f);
-  auto merged = [k, v](int again) {
-    return std::make_shared<ActPolicy>([k, v, again](int step, HeadCache* c) {
-      if (step == 0) {
-        std::vector<int32_t> keep;
-        for (int32_t t = 0; t < 120; ++t) keep.push_back(t);
-        keep.push_back(399);
-        c->Assign(keep);
-        for (int32_t t = 120; t < 140; ++t) c->MergeInto(10 + 20 * ((t - 120) % 5), t, 0.5f, k, v);
-      }
-      if (step == again) c->MergeInto(50, 200, 0.25f, k, v);
-    });
-  };
-  std::vector<RunSpec> runs{Spec(merged(-1), spec.prefill_length), Spec(merged(5), spec.prefill_length)};
-  for (double b : {0.1, 0.4}) {
-    runs.push_back(RunSpec{Registered("meda"), "meda", b, 0, QuestionMode::kQueryAware});
-    runs.push_back(RunSpec{Registered("meda", {"variant=OFFICIAL_CODE"}), "meda official", b, 0,
-                           QuestionMode::kQueryAware});
-    runs.push_back(RunSpec{Registered("look_m"), "look_m", b, 0, QuestionMode::kQueryAware});
-    runs.push_back(RunSpec{Registered("snapkv+average"), "snapkv+average", b, 0, QuestionMode::kQueryAware});
-  }
+  MemoryTrace tr = MergedCacheTrace(21);
+  const auto runs = MergedCacheRuns(tr, {[](int, HeadCache*, auto, auto) {},
+                                         [](int step, HeadCache* c, auto k, auto v) {
+                                           if (step == 5) c->MergeInto(50, 200, 0.25f, k, v);
+                                         }});
   CheckSameWithout(tr, runs, &SetChunkSlotSumsForTesting);
 }
 
