@@ -430,7 +430,7 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
   thread_local std::vector<uint8_t> run_kind, row_kind;
   run_end.clear();
   run_kind.clear();
-  if (modality != nullptr)
+  if (modality != nullptr) {
     for (int j = 0; j < t_all; ++j) {
       const uint8_t k = static_cast<uint8_t>(modality[j]);
       if (j == 0 || k != run_kind.back()) {
@@ -438,7 +438,8 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
         run_kind.push_back(k);
       }
     }
-  if (modality != nullptr) run_end.push_back(t_all);
+    run_end.push_back(t_all);
+  }
   // Logits for all steps at once: [S][T] = scale * Qd [S][d] x K^T.
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, num_steps, t_all, d,
               static_cast<float>(m.softmax_scale), q_decode, d, keys, d, 0.0f, out->probs.data(), t_all);

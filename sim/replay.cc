@@ -1353,9 +1353,8 @@ class LayerPass {
     UnitWork& w = units_[u];
     const int steps = meta_.num_decode_steps, group = m_.GroupSize();
     const int end = std::min({t + kMemberChunk, ws.mt0 + ws.mrows, steps});
-    for (int g = 0; g < group; ++g)
-      for (int t1 = t; t1 < end; ++t1)
-        if (w.refs[g].first[t1] != 0) return;
+    for (int t1 = t; t1 < end; ++t1)  // (the first visible key is the same for every group member)
+      if (w.refs[0].first[t1] != 0) return;
     const int mm = static_cast<int>(ws.mslot.size()), slots = cache.size();
     const size_t mrows = static_cast<size_t>(ws.mrows) * mm,
                  ts = static_cast<size_t>(meta_.total_tokens()) * steps;
@@ -1377,6 +1376,18 @@ class LayerPass {
     ws.cslots = slots;
   }
 
+  // The merged slots' output contributions of the run's steps (`extra`, allocated on first use); MarkExtra
+  // also records that step t has one (a visible merged slot).
+  void EnsureExtra(WorkerScratch& ws) const {
+    if (ws.extra.empty())
+      ws.extra.assign(static_cast<size_t>(m_.GroupSize()) * meta_.num_decode_steps * m_.head_dim, 0.0f);
+  }
+  void MarkExtra(WorkerScratch& ws, int t) const {
+    if (ws.has_extra[t]) return;
+    EnsureExtra(ws);
+    ws.has_extra[t] = 1;
+  }
+
   // Adds the block's merged values, weighted by its steps' weights, to those steps' `extra` (one GEMM per
   // group member over the steps [mt0, mt_end) it was used for), and ends the block.
   void FlushMergedBlock(WorkerScratch& ws) const {
@@ -1385,7 +1396,7 @@ class LayerPass {
     const int rows = ws.mrows, used = ws.mt_end - ws.mt0;
     const int mm = static_cast<int>(ws.mk.size() / d);
     if (used > 0 && mm > 0) {
-      if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
+      EnsureExtra(ws);
       EnsureSingleThreadedBlas();
       for (int g = 0; g < group; ++g)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, used, d, mm, 1.0f,
@@ -1652,10 +1663,7 @@ class LayerPass {
         if (chunked) {
           // Summed over the chunk's first slots already (ChunkSlotSums; every slot visible, the weights in
           // place): only the plain slots appended since are left.
-          if (num_merged > 0 && !ws.has_extra[t]) {
-            if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
-            ws.has_extra[t] = 1;
-          }
+          if (num_merged > 0) MarkExtra(ws, t);
         } else if (bulk) {
           // In a block the step's dots, weights and member sums are rows of ws.mdot, ws.mw and ws.msum: the
           // weights are written in place (all at once, MergedWeights; masked slots get 0) and
@@ -1672,10 +1680,7 @@ class LayerPass {
             for (int j = 0; j < num_merged; ++j)  // outside a sliding window: masked, weight 0
               mw[j] = tokens[mslot[j]] >= first ? ws.step_mw[j] : 0.0f;
           }
-          if (masked < num_merged && !ws.has_extra[t]) {
-            if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
-            ws.has_extra[t] = 1;
-          }
+          if (masked < num_merged) MarkExtra(ws, t);
           weights = mw;
           member_sums = msum + static_cast<size_t>(g) * kMemberChunk * mm;
         } else {
@@ -1714,10 +1719,7 @@ class LayerPass {
             }
             ws.step_members[j] = members;
             // The merged value is no original row: its contribution is added to the step's output here.
-            if (!ws.has_extra[t]) {
-              if (ws.extra.empty()) ws.extra.assign(static_cast<size_t>(group) * steps * d, 0.0f);
-              ws.has_extra[t] = 1;
-            }
+            MarkExtra(ws, t);
             float* ex = &ws.extra[(static_cast<size_t>(g) * steps + t) * d];
             const float* v = ms.value.data();
             for (int k = 0; k < d; ++k) ex[k] += wgt * v[k];
