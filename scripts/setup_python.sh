@@ -42,6 +42,19 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_value" ] && [ -x "$venv/bin/
   exit 0
 fi
 
+# Disk space first: pip dies half-way with "[Errno 28] No space left on device" otherwise, leaving a broken
+# environment. A fresh environment is ~6.2 GB plus pip's unpacked wheels; an update needs less.
+need_gb=8
+[ -x "$venv/bin/python" ] && need_gb=3
+mkdir -p "$(dirname "$venv")"
+for dir in "$(dirname "$venv")" "${TMPDIR:-/tmp}"; do
+  free_gb=$(( $(df -Pk "$dir" | awk 'NR==2 {print $4}') / 1048576 ))
+  if [ "$free_gb" -lt "$need_gb" ]; then
+    echo "setup_python: $dir has $free_gb GB free, the Python environment needs about $need_gb GB; free disk space (or set KVSIM_VENV / TMPDIR to a bigger disk) and re-run" >&2
+    exit 1
+  fi
+done
+
 start=$(date +%s)
 echo "setup_python: creating/updating $venv from python/requirements.lock (first time: ~2 GB download, a few minutes)" >&2
 if [ ! -x "$venv/bin/python" ]; then

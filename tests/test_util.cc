@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -61,9 +62,39 @@ MemoryTrace MakeTinyTrace(const TinyTraceSpec& s) {
   return MemoryTrace(std::move(meta), std::move(layers));
 }
 
+namespace {
+
+// The process's scratch root, /tmp/kvsim_test_<pid>, removed when the test process exits normally (a crashed
+// or aborted test leaves it for inspection; so does KVSIM_KEEP_TEST_DIRS=1). Every test binary's ctest
+// entries would otherwise leave one folder each, tens of MB, behind on every run.
+class ScratchRoot {
+ public:
+  std::filesystem::path Get() {
+    if (path_.empty())
+      path_ = std::filesystem::temp_directory_path() / ("kvsim_test_" + std::to_string(::getpid()));
+    return path_;
+  }
+  ~ScratchRoot() {
+    const char* keep = std::getenv("KVSIM_KEEP_TEST_DIRS");
+    if (path_.empty() || (keep != nullptr && *keep != '\0' && std::string(keep) != "0")) return;
+    std::error_code ec;  // best effort: never throw from a destructor
+    std::filesystem::remove_all(path_, ec);
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
+ScratchRoot& TheScratchRoot() {
+  static ScratchRoot root;
+  return root;
+}
+
+}  // namespace
+
 std::string ScratchDir(const std::string& name) {
   namespace fs = std::filesystem;
-  fs::path p = fs::temp_directory_path() / ("kvsim_test_" + std::to_string(::getpid())) / name;
+  fs::path p = TheScratchRoot().Get() / name;
   fs::remove_all(p);
   fs::create_directories(p);
   return p.string();

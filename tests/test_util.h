@@ -25,7 +25,8 @@ struct TinyTraceSpec {
 // A random (Gaussian) trace with valid metadata, entirely in memory.
 MemoryTrace MakeTinyTrace(const TinyTraceSpec& spec = {});
 
-// A fresh empty folder under the build's temp area, removed at process exit is not guaranteed.
+// A fresh empty folder under /tmp/kvsim_test_<pid>/, which is removed when the test process exits normally
+// (kept after a crash, or always with KVSIM_KEEP_TEST_DIRS=1).
 std::string ScratchDir(const std::string& name);
 
 // Path of the kvsim binary and the source tree (set by CMake).
