@@ -23,11 +23,13 @@ class AdaKVHead final : public HeadPolicy {
  public:
   explicit AdaKVHead(SnapKVSelection sel) : sel_(sel) {}
   void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
-    cache->Assign(sel_.Select(ctx, budget));  // `budget` is this head's own share
+    cache->Assign(sel_.Select(ctx, budget, &rank_));  // `budget` is this head's own share
   }
+  std::span<const float> PrefillRank() const override { return rank_; }
 
  private:
   SnapKVSelection sel_;
+  std::vector<float> rank_;
 };
 
 }  // namespace

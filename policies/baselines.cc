@@ -92,11 +92,13 @@ class SnapKVHead final : public HeadPolicy {
  public:
   explicit SnapKVHead(SnapKVSelection sel) : sel_(sel) {}
   void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
-    cache->Assign(sel_.Select(ctx, budget));
+    cache->Assign(sel_.Select(ctx, budget, &rank_));
   }
+  std::span<const float> PrefillRank() const override { return rank_; }
 
  private:
   SnapKVSelection sel_;
+  std::vector<float> rank_;
 };
 
 // ---- oracle ----
@@ -139,12 +141,14 @@ class OracleHead final : public HeadPolicy {
 
 }  // namespace
 
-std::vector<int32_t> SnapKVSelection::Select(const HeadContext& ctx, int budget) const {
+std::vector<int32_t> SnapKVSelection::Select(const HeadContext& ctx, int budget,
+                                             std::vector<float>* rank) const {
   const int n = ctx.compress_end;
   const int observe = std::min(window, n);
   const int tail = std::min(observe, budget);  // the kept observation window
   // B <= w': the budget holds (part of) the window only, no prefix token is voted in, so no scores are
   // computed: window tokens are never ranked by the window's own attention (docs/policies/snapkv.md).
+  if (rank != nullptr) rank->clear();
   if (budget <= tail) {
     std::vector<int32_t> keep(tail);
     std::iota(keep.begin(), keep.end(), n - tail);
@@ -153,7 +157,9 @@ std::vector<int32_t> SnapKVSelection::Select(const HeadContext& ctx, int budget)
   std::vector<float> score = GroupWindowColumnSums(ctx, observe, aggregation);
   score.resize(n - tail);
   score = Pool1D(score, kernel_size, pooling);
-  return TopKPlusTail(score, budget - tail, n - tail, n);
+  std::vector<int32_t> keep = TopKPlusTail(score, budget - tail, n - tail, n);
+  if (rank != nullptr) *rank = std::move(score);
+  return keep;
 }
 
 std::vector<int> FullPolicy::LayerBudgets(const TraceMeta& meta, int, int compress_len) const {

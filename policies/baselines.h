@@ -47,8 +47,10 @@ struct SnapKVSelection {
   int kernel_size;
   policy::Pooling pooling;
   policy::GroupAggregation aggregation;
-  // Kept prompt tokens (ascending) for a budget; ctx.scores must provide the window column sums.
-  std::vector<int32_t> Select(const HeadContext& ctx, int budget) const;
+  // Kept prompt tokens (ascending) for a budget; ctx.scores must provide the window column sums. `rank`,
+  // when given, receives the pooled scores the tokens [0, rank->size()) were ranked by (empty when the
+  // budget holds the observation window only).
+  std::vector<int32_t> Select(const HeadContext& ctx, int budget, std::vector<float>* rank = nullptr) const;
 };
 
 class SnapKVPolicy final : public TypedPolicy<policy::SnapKVParams> {

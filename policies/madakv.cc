@@ -35,12 +35,13 @@ class MadaKVHead final : public HeadPolicy {
     const auto& plan = *static_cast<const MadaKVPlan*>(ctx.plan);
     const int ce = ctx.compress_end, tail = std::min(plan.window, budget);
     std::vector<int32_t> keep;
+    rank_.clear();
     if (budget > plan.window) {
       const MadaKVAllocation& a = plan.runs.at(ctx.run_budget);
       const auto [rv, rt] =
           a.split[static_cast<size_t>(ctx.layer) * ctx.meta->model.num_kv_heads + ctx.kv_head];
-      const std::vector<float> psi =
-          Psi(GroupWindowColumnSums(ctx, plan.window, p_.group_aggregation()), ce - plan.window, p_);
+      std::vector<float>& psi = rank_;
+      psi = Psi(GroupWindowColumnSums(ctx, plan.window, p_.group_aggregation()), ce - plan.window, p_);
       // The top rv visual and rt text tokens by ψ (ties: the lower position).
       std::vector<float> sv(psi), st(psi);
       const float off = -std::numeric_limits<float>::infinity();
@@ -52,9 +53,13 @@ class MadaKVHead final : public HeadPolicy {
     for (int32_t j = ce - tail; j < ce; ++j) keep.push_back(j);
     cache->Assign(keep);
   }
+  // ψ: each modality's kept tokens are its top ones by ψ, so the kept set is a prefix of the ψ order when
+  // the budget's split follows it (the engine's bands are shared only as far as that holds).
+  std::span<const float> PrefillRank() const override { return rank_; }
 
  private:
   policy::MadaKVParams p_;
+  std::vector<float> rank_;
 };
 
 }  // namespace

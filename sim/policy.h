@@ -118,6 +118,12 @@ class HeadPolicy {
   virtual bool AppendNewToken() const { return true; }
   // After the step attended: `att.cache_probs` is over the cache's slots.
   virtual void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) {}
+  // Optional, read by the engine after the decode steps: the scores r[j], j < r.size(), by which OnPrefill
+  // ranked the prompt tokens it kept (its top-k by score: every kept token with j < r.size() scores at
+  // least as high as every evicted one). The engine then adds the run's output product in rank order, in
+  // fixed bands, so runs whose kept sets are nested (the same scores at several budgets) share the bands
+  // they have in common (docs/metrics.md, "Output error"). Empty (the default): token order.
+  virtual std::span<const float> PrefillRank() const { return {}; }
 };
 
 struct PolicyRequirements {

@@ -198,6 +198,23 @@ struct UnitWork {
   // the unit's runs; its memory goes back to PassBuffers with the unit's.
   std::unique_ptr<std::once_flag> probs_t_once;
   std::vector<float> probs_t;
+  // The decode tokens' part of the reference outputs, [g][S][d]: Y_t = Σ_{j=n}^{n+S-1} p_t[j] v_j (one
+  // product over the decode columns of the reference probabilities; zeros past step t's position). A run
+  // whose every step holds every visible decode token as itself adds it to its own product over the other
+  // slots (FinishRun, DecodePart). Built on first use, shared read-only by the unit's runs.
+  std::unique_ptr<std::once_flag> decode_part_once;
+  std::vector<float> decode_part;
+  // Rank bands (FinishRun): sums of a ranked run's first bands, kept for the unit's other runs whose
+  // columns begin with the same tokens in the same order. A chain's sums are (m, Σ of bands 0 .. m - 1 added
+  // in order, [g·S][d]), ascending in m; its order holds the tokens of its largest m's bands. Under
+  // band_mutex.
+  using BandSum = std::pair<size_t, std::shared_ptr<const std::vector<float>>>;
+  struct BandChain {
+    std::vector<int32_t> order;
+    std::vector<BandSum> sums;
+  };
+  std::unique_ptr<std::mutex> band_mutex;
+  std::vector<BandChain> band_chains;
   std::vector<double> full_mod;                       // [g][t][4]
   std::vector<std::unique_ptr<HeadPolicy>> policies;  // per run
   std::vector<HeadCache> caches;                      // per run
@@ -249,6 +266,11 @@ struct WorkerScratch {
   };
   std::vector<TokenRun> runs;     // FinishRun: the steps' lists as runs of consecutive tokens (when few)
   std::vector<float> a, vu, out;  // the compact product: [g*S][|U|] x [|U|][d] = [g*S][d]
+  // A ranked run's columns in rank order, their sort keys, and its band sums (FinishRun, RankBands).
+  std::vector<int32_t> order;
+  std::vector<uint64_t> rank_keys;
+  std::vector<std::pair<size_t, std::shared_ptr<const std::vector<float>>>> band_sums;  // (bands, their sum)
+  std::vector<size_t> band_wanted;  // band counts other runs may resume at (WantedBands)
   // Merged slots in bulk (see BeginMergedBlock): while the cache's version is unchanged, its merged slots
   // (keys, values, slot indices) are too, so the dots of steps [mt0, mt0 + mrows) with them are one product
   // per group member and their values' output contribution another, added to `extra` when the block ends.
@@ -329,6 +351,11 @@ std::atomic<bool> g_run_lists{true};       // SetRunListsForTesting
 std::atomic<bool> g_union_scan{true};      // SetUnionScanForTesting
 std::atomic<bool> g_merged_prefix{true};   // SetMergedPrefixForTesting
 std::atomic<bool> g_chunk_sums{true};      // SetChunkSlotSumsForTesting
+std::atomic<bool> g_decode_part{true};     // SetSharedDecodePartForTesting
+std::atomic<bool> g_rank_bands{true};      // SetRankBandsForTesting
+std::atomic<bool> g_band_memo{true};       // SetRankBandMemoForTesting
+// A ranked run's output product is added in bands of this many columns (FinishRun).
+constexpr size_t kRankBand = 64;
 
 }  // namespace
 
@@ -876,6 +903,8 @@ class LayerPass {
       ComputeDecodeReference(m_, n, steps, DecodeQuery(u * group + g, 0), keys, values, &w.refs[g],
                              meta_.tokens.modality.data());
     w.probs_t_once = std::make_unique<std::once_flag>();
+    w.decode_part_once = std::make_unique<std::once_flag>();
+    w.band_mutex = std::make_unique<std::mutex>();
     w.all_once = std::make_unique<std::once_flag>();
     w.shared = std::make_unique<UnitShared>();
     // ‖v_j‖, 8 keys at a time: each key's sum is still added over k in order, but the 8 chains are
@@ -1233,6 +1262,118 @@ class LayerPass {
       }
     });
     return w.probs_t.data();
+  }
+
+  // A ranked run's columns (RankBands): U's first `nu` tokens (ascending) in rank order, into ws.order: the
+  // tokens the policy did not rank (j >= rank.size(): an observation window, the question, decode tokens)
+  // first, ascending, then the ranked ones by descending score, ties by ascending token (the order in which
+  // TopKIndices takes them, so a smaller budget's kept tokens come first). false when a kept score is NaN.
+  static bool RankOrder(std::span<const float> rank, size_t nu, WorkerScratch& ws) {
+    ws.order.clear();
+    ws.rank_keys.clear();
+    if (rank.empty()) return false;
+    for (size_t c = 0; c < nu; ++c) {
+      const int32_t tok = ws.used[c];
+      if (static_cast<size_t>(tok) >= rank.size()) {
+        ws.order.push_back(tok);
+        continue;
+      }
+      const float v = rank[tok];
+      if (std::isnan(v)) return false;
+      uint32_t bits = std::bit_cast<uint32_t>(v);
+      if (bits == 0x80000000u) bits = 0;                         // -0 ties +0
+      bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;  // ascending with the float
+      ws.rank_keys.push_back((static_cast<uint64_t>(~bits) << 32) | static_cast<uint32_t>(tok));
+    }
+    std::sort(ws.rank_keys.begin(), ws.rank_keys.end());
+    for (uint64_t key : ws.rank_keys) ws.order.push_back(static_cast<int32_t>(key & 0xffffffffu));
+    return true;
+  }
+
+  // The bands of ws.order[0, nu) another run of the unit already added: their sum goes to ws.out (zeros
+  // when none); returns how many columns that covers (a multiple of kRankBand).
+  size_t ResumeBands(UnitWork& w, size_t nu, size_t elems, WorkerScratch& ws) const {
+    ws.band_sums.clear();
+    const std::vector<float>* best = nullptr;
+    size_t best_m = 0;
+    if (g_band_memo.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> lock(*w.band_mutex);
+      for (const auto& chain : w.band_chains) {
+        const size_t lim = std::min(nu, chain.order.size());
+        size_t c = 0;
+        while (c < lim && chain.order[c] == ws.order[c]) ++c;
+        for (const auto& [m, sum] : chain.sums)
+          if (m * kRankBand <= c && m > best_m) {
+            best_m = m;
+            best = sum.get();  // kept alive by the chain until the unit is released
+          }
+      }
+    }
+    if (best == nullptr) {
+      std::fill(ws.out.begin(), ws.out.begin() + elems, 0.0f);
+      return 0;
+    }
+    std::copy_n(best->data(), elems, ws.out.begin());
+    return best_m * kRankBand;
+  }
+
+  // Where the unit's other runs could resume (ResumeBands): the band boundaries below `nu` at their
+  // expected column counts (budget + the uncompressed prompt tail), into ws.band_wanted.
+  void WantedBands(int u, int r, size_t nu, WorkerScratch& ws) const {
+    ws.band_wanted.clear();
+    const int n = meta_.prefill_length;
+    for (size_t q = 0; q < plans_.size(); ++q) {
+      if (static_cast<int>(q) == r) continue;
+      const int64_t cols =
+          static_cast<int64_t>(plans_[q].head_budgets[UnitIndex(u)]) + (n - plans_[q].compress_end);
+      const size_t m = static_cast<size_t>(std::max<int64_t>(cols, 0)) / kRankBand;
+      if (m > 0 && m * kRankBand < nu) ws.band_wanted.push_back(m);
+    }
+  }
+
+  // Keeps the run's band sums (ws.band_sums, over ws.order) for the unit's later runs: in the chain whose
+  // tokens agree with ws.order as far as both go (extended to the run's), or a new one (at most kMaxChains
+  // per unit).
+  void KeepBands(UnitWork& w, WorkerScratch& ws) const {
+    constexpr size_t kMaxChains = 16;
+    if (ws.band_sums.empty() || !g_band_memo.load(std::memory_order_relaxed)) return;
+    const size_t len = ws.band_sums.back().first * kRankBand;
+    std::lock_guard<std::mutex> lock(*w.band_mutex);
+    UnitWork::BandChain* into = nullptr;
+    for (auto& chain : w.band_chains) {
+      const size_t lim = std::min(len, chain.order.size());
+      size_t c = 0;
+      while (c < lim && chain.order[c] == ws.order[c]) ++c;
+      if (c == lim) {
+        into = &chain;
+        break;
+      }
+    }
+    if (into == nullptr) {
+      if (w.band_chains.size() >= kMaxChains) return;
+      into = &w.band_chains.emplace_back();
+    }
+    if (into->order.size() < len) into->order.assign(ws.order.begin(), ws.order.begin() + len);
+    for (auto& bs : ws.band_sums) {
+      auto at = std::lower_bound(into->sums.begin(), into->sums.end(), bs.first,
+                                 [](const UnitWork::BandSum& a, size_t m) { return a.first < m; });
+      if (at == into->sums.end() || at->first != bs.first) into->sums.insert(at, std::move(bs));
+    }
+  }
+
+  // The unit's decode part of the reference outputs (UnitWork::decode_part), built by the first caller.
+  const float* DecodePart(UnitWork& w) const {
+    const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
+    const int n = meta_.prefill_length, d = m_.head_dim;
+    std::call_once(*w.decode_part_once, [&] {
+      w.decode_part.resize(static_cast<size_t>(group) * steps * d);
+      EnsureSingleThreadedBlas();
+      for (int g = 0; g < group; ++g)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, steps, d, steps, 1.0f, w.refs[g].row(0) + n,
+                    t_all, w.ctx.values + static_cast<size_t>(n) * d, d, 0.0f,
+                    w.decode_part.data() + static_cast<size_t>(g) * steps * d, d);
+    });
+    return w.decode_part.data();
   }
 
   // The member sums Σ_{j ∈ members(s)} p_t[j] of every merged slot s of the block, for the steps
@@ -1772,6 +1913,9 @@ class LayerPass {
   // tokens any step kept as themselves, A[g·S + t][U] = p_t (zero where step t did not keep the token) times
   // V[U] (a run whose every step kept every visible token is the reference product itself). When the union
   // is much wider than the steps' caches (a cache re-selected every step), a per-step gather is cheaper.
+  // When every step holds every visible decode token as itself, A's decode columns are the reference
+  // probabilities' own, the same for every such run of the unit: the product covers U's other tokens and
+  // the unit's decode part (DecodePart, computed once) is added to it, out = A[:, U \ D] V[U \ D] + Y.
   void FinishRun(int u, int r, WorkerScratch& ws) {
     FlushMergedBlock(ws);
     FlushPrefixSums(u, r, ws);
@@ -1780,8 +1924,20 @@ class LayerPass {
     const int group = m_.GroupSize();
     const float* values = w.ctx.values;
     const size_t rows = static_cast<size_t>(group) * steps;
+    const int n = meta_.prefill_length;
     GrowTo(ws.out, rows * d);  // every path below writes every element (the products with beta 0)
-    bool everything = true;    // every step kept every visible token as itself
+    bool decode_part = false;  // the product leaves out the decode tokens, the last `steps` columns of U
+    // The product A[:, :k] V[:k] over U's first k tokens (A: lda columns; ws.vu holds their value rows).
+    auto product = [&](size_t k, size_t lda) {
+      if (k == 0) {
+        std::fill(ws.out.begin(), ws.out.begin() + rows * d, 0.0f);
+        return;
+      }
+      EnsureSingleThreadedBlas();
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, static_cast<int>(k),
+                  1.0f, ws.a.data(), static_cast<int>(lda), ws.vu.data(), d, 0.0f, ws.out.data(), d);
+    };
+    bool everything = true;  // every step kept every visible token as itself
     for (int t = 0; t < steps && everything; ++t)
       everything = static_cast<int>(ws.step_begin[t + 1] - ws.step_begin[t]) ==
                    w.refs[0].last(t) - w.refs[0].first[t] + 1;
@@ -1798,34 +1954,66 @@ class LayerPass {
       // tiles (TransposeTile8) instead of one indexed load per element.
       ws.used.assign(ws.ptok.begin(), ws.ptok.end());
       std::sort(ws.used.begin(), ws.used.end());
-      const size_t nu = ws.used.size();
-      GrowTo(ws.a, rows * nu);
-      GrowTo(ws.vu, nu * d);
-      for (size_t c = 0; c < nu; ++c)
-        std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
-      const int32_t* used = ws.used.data();
+      // U holds the decode tokens [n, n + S) (its last S tokens) only if every step held its visible ones
+      // (prefix-closed): A's rows are whole rows of p, so its decode columns are the decode part's.
+      decode_part = g_decode_part.load(std::memory_order_relaxed) &&
+                    ws.used.size() >= static_cast<size_t>(steps) && ws.used[ws.used.size() - steps] == n;
+      const size_t nu = ws.used.size() - (decode_part ? steps : 0);
+      // A ranked run (HeadPolicy::PrefillRank) adds its columns in rank order, kRankBand at a time: out =
+      // (((0 + X_0) + X_1) + ...) + X_last, X_b = A[:, band b] V[band b]. Its first bands' sum may come from
+      // a run of the unit that added the same tokens in the same order (ResumeBands): the same products of
+      // the same shapes added in the same order, so the same bits as adding them here.
+      const bool ranked =
+          g_rank_bands.load(std::memory_order_relaxed) && RankOrder(w.policies[r]->PrefillRank(), nu, ws);
+      const size_t from = ranked ? ResumeBands(w, nu, rows * d, ws) : 0;
+      const size_t k = nu - from;  // the columns built here: cols[0, k)
+      const int32_t* used = ranked ? ws.order.data() + from : ws.used.data();
+      GrowTo(ws.a, rows * k);
+      GrowTo(ws.vu, k * d);
+      for (size_t c = 0; c < k; ++c)
+        std::copy_n(values + static_cast<size_t>(used[c]) * d, d, ws.vu.data() + c * d);
       const float* probs_t = ProbsT(w);
       const size_t ts = static_cast<size_t>(meta_.total_tokens()) * steps;
       for (int g = 0; g < group; ++g) {
         const float* pg = probs_t + g * ts;
-        float* ag = ws.a.data() + static_cast<size_t>(g) * steps * nu;
+        float* ag = ws.a.data() + static_cast<size_t>(g) * steps * k;
         size_t c0 = 0;
-        for (; c0 + 8 <= nu; c0 += 8) {
+        for (; c0 + 8 <= k; c0 += 8) {
           const float* src[8];
-          for (int k = 0; k < 8; ++k) src[k] = pg + static_cast<size_t>(used[c0 + k]) * steps;
+          for (int i = 0; i < 8; ++i) src[i] = pg + static_cast<size_t>(used[c0 + i]) * steps;
           int t = 0;
-          for (; t + 8 <= steps; t += 8) TransposeTile8(src, t, ag + static_cast<size_t>(t) * nu + c0, nu);
+          for (; t + 8 <= steps; t += 8) TransposeTile8(src, t, ag + static_cast<size_t>(t) * k + c0, k);
           for (; t < steps; ++t)
-            for (int k = 0; k < 8; ++k) ag[static_cast<size_t>(t) * nu + c0 + k] = src[k][t];
+            for (int i = 0; i < 8; ++i) ag[static_cast<size_t>(t) * k + c0 + i] = src[i][t];
         }
-        for (; c0 < nu; ++c0) {
+        for (; c0 < k; ++c0) {
           const float* src = pg + static_cast<size_t>(used[c0]) * steps;
-          for (int t = 0; t < steps; ++t) ag[static_cast<size_t>(t) * nu + c0] = src[t];
+          for (int t = 0; t < steps; ++t) ag[static_cast<size_t>(t) * k + c0] = src[t];
         }
       }
-      EnsureSingleThreadedBlas();
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, static_cast<int>(nu),
-                  1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f, ws.out.data(), d);
+      if (!ranked) {
+        product(nu, nu);
+      } else {
+        // The sums kept for the unit's other runs: at the boundaries they may resume at, and after the last
+        // whole band (a larger budget's run resumes there).
+        WantedBands(u, r, nu, ws);
+        const size_t last = nu / kRankBand;
+        const bool keep = g_band_memo.load(std::memory_order_relaxed);
+        EnsureSingleThreadedBlas();
+        for (size_t c = 0; c < k; c += kRankBand) {
+          const size_t kb = std::min(kRankBand, k - c);
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d,
+                      static_cast<int>(kb), 1.0f, ws.a.data() + c, static_cast<int>(k), ws.vu.data() + c * d,
+                      d, 1.0f, ws.out.data(), d);
+          const size_t m = (from + c + kb) / kRankBand;
+          if (keep && kb == kRankBand &&
+              (m == last ||
+               std::find(ws.band_wanted.begin(), ws.band_wanted.end(), m) != ws.band_wanted.end()))
+            ws.band_sums.emplace_back(
+                m, std::make_shared<const std::vector<float>>(ws.out.begin(), ws.out.begin() + rows * d));
+        }
+        KeepBands(w, ws);
+      }
     } else {
       ExpandPrefix(ws);
       ws.used.clear();
@@ -1892,10 +2080,20 @@ class LayerPass {
       }
       const size_t nu = ws.used.size();
       if (nu > 0 && nu * steps <= 4 * gathered) {
+        // Does every step hold its visible decode tokens [max(n, first), n + t]? Then U ends with [n, n + S)
+        // (step t holds token n + t) and A's decode columns are p's (zero where p is).
+        decode_part = g_decode_part.load(std::memory_order_relaxed) && nu >= static_cast<size_t>(steps);
+        for (int t = 0; t < steps && decode_part; ++t) {
+          const int32_t lo = std::max(n, w.refs[0].first[t]);
+          size_t held = 0;
+          for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i) held += ws.plain[i] >= lo;
+          decode_part = held == static_cast<size_t>(n + t - lo + 1);
+        }
+        const size_t k = nu - (decode_part ? steps : 0);
         for (size_t c = 0; c < nu; ++c) ws.col[ws.used[c]] = static_cast<int32_t>(c);
         GrowTo(ws.a, rows * nu);  // zeroed row by row below, just before its scatter
-        GrowTo(ws.vu, nu * d);
-        for (size_t c = 0; c < nu; ++c)
+        GrowTo(ws.vu, k * d);
+        for (size_t c = 0; c < k; ++c)
           std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
         for (int g = 0; g < group; ++g) {
           size_t ri = 0;  // the next run (ws.runs: step by step, in list order)
@@ -1929,10 +2127,7 @@ class LayerPass {
             }
           }
         }
-        EnsureSingleThreadedBlas();
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d,
-                    static_cast<int>(nu), 1.0f, ws.a.data(), static_cast<int>(nu), ws.vu.data(), d, 0.0f,
-                    ws.out.data(), d);
+        product(k, nu);
       } else {
         // Per step: out[k] += p[tok] * v[k] over the step's slots in order, the row kept in registers. Steps
         // whose slot lists begin alike (a cache rewritten once, then appended to) share their value-row
@@ -1976,6 +2171,10 @@ class LayerPass {
         }
       }
       for (int32_t tok : ws.used) ws.col[tok] = -1;
+    }
+    if (decode_part) {
+      const float* y = DecodePart(w);
+      for (size_t i = 0; i < rows * d; ++i) ws.out[i] += y[i];
     }
     RunAccum& a = acc_[r];
     for (size_t gt = 0; gt < rows; ++gt)
@@ -2340,6 +2539,9 @@ void SetRunListsForTesting(bool allowed) { g_run_lists.store(allowed, std::memor
 void SetUnionScanForTesting(bool allowed) { g_union_scan.store(allowed, std::memory_order_relaxed); }
 void SetMergedPrefixForTesting(bool allowed) { g_merged_prefix.store(allowed, std::memory_order_relaxed); }
 void SetChunkSlotSumsForTesting(bool allowed) { g_chunk_sums.store(allowed, std::memory_order_relaxed); }
+void SetSharedDecodePartForTesting(bool allowed) { g_decode_part.store(allowed, std::memory_order_relaxed); }
+void SetRankBandsForTesting(bool allowed) { g_rank_bands.store(allowed, std::memory_order_relaxed); }
+void SetRankBandMemoForTesting(bool allowed) { g_band_memo.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

@@ -124,6 +124,14 @@ void SetMergedPrefixForTesting(bool allowed);
 // Test hook: false makes Step sum a merged-slot block's steps one at a time (MergedSlotSums) instead of a
 // chunk's steps at once over their common slots (MergedSlotSumsSteps, then the appended ones).
 void SetChunkSlotSumsForTesting(bool allowed);
+// Test hook: false computes every run's output product over all its plain slots, decode tokens included
+// (true: a run that holds every visible decode token adds the unit's shared decode part instead).
+void SetSharedDecodePartForTesting(bool allowed);
+// Test hook: false adds every run's output product in token order, as one product (true: a run whose
+// policy ranks its kept prompt tokens, HeadPolicy::PrefillRank, adds it in rank bands).
+void SetRankBandsForTesting(bool allowed);
+// Test hook: false never keeps or resumes another run's band sums (each ranked run adds all its bands).
+void SetRankBandMemoForTesting(bool allowed);
 
 // A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
 // its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in

@@ -169,6 +169,28 @@ TEST_CASE("contract: deterministic and independent of the thread count", "[contr
   }
 }
 
+// What a run reports depends on the run alone, not on the runs replayed beside it: the engine shares work
+// between a unit's runs (the merge memo, rank bands, the decode part of the outputs, the regret sums) but
+// never results. A prompt long enough for several 64-column rank bands.
+TEST_CASE("contract: every run's results are the same alone as beside every other run", "[contract]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 200;
+  spec.image_end = 150;
+  spec.seed = 3;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  auto runs = AllRuns(QuestionMode::kQueryAware);
+  auto together = Replay(trace, runs, ReplayOptions{.threads = 2});
+  REQUIRE(together.ok());
+  for (size_t i = 0; i < runs.size(); ++i) {
+    auto alone = Replay(trace, std::vector<RunSpec>{runs[i]}, ReplayOptions{.threads = 1});
+    REQUIRE(alone.ok());
+    INFO(runs[i].label << " budget " << runs[i].budget_fraction << "/" << runs[i].budget_tokens);
+    CHECK((*alone)[0].SerializeAsString() == (*together)[i].SerializeAsString());
+  }
+}
+
 TEST_CASE("contract: budget 100% keeps every prompt token for prefill-compressing policies", "[contract]") {
   MemoryTrace trace = testing::MakeTinyTrace();
   const std::vector<std::string> one_shot{"one_shot=true"};

@@ -2963,3 +2963,156 @@ TEST_CASE("MergedWeights: the float of std::exp, bit for bit", "[replay]") {
 }
 
 }  // namespace kvsim
+
+namespace kvsim {
+namespace {
+
+// A prefill-compressing policy that keeps its top-`budget` prompt tokens by a fixed score (a hash of the
+// token, with runs of equal scores: ties are taken by ascending token, as TopKIndices does) and exposes the
+// scores (HeadPolicy::PrefillRank). `nan_at` >= 0 puts a NaN score on that token (kept at any budget);
+// `lower_at` >= 0 lowers the score of the token at that place of the rank order a little, below its ties:
+// the order is the same before that place and differs there.
+class RankedPolicy final : public Policy {
+ public:
+  explicit RankedPolicy(int nan_at = -1, int lower_at = -1) : nan_at_(nan_at), lower_at_(lower_at) {}
+  std::string name() const override { return "ranked"; }
+  std::string ParamsText() const override { return ""; }
+  PolicyRequirements requirements() const override { return {}; }
+  bool evicts_during_decode() const override { return false; }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+    class Head final : public HeadPolicy {
+     public:
+      Head(int nan_at, int lower_at) : nan_at_(nan_at), lower_at_(lower_at) {}
+      void OnPrefill(const HeadContext& ctx, int budget, HeadCache* cache) override {
+        const int n = ctx.compress_end;
+        rank_.resize(n);
+        for (int j = 0; j < n; ++j)
+          rank_[j] = static_cast<float>(((j * 2654435761u + ctx.kv_head * 40503u) >> 7) % 23);  // ties
+        if (lower_at_ >= 0 && lower_at_ < n) {
+          std::vector<int32_t> order(n);
+          std::iota(order.begin(), order.end(), 0);
+          std::stable_sort(order.begin(), order.end(),
+                           [&](int32_t a, int32_t b) { return rank_[a] > rank_[b]; });
+          float& v = rank_[order[lower_at_]];
+          v = std::nextafter(v, -std::numeric_limits<float>::infinity());
+        }
+        std::vector<int32_t> keep = TopKIndices(rank_, budget);
+        if (nan_at_ >= 0 && nan_at_ < n) {
+          rank_[nan_at_] = std::numeric_limits<float>::quiet_NaN();
+          if (!std::binary_search(keep.begin(), keep.end(), nan_at_)) {
+            keep.back() = nan_at_;
+            std::sort(keep.begin(), keep.end());
+          }
+        }
+        cache->Assign(keep);
+      }
+      std::span<const float> PrefillRank() const override { return rank_; }
+
+     private:
+      int nan_at_, lower_at_;
+      std::vector<float> rank_;
+    };
+    return std::make_unique<Head>(nan_at_, lower_at_);
+  }
+
+ private:
+  int nan_at_, lower_at_;
+};
+
+MemoryTrace BandTrace(int num_kv_heads = 2) {
+  testing::TinyTraceSpec spec;
+  spec.num_layers = 1;
+  spec.num_heads = 4;
+  spec.num_kv_heads = num_kv_heads;
+  spec.head_dim = 16;
+  spec.prefill_length = 420;
+  spec.image_begin = 10;
+  spec.image_end = 300;
+  spec.decode_steps = 9;
+  return testing::MakeTinyTrace(spec);
+}
+
+}  // namespace
+
+// A ranked run adds its output product in bands of 64 columns in rank order, and resumes from the sum of
+// another run's first bands when they hold the same tokens in the same order (budgets 40 .. 380 of one
+// ranking: nested sets, resumed at 64, 128, 192, 320 columns). Each run's results are its own: the same
+// bits alone as beside the others, with the kept sums switched off, and at 1 and 3 threads.
+TEST_CASE("replay: a ranked run's output product is its own, alone or resuming another run's bands",
+          "[replay]") {
+  for (int hkv : {2, 4}) {  // GQA (group of 2) and MHA
+    MemoryTrace tr = BandTrace(hkv);
+    auto ranked = std::make_shared<RankedPolicy>();
+    std::vector<RunSpec> runs;
+    for (int b : {40, 70, 130, 200, 380, 130}) runs.push_back(Spec(ranked, b));
+    CheckSameWithout(tr, runs, &SetRankBandMemoForTesting);
+    auto together = Replay(tr, runs, Options());
+    REQUIRE(together.ok());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      auto alone = Replay(tr, std::vector<RunSpec>{runs[i]}, Options());
+      REQUIRE(alone.ok());
+      INFO("kv heads " << hkv << ", run " << i);
+      CHECK((*alone)[0].SerializeAsString() == (*together)[i].SerializeAsString());
+    }
+    CHECK((*together)[2].SerializeAsString() == (*together)[5].SerializeAsString());
+  }
+  // Two rankings whose orders part at place 124, four columns short of the second band's end: the second
+  // (at 200) may resume from the first's sum of one band (kept for neither run here), never of two (kept
+  // for the first's run at 130).
+  MemoryTrace tr = BandTrace();
+  auto a = std::make_shared<RankedPolicy>(), b = std::make_shared<RankedPolicy>(-1, 124);
+  const std::vector<RunSpec> runs{Spec(a, 130), Spec(a, 200), Spec(b, 200)};
+  auto together = Replay(tr, runs, Options());
+  auto alone = Replay(tr, std::vector<RunSpec>{runs[2]}, Options());
+  REQUIRE(together.ok());
+  REQUIRE(alone.ok());
+  CHECK((*alone)[0].SerializeAsString() == (*together)[2].SerializeAsString());
+  CHECK((*together)[1].SerializeAsString() != (*together)[2].SerializeAsString());
+}
+
+// The bands change only the order in which the product's terms are added: the output errors agree with
+// token order to float rounding, and differ from it somewhere (the bands were used).
+TEST_CASE("replay: rank bands and the shared decode part agree with one product in token order", "[replay]") {
+  MemoryTrace tr = BandTrace();
+  std::vector<RunSpec> runs;
+  for (int b : {40, 130, 380}) runs.push_back(Spec(std::make_shared<RankedPolicy>(), b));
+  runs.push_back(Spec(Registered("snapkv"), 150));
+  runs.push_back(Spec(Registered("streaming_llm"), 150));
+  auto banded = Replay(tr, runs, Options());
+  SetRankBandsForTesting(false);
+  SetSharedDecodePartForTesting(false);
+  auto plain = Replay(tr, runs, Options());
+  SetRankBandsForTesting(true);
+  SetSharedDecodePartForTesting(true);
+  REQUIRE(banded.ok());
+  REQUIRE(plain.ok());
+  bool differs = false;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const Metrics &a = (*banded)[i].metrics(), &b = (*plain)[i].metrics();
+    INFO("run " << i);
+    CHECK(a.output_rel_error_mean() == Approx(b.output_rel_error_mean()).epsilon(1e-5));
+    CHECK(a.output_rel_error_p95() == Approx(b.output_rel_error_p95()).epsilon(1e-5));
+    CHECK(a.retained_mass_mean() == b.retained_mass_mean());  // the sums are not the product's
+    CHECK(a.bound_violations() == 0);
+    differs = differs || a.output_rel_error_mean() != b.output_rel_error_mean();
+  }
+  CHECK(differs);
+}
+
+// A NaN among the kept scores has no rank: the run's product falls back to token order (the same bits as
+// with the bands switched off), and the run beside it at another budget keeps its own results.
+TEST_CASE("replay: a NaN rank falls back to token order", "[replay]") {
+  MemoryTrace tr = BandTrace();
+  std::vector<RunSpec> runs{Spec(std::make_shared<RankedPolicy>(7), 200),
+                            Spec(std::make_shared<RankedPolicy>(), 300)};
+  auto with = Replay(tr, runs, Options());
+  SetRankBandsForTesting(false);
+  auto without = Replay(tr, runs, Options());
+  SetRankBandsForTesting(true);
+  REQUIRE(with.ok());
+  REQUIRE(without.ok());
+  CHECK((*with)[0].SerializeAsString() == (*without)[0].SerializeAsString());
+  CHECK((*with)[1].SerializeAsString() != (*without)[1].SerializeAsString());
+}
+
+}  // namespace kvsim
