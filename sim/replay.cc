@@ -268,9 +268,11 @@ struct WorkerScratch {
   std::vector<float> a, vu, out;  // the compact product: [g*S][|U|] x [|U|][d] = [g*S][d]
   // A ranked run's columns in rank order, their sort keys, and its band sums (FinishRun, RankBands).
   std::vector<int32_t> order;
-  std::vector<uint64_t> rank_keys;
+  std::vector<uint64_t> rank_keys, rank_tmp;
   std::vector<std::pair<size_t, std::shared_ptr<const std::vector<float>>>> band_sums;  // (bands, their sum)
   std::vector<size_t> band_wanted;  // band counts other runs may resume at (WantedBands)
+  std::vector<int32_t> hold;        // [T + 1] PositionOrder's difference array (zero between uses)
+  std::vector<int32_t> span;        // [|U|] consecutive tokens in consecutive columns from column c on
   // Merged slots in bulk (see BeginMergedBlock): while the cache's version is unchanged, its merged slots
   // (keys, values, slot indices) are too, so the dots of steps [mt0, mt0 + mrows) with them are one product
   // per group member and their values' output contribution another, added to `extra` when the block ends.
@@ -352,7 +354,7 @@ std::atomic<bool> g_union_scan{true};      // SetUnionScanForTesting
 std::atomic<bool> g_merged_prefix{true};   // SetMergedPrefixForTesting
 std::atomic<bool> g_chunk_sums{true};      // SetChunkSlotSumsForTesting
 std::atomic<bool> g_decode_part{true};     // SetSharedDecodePartForTesting
-std::atomic<bool> g_rank_bands{true};      // SetRankBandsForTesting
+std::atomic<bool> g_rank_bands{true};      // SetOutputBandsForTesting
 std::atomic<bool> g_band_memo{true};       // SetRankBandMemoForTesting
 // A ranked run's output product is added in bands of this many columns (FinishRun).
 constexpr size_t kRankBand = 64;
@@ -1285,9 +1287,92 @@ class LayerPass {
       bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;  // ascending with the float
       ws.rank_keys.push_back((static_cast<uint64_t>(~bits) << 32) | static_cast<uint32_t>(tok));
     }
-    std::sort(ws.rank_keys.begin(), ws.rank_keys.end());
-    for (uint64_t key : ws.rank_keys) ws.order.push_back(static_cast<int32_t>(key & 0xffffffffu));
+    // Ascending keys: the score's key (high half) by three stable counting passes of 11 bits over keys
+    // listed in ascending token order (the low half), so ties stay by ascending token: std::sort's order.
+    std::vector<uint64_t>&a = ws.rank_keys, &b = ws.rank_tmp;
+    if (a.size() < 256) {
+      std::sort(a.begin(), a.end());
+    } else {
+      b.resize(a.size());
+      for (int shift : {32, 43, 54}) {
+        uint32_t count[2049] = {};
+        for (uint64_t key : a) ++count[((key >> shift) & 2047) + 1];
+        if (count[((a[0] >> shift) & 2047) + 1] == a.size()) continue;  // one digit: nothing moves
+        for (int i = 1; i <= 2048; ++i) count[i] += count[i - 1];
+        for (uint64_t key : a) b[count[(key >> shift) & 2047]++] = key;
+        a.swap(b);
+      }
+    }
+    for (uint64_t key : a) ws.order.push_back(static_cast<int32_t>(key & 0xffffffffu));
     return true;
+  }
+
+  // A run of consecutive-token lists (FinishRun's runs path) without a sliding window: the prompt tokens
+  // it holds at every step ("full": their columns of A are p's own) in blocks of kRankBand positions
+  // counted back from the prompt's end, the newest block first, ascending within one, then every other
+  // token of U ascending, into ws.order; returns how many are full (0, ws.order untouched, when fewer than
+  // a band). Sliding windows of several sizes hold nested sets of full tokens in the same order.
+  size_t PositionOrder(int n, int steps, WorkerScratch& ws) const {
+    const int t_all = meta_.total_tokens();
+    if (ws.hold.size() != static_cast<size_t>(t_all) + 1) ws.hold.assign(static_cast<size_t>(t_all) + 1, 0);
+    for (const auto& run : ws.runs) {
+      ++ws.hold[run.first];
+      --ws.hold[run.first + run.len];
+    }
+    ws.order.clear();
+    int32_t held = 0, tok = ws.used.front();
+    for (int32_t j : ws.used) {
+      for (; tok <= j; ++tok) held += ws.hold[tok];
+      if (j < n && held == steps) ws.order.push_back(j);
+    }
+    for (const auto& run : ws.runs) ws.hold[run.first] = ws.hold[run.first + run.len] = 0;
+    const size_t full = ws.order.size();
+    if (full < kRankBand) return 0;
+    // The full tokens by block, newest first (ws.order holds them ascending), then the rest ascending.
+    std::vector<int32_t>& by_block = ws.span;  // scratch here
+    by_block.clear();
+    for (size_t end = full; end > 0;) {
+      const int32_t b = (n - 1 - ws.order[end - 1]) / static_cast<int32_t>(kRankBand);
+      size_t start = end;
+      while (start > 0 && (n - 1 - ws.order[start - 1]) / static_cast<int32_t>(kRankBand) == b) --start;
+      by_block.insert(by_block.end(), ws.order.begin() + start, ws.order.begin() + end);
+      end = start;
+    }
+    size_t f = 0;  // the full tokens are a subsequence of U (ascending): the others are what is skipped
+    for (int32_t j : ws.used) {
+      if (f < full && ws.order[f] == j) {
+        ++f;
+        continue;
+      }
+      by_block.push_back(j);
+    }
+    ws.order.swap(by_block);
+    return full;
+  }
+
+  // Adds the bands of columns [from, nb) of A to ws.out (which holds the sum of the bands before `from`),
+  // kRankBand columns at a time, and keeps the sums other runs of the unit may resume at (WantedBands, and
+  // after the last whole band: a larger budget's run resumes there). ws.a's rows hold columns a_first, ...
+  // (lda apart); ws.vu the value rows of columns from, from + 1, ...
+  void BandProducts(int u, int r, size_t nb, size_t from, size_t a_first, size_t lda, WorkerScratch& ws) {
+    const int steps = meta_.num_decode_steps, d = m_.head_dim;
+    const size_t rows = static_cast<size_t>(m_.GroupSize()) * steps;
+    WantedBands(u, r, nb, ws);
+    const size_t last = nb / kRankBand;
+    const bool keep = g_band_memo.load(std::memory_order_relaxed);
+    EnsureSingleThreadedBlas();
+    for (size_t c = from; c < nb; c += kRankBand) {
+      const size_t kb = std::min(kRankBand, nb - c);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, static_cast<int>(kb),
+                  1.0f, ws.a.data() + (c - a_first), static_cast<int>(lda), ws.vu.data() + (c - from) * d, d,
+                  1.0f, ws.out.data(), d);
+      const size_t m = (c + kb) / kRankBand;
+      if (keep && kb == kRankBand &&
+          (m == last || std::find(ws.band_wanted.begin(), ws.band_wanted.end(), m) != ws.band_wanted.end()))
+        ws.band_sums.emplace_back(
+            m, std::make_shared<const std::vector<float>>(ws.out.begin(), ws.out.begin() + rows * d));
+    }
+    KeepBands(units_[u], ws);
   }
 
   // The bands of ws.order[0, nu) another run of the unit already added: their sum goes to ws.out (zeros
@@ -1321,13 +1406,16 @@ class LayerPass {
   // expected column counts (budget + the uncompressed prompt tail), into ws.band_wanted.
   void WantedBands(int u, int r, size_t nu, WorkerScratch& ws) const {
     ws.band_wanted.clear();
-    const int n = meta_.prefill_length;
+    const int n = meta_.prefill_length, steps = meta_.num_decode_steps;
     for (size_t q = 0; q < plans_.size(); ++q) {
-      if (static_cast<int>(q) == r) continue;
+      // Only the same policy's other runs rank (or hold windows) alike.
+      if (static_cast<int>(q) == r || plans_[q].spec->policy != plans_[r].spec->policy) continue;
       const int64_t cols =
           static_cast<int64_t>(plans_[q].head_budgets[UnitIndex(u)]) + (n - plans_[q].compress_end);
-      const size_t m = static_cast<size_t>(std::max<int64_t>(cols, 0)) / kRankBand;
-      if (m > 0 && m * kRankBand < nu) ws.band_wanted.push_back(m);
+      for (int64_t c : {cols, cols - steps}) {  // a ranked run's columns; a sliding window's full tokens
+        const size_t m = static_cast<size_t>(std::max<int64_t>(c, 0)) / kRankBand;
+        if (m > 0 && m * kRankBand < nu) ws.band_wanted.push_back(m);
+      }
     }
   }
 
@@ -1994,25 +2082,7 @@ class LayerPass {
       if (!ranked) {
         product(nu, nu);
       } else {
-        // The sums kept for the unit's other runs: at the boundaries they may resume at, and after the last
-        // whole band (a larger budget's run resumes there).
-        WantedBands(u, r, nu, ws);
-        const size_t last = nu / kRankBand;
-        const bool keep = g_band_memo.load(std::memory_order_relaxed);
-        EnsureSingleThreadedBlas();
-        for (size_t c = 0; c < k; c += kRankBand) {
-          const size_t kb = std::min(kRankBand, k - c);
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d,
-                      static_cast<int>(kb), 1.0f, ws.a.data() + c, static_cast<int>(k), ws.vu.data() + c * d,
-                      d, 1.0f, ws.out.data(), d);
-          const size_t m = (from + c + kb) / kRankBand;
-          if (keep && kb == kRankBand &&
-              (m == last ||
-               std::find(ws.band_wanted.begin(), ws.band_wanted.end(), m) != ws.band_wanted.end()))
-            ws.band_sums.emplace_back(
-                m, std::make_shared<const std::vector<float>>(ws.out.begin(), ws.out.begin() + rows * d));
-        }
-        KeepBands(w, ws);
+        BandProducts(u, r, nu, from, from, k, ws);
       }
     } else {
       ExpandPrefix(ws);
@@ -2090,17 +2160,45 @@ class LayerPass {
           decode_part = held == static_cast<size_t>(n + t - lo + 1);
         }
         const size_t k = nu - (decode_part ? steps : 0);
+        // Position bands: a sliding window's full tokens (held at every step, PositionOrder) are added
+        // first, in bands of kRankBand columns, resuming another run's band sums as a ranked run does
+        // (ResumeBands); then the other columns but the decode part's, as one product in token order.
+        size_t full = 0, from = 0;
+        if (!ws.runs.empty() && g_rank_bands.load(std::memory_order_relaxed) &&
+            w.refs[0].first[steps - 1] == 0) {
+          full = PositionOrder(n, steps, ws);
+          if (full > 0) {
+            ws.used.assign(ws.order.begin(), ws.order.end());
+            from = ResumeBands(w, full, rows * d, ws);
+            ws.span.resize(nu);
+            ws.span[nu - 1] = 1;
+            for (size_t c = nu - 1; c-- > 0;)
+              ws.span[c] = ws.used[c + 1] == ws.used[c] + 1 ? ws.span[c + 1] + 1 : 1;
+          }
+        }
         for (size_t c = 0; c < nu; ++c) ws.col[ws.used[c]] = static_cast<int32_t>(c);
         GrowTo(ws.a, rows * nu);  // zeroed row by row below, just before its scatter
-        GrowTo(ws.vu, k * d);
-        for (size_t c = 0; c < k; ++c)
-          std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + c * d);
+        GrowTo(ws.vu, (k - from) * d);
+        for (size_t c = from; c < k; ++c)
+          std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + (c - from) * d);
         for (int g = 0; g < group; ++g) {
           size_t ri = 0;  // the next run (ws.runs: step by step, in list order)
           for (int t = 0; t < steps; ++t) {
             const float* p = w.refs[g].row(t);
             float* row = ws.a.data() + (static_cast<size_t>(g) * steps + t) * nu;
-            if (!ws.runs.empty()) {  // a run's tokens are consecutive in U, so its columns too
+            if (full > 0) {
+              // Every step writes every full column (the first `full`): only the others are zeroed. A run of
+              // tokens is copied in pieces of consecutive columns (it may span blocks).
+              std::fill(row + full, row + nu, 0.0f);
+              for (; ri < ws.runs.size() && static_cast<size_t>(ws.runs[ri].at) < ws.step_begin[t + 1]; ++ri)
+                for (int32_t f = ws.runs[ri].first, len = ws.runs[ri].len; len > 0;) {
+                  const size_t c = static_cast<size_t>(ws.col[f]);
+                  const int32_t l = std::min(len, ws.span[c]);
+                  std::copy_n(p + f, l, row + c);
+                  f += l;
+                  len -= l;
+                }
+            } else if (!ws.runs.empty()) {  // a run's tokens are consecutive in U, so its columns too
               // The step's runs [ri, re). In ascending columns (a window, or sinks then a window) only the
               // gaps between them are zeroed; in any other order the whole row first.
               size_t re = ri;
@@ -2127,7 +2225,17 @@ class LayerPass {
             }
           }
         }
-        product(k, nu);
+        if (full == 0) {
+          product(k, nu);
+        } else {
+          BandProducts(u, r, full, from, 0, nu, ws);
+          if (k > full) {
+            EnsureSingleThreadedBlas();
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d,
+                        static_cast<int>(k - full), 1.0f, ws.a.data() + full, static_cast<int>(nu),
+                        ws.vu.data() + (full - from) * d, d, 1.0f, ws.out.data(), d);
+          }
+        }
       } else {
         // Per step: out[k] += p[tok] * v[k] over the step's slots in order, the row kept in registers. Steps
         // whose slot lists begin alike (a cache rewritten once, then appended to) share their value-row
@@ -2540,7 +2648,7 @@ void SetUnionScanForTesting(bool allowed) { g_union_scan.store(allowed, std::mem
 void SetMergedPrefixForTesting(bool allowed) { g_merged_prefix.store(allowed, std::memory_order_relaxed); }
 void SetChunkSlotSumsForTesting(bool allowed) { g_chunk_sums.store(allowed, std::memory_order_relaxed); }
 void SetSharedDecodePartForTesting(bool allowed) { g_decode_part.store(allowed, std::memory_order_relaxed); }
-void SetRankBandsForTesting(bool allowed) { g_rank_bands.store(allowed, std::memory_order_relaxed); }
+void SetOutputBandsForTesting(bool allowed) { g_rank_bands.store(allowed, std::memory_order_relaxed); }
 void SetRankBandMemoForTesting(bool allowed) { g_band_memo.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,

@@ -129,7 +129,7 @@ void SetChunkSlotSumsForTesting(bool allowed);
 void SetSharedDecodePartForTesting(bool allowed);
 // Test hook: false adds every run's output product in token order, as one product (true: a run whose
 // policy ranks its kept prompt tokens, HeadPolicy::PrefillRank, adds it in rank bands).
-void SetRankBandsForTesting(bool allowed);
+void SetOutputBandsForTesting(bool allowed);
 // Test hook: false never keeps or resumes another run's band sums (each ranked run adds all its bands).
 void SetRankBandMemoForTesting(bool allowed);
 

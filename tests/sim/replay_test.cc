@@ -2003,7 +2003,9 @@ TEST_CASE("replay: the output product from runs of consecutive tokens equals the
   REQUIRE(streaming.ok());
   std::vector<RunSpec> runs{Spec(window, spec.prefill_length), Spec(scattered, spec.prefill_length),
                             RunSpec{*streaming, "streaming", 0.2, 0, QuestionMode::kQueryAware}};
+  SetOutputBandsForTesting(false);  // the runs path's position bands add in another order
   CheckSameWithout(tr, runs, &SetRunListsForTesting);
+  SetOutputBandsForTesting(true);
 }
 
 // FinishRun's token-by-token loops build the union U of a cache re-selected every step (the tokens' range
@@ -2101,7 +2103,9 @@ TEST_CASE("replay: a merged cache's steps as prefixes of one list equal the step
                                          [](int step, HeadCache* c, auto k, auto v) {
                                            if (step == 2) c->MergeInto(c->size() - 1, 300, 0.5f, k, v);
                                          }});
+  SetOutputBandsForTesting(false);  // outside the prefix mode, the tokens held at every step add in bands
   CheckSameWithout(tr, runs, &SetMergedPrefixForTesting);
+  SetOutputBandsForTesting(true);
 }
 
 // Step sums a merged-slot block's steps a chunk at a time over the slots they share (ChunkSlotSums), then
@@ -3036,8 +3040,9 @@ MemoryTrace BandTrace(int num_kv_heads = 2) {
 
 // A ranked run adds its output product in bands of 64 columns in rank order, and resumes from the sum of
 // another run's first bands when they hold the same tokens in the same order (budgets 40 .. 380 of one
-// ranking: nested sets, resumed at 64, 128, 192, 320 columns). Each run's results are its own: the same
-// bits alone as beside the others, with the kept sums switched off, and at 1 and 3 threads.
+// ranking: nested sets, resumed at 64, 128, 192, 320 columns); so does a sliding window with the tokens it
+// holds at every step, in blocks of 64 positions back from the prompt's end. Each run's results are its own:
+// the same bits alone as beside the others, with the kept sums switched off, and at 1 and 3 threads.
 TEST_CASE("replay: a ranked run's output product is its own, alone or resuming another run's bands",
           "[replay]") {
   for (int hkv : {2, 4}) {  // GQA (group of 2) and MHA
@@ -3045,6 +3050,8 @@ TEST_CASE("replay: a ranked run's output product is its own, alone or resuming a
     auto ranked = std::make_shared<RankedPolicy>();
     std::vector<RunSpec> runs;
     for (int b : {40, 70, 130, 200, 380, 130}) runs.push_back(Spec(ranked, b));
+    // Sliding windows (the runs path): their full tokens in position bands, nested.
+    for (int b : {90, 150, 300}) runs.push_back(Spec(Registered("streaming_llm"), b));
     CheckSameWithout(tr, runs, &SetRankBandMemoForTesting);
     auto together = Replay(tr, runs, Options());
     REQUIRE(together.ok());
@@ -3079,10 +3086,10 @@ TEST_CASE("replay: rank bands and the shared decode part agree with one product 
   runs.push_back(Spec(Registered("snapkv"), 150));
   runs.push_back(Spec(Registered("streaming_llm"), 150));
   auto banded = Replay(tr, runs, Options());
-  SetRankBandsForTesting(false);
+  SetOutputBandsForTesting(false);
   SetSharedDecodePartForTesting(false);
   auto plain = Replay(tr, runs, Options());
-  SetRankBandsForTesting(true);
+  SetOutputBandsForTesting(true);
   SetSharedDecodePartForTesting(true);
   REQUIRE(banded.ok());
   REQUIRE(plain.ok());
@@ -3106,9 +3113,9 @@ TEST_CASE("replay: a NaN rank falls back to token order", "[replay]") {
   std::vector<RunSpec> runs{Spec(std::make_shared<RankedPolicy>(7), 200),
                             Spec(std::make_shared<RankedPolicy>(), 300)};
   auto with = Replay(tr, runs, Options());
-  SetRankBandsForTesting(false);
+  SetOutputBandsForTesting(false);
   auto without = Replay(tr, runs, Options());
-  SetRankBandsForTesting(true);
+  SetOutputBandsForTesting(true);
   REQUIRE(with.ok());
   REQUIRE(without.ok());
   CHECK((*with)[0].SerializeAsString() == (*without)[0].SerializeAsString());
