@@ -784,25 +784,30 @@ void SetFletcherAvx2ForTesting(bool allowed) {
 #endif
 }
 
-uint32_t HdfFletcher32(const void* data_in, size_t size) {
-  // HDF5's H5_checksum_fletcher32 (H5checksum.c) adds the big-endian 16-bit words w_0..w_{N-1} (an odd last
-  // byte is one more word, shifted up) into sum1 and each running sum1 into sum2, folding with end-around
-  // carry (x -> (x & 0xffff) + (x >> 16)) every 360 words and at the end. A fold keeps the value mod 65535
-  // and keeps it positive, and the final value is <= 0xffff, so the result is: sum1 = S1 mod 65535 and
-  // sum2 = S2 mod 65535 with S1 = sum w_j, S2 = sum (N - j) w_j, a residue 0 written 0xffff unless the sum
-  // is 0 (every word zero). Computed that way in blocks (vectorizable 32-bit lanes), bit-identical.
-  const uint8_t* p = static_cast<const uint8_t*>(data_in);
-  const uint64_t n = size / 2 + size % 2;  // words, the odd tail byte included
-  constexpr uint64_t kMod = 65535;
-  constexpr size_t kBlock = 256;  // sum (kBlock - k) * 0xffff < 2^32
+namespace {
+
+// HdfFletcher32's sums S1, S2 mod 65535 and whether any word is nonzero, built up over consecutive word
+// ranges. The residues are exact whatever the ranges, so summing a message in pieces gives the same value.
+struct Fletcher32Sums {
   uint64_t s1 = 0, s2 = 0;
   uint32_t any = 0;
-  uint64_t i = 0;
+};
+
+// Adds words [i0, i1) of the n = size / 2 + size % 2 words of the message at p (p is the message's start;
+// the odd tail byte, if any, is word n - 1, shifted up) to *f.
+void Fletcher32Add(const uint8_t* p, size_t size, uint64_t i0, uint64_t i1, Fletcher32Sums* f) {
+  const uint64_t n = size / 2 + size % 2;  // words, the odd tail byte included
+  const uint64_t whole = std::min<uint64_t>(i1, size / 2);
+  constexpr uint64_t kMod = 65535;
+  constexpr size_t kBlock = 256;  // sum (kBlock - k) * 0xffff < 2^32
+  uint64_t s1 = f->s1, s2 = f->s2;
+  uint32_t any = f->any;
+  uint64_t i = i0;
 #ifdef KVSIM_FLETCHER_AVX2
-  if (kFletcherAvx2 && g_fletcher_avx2_allowed.load(std::memory_order_relaxed))
-    i = Fletcher32BlocksAvx2(p, size / 2, n, &s1, &s2, &any);  // then the rest as below
+  if (i < whole && kFletcherAvx2 && g_fletcher_avx2_allowed.load(std::memory_order_relaxed))
+    i += Fletcher32BlocksAvx2(p + 2 * i, whole - i, n - i, &s1, &s2, &any);  // then the rest as below
 #endif
-  for (; i + kBlock <= size / 2; i += kBlock) {
+  for (; i + kBlock <= whole; i += kBlock) {
     const uint8_t* q = p + 2 * i;
     uint32_t a = 0, b = 0;
     for (uint32_t k = 0; k < kBlock; ++k) {
@@ -815,44 +820,92 @@ uint32_t HdfFletcher32(const void* data_in, size_t size) {
     s1 = (s1 + a) % kMod;
     s2 = (s2 + b % kMod + ((n - i - kBlock) % kMod) * (a % kMod)) % kMod;
   }
-  for (; i < n; ++i) {  // the last < kBlock words
+  for (; i < i1; ++i) {  // the last < kBlock words
     const uint32_t w = 2 * i + 1 < size ? (static_cast<uint32_t>(p[2 * i]) << 8 | p[2 * i + 1])
                                         : static_cast<uint32_t>(p[2 * i]) << 8;
     any |= w;
     s1 = (s1 + w) % kMod;
     s2 = (s2 + ((n - i) % kMod) * w) % kMod;
   }
-  if (!any) return 0;
-  const uint32_t sum1 = s1 ? static_cast<uint32_t>(s1) : 0xffff,
-                 sum2 = s2 ? static_cast<uint32_t>(s2) : 0xffff;
+  f->s1 = s1;
+  f->s2 = s2;
+  f->any = any;
+}
+
+uint32_t Fletcher32Value(const Fletcher32Sums& f) {
+  if (!f.any) return 0;
+  const uint32_t sum1 = f.s1 ? static_cast<uint32_t>(f.s1) : 0xffff,
+                 sum2 = f.s2 ? static_cast<uint32_t>(f.s2) : 0xffff;
   return sum2 << 16 | sum1;
 }
 
-bool HdfFletcher32ChunkOk(const uint8_t* chunk, size_t size) {
+}  // namespace
+
+uint32_t HdfFletcher32(const void* data_in, size_t size) {
+  // HDF5's H5_checksum_fletcher32 (H5checksum.c) adds the big-endian 16-bit words w_0..w_{N-1} (an odd last
+  // byte is one more word, shifted up) into sum1 and each running sum1 into sum2, folding with end-around
+  // carry (x -> (x & 0xffff) + (x >> 16)) every 360 words and at the end. A fold keeps the value mod 65535
+  // and keeps it positive, and the final value is <= 0xffff, so the result is: sum1 = S1 mod 65535 and
+  // sum2 = S2 mod 65535 with S1 = sum w_j, S2 = sum (N - j) w_j, a residue 0 written 0xffff unless the sum
+  // is 0 (every word zero). Computed that way in blocks (vectorizable 32-bit lanes), bit-identical.
+  Fletcher32Sums f;
+  Fletcher32Add(static_cast<const uint8_t*>(data_in), size, 0, size / 2 + size % 2, &f);
+  return Fletcher32Value(f);
+}
+
+bool HdfFletcher32ChunkOk(const uint8_t* chunk, size_t size, size_t piece_words,
+                          const std::function<void(size_t, size_t)>& piece_done) {
   // H5Z_filter_fletcher32 on read: the stored value is little-endian (UINT32DECODE); HDF5 < 1.6.3 wrote it
   // with each byte pair swapped on little-endian machines, and HDF5 still accepts that form.
   if (size < 4) return false;
-  const size_t n = size - 4;
+  const size_t n = size - 4, words = n / 2 + n % 2;
   const uint32_t stored = static_cast<uint32_t>(chunk[n]) | static_cast<uint32_t>(chunk[n + 1]) << 8 |
                           static_cast<uint32_t>(chunk[n + 2]) << 16 |
                           static_cast<uint32_t>(chunk[n + 3]) << 24;
-  const uint32_t f = HdfFletcher32(chunk, n);
+  if (piece_words == 0) piece_words = words;
+  Fletcher32Sums sums;
+  for (size_t i = 0; i < words; i += piece_words) {
+    const size_t e = std::min(words, i + piece_words);
+    Fletcher32Add(chunk, n, i, e, &sums);
+    if (piece_done) piece_done(i, e);
+  }
+  const uint32_t f = Fletcher32Value(sums);
   const uint32_t reversed = (f & 0x00ff00ffu) << 8 | (f & 0xff00ff00u) >> 8;
   return stored == f || stored == reversed;
+}
+
+bool HdfFletcher32ChunkOk(const uint8_t* chunk, size_t size) {
+  return HdfFletcher32ChunkOk(chunk, size, 0, {});
 }
 
 // HalfToFloat(in, out, n) with non-temporal stores: the layer buffers are written once here and read back
 // only after the layer being replayed is done (each ~100 MB, far beyond the caches), so the stores skip the
 // read-for-ownership of every output line. The same conversion (F16C, or the scalar one for the unaligned
 // head and the tail), so the same bits. The caller fences (_mm_sfence) before others read `out`.
-void HalfToFloatStream(const uint16_t* in, float* out, size_t n) {
+// Returns whether any of the n halves is an inf or a NaN (exponent bits all set: HalfToFloat keeps both
+// classes, so exactly where `out` has them), tested on the halves as they are converted.
+bool HalfToFloatStream(const uint16_t* in, float* out, size_t n) {
   size_t i = 0;
+  uint32_t bad = 0;
 #ifdef __F16C__
-  for (; i < n && reinterpret_cast<uintptr_t>(out + i) % 32 != 0; ++i) out[i] = HalfToFloat(in[i]);
-  for (; i + 8 <= n; i += 8)
-    _mm256_stream_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  for (; i < n && reinterpret_cast<uintptr_t>(out + i) % 32 != 0; ++i) {
+    bad |= static_cast<uint32_t>((in[i] & 0x7c00u) == 0x7c00u);
+    out[i] = HalfToFloat(in[i]);
+  }
+  const __m128i exp = _mm_set1_epi16(0x7c00);
+  __m128i any = _mm_setzero_si128();
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    any = _mm_or_si128(any, _mm_cmpeq_epi16(_mm_and_si128(h, exp), exp));
+    _mm256_stream_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  bad |= static_cast<uint32_t>(!_mm_testz_si128(any, any));
 #endif
-  for (; i < n; ++i) out[i] = HalfToFloat(in[i]);
+  for (; i < n; ++i) {
+    bad |= static_cast<uint32_t>((in[i] & 0x7c00u) == 0x7c00u);
+    out[i] = HalfToFloat(in[i]);
+  }
+  return bad != 0;
 }
 
 struct DirectChunkReader {
@@ -1014,41 +1067,49 @@ Status ReadFloats(hid_t file, const std::string& name, const std::vector<hsize_t
                                std::to_string(addr + got) + "; the file may be truncated or corrupt");
           return;
         }
-        if (!HdfFletcher32ChunkOk(bytes, size)) {
-          status[item] = Status::DataLoss("dataset '" + name + "' fails its checksum (Fletcher32 of " +
-                                          chunk + "): the file is damaged; copy it again or re-write it");
-          return;
-        }
-        for (const auto& [b, e] : ranges) {
-          const size_t lo = std::max<size_t>(b, r0), hi = std::min<size_t>(e, r1);
-          if (lo >= hi) continue;
-          const size_t first = (lo - r0) * inner, count = (hi - lo) * inner;
-          float* d = dst + (o * nrows + lo) * inner;
-          if (half) {
-            HalfToFloatStream(words + first, d, count);
-          } else {
-            std::memcpy(d, bytes + first * 4, count * 4);
-          }
-          if (finite) {  // branch-free scan of the rows just written; locate the first bad one only if any
-            uint32_t bad = 0;
-            if (half) {  // on the stored halves (16 per vector, in cache): inf / NaN exactly where fp32 has
-                         // them
-              const uint16_t* const h = words + first;
-              for (size_t i = 0; i < count; ++i) bad |= static_cast<uint32_t>((h[i] & 0x7c00u) == 0x7c00u);
+        // One pass per piece of kPieceWords words while it is in L1: its checksum sums, then the wanted
+        // rows' conversion and finite scan (a damaged chunk is refused after its rows were written; the
+        // read fails, so they are never used).
+        constexpr size_t kPieceWords = 4096;
+        auto convert = [&](size_t w0, size_t w1) {
+          for (const auto& [b, e] : ranges) {
+            const size_t lo = std::max<size_t>({static_cast<size_t>(b), r0, r0 + w0 / inner}),
+                         hi = std::min<size_t>({static_cast<size_t>(e), r1, r0 + (w1 + inner - 1) / inner});
+            if (lo >= hi) continue;
+            const size_t first = (lo - r0) * inner, count = (hi - lo) * inner;
+            float* d = dst + (o * nrows + lo) * inner;
+            bool bad = false;
+            if (half) {
+              bad = HalfToFloatStream(words + first, d, count);
             } else {
-              for (size_t i = 0; i < count; ++i) {
-                uint32_t u;
-                std::memcpy(&u, d + i, 4);
-                bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+              std::memcpy(d, bytes + first * 4, count * 4);
+              if (finite) {  // branch-free scan of the rows just written
+                uint32_t any = 0;
+                for (size_t i = 0; i < count; ++i) {
+                  uint32_t u;
+                  std::memcpy(&u, d + i, 4);
+                  any |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+                }
+                bad = any != 0;
               }
             }
-            if (bad)
+            if (finite && bad)  // locate the first bad value only if there is one
               for (size_t i = 0; i < count; ++i)
                 if (!std::isfinite(d[i])) {
                   first_bad[item] = std::min(first_bad[item], static_cast<size_t>(d + i - dst));
                   break;
                 }
           }
+        };
+        // Pieces of whole rows of the stored elements (fp32: 2 words each).
+        const size_t elem_words = half ? 1 : 2;
+        const size_t piece = std::max<size_t>(1, kPieceWords / (inner * elem_words)) * inner * elem_words;
+        if (!HdfFletcher32ChunkOk(bytes, size, piece, [&](size_t w0, size_t w1) {
+              convert(w0 / elem_words, (w1 + elem_words - 1) / elem_words);
+            })) {
+          status[item] = Status::DataLoss("dataset '" + name + "' fails its checksum (Fletcher32 of " +
+                                          chunk + "): the file is damaged; copy it again or re-write it");
+          return;
         }
 #ifdef __F16C__
         if (half) _mm_sfence();  // HalfToFloatStream's stores are visible before the item counts as done

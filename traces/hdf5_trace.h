@@ -3,6 +3,7 @@
 // head of one layer) at a time, and a writer that never leaves a partial file under the final name.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,6 +73,11 @@ void SetFletcherAvx2ForTesting(bool allowed);
 // Whether a stored chunk (data then its 4-byte checksum, `size` bytes in all) passes the Fletcher32 filter's
 // check exactly as HDF5 does it (the stored value or its byte-pair-swapped form, for files of HDF5 < 1.6.3).
 bool HdfFletcher32ChunkOk(const uint8_t* chunk, size_t size);
+// The same check, summed in pieces of `piece_words` 16-bit words of the data (0: one piece), calling
+// piece_done(first_word, end_word) after each piece's words were added, while they are still in cache (the
+// direct reader converts that piece's rows there). Its result does not depend on the pieces.
+bool HdfFletcher32ChunkOk(const uint8_t* chunk, size_t size, size_t piece_words,
+                          const std::function<void(size_t, size_t)>& piece_done);
 
 class Hdf5TraceWriter final : public TraceSink {
  public:

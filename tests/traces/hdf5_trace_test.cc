@@ -430,6 +430,45 @@ TEST_CASE("hdf5 trace: errors name the file and the field", "[hdf5]") {
           }
       }
   }
+  SECTION("fp16 storage, chunks of several pieces: the first non-finite value found in any piece") {
+    // 1024-token chunks of d = 8: the reader converts and scans 512 rows per piece; a bad half in the first,
+    // a middle or the last piece of a chunk, at a piece's first or last element, in the vector loop or
+    // the tail, gives the same line on the direct and the H5Dread path.
+    MemoryTrace tr16 = testing::MakeTinyTrace(
+        {.prefill_length = 1500, .image_begin = 4, .image_end = 1000, .question_tokens = 4});
+    tr16.mutable_meta().storage_dtype = StorageDtype::kFloat16;
+    const std::string path16 = dir + "/long16.h5";
+    const size_t rows = 1506, d = 8, n = tr16.layers()[0].values.size();
+    for (const size_t at : {size_t{3}, 4095 * size_t{1}, size_t{4096}, 1023 * d + 7, 1024 * d, 1300 * d + 5,
+                            rows * d - 1, n - 1})
+      for (const uint16_t bad : {uint16_t{0x7c00}, uint16_t{0xfe00}}) {
+        INFO("half 0x" << std::hex << bad << std::dec << " at " << at);
+        REQUIRE(WriteTrace(tr16, path16, Hdf5WriteOptions{.chunk_tokens = 1024}).ok());
+        {
+          RawFile f(path16);
+          std::vector<uint16_t> h(n);
+          FloatToHalf(tr16.layers()[0].values.data(), h.data(), h.size());
+          h[at] = bad;
+          if (at + 9 < h.size()) h[at + 9] = 0x7c00;  // a later one does not move the index
+          hid_t ds = H5Dopen2(f.id, "/layers/layer_000/values", H5P_DEFAULT);
+          hid_t type = H5Dget_type(ds);
+          REQUIRE(H5Dwrite(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, h.data()) >= 0);
+          H5Tclose(type);
+          H5Dclose(ds);
+        }
+        auto r = Hdf5TraceReader::Open(path16);
+        REQUIRE(r.ok());
+        LayerData ld;
+        for (const bool direct : {true, false})
+          for (const int threads : {1, 3}) {
+            Status st =
+                (*r)->ReadLayer(0, &ld, LayerReadOptions{.threads = threads, .direct_chunks = direct});
+            CHECK(st.message() ==
+                  path16 + ": layer 0 dataset 'values' holds a non-finite value (NaN/Inf) at " +
+                      "flat index " + std::to_string(at) + "; the capture or generator produced bad data");
+          }
+      }
+  }
   SECTION("values beyond the float16 range are rejected on write") {
     tr.mutable_meta().storage_dtype = StorageDtype::kFloat16;
     tr.layers()[1].queries[5] = 70000.0f;
@@ -1225,6 +1264,22 @@ TEST_CASE("hdf5 trace: direct chunk reads equal H5Dread's bytes", "[hdf5][trace]
           CheckDirectEqualsLibrary(path, threads);
         }
       }
+  SECTION("chunks longer than the reader's pieces: checksummed and converted piece by piece, same values") {
+    // The direct reader sums and converts each chunk in pieces of 4096 words of whole rows (512 rows of d = 8
+    // in fp16, 256 in fp32): a 1500-token prompt in 1024-token chunks spans several pieces per chunk, and
+    // the query rows read (1..3, the last 5) start and end inside pieces.
+    for (const StorageDtype dtype : {StorageDtype::kFloat16, StorageDtype::kFloat32}) {
+      MemoryTrace tr = testing::MakeTinyTrace(
+          {.prefill_length = 1500, .image_begin = 4, .image_end = 1000, .question_tokens = 4});
+      tr.mutable_meta().storage_dtype = dtype;
+      const std::string path = dir + "/long" + StorageDtypeName(dtype) + ".h5";
+      REQUIRE(WriteTrace(tr, path, Hdf5WriteOptions{.chunk_tokens = 1024}).ok());
+      for (const int threads : {1, 3}) {
+        INFO(path << " threads " << threads);
+        CheckDirectEqualsLibrary(path, threads);
+      }
+    }
+  }
   SECTION("a compressed trace (shuffle + deflate) falls back to H5Dread and reads the same values") {
     MemoryTrace tr = testing::MakeTinyTrace();
     const std::string path = dir + "/z.h5";
@@ -1335,6 +1390,35 @@ TEST_CASE("hdf5 trace: Fletcher32 as HDF5 computes it; damage and truncation are
           }
           CHECK(HdfFletcher32(buf, len) == reference(buf, len));
         }
+      }
+    }
+    // Summed in pieces (the direct reader's form): the same verdict for any piece size, each word in one
+    // piece, the pieces in order; on both paths, intact and with a flipped byte.
+    for (const bool avx2 : {true, false}) {
+      SetFletcherAvx2ForTesting(avx2);
+      std::mt19937 rng(11);
+      for (const size_t len : {size_t{4}, size_t{5}, size_t{2052}, size_t{8197}, size_t{262148}}) {
+        std::vector<uint8_t> chunk(len);
+        for (uint8_t& b : chunk) b = static_cast<uint8_t>(rng());
+        const uint32_t f = HdfFletcher32(chunk.data(), len - 4);
+        for (int k = 0; k < 4; ++k) chunk[len - 4 + k] = static_cast<uint8_t>(f >> (8 * k));
+        const size_t words = (len - 4) / 2 + (len - 4) % 2;
+        for (const size_t piece : {0, 1, 7, 256, 1023, 1024, 1025, 4096, 100000})
+          for (const bool flip : {false, true}) {
+            INFO("avx2 " << avx2 << ", length " << len << ", piece " << piece << ", flip " << flip);
+            if (flip) chunk[len / 3] ^= 0x10;
+            size_t next = 0;
+            bool ordered = true;
+            const bool ok = HdfFletcher32ChunkOk(chunk.data(), len, piece, [&](size_t w0, size_t w1) {
+              ordered = ordered && w0 == next && w1 > w0 && (piece == 0 || w1 - w0 <= piece);
+              next = w1;
+            });
+            CHECK(ok == !flip);
+            CHECK(ok == HdfFletcher32ChunkOk(chunk.data(), len));
+            CHECK(ordered);
+            CHECK(next == words);
+            if (flip) chunk[len / 3] ^= 0x10;
+          }
       }
     }
     SetFletcherAvx2ForTesting(true);
