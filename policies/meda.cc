@@ -252,6 +252,7 @@ Status MedaPolicy::Validate(const policy::MedaParams& in) {
 PolicyRequirements MedaPolicy::requirements() const {
   return {.prompt_column_sums = true,
           .decode_attention = params_.compress_at() == policy::MedaParams::FIRST_DECODE_STEP,
+          .decode_attention_steps = 1,  // AfterStep reads step 0's attention only
           .first_pass = true,
           // The entropies' queries, unless the trace records them (FirstPassLayers is then empty).
           .first_pass_prompt_queries = true,

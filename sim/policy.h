@@ -94,7 +94,7 @@ struct StepAttention {
   int num_slots = 0;  // cache size during this step (the new token included)
   // Per query head of the group: attention over the cache's slots, renormalised over the cache:
   // [group][num_slots]. Only in AfterStep and only for policies with Requirements::decode_attention (the
-  // engine skips computing it for the others); null otherwise.
+  // engine skips computing it for the others, and after their decode_attention_steps); null otherwise.
   const float* cache_probs = nullptr;
   // Only for policies with Requirements::future_attention: full-cache attention of this step's queries over
   // every token [0, prefill_length + step], [group][prefill_length + step + 1]. Null otherwise.
@@ -131,7 +131,11 @@ struct PolicyRequirements {
   int window = 0;                   // PromptScores::WindowColumnSums(window) (0 = not used)
   bool future_attention = false;    // StepAttention::full_probs (oracle only)
   bool decode_attention = false;    // AfterStep needs cache_probs
-  bool first_pass = false;          // NewPlan / ObserveLayer / FinishPlan before the replay
+  // With decode_attention: AfterStep reads cache_probs only at the steps < decode_attention_steps (0: at
+  // every step); the engine computes none after them (cache_probs is null there). MEDA's official code
+  // reads step 0's only.
+  int decode_attention_steps = 0;
+  bool first_pass = false;  // NewPlan / ObserveLayer / FinishPlan before the replay
   // The first pass's ObserveLayer reads the query of every compressible token, of the layers
   // FirstPassLayers(meta, compress_end) lists, and only there: the replay itself reads only decode rows,
   // `window` rows and, for `prompt_column_sums` the trace does not record, every compressible row

@@ -286,9 +286,13 @@ struct WorkerScratch {
   std::vector<float> mk, mv;   // [M][d] the merged keys / values, in slot order
   std::vector<float> mdot;     // [g][mrows][M] q_t . k_m
   std::vector<float> mw;       // [g][mrows][M] the steps' merged weights (0 when not visible)
-  // The block's member sums of steps [ms0, ms0 + kMemberChunk) (see MemberSums); ms0 = -1: none.
-  int ms0 = -1;
-  std::vector<double> msum;  // [g][kMemberChunk][M]
+  // The chunk of steps [ms0, ms0 + kMemberChunk) Step asked MemberSums for last; ms0 = -1: none. The
+  // block's member sums of steps [mb0, mb0 + mbrows) (see MemberSums); mb0 = -1: none.
+  int ms0 = -1, mb0 = -1, mbrows = 0;
+  std::vector<double> msum;   // [g][mbrows][M]
+  std::vector<float> macc;    // [4][mbrows]: MemberSums' float lanes of one slot
+  std::vector<size_t> mmem0;  // [M + 1]: merged slot c's members are mmem[mmem0[c] .. mmem0[c + 1])
+  std::vector<int32_t> mmem;  // the block's merged slots' members (tokens), slot by slot
   // The block's steps [cs0, cs_end) (within the member sums' chunk) summed over the cache's first cslots
   // slots by MergedSlotSumsSteps, per group member ([g][kMemberChunk]), their weights already in mw (see
   // ChunkSlotSums); cs0 = -1: none.
@@ -645,6 +649,9 @@ void MergedSlotSumsSteps(const int32_t* tk, int slots, const float* pt, size_t s
       const int sm = merged[j];
       plain(s, sm);
       s = sm + 1;
+      // The row kAhead slots further, as in `plain` (a cache of merged slots mostly, as at small budgets,
+      // has few plain slots to do it).
+      __builtin_prefetch(p0 + static_cast<size_t>(tk[std::min(sm + kAhead, slots - 1)]) * stride);
       const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(p0 + static_cast<size_t>(tk[sm]) * stride));
       // The steps' weights and member sums: lanes built in registers (a vector load of four scalar stores
       // would wait for them: no store forwarding); a short last group repeats its last step (unused).
@@ -1230,7 +1237,7 @@ class LayerPass {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, mm, d, 1.0f, DecodeQuery(u * group + g, t),
                   d, ws.mk.data(), d, 0.0f, ws.mdot.data() + static_cast<size_t>(g) * rows * mm, mm);
     ws.mversion = cache.version();
-    ws.ms0 = -1;
+    ws.ms0 = ws.mb0 = -1;
     ws.cs0 = ws.cs_end = -1;
     ws.mt0 = t;
     ws.mt_end = t;
@@ -1465,110 +1472,113 @@ class LayerPass {
   }
 
   // The member sums Σ_{j ∈ members(s)} p_t[j] of every merged slot s of the block, for the steps
-  // [t, t + kMemberChunk) (those past the block or the request are computed and never read), into ws.msum.
-  // The loops are interchanged against a per-step gather: for each slot, each member in member order, all
-  // the chunk's steps at once, read from the unit's transposed probabilities (contiguous in steps), so the
-  // inner loop is a vector add. Each (step, slot) sum keeps its additions and their order: members
-  // i = 0, 1, 2, ... go to float lanes i mod 4 (the tail after the last multiple of 4 to lane 0), in
-  // member order, and the lanes are added as (m0 + m1) + (m2 + m3) in double, as in Step's per-step path.
+  // [t, t + kMemberChunk) (the chunk Step asks for: ws.ms0 = t), into ws.msum. They are computed for every
+  // step of the block from t on at once (rounded up to whole chunks; those past the block are computed and
+  // never read), so a later chunk of the block finds its sums there: a merged slot's members do not change
+  // while the block's version holds, and each member's row of the unit's transposed probabilities
+  // (contiguous in steps) is read once, whole, instead of 16 steps at a time per chunk (issue 14, round 15).
+  // Each (step, slot) sum keeps its additions and their order: members i = 0, 1, 2, ... go to float lanes
+  // i mod 4 (the tail after the last multiple of 4 to lane 0), in member order, and the lanes are added as
+  // (m0 + m1) + (m2 + m3) in double, as in Step's per-step path.
   void MemberSums(int u, int t, const HeadCache& cache, WorkerScratch& ws) {
+    ws.ms0 = t;
+    if (ws.mb0 >= 0 && t >= ws.mb0 && t + kMemberChunk <= ws.mb0 + ws.mbrows) return;
     UnitWork& w = units_[u];
     const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
     const size_t ts = static_cast<size_t>(t_all) * steps;
     ProbsT(w);
-    // The block's merged slots (appends since its start are plain slots after them).
+    // Whole chunks up to the block's end: pt + tok * steps + t + rows - 1 stays within the transposed
+    // probabilities' padding (kMemberChunk floats) for the last token.
+    const int rows = (ws.mt0 + ws.mrows - t + kMemberChunk - 1) / kMemberChunk * kMemberChunk;
+    // The block's merged slots (appends since its start are plain slots after them), their members flat.
     const int mm = static_cast<int>(ws.mslot.size());
-    ws.msum.resize(static_cast<size_t>(group) * kMemberChunk * mm);
+    ws.mmem0.resize(mm + 1);
+    ws.mmem.clear();
+    for (int c = 0; c < mm; ++c) {
+      ws.mmem0[c] = ws.mmem.size();
+      for (const auto& m : cache.merged(ws.mslot[c]).members) ws.mmem.push_back(m.first);
+    }
+    ws.mmem0[mm] = ws.mmem.size();
+    const int32_t* mem = ws.mmem.data();
+    const size_t total = ws.mmem.size();
+    ws.msum.resize(static_cast<size_t>(group) * rows * mm);
+    ws.macc.resize(4 * static_cast<size_t>(rows));
+    float* acc0 = ws.macc.data();
+    float* acc1 = acc0 + rows;
+    float* acc2 = acc1 + rows;
+    float* acc3 = acc2 + rows;
     for (int g = 0; g < group; ++g) {
       const float* pt = w.probs_t.data() + g * ts + t;
-      double* out = ws.msum.data() + static_cast<size_t>(g) * kMemberChunk * mm;
-      // The members' rows lie scattered over the transposed probabilities, and most slots have a few
-      // members: each member added prefetches the row kAhead members further in the block's member order
-      // (across slots), so the loads are in flight before their adds wait on them.
-      constexpr int kAhead = 8;
-      int pc = 0;  // the next row to prefetch: member pi of the block's merged slot pc
-      size_t pi = 0;
-      const std::pair<int32_t, float>* pmem = mm > 0 ? cache.merged(ws.mslot[0]).members.data() : nullptr;
-      size_t pn = mm > 0 ? cache.merged(ws.mslot[0]).members.size() : 0;
-      auto prefetch = [&] {
-        while (pi >= pn) {
-          if (++pc >= mm) return;
-          const auto& next = cache.merged(ws.mslot[pc]).members;
-          pmem = next.data();
-          pn = next.size();
-          pi = 0;
+      double* out = ws.msum.data() + static_cast<size_t>(g) * rows * mm;
+      // The members' rows lie scattered over the transposed probabilities: each group of members added
+      // prefetches the rows kAhead members further in the block's member order (across slots), so their
+      // loads are in flight before the adds wait on them.
+      constexpr size_t kAhead = 8;
+      size_t pf = 0;  // the next member to prefetch
+      auto prefetch_to = [&](size_t end) {
+        for (end = std::min(end, total); pf < end; ++pf) {
+          const float* row = pt + static_cast<size_t>(mem[pf]) * steps;
+          for (int k = 0; k < rows; k += kMemberChunk) __builtin_prefetch(row + k);
+          __builtin_prefetch(row + rows - 1);
         }
-        const float* row = pt + static_cast<size_t>(pmem[pi++].first) * steps;
-        __builtin_prefetch(row);
-        __builtin_prefetch(row + kMemberChunk - 1);
       };
-      for (int a = 0; a < kAhead; ++a) prefetch();
+      prefetch_to(kAhead);
       for (int c = 0; c < mm; ++c) {
-        const auto& members = cache.merged(ws.mslot[c]).members;
-        const auto* mem = members.data();
-        const size_t nm = members.size();
-        float m0[kMemberChunk] = {}, m1[kMemberChunk] = {}, m2[kMemberChunk] = {}, m3[kMemberChunk] = {};
+        const size_t i0 = ws.mmem0[c], nm = ws.mmem0[c + 1] - i0;
+        // A slot of fewer than 4 members adds to lane 0 only: the other lanes stay +0.0f, not written.
+        const bool four = nm >= 4;
+        std::fill_n(acc0, (four ? 4 : 1) * static_cast<size_t>(rows), 0.0f);
         size_t i = 0;
+        for (; i + 4 <= nm; i += 4) {
+          prefetch_to(i0 + i + 4 + kAhead);
+          const float* p0 = pt + static_cast<size_t>(mem[i0 + i]) * steps;
+          const float* p1 = pt + static_cast<size_t>(mem[i0 + i + 1]) * steps;
+          const float* p2 = pt + static_cast<size_t>(mem[i0 + i + 2]) * steps;
+          const float* p3 = pt + static_cast<size_t>(mem[i0 + i + 3]) * steps;
+          int k = 0;
 #ifdef __AVX2__
-        // Lane k of a register pair is step t + k's sum (m0[k] etc.): the same float additions in the same
-        // order as the scalar loops below.
-        static_assert(kMemberChunk == 16);
-        __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-        for (; i + 4 <= nm; i += 4) {
-          for (int a = 0; a < 4; ++a) prefetch();
-          const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
-          const float* p1 = pt + static_cast<size_t>(mem[i + 1].first) * steps;
-          const float* p2 = pt + static_cast<size_t>(mem[i + 2].first) * steps;
-          const float* p3 = pt + static_cast<size_t>(mem[i + 3].first) * steps;
-          a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p0));
-          b0 = _mm256_add_ps(b0, _mm256_loadu_ps(p0 + 8));
-          a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p1));
-          b1 = _mm256_add_ps(b1, _mm256_loadu_ps(p1 + 8));
-          a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p2));
-          b2 = _mm256_add_ps(b2, _mm256_loadu_ps(p2 + 8));
-          a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p3));
-          b3 = _mm256_add_ps(b3, _mm256_loadu_ps(p3 + 8));
-        }
-        for (; i < nm; ++i) {
-          prefetch();
-          const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
-          a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p0));
-          b0 = _mm256_add_ps(b0, _mm256_loadu_ps(p0 + 8));
-        }
-        _mm256_storeu_ps(m0, a0);
-        _mm256_storeu_ps(m0 + 8, b0);
-        _mm256_storeu_ps(m1, a1);
-        _mm256_storeu_ps(m1 + 8, b1);
-        _mm256_storeu_ps(m2, a2);
-        _mm256_storeu_ps(m2 + 8, b2);
-        _mm256_storeu_ps(m3, a3);
-        _mm256_storeu_ps(m3 + 8, b3);
-#else
-        for (; i + 4 <= nm; i += 4) {
-          for (int a = 0; a < 4; ++a) prefetch();
-          const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
-          const float* p1 = pt + static_cast<size_t>(mem[i + 1].first) * steps;
-          const float* p2 = pt + static_cast<size_t>(mem[i + 2].first) * steps;
-          const float* p3 = pt + static_cast<size_t>(mem[i + 3].first) * steps;
-          for (int k = 0; k < kMemberChunk; ++k) {
-            m0[k] += p0[k];
-            m1[k] += p1[k];
-            m2[k] += p2[k];
-            m3[k] += p3[k];
+          // Lane k of a register is step t + k's sum: the same float additions as the scalar loop below.
+          for (; k + 8 <= rows; k += 8) {
+            _mm256_storeu_ps(acc0 + k, _mm256_add_ps(_mm256_loadu_ps(acc0 + k), _mm256_loadu_ps(p0 + k)));
+            _mm256_storeu_ps(acc1 + k, _mm256_add_ps(_mm256_loadu_ps(acc1 + k), _mm256_loadu_ps(p1 + k)));
+            _mm256_storeu_ps(acc2 + k, _mm256_add_ps(_mm256_loadu_ps(acc2 + k), _mm256_loadu_ps(p2 + k)));
+            _mm256_storeu_ps(acc3 + k, _mm256_add_ps(_mm256_loadu_ps(acc3 + k), _mm256_loadu_ps(p3 + k)));
+          }
+#endif
+          for (; k < rows; ++k) {
+            acc0[k] += p0[k];
+            acc1[k] += p1[k];
+            acc2[k] += p2[k];
+            acc3[k] += p3[k];
           }
         }
         for (; i < nm; ++i) {
-          prefetch();
-          const float* p0 = pt + static_cast<size_t>(mem[i].first) * steps;
-          for (int k = 0; k < kMemberChunk; ++k) m0[k] += p0[k];
-        }
+          prefetch_to(i0 + i + 1 + kAhead);
+          const float* p0 = pt + static_cast<size_t>(mem[i0 + i]) * steps;
+          int k = 0;
+#ifdef __AVX2__
+          for (; k + 8 <= rows; k += 8)
+            _mm256_storeu_ps(acc0 + k, _mm256_add_ps(_mm256_loadu_ps(acc0 + k), _mm256_loadu_ps(p0 + k)));
 #endif
-        for (int k = 0; k < kMemberChunk; ++k)
-          out[static_cast<size_t>(k) * mm + c] =
-              (static_cast<double>(m0[k]) + m1[k]) + (static_cast<double>(m2[k]) + m3[k]);
+          for (; k < rows; ++k) acc0[k] += p0[k];
+        }
+        if (four)
+          for (int k = 0; k < rows; ++k)
+            out[static_cast<size_t>(k) * mm + c] =
+                (static_cast<double>(acc0[k]) + acc1[k]) + (static_cast<double>(acc2[k]) + acc3[k]);
+        else
+          for (int k = 0; k < rows; ++k)
+            out[static_cast<size_t>(k) * mm + c] = (static_cast<double>(acc0[k]) + 0.0f) + (0.0 + 0.0f);
       }
     }
-    ws.ms0 = t;
+    ws.mb0 = t;
+    ws.mbrows = rows;
+  }
+
+  // The member sums of the block's step t, group member g (ws.msum, see MemberSums).
+  static const double* StepMemberSums(const WorkerScratch& ws, int g, int t) {
+    const int mm = static_cast<int>(ws.mslot.size());
+    return ws.msum.data() + (static_cast<size_t>(g) * ws.mbrows + (t - ws.mb0)) * mm;
   }
 
   // For the steps [t, t + kMemberChunk) of the block (those it covers), when every slot is visible at each
@@ -1596,9 +1606,8 @@ class LayerPass {
         MergedWeights(ws.mdot.data() + g * mrows + static_cast<size_t>(t1 - ws.mt0) * mm, mm, tf,
                       w.refs[g].log_z[t1], mw + static_cast<size_t>(t1 - t) * mm);
       MergedSlotSumsSteps(cache.tokens().data(), slots, probs_t + g * ts + t, steps,
-                          meta_.tokens.modality.data(), ws.mslot.data(), mm, mw, mm,
-                          ws.msum.data() + static_cast<size_t>(g) * kMemberChunk * mm, mm, end - t,
-                          ws.csums.data() + static_cast<size_t>(g) * kMemberChunk);
+                          meta_.tokens.modality.data(), ws.mslot.data(), mm, mw, mm, StepMemberSums(ws, g, t),
+                          mm, end - t, ws.csums.data() + static_cast<size_t>(g) * kMemberChunk);
     }
     ws.cs0 = t;
     ws.cs_end = end;
@@ -1634,7 +1643,7 @@ class LayerPass {
     }
     ws.mlen = used < rows ? std::max(4, 2 * used) : 2 * rows;
     ws.mt0 = ws.mt_end = -1;
-    ws.ms0 = -1;
+    ws.ms0 = ws.mb0 = -1;
     ws.cs0 = ws.cs_end = -1;
   }
 
@@ -1769,8 +1778,9 @@ class LayerPass {
     RunAccum& a = acc_[r];
     a.tokens[UnitIndex(u) * (steps + 1) + 1 + t] = cache.size();
     const int slots = cache.size();
-    // The renormalised attention over the slots, only for a policy whose AfterStep reads it.
-    const bool want_cp = plan.req.decode_attention;
+    // The renormalised attention over the slots, only for a policy whose AfterStep reads it at this step.
+    const bool want_cp = plan.req.decode_attention &&
+                         (plan.req.decode_attention_steps <= 0 || t < plan.req.decode_attention_steps);
     if (want_cp) ws.cache_probs.assign(static_cast<size_t>(group) * slots, 0.0f);
     const auto tokens = cache.tokens();
     // The step's plain visible slots (the same for every head of the group): the compact product's rows.
@@ -1843,7 +1853,6 @@ class LayerPass {
         ChunkSlotSums(u, t, cache, ws, want_cp);
       }
     }
-    const double* msum = bulk ? ws.msum.data() + static_cast<size_t>(t - ws.ms0) * mm : nullptr;
     // The merged slots in slot order: the block's, else listed here.
     const int32_t* mslot = nullptr;
     int num_merged = 0;
@@ -1862,9 +1871,10 @@ class LayerPass {
       ws.step_dot.resize(num_merged);
       ws.step_members.resize(num_merged);
     }
-    // A prefix-closed step of a run whose policy does not read its attention: its sums later, with the
-    // other such steps' (FlushPrefixSums).
-    const bool defer = ws.prefix && !want_cp && !cache.has_merges();
+    // A prefix-closed step of a run whose policy reads no attention at all (the requirement, not want_cp:
+    // the deferred steps are the run's first ones): its sums later, with the other such steps'
+    // (FlushPrefixSums).
+    const bool defer = ws.prefix && !plan.req.decode_attention && !cache.has_merges();
     if (defer) ++ws.deferred;
     for (int g = 0; g < group && !defer; ++g) {
       const int qh = u * group + g;
@@ -1911,7 +1921,7 @@ class LayerPass {
           }
           if (masked < num_merged) MarkExtra(ws, t);
           weights = mw;
-          member_sums = msum + static_cast<size_t>(g) * kMemberChunk * mm;
+          member_sums = StepMemberSums(ws, g, t);
         } else {
           // Per step (the cache changed since the previous step): first the merged slots alone (their dots,
           // weights, member sums and output contributions: every call of the step), then the sums over all

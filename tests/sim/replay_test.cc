@@ -2112,7 +2112,7 @@ TEST_CASE("replay: a merged cache's steps as prefixes of one list equal the step
 // each step's appended ones. Every result must be the per-step sums', bit for bit, at 1 and 3 threads, over
 // 21 steps (a chunk of 16 and a short one): caches that keep their merges (hand-made, MEDA, LOOK-M, SnapKV
 // with averaged merges), one that changes them at step 5 (a new block mid-chunk), MEDA's official code
-// (which reads the steps' attention: per step).
+// (which reads step 0's attention only: its blocks from step 2 on are chunked too).
 TEST_CASE("replay: a merged block's chunked sums equal the per-step sums", "[replay][merge]") {
   MemoryTrace tr = MergedCacheTrace(21);
   const auto runs = MergedCacheRuns(tr, {[](int, HeadCache*, auto, auto) {},
@@ -2294,9 +2294,11 @@ TEST_CASE("replay: the prefix-closed steps' sums at once equal PlainSlotSums ste
 
 TEST_CASE("replay: a prefix-closed run's deferred sums give Step's own results, at any thread count",
           "[replay]") {
-  // The same caches twice: once for a policy that reads the step's attention (Step computes every step's
-  // sums itself) and once for one that does not (the prefix-closed steps' sums are deferred to
-  // FlushPrefixSums); every field of the results must be equal. GQA (groups of 2); runs that stay
+  // The same caches three times: once for a policy that reads the step's attention (Step computes every
+  // step's sums itself), once for one that does not (the prefix-closed steps' sums are deferred to
+  // FlushPrefixSums) and once for one that reads steps 0 and 1 only (decode_attention_steps: Step computes
+  // every step's sums itself, the cache's attention only for those two; no step deferred, as the steps
+  // before would not be); every field of the results must be equal. GQA (groups of 2); runs that stay
   // prefix-closed, that stop being so at step 5 (an eviction), that never are (an eviction every step), and
   // with a sliding window that starts to slide at step 4 (no step after it is prefix-closed).
   testing::TinyTraceSpec spec;
@@ -2329,10 +2331,11 @@ TEST_CASE("replay: a prefix-closed run's deferred sums give Step's own results, 
     const Kept until3 = [&](int t) { return t < 3 ? held(t, {1, 2, 3}) : held(t, {1, 2, 3, 4 + t}); };
     const std::vector<Kept> kept{closed, until5, never, everything, until3, closed};
     std::vector<RunSpec> runs;
-    for (bool reads : {false, true})
+    for (int reads : {0, 1, 2})  // none, every step's, steps 0 and 1
       for (size_t i = 0; i < kept.size(); ++i) {
         PolicyRequirements req;
-        req.decode_attention = reads;
+        req.decode_attention = reads > 0;
+        req.decode_attention_steps = reads == 2 ? 2 : 0;
         const Kept k = kept[i];
         const bool reassign = i + 1 == kept.size();
         runs.push_back(Spec(std::make_shared<ActPolicy>(
@@ -2357,8 +2360,10 @@ TEST_CASE("replay: a prefix-closed run's deferred sums give Step's own results, 
     for (size_t i = 0; i < nk; ++i) {
       INFO("cache " << i << " window " << window);
       CHECK(res[0][i].SerializeAsString() == res[0][nk + i].SerializeAsString());
+      CHECK(res[0][i].SerializeAsString() == res[0][2 * nk + i].SerializeAsString());
       CHECK(res[0][i].SerializeAsString() == res[1][i].SerializeAsString());
       CHECK(res[0][nk + i].SerializeAsString() == res[1][nk + i].SerializeAsString());
+      CHECK(res[0][2 * nk + i].SerializeAsString() == res[1][2 * nk + i].SerializeAsString());
       CHECK(res[0][i].metrics().retained_mass_mean() > 0.1);
     }
     // The re-assignment ends the prefix mode at step 6 (the cache's version changes): the sums of its later
@@ -2367,6 +2372,81 @@ TEST_CASE("replay: a prefix-closed run's deferred sums give Step's own results, 
     CHECK(res[0][0].SerializeAsString() == res[0][nk - 1].SerializeAsString());
     CHECK(res[0][nk].SerializeAsString() == res[0][2 * nk - 1].SerializeAsString());
   }
+}
+
+// A policy that reads the cache's attention at its first decode_attention_steps steps only gets it there
+// (StepAttention::cache_probs, renormalised over the cache: Σ = 1 per group member) and null at the later
+// steps, for which the engine computes none; MEDA's official code reads step 0's only.
+TEST_CASE("replay: the cache's attention only at the steps a policy reads (decode_attention_steps)",
+          "[replay]") {
+  struct Seen {
+    std::mutex mu;
+    std::map<int, std::pair<int, int>> steps;  // step: (calls with cache_probs, calls without)
+  };
+  class Probe final : public Policy {
+   public:
+    Probe(Seen* seen, int steps) : seen_(seen), steps_(steps) {}
+    std::string name() const override { return "probe"; }
+    std::string ParamsText() const override { return ""; }
+    PolicyRequirements requirements() const override {
+      return {.decode_attention = true, .decode_attention_steps = steps_};
+    }
+    bool evicts_during_decode() const override { return false; }
+    std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+      class Head final : public HeadPolicy {
+       public:
+        explicit Head(Seen* seen) : seen_(seen) {}
+        void OnPrefill(const HeadContext& ctx, int, HeadCache* cache) override {
+          std::vector<int32_t> keep;
+          for (int32_t j = 0; j < ctx.compress_end; j += 2) keep.push_back(j);
+          cache->Assign(keep);
+        }
+        void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache*) override {
+          std::lock_guard lock(seen_->mu);
+          auto& [with, without] = seen_->steps[att.step];
+          if (att.cache_probs == nullptr) {
+            ++without;
+            return;
+          }
+          ++with;
+          for (int g = 0; g < ctx.meta->model.GroupSize(); ++g) {
+            double sum = 0;
+            for (int s = 0; s < att.num_slots; ++s) sum += att.cache_probs[g * att.num_slots + s];
+            CHECK(sum == Approx(1.0).epsilon(1e-5));
+          }
+        }
+
+       private:
+        Seen* seen_;
+      };
+      return std::make_unique<Head>(seen_);
+    }
+
+   private:
+    Seen* seen_;
+    int steps_;
+  };
+  MemoryTrace tr = testing::MakeTinyTrace();  // 6 decode steps
+  const int steps = tr.meta().num_decode_steps;
+  REQUIRE(steps == 6);
+  for (int reads : {0, 1, 2, 6, 9}) {  // 0: every step
+    INFO("decode_attention_steps " << reads);
+    Seen seen;
+    const std::vector<RunSpec> runs{Spec(std::make_shared<Probe>(&seen, reads), 12)};
+    auto res = Replay(tr, runs, Options());
+    REQUIRE(res.ok());
+    const int units = tr.meta().model.num_layers * tr.meta().model.num_kv_heads;
+    REQUIRE(static_cast<int>(seen.steps.size()) == steps);
+    for (int t = 0; t < steps; ++t) {
+      const bool read = reads == 0 || t < reads;
+      CHECK(seen.steps[t].first == (read ? units : 0));
+      CHECK(seen.steps[t].second == (read ? 0 : units));
+    }
+  }
+  const PolicyRequirements official = Registered("meda", {"variant=OFFICIAL_CODE"})->requirements();
+  CHECK(official.decode_attention);
+  CHECK(official.decode_attention_steps == 1);
+  CHECK_FALSE(Registered("meda")->requirements().decode_attention);
 }
 
 // FinishRun's three ways to the outputs Σ_s p_s v_s (the compact GEMM over gathered rows of a prefix-closed
