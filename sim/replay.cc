@@ -2054,7 +2054,7 @@ class LayerPass {
       std::sort(ws.used.begin(), ws.used.end());
       // U holds the decode tokens [n, n + S) (its last S tokens) only if every step held its visible ones
       // (prefix-closed): A's rows are whole rows of p, so its decode columns are the decode part's.
-      decode_part = g_decode_part.load(std::memory_order_relaxed) &&
+      decode_part = g_decode_part.load(std::memory_order_relaxed) && steps > 0 &&
                     ws.used.size() >= static_cast<size_t>(steps) && ws.used[ws.used.size() - steps] == n;
       const size_t nu = ws.used.size() - (decode_part ? steps : 0);
       // A ranked run (HeadPolicy::PrefillRank) adds its columns in rank order, kRankBand at a time: out =
@@ -2162,7 +2162,8 @@ class LayerPass {
       if (nu > 0 && nu * steps <= 4 * gathered) {
         // Does every step hold its visible decode tokens [max(n, first), n + t]? Then U ends with [n, n + S)
         // (step t holds token n + t) and A's decode columns are p's (zero where p is).
-        decode_part = g_decode_part.load(std::memory_order_relaxed) && nu >= static_cast<size_t>(steps);
+        decode_part =
+            g_decode_part.load(std::memory_order_relaxed) && steps > 0 && nu >= static_cast<size_t>(steps);
         for (int t = 0; t < steps && decode_part; ++t) {
           const int32_t lo = std::max(n, w.refs[0].first[t]);
           size_t held = 0;
