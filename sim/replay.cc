@@ -1382,6 +1382,15 @@ class LayerPass {
     KeepBands(units_[u], ws);
   }
 
+  // How many first tokens of `order` (at most `limit`) the chain's order begins with.
+  static size_t CommonTokens(const UnitWork::BandChain& chain, const std::vector<int32_t>& order,
+                             size_t limit) {
+    const size_t lim = std::min(limit, chain.order.size());
+    return static_cast<size_t>(
+        std::mismatch(chain.order.begin(), chain.order.begin() + lim, order.begin()).first -
+        chain.order.begin());
+  }
+
   // The bands of ws.order[0, nu) another run of the unit already added: their sum goes to ws.out (zeros
   // when none); returns how many columns that covers (a multiple of kRankBand).
   size_t ResumeBands(UnitWork& w, size_t nu, size_t elems, WorkerScratch& ws) const {
@@ -1391,9 +1400,7 @@ class LayerPass {
     if (g_band_memo.load(std::memory_order_relaxed)) {
       std::lock_guard<std::mutex> lock(*w.band_mutex);
       for (const auto& chain : w.band_chains) {
-        const size_t lim = std::min(nu, chain.order.size());
-        size_t c = 0;
-        while (c < lim && chain.order[c] == ws.order[c]) ++c;
+        const size_t c = CommonTokens(chain, ws.order, nu);
         for (const auto& [m, sum] : chain.sums)
           if (m * kRankBand <= c && m > best_m) {
             best_m = m;
@@ -1436,10 +1443,7 @@ class LayerPass {
     std::lock_guard<std::mutex> lock(*w.band_mutex);
     UnitWork::BandChain* into = nullptr;
     for (auto& chain : w.band_chains) {
-      const size_t lim = std::min(len, chain.order.size());
-      size_t c = 0;
-      while (c < lim && chain.order[c] == ws.order[c]) ++c;
-      if (c == lim) {
+      if (CommonTokens(chain, ws.order, len) == std::min(len, chain.order.size())) {
         into = &chain;
         break;
       }

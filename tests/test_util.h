@@ -1,6 +1,7 @@
 #pragma once
 // Shared helpers for tests: tiny hand-made traces and scratch folders.
 
+#include <array>
 #include <cstdint>
 #include <string>
 
@@ -41,7 +42,8 @@ std::string WriteFile(const std::string& path, const std::string& text);
 // Runs a shell command, returns its exit status; stdout+stderr captured into *output if given.
 int RunCommand(const std::string& cmd, std::string* output = nullptr);
 
-// A TraceSource over another that records which layers ReadLayer was asked for (in call order).
+// A TraceSource over another that records which layers ReadLayer was asked for (in call order), and the
+// sizes of the keys, values and queries buffers it was handed (before the read).
 class CountingTrace final : public TraceSource {
  public:
   explicit CountingTrace(TraceSource& base) : base_(base) {}
@@ -49,10 +51,12 @@ class CountingTrace final : public TraceSource {
   using TraceSource::ReadLayer;
   Status ReadLayer(int layer, LayerData* out, const LayerReadOptions& options) override {
     reads.push_back(layer);
+    handed.push_back({out->keys.size(), out->values.size(), out->queries.size()});
     return base_.ReadLayer(layer, out, options);
   }
   std::string Describe() const override { return base_.Describe(); }
   std::vector<int> reads;
+  std::vector<std::array<size_t, 3>> handed;
 
  private:
   TraceSource& base_;

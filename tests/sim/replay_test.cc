@@ -895,23 +895,6 @@ TEST_CASE("replay: (KV head, run) items are bit-identical at any thread count (G
   }
 }
 
-// A TraceSource over another that records the sizes of the buffers each ReadLayer is handed.
-class SizeRecordingTrace final : public TraceSource {
- public:
-  explicit SizeRecordingTrace(TraceSource& base) : base_(base) {}
-  const TraceMeta& meta() const override { return base_.meta(); }
-  using TraceSource::ReadLayer;
-  Status ReadLayer(int layer, LayerData* out, const LayerReadOptions& options) override {
-    handed.push_back({out->keys.size(), out->values.size(), out->queries.size()});
-    return base_.ReadLayer(layer, out, options);
-  }
-  std::string Describe() const override { return base_.Describe(); }
-  std::vector<std::array<size_t, 3>> handed;
-
- private:
-  TraceSource& base_;
-};
-
 TEST_CASE("replay: the first read gets the layer's buffers already sized (faulted in on the workers)",
           "[replay]") {
   // Replay sizes the first layer's keys, values and queries (and zeroes the runs' accumulators) in
@@ -939,7 +922,7 @@ TEST_CASE("replay: the first read gets the layer's buffers already sized (faulte
   REQUIRE(serial.ok());
   for (int threads : {1, 3}) {
     for (size_t n : {size_t{1}, runs.size()}) {
-      SizeRecordingTrace recorded(trace);
+      testing::CountingTrace recorded(trace);
       auto got =
           Replay(recorded, std::span<const RunSpec>(runs.data(), n), ReplayOptions{.threads = threads});
       REQUIRE(got.ok());
