@@ -270,9 +270,10 @@ struct WorkerScratch {
   std::vector<int32_t> order;
   std::vector<uint64_t> rank_keys, rank_tmp;
   std::vector<std::pair<size_t, std::shared_ptr<const std::vector<float>>>> band_sums;  // (bands, their sum)
-  std::vector<size_t> band_wanted;  // band counts other runs may resume at (WantedBands)
-  std::vector<int32_t> hold;        // [T + 1] PositionOrder's difference array (zero between uses)
-  std::vector<int32_t> span;        // [|U|] consecutive tokens in consecutive columns from column c on
+  std::vector<size_t> band_wanted;   // band counts other runs may resume at (WantedBands)
+  std::vector<int32_t> hold;         // [T + 1] PositionOrder's difference array (zero between uses)
+  std::vector<int32_t> span;         // [|U|] consecutive tokens in consecutive columns from column c on
+  std::vector<const float*> band_v;  // FinishRun: each band product's value rows (in V, or in vu)
   // Merged slots in bulk (see BeginMergedBlock): while the cache's version is unchanged, its merged slots
   // (keys, values, slot indices) are too, so the dots of steps [mt0, mt0 + mrows) with them are one product
   // per group member and their values' output contribution another, added to `extra` when the block ends.
@@ -354,6 +355,7 @@ void GrowTo(std::vector<T>& v, size_t n) {
 std::atomic<bool> g_kth_from_sums{true};   // SetFullKthFromSumsForTesting
 std::atomic<bool> g_exact_row_sums{true};  // SetExactRowSumsForTesting
 std::atomic<bool> g_run_lists{true};       // SetRunListsForTesting
+std::atomic<bool> g_in_place_v{true};      // SetInPlaceValueRowsForTesting
 std::atomic<bool> g_union_scan{true};      // SetUnionScanForTesting
 std::atomic<bool> g_merged_prefix{true};   // SetMergedPrefixForTesting
 std::atomic<bool> g_chunk_sums{true};      // SetChunkSlotSumsForTesting
@@ -1360,8 +1362,10 @@ class LayerPass {
   // Adds the bands of columns [from, nb) of A to ws.out (which holds the sum of the bands before `from`),
   // kRankBand columns at a time, and keeps the sums other runs of the unit may resume at (WantedBands, and
   // after the last whole band: a larger budget's run resumes there). ws.a's rows hold columns a_first, ...
-  // (lda apart); ws.vu the value rows of columns from, from + 1, ...
-  void BandProducts(int u, int r, size_t nb, size_t from, size_t a_first, size_t lda, WorkerScratch& ws) {
+  // (lda apart); ws.vu the value rows of columns from, from + 1, ..., or, when `band_v` is given,
+  // band_v[(c - from) / kRankBand] those of the band from column c on (d apart: the same operand).
+  void BandProducts(int u, int r, size_t nb, size_t from, size_t a_first, size_t lda, WorkerScratch& ws,
+                    const float* const* band_v = nullptr) {
     const int steps = meta_.num_decode_steps, d = m_.head_dim;
     const size_t rows = static_cast<size_t>(m_.GroupSize()) * steps;
     WantedBands(u, r, nb, ws);
@@ -1371,8 +1375,9 @@ class LayerPass {
     for (size_t c = from; c < nb; c += kRankBand) {
       const size_t kb = std::min(kRankBand, nb - c);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, static_cast<int>(kb),
-                  1.0f, ws.a.data() + (c - a_first), static_cast<int>(lda), ws.vu.data() + (c - from) * d, d,
-                  1.0f, ws.out.data(), d);
+                  1.0f, ws.a.data() + (c - a_first), static_cast<int>(lda),
+                  band_v ? band_v[(c - from) / kRankBand] : ws.vu.data() + (c - from) * d, d, 1.0f,
+                  ws.out.data(), d);
       const size_t m = (c + kb) / kRankBand;
       if (keep && kb == kRankBand &&
           (m == last || std::find(ws.band_wanted.begin(), ws.band_wanted.end(), m) != ws.band_wanted.end()))
@@ -1698,6 +1703,8 @@ class LayerPass {
                                                    : w.top_sum[gt * (w.kpre + 1) + k])
                                      : AllSums(w).Sum(static_cast<int>(gt), k, &ws.sorted);
     a.regret[si] = static_cast<float>(top - retained);
+    // The next step's row of this member (asked next, with about the same k): its lines on their way.
+    if (w.use_sums && t + 1 < steps && k <= w.kpre) w.sums.Prefetch(static_cast<int>(gt) + 1, k);
     double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
     double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
     const double* wfm = &w.full_mod[gt * 4];
@@ -2194,8 +2201,21 @@ class LayerPass {
         for (size_t c = 0; c < nu; ++c) ws.col[ws.used[c]] = static_cast<int32_t>(c);
         GrowTo(ws.a, rows * nu);  // zeroed row by row below, just before its scatter
         GrowTo(ws.vu, (k - from) * d);
-        for (size_t c = from; c < k; ++c)
-          std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + (c - from) * d);
+        // The value rows of each product's columns (the bands of the full columns, then [full, k)): read in
+        // place when the columns' tokens are consecutive (a window's bands: the same rows, d apart, as the
+        // copy would hold, so the same operand), copied into ws.vu otherwise.
+        ws.band_v.clear();
+        const bool in_place = full > 0 && g_in_place_v.load(std::memory_order_relaxed);
+        auto rows_of = [&](size_t c0, size_t c1) -> const float* {
+          if (in_place && ws.span[c0] >= static_cast<int32_t>(c1 - c0))
+            return values + static_cast<size_t>(ws.used[c0]) * d;
+          for (size_t c = c0; c < c1; ++c)
+            std::copy_n(values + static_cast<size_t>(ws.used[c]) * d, d, ws.vu.data() + (c - from) * d);
+          return ws.vu.data() + (c0 - from) * d;
+        };
+        for (size_t c = from; c < full; c += kRankBand)
+          ws.band_v.push_back(rows_of(c, std::min(full, c + kRankBand)));
+        const float* rest_v = k > full ? rows_of(std::max(full, from), k) : nullptr;
         for (int g = 0; g < group; ++g) {
           size_t ri = 0;  // the next run (ws.runs: step by step, in list order)
           for (int t = 0; t < steps; ++t) {
@@ -2243,12 +2263,12 @@ class LayerPass {
         if (full == 0) {
           product(k, nu);
         } else {
-          BandProducts(u, r, full, from, 0, nu, ws);
+          BandProducts(u, r, full, from, 0, nu, ws, ws.band_v.data());
           if (k > full) {
             EnsureSingleThreadedBlas();
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d,
-                        static_cast<int>(k - full), 1.0f, ws.a.data() + full, static_cast<int>(nu),
-                        ws.vu.data() + (full - from) * d, d, 1.0f, ws.out.data(), d);
+                        static_cast<int>(k - full), 1.0f, ws.a.data() + full, static_cast<int>(nu), rest_v, d,
+                        1.0f, ws.out.data(), d);
           }
         }
       } else {
@@ -2660,6 +2680,7 @@ void SetFullKthFromSumsForTesting(bool allowed) { g_kth_from_sums.store(allowed,
 void SetExactRowSumsForTesting(bool allowed) { g_exact_row_sums.store(allowed, std::memory_order_relaxed); }
 void SetRunListsForTesting(bool allowed) { g_run_lists.store(allowed, std::memory_order_relaxed); }
 void SetUnionScanForTesting(bool allowed) { g_union_scan.store(allowed, std::memory_order_relaxed); }
+void SetInPlaceValueRowsForTesting(bool allowed) { g_in_place_v.store(allowed, std::memory_order_relaxed); }
 void SetMergedPrefixForTesting(bool allowed) { g_merged_prefix.store(allowed, std::memory_order_relaxed); }
 void SetChunkSlotSumsForTesting(bool allowed) { g_chunk_sums.store(allowed, std::memory_order_relaxed); }
 void SetSharedDecodePartForTesting(bool allowed) { g_decode_part.store(allowed, std::memory_order_relaxed); }

@@ -118,6 +118,9 @@ void SetRunListsForTesting(bool allowed);
 // Test hook: false makes FinishRun's token-by-token loops list the union U's tokens at first sight and sort
 // them, instead of one scan of the markers over the tokens' range (the same U).
 void SetUnionScanForTesting(bool allowed);
+// Test hook: false makes FinishRun's runs path copy every product's value rows into its buffer, instead of
+// reading a band of consecutive tokens' rows in place in V (the same operand).
+void SetInPlaceValueRowsForTesting(bool allowed);
 // Test hook: false keeps a cache that holds merged slots at step 0 out of Step's prefix mode (its steps'
 // plain slots then listed one by one, step by step, as before round 14), which only a plain cache entered.
 void SetMergedPrefixForTesting(bool allowed);

@@ -783,6 +783,7 @@ double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* 
       if (jb > row.gend[ng]) row.gend[++ng] = jb;
     }
     row.ngroups = ng;
+    for (int g = 0; g <= ng; ++g) row.gcnt[g] = cc[row.gend[g]];
     elems_used_ = row.elem + kept + kGroupGap * ng;
     uint32_t from[kGroups];  // group g: the patterns in [from[g], from[g - 1])
     for (int g = 0; g < ng; ++g) from[g] = (hi - static_cast<uint32_t>(row.gend[g + 1] - 1)) << kBucketShift;
@@ -908,6 +909,22 @@ double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
   std::nth_element(sv, sv + (size - need - 1), sv + size);
   for (int i = 0; i < size - need; ++i) part += sv[i];
   return (above + bucket_sum) - part;
+}
+
+void TopKSums::Prefetch(int r, int k) const {
+  if (r < 0 || static_cast<size_t>(r) >= rows_.size()) return;
+  const Row& row = rows_[r];
+  if (k <= 0 || k >= row.n || k > row.kept) return;  // Sum reads no group then
+  int g = 0;  // the group holding the k-th largest value: kept values (gcnt[g], gcnt[g + 1]]
+  while (g + 1 < row.ngroups && row.gcnt[g + 1] < k) ++g;
+  auto lines = [](const void* p, size_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(c + at);
+    __builtin_prefetch(c + bytes - 1);
+  };
+  lines(cc_.data() + row.bucket, (static_cast<size_t>(row.nb) + 1) * sizeof(int32_t));
+  lines(elems_.data() + row.elem + row.gcnt[g] + kGroupGap * g,
+        static_cast<size_t>(row.gcnt[g + 1] - row.gcnt[g]) * sizeof(float));
 }
 
 std::optional<float> TopKSums::Kth(int r, int k, std::vector<float>* scratch) const {

@@ -107,6 +107,12 @@ class TopKSums {
   // when that value lies in a bucket below the one holding the kmax-th largest value, or below 2^L and
   // beyond the row's kmax (those values are not kept); always there for k <= kmax.
   std::optional<float> Kth(int row, int k, std::vector<float>* scratch) const;
+  // A hint, no result: starts loading what Sum(row, k) will read (the row's cumulative counts and the group
+  // of kept values holding the k-th largest value) into the caches. A caller that will ask row r + 1 next
+  // (the next decode step's row, with about the same k) calls it right after Sum(r, k), so the lines,
+  // written when the row was added long before, are on their way during the caller's work in between.
+  // Any row and k (out of range: nothing).
+  void Prefetch(int row, int k) const;
 
  private:
   struct Row {
@@ -118,6 +124,7 @@ class TopKSums {
     int ngroups = 0;  // their groups: group g holds the buckets [gend[g], gend[g + 1]), at elems_[elem +
                       // cc[gend[g]] + 8 g] on (8 spare places after each group for the block stores)
     int gend[kGroups + 1] = {};
+    int gcnt[kGroups + 1] = {};     // [g] cc[gend[g]]: the kept values above group g
     double gsum[kGroups + 1] = {};  // [g] the exact sum of groups 0 .. g - 1
     double total = 0;               // S[n]
   };

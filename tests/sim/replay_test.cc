@@ -3140,6 +3140,30 @@ TEST_CASE("replay: a ranked run's output product is its own, alone or resuming a
   CHECK((*together)[1].SerializeAsString() != (*together)[2].SerializeAsString());
 }
 
+// A sliding window's output product reads the value rows of a band of consecutive tokens in place in V
+// (its full tokens' bands and the columns after them), and copies the others (a band across blocks, the
+// sinks with the window's oldest tokens): the same operands, so the same bits as copying every row. Windows
+// of several sizes (bands resumed from another window's run, whole and partial bands), GQA and MHA, a
+// window that holds sinks and a fixed block too, and a scattered cache (the token-by-token loops).
+TEST_CASE("replay: a window's value rows read in place give the copied rows' results", "[replay]") {
+  for (int hkv : {2, 4}) {
+    MemoryTrace tr = BandTrace(hkv);
+    auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+      std::vector<int32_t> keep;
+      for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                 // sinks
+      for (int32_t t = 100; t < 140; ++t) keep.push_back(t);             // a fixed block
+      for (int32_t t = 200 + 3 * step; t < 420; ++t) keep.push_back(t);  // a window
+      c->Assign(keep);
+    });
+    std::vector<RunSpec> runs;
+    for (int b : {30, 90, 150, 300, 410}) runs.push_back(Spec(Registered("streaming_llm"), b));
+    runs.push_back(Spec(window, 420));
+    runs.push_back(Spec(Registered("streaming_llm", {"num_sinks=70"}), 200));
+    INFO("kv heads " << hkv);
+    CheckSameWithout(tr, runs, &SetInPlaceValueRowsForTesting);
+  }
+}
+
 // The bands change only the order in which the product's terms are added: the output errors agree with
 // token order to float rounding, and differ from it somewhere (the bands were used).
 TEST_CASE("replay: rank bands and the shared decode part agree with one product in token order", "[replay]") {

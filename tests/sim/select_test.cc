@@ -431,8 +431,13 @@ TEST_CASE("TopKSums: only the buckets down to the kmax-th value are kept, in gro
       const std::vector<double> want = DescendingPrefix(v);
       std::vector<float> sorted = v;
       std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-      for (int k = 0; k <= std::min(kmax, n); ++k)
+      for (int k = 0; k <= std::min(kmax, n); ++k) {
+        // Prefetch is a hint for any row and k (here the next row's, as the replay gives it, and out of
+        // range): it reads only the row's bounds, never changes a result.
+        for (int r : {static_cast<int>(a) + 1, -1, static_cast<int>(added.size())})
+          for (int kk : {k, -1, 0, kmax + 1, n + 7}) sums.Prefetch(r, kk);
         REQUIRE(sums.Sum(static_cast<int>(a), k, &scratch) == want[k]);
+      }
       // These rows have no value below 2^L: |big| = n. Kept: the values in the kmax-th value's bucket or
       // above.
       int kept = 0;
