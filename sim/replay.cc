@@ -2085,11 +2085,13 @@ class LayerPass {
         pre_gathered = ws.step_begin[steps] - ws.step_begin[1];
       }
     }
+    const bool prefix_path = pre_n > 0 && pre_n * static_cast<size_t>(steps - split0) <= 4 * pre_gathered;
+    split0 = split0 && prefix_path;  // else the token-by-token branch below, every step as before
     if (everything) {
       for (int g = 0; g < group; ++g)
         std::copy(w.refs[g].output.begin(), w.refs[g].output.end(),
                   ws.out.begin() + static_cast<size_t>(g) * steps * d);
-    } else if (pre_n > 0 && pre_n * static_cast<size_t>(steps - split0) <= 4 * pre_gathered) {
+    } else if (prefix_path) {
       // Prefix-closed steps: U is the last step's tokens, and every token of U that step t did not hold
       // came later, past step t's position, where p_t is zero: A's rows are gathered whole, the same values
       // in the same layout as the scatter below writes. A[g·S + t][c] = p_t[used[c]] is copied from the
