@@ -362,6 +362,7 @@ std::atomic<bool> g_chunk_sums{true};      // SetChunkSlotSumsForTesting
 std::atomic<bool> g_decode_part{true};     // SetSharedDecodePartForTesting
 std::atomic<bool> g_rank_bands{true};      // SetOutputBandsForTesting
 std::atomic<bool> g_band_memo{true};       // SetRankBandMemoForTesting
+std::atomic<bool> g_step0_split{true};     // SetStepZeroSplitForTesting
 // A ranked run's output product is added in bands of this many columns (FinishRun).
 constexpr size_t kRankBand = 64;
 
@@ -2025,6 +2026,27 @@ class LayerPass {
   // When every step holds every visible decode token as itself, A's decode columns are the reference
   // probabilities' own, the same for every such run of the unit: the product covers U's other tokens and
   // the unit's decode part (DecodePart, computed once) is added to it, out = A[:, U \ D] V[U \ D] + Y.
+  // Does step 0 hold every visible token as itself, and are steps 1.. prefix-closed (each step's plain
+  // slots begin with the previous step's, and the tokens it adds lie past the previous step's position,
+  // where that step's p is zero)? Then FinishRun takes step 0's output row from the reference and gathers
+  // the other steps' rows whole over the last step's tokens. The run's own lists only.
+  bool SplitsStepZero(const UnitWork& w, const WorkerScratch& ws) const {
+    const int steps = meta_.num_decode_steps;
+    if (steps < 2 || ws.prefix) return false;
+    const DecodeReference& ref = w.refs[0];
+    const auto& sb = ws.step_begin;
+    if (static_cast<int64_t>(sb[1] - sb[0]) != ref.last(0) - ref.first[0] + 1) return false;
+    const int32_t* pl = ws.plain.data();
+    for (int t = 1; t + 1 < steps; ++t) {
+      const size_t a = sb[t], na = sb[t + 1] - a, b = sb[t + 1], nb = sb[t + 2] - b;
+      if (nb < na || !std::equal(pl + a, pl + a + na, pl + b)) return false;
+      const int32_t last = ref.last(t);
+      for (size_t i = b + na; i < b + nb; ++i)
+        if (pl[i] <= last) return false;
+    }
+    return true;
+  }
+
   void FinishRun(int u, int r, WorkerScratch& ws) {
     FlushMergedBlock(ws);
     FlushPrefixSums(u, r, ws);
@@ -2050,18 +2072,39 @@ class LayerPass {
     for (int t = 0; t < steps && everything; ++t)
       everything = static_cast<int>(ws.step_begin[t + 1] - ws.step_begin[t]) ==
                    w.refs[0].last(t) - w.refs[0].first[t] + 1;
+    // Prefix-closed steps (below): the prefix mode's, or steps 1.. after a step 0 that held every visible
+    // token as itself (SplitsStepZero: a cache compressed after step 0, then appended to, e.g. MEDA's
+    // official code). Then step 0's rows are the reference's own (its output row, exactly as the
+    // `everything` path copies it) and the product covers the other steps' union (the last step's tokens):
+    // its step-0 rows are computed with the others' and overwritten. Decided by the run's own lists.
+    const int32_t* pre_tok = nullptr;  // U's tokens (unsorted) and how many; the steps' slots in all
+    size_t pre_n = 0, pre_gathered = 0;
+    bool split0 = false;
+    if (!everything) {
+      if (ws.prefix) {
+        pre_tok = ws.ptok.data();
+        pre_n = ws.ptok.size();
+        pre_gathered = ws.step_begin.back();
+      } else if (g_step0_split.load(std::memory_order_relaxed) && SplitsStepZero(w, ws)) {
+        split0 = true;
+        pre_tok = ws.plain.data() + ws.step_begin[steps - 1];
+        pre_n = ws.step_begin[steps] - ws.step_begin[steps - 1];
+        pre_gathered = ws.step_begin[steps] - ws.step_begin[1];
+      }
+    }
+    const bool prefix_path = pre_n > 0 && pre_n * static_cast<size_t>(steps - split0) <= 4 * pre_gathered;
+    split0 = split0 && prefix_path;  // else the token-by-token branch below, every step as before
     if (everything) {
       for (int g = 0; g < group; ++g)
         std::copy(w.refs[g].output.begin(), w.refs[g].output.end(),
                   ws.out.begin() + static_cast<size_t>(g) * steps * d);
-    } else if (ws.prefix && !ws.ptok.empty() &&
-               ws.ptok.size() * steps <= 4 * static_cast<size_t>(ws.step_begin.back())) {
+    } else if (prefix_path) {
       // Prefix-closed steps: U is the last step's tokens, and every token of U that step t did not hold
       // came later, past step t's position, where p_t is zero: A's rows are gathered whole, the same values
       // in the same layout as the scatter below writes. A[g·S + t][c] = p_t[used[c]] is copied from the
       // unit's transposed probabilities, whose row used[c] holds that column's steps contiguously, in 8 x 8
       // tiles (TransposeTile8) instead of one indexed load per element.
-      ws.used.assign(ws.ptok.begin(), ws.ptok.end());
+      ws.used.assign(pre_tok, pre_tok + pre_n);
       std::sort(ws.used.begin(), ws.used.end());
       // U holds the decode tokens [n, n + S) (its last S tokens) only if every step held its visible ones
       // (prefix-closed): A's rows are whole rows of p, so its decode columns are the decode part's.
@@ -2319,6 +2362,9 @@ class LayerPass {
       const float* y = DecodePart(w);
       for (size_t i = 0; i < rows * d; ++i) ws.out[i] += y[i];
     }
+    if (split0)
+      for (int g = 0; g < group; ++g)
+        std::copy_n(w.refs[g].out(0), d, ws.out.begin() + static_cast<size_t>(g) * steps * d);
     RunAccum& a = acc_[r];
     for (size_t gt = 0; gt < rows; ++gt)
       if (ws.has_extra[gt % steps]) {
@@ -2686,6 +2732,7 @@ void SetChunkSlotSumsForTesting(bool allowed) { g_chunk_sums.store(allowed, std:
 void SetSharedDecodePartForTesting(bool allowed) { g_decode_part.store(allowed, std::memory_order_relaxed); }
 void SetOutputBandsForTesting(bool allowed) { g_rank_bands.store(allowed, std::memory_order_relaxed); }
 void SetRankBandMemoForTesting(bool allowed) { g_band_memo.store(allowed, std::memory_order_relaxed); }
+void SetStepZeroSplitForTesting(bool allowed) { g_step0_split.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

@@ -3086,6 +3086,51 @@ class RankedPolicy final : public Policy {
   int nan_at_, lower_at_;
 };
 
+// Holds the whole prompt at step 0 (its decode token appended) and compresses after it to every third
+// prompt token, the decode token kept (compression_step 0, as MEDA's official code): then appends. `late`:
+// from step 1 on, also evicts the cache's first slot each step (the steps no longer prefix-closed: 1), or
+// appends at step 2 an old prompt token it dropped (added at the step's position, not past it: 2).
+class StepZeroPolicy final : public Policy {
+ public:
+  explicit StepZeroPolicy(int late = 0) : late_(late) {}
+  std::string name() const override { return "step_zero"; }
+  std::string ParamsText() const override { return std::to_string(late_); }
+  PolicyRequirements requirements() const override { return {}; }
+  bool evicts_during_decode() const override { return true; }
+  bool may_exceed_budget() const override { return true; }
+  int compression_step() const override { return 0; }
+  int decode_headroom() const override { return 1; }
+  std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext&) const override {
+    class Head final : public HeadPolicy {
+     public:
+      explicit Head(int late) : late_(late) {}
+      void OnPrefill(const HeadContext& ctx, int, HeadCache* cache) override {
+        cache->AssignRange(0, ctx.prefill_length());
+      }
+      void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) override {
+        const int n = ctx.prefill_length();
+        if (att.step == 0) {
+          std::vector<int32_t> keep;
+          for (int32_t j = ctx.kv_head % 3; j < n; j += 3) keep.push_back(j);
+          keep.push_back(n);
+          cache->Assign(keep);
+        } else if (late_ == 1) {
+          cache->EvictSlot(0);
+        } else if (late_ == 2 && att.step == 2) {
+          cache->Append(ctx.kv_head % 3 + 1);
+        }
+      }
+
+     private:
+      int late_;
+    };
+    return std::make_unique<Head>(late_);
+  }
+
+ private:
+  int late_;
+};
+
 MemoryTrace BandTrace(int num_kv_heads = 2) {
   testing::TinyTraceSpec spec;
   spec.num_layers = 1;
@@ -3207,6 +3252,41 @@ TEST_CASE("replay: a NaN rank falls back to token order", "[replay]") {
   REQUIRE(without.ok());
   CHECK((*with)[0].SerializeAsString() == (*without)[0].SerializeAsString());
   CHECK((*with)[1].SerializeAsString() != (*without)[1].SerializeAsString());
+}
+
+// A run whose step 0 holds every visible token as itself and whose later steps are prefix-closed (a cache
+// compressed after step 0, then appended to) takes step 0's row from the reference and the other steps'
+// product over their own union: its output errors agree with the per-step sums to float rounding and differ
+// somewhere (the split was taken); the runs whose later steps are not prefix-closed keep their bits. Each
+// run's results are its own: the same alone as beside the others.
+TEST_CASE("replay: a whole step 0 is taken on its own, the prefix-closed steps after it as one product",
+          "[replay]") {
+  for (int hkv : {2, 4}) {  // GQA (group of 2) and MHA
+    MemoryTrace tr = BandTrace(hkv);
+    const std::vector<RunSpec> runs{Spec(std::make_shared<StepZeroPolicy>(), 100),
+                                    Spec(std::make_shared<StepZeroPolicy>(1), 100),
+                                    Spec(std::make_shared<StepZeroPolicy>(2), 100),
+                                    Spec(Registered("meda", {"variant=OFFICIAL_CODE"}), 100)};
+    auto split = Replay(tr, runs, Options());
+    SetStepZeroSplitForTesting(false);
+    auto whole = Replay(tr, runs, Options());
+    SetStepZeroSplitForTesting(true);
+    REQUIRE(split.ok());
+    REQUIRE(whole.ok());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const Metrics &a = (*split)[i].metrics(), &b = (*whole)[i].metrics();
+      INFO("kv heads " << hkv << ", run " << i);
+      CHECK(a.output_rel_error_mean() > 0);
+      CHECK(a.output_rel_error_mean() == Approx(b.output_rel_error_mean()).epsilon(1e-6));
+      CHECK(a.output_rel_error_p95() == Approx(b.output_rel_error_p95()).epsilon(1e-6));
+      CHECK(a.retained_mass_mean() == b.retained_mass_mean());
+      if (i == 1 || i == 2) CHECK((*split)[i].SerializeAsString() == (*whole)[i].SerializeAsString());
+      auto alone = Replay(tr, std::vector<RunSpec>{runs[i]}, Options());
+      REQUIRE(alone.ok());
+      CHECK((*alone)[0].SerializeAsString() == (*split)[i].SerializeAsString());
+    }
+    CHECK((*split)[0].metrics().output_rel_error_mean() != (*whole)[0].metrics().output_rel_error_mean());
+  }
 }
 
 }  // namespace kvsim
