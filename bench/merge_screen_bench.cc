@@ -7,8 +7,9 @@
 // (--mean, as real keys have) so that cosines are not centred on 0. Then (round 8) one unit's merge-once
 // compressions at nested budgets 5/10/20/50% of --tokens keys (half random "important" tokens, half a recent
 // window, as the policies keep), without and with the similarity memo (merge_memo): CPU time, screened
-// products and whether the merged slots are the same bits. Usage: kvsim_merge_screen_bench [--shapes
-// 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
+// products and whether the merged slots are the same bits. On AVX2 CPUs without AVX512-BF16 also (round 16)
+// the int16 kernel alone with and without its int8 first stage, and its int8 products alone. Usage:
+// kvsim_merge_screen_bench [--shapes 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
 //        [--tokens 3280]
 #include <cblas.h>
 

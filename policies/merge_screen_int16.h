@@ -49,11 +49,11 @@ void Dots(const int16_t* queries, int num_queries, const int16_t* targets, int n
 // or L2). With `floor` (issue 14, round 14), only the targets whose S_rj is also ≥ floor[r] (a row may then
 // have none). Requires Supported().
 //
-// With `narrow` (issue 14, round 16: the targets also narrowed by int8::NarrowTargets, with Norms.ok), an
-// int8 first stage (merge_screen_int8.h) picks, per query row, the groups of 8 targets that can hold a
-// candidate and the int16 products are computed only there: the same candidates, in the same order (proof
-// in merge_screen_int8.cc). Blocks of rows NarrowQueries cannot scale, and d without int8::Applies, use the
-// int16 products of every target.
+// With `narrow` (issue 14, round 16: the targets also narrowed by int8::NarrowTargets), an int8 first
+// stage (merge_screen_int8.h) picks, per query row, the targets that can be candidates and their int16
+// products are computed one by one (from NarrowTargets' row-major copy of the words): the same candidates,
+// in the same order (proof in merge_screen_int8.cc). Blocks of 6 rows with a row NarrowQueries cannot
+// scale, and d without int8::Applies, use the int16 products of every target.
 struct Narrowed {
   const int8_t* words = nullptr;  // int8::NarrowTargets' output (int8::PackedTargetsSize bytes)
   int8::Norms norms;

@@ -33,13 +33,13 @@
 //      2E − c C Slack (also when m is unusable: M ≥ S_x still gives c C M ≥ 2^28 P_x − E). So every usable
 //      int16 candidate j (and m) has P_j ≥ P_x − W with W = Window ≥ (2E + c C Slack) / 2^28. With a floor
 //      F (int16 Candidates' clamped floor), a candidate has S_j ≥ F, so 2^28 P_j ≥ c C F − E: P_j ≥ FloorP.
-//      The groups holding an unusable target or a usable one with P_j ≥ max(P_x − W, FloorP) get their
-//      exact int16 products (the int16 kernel); every other product is set to INT32_MIN (below every real
-//      S, |S| < 2^31). The int16 candidates' rule then sees the same row maximum M when m's group is
-//      computed — which it is unless S_m < F, when no target reaches the floor and the list is empty
-//      either way — and every target of S ≥ M − Slack, S ≥ F is in a computed group: the candidate list
-//      is the same, target for target. Padding targets and unusable ones are set below every real P
-//      before the maximum.
+//      Every unusable target and every usable one with P_j ≥ max(P_x − W, FloorP) gets its exact int16
+//      product S_j (int16::Candidates' second stage); the others none. The int16 candidates' rule, applied
+//      to the computed ones, then sees the same row maximum M when m is computed — which it is unless
+//      S_m < F, when no target reaches the floor and the list is empty either way — and every target of
+//      S ≥ M − Slack, S ≥ F is computed: the candidate list is the same, target for target, in the same
+//      (ascending) order. Padding and unusable targets are set below every real P (INT32_MIN) before the
+//      maximum, and padding is never computed.
 //  (4) Rounding of the window. ‖q‖², ‖t‖² are exact integers; ‖α‖², ‖β‖² are summed in float: each α_k,
 //      β_k is an integer below 2^24 (|c A_k| ≤ 511 · 2^15), exact; each square and each of the ≤ d + 8
 //      additions rounds to nearest with relative error ≤ u = 2^-24 on nonnegative terms, so the exact sum
@@ -47,7 +47,7 @@
 //      few roundings of 2^-53 relative, covered by (1 + 2^-40)); W = ⌈(2E + c C Slack) 2^-28⌉ + 1 and
 //      FloorP = ⌊(c C F − E) 2^-28⌋ − 1: the extra unit covers the rounding of the final sum and
 //      difference (c C |F| ≤ 2^9 2^7 2^30 = 2^46, an exact integer in double). A saturated Slack (2^30)
-//      gives W ≥ c C 4 ≥ 512 > 2 · 32767 / 128 ... in any case a larger window is only slower, never wrong.
+//      gives W ≥ 4 c C > 2 · 32767 ≥ the spread of P: every target is computed (correct, only slower).
 
 namespace kvsim::merge_screen::int8 {
 namespace {

@@ -2,14 +2,14 @@
 // The int8 first stage of the int16 screen (issue 14, round 16). The int16 screen (merge_screen_int16.h)
 // computes every query x target product S = Σ_k A_k B_k of the 15-bit words exactly and keeps the targets
 // with S ≥ max S − Slack (and S ≥ floor). This stage finds, with 8-bit words and `vpmaddubsw` (32
-// products and their pair sums per instruction), a superset of those targets' groups of 8, so the int16
+// products and their pair sums per instruction), a superset of those targets, so the int16
 // products are computed only there: the int16 candidates are EXACTLY the ones without the stage (the same
 // list, the same order; proof in merge_screen_int8.cc). The stage takes 2 vector operations per 4
 // dimensions of a (query, 8 targets) pair where the int16 kernel takes 4: the query is the unsigned
 // operand, biased by +128, and the bias's part of the sum is subtracted up front (each accumulator starts
 // at −128 Σ t over its dimensions, modulo 2^16: the int16 lanes wrap, and their final values are exact).
 // Words are derived from the int16 words: targets t_k = clamp(round(kTargetScale B_k / 2^14), ±64), a
-// query row q_k = round(c A_k / 2^14) with the row's own integer scale c (NarrowQueries).
+// query row q_k = clamp(round(c A_k / 2^14), ±127) with one integer scale c for d (QueryScale).
 
 #include <cstdint>
 
@@ -27,7 +27,7 @@ int QueryScale(int d);
 // The usable targets' largest ‖t‖² (exact) and an upper bound on their largest ‖β‖², β_k = kTargetScale
 // B_k − 2^14 t_k (the rounding error in units of 2^-14 / kTargetScale of a word). A target is usable if no
 // word was clamped and ‖t‖ ≤ kTargetScale (1 + 2^-20 + √d 2^-15) + √d / 2 + 1 (every row of norm ≤ 1 +
-// 2^-20 without a coordinate above 0.5 is); the others' groups are always computed (Unusable).
+// 2^-20 without a coordinate above 0.5 is); the others' int16 products are always computed (Unusable).
 struct Norms {
   int64_t norm2 = 0;
   double err2 = 0;
