@@ -7,8 +7,9 @@
 // (--mean, as real keys have) so that cosines are not centred on 0. Then (round 8) one unit's merge-once
 // compressions at nested budgets 5/10/20/50% of --tokens keys (half random "important" tokens, half a recent
 // window, as the policies keep), without and with the similarity memo (merge_memo): CPU time, screened
-// products and whether the merged slots are the same bits. Usage: kvsim_merge_screen_bench [--shapes
-// 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
+// products and whether the merged slots are the same bits. On AVX2 CPUs without AVX512-BF16 also (round 16)
+// the int16 kernel alone with and without its int8 first stage, and its int8 products alone. Usage:
+// kvsim_merge_screen_bench [--shapes 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
 //        [--tokens 3280]
 #include <cblas.h>
 
@@ -217,10 +218,38 @@ int main(int argc, char** argv) {
       std::vector<int64_t> slack(e);
       for (int r = 0; r < e; ++r) slack[r] = i16::Slack(d, rq[r], rt);
       std::vector<int> rows, idx;
+      i16::SetInt8ForTesting(false);
       bf16_s = Best(reps, [&] {
         rows.clear(), idx.clear();
         i16::Candidates(qp.data(), e, tp.data(), k, d, slack.data(), &rows, &idx);
       });
+      i16::SetInt8ForTesting(true);
+      // Round 16: the same with the int8 first stage (the same candidates, checked).
+      if (kvsim::merge_screen::int8::Applies(d)) {
+        std::vector<int8_t> t8(kvsim::merge_screen::int8::PackedTargetsSize(k, d));
+        i16::Narrowed nw;
+        nw.norms = kvsim::merge_screen::int8::NarrowTargets(tp.data(), k, d, t8.data());
+        nw.words = t8.data();
+        std::vector<int> rows8, idx8;
+        const double s8 = Best(reps, [&] {
+          rows8.clear(), idx8.clear();
+          i16::Candidates(qp.data(), e, tp.data(), k, d, slack.data(), &rows8, &idx8, nullptr, &nw);
+        });
+        std::vector<uint8_t> q8(static_cast<size_t>(e) * d);
+        std::vector<double> qn2(e), qe2(e);
+        std::vector<int32_t> qsc(e);
+        const long ld8 = i16::PaddedTargets(k);
+        std::vector<int32_t> p8(static_cast<size_t>(e) * ld8);
+        kvsim::merge_screen::int8::NarrowQueries(qp.data(), e, d, nw.norms, q8.data(), qsc.data(), qn2.data(),
+                                                 qe2.data());
+        const double d8 = Best(
+            reps, [&] { kvsim::merge_screen::int8::Dots(q8.data(), e, t8.data(), k, d, p8.data(), ld8); });
+        std::printf(
+            "%-11s int16 kernel only %.4f, with the int8 stage %.4f (%.2fx; its int8 products alone %.4f, "
+            "%.2fx), same candidates: %s\n",
+            shape.c_str(), bf16_s, s8, s8 / bf16_s, d8, d8 / bf16_s,
+            rows8 == rows && idx8 == idx ? "yes" : "NO");
+      }
     }
     std::vector<float> c(static_cast<size_t>(e) * k);
     const double gemm_s = Best(reps, [&] {

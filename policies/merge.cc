@@ -98,6 +98,7 @@ struct ScreenTargets {
   const uint32_t* bf16 = nullptr;
   const int16_t* int16 = nullptr;
   double err = 0;
+  merge_screen::int16::Narrowed int8;  // with int16: its int8 first stage's targets (round 16), or none
 };
 
 float RowMax(const float* row, int n) {
@@ -183,7 +184,7 @@ void ScreenBlock(const float* q, int rows, const float* t, const ScreenTargets& 
                     : std::numeric_limits<int64_t>::min();
       }
     }
-    merge_screen::int16::Candidates(qp, rows, tp.int16, num_targets, d, sl, &crow, &cidx, fl);
+    merge_screen::int16::Candidates(qp, rows, tp.int16, num_targets, d, sl, &crow, &cidx, fl, &tp.int8);
     for (size_t i = 0; i < crow.size(); ++i) {
       if (in_place != nullptr) {
         ca.push_back(in_place->qrows[crow[i]]), cb.push_back(in_place->trows[cidx[i]]);
@@ -445,11 +446,12 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   if (!prepacked) fill_t();
   bool packed = false, packed_x = false;
   thread_local std::vector<int16_t> tp16_buf, tpb16_buf;
+  thread_local std::vector<int8_t> tp8_buf;
   thread_local std::vector<const int16_t*> words, qwords;
   thread_local std::vector<double> word_err, qerr;
   // Packs `n` targets `rows` for this call's screen; slot(i) is target row i's slot (for prepacked words).
   auto pack_screen = [&](const float* rows, int n, std::vector<uint32_t>& b32, std::vector<int16_t>& b16,
-                         auto slot) {
+                         std::vector<int8_t>& b8, auto slot) {
     ScreenTargets st;
     if (bf16) {
       uint32_t* tp = Scratch(b32, merge_screen::PackedTargetsSize(n, d));
@@ -468,13 +470,18 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
         st.err = merge_screen::int16::PackTargets(rows, n, d, tp);
       }
       st.int16 = tp;
+      if (merge_screen::int16::Int8Enabled() && merge_screen::int8::Applies(d)) {
+        int8_t* t8 = Scratch(b8, merge_screen::int8::PackedTargetsSize(n, d));
+        st.int8.norms = merge_screen::int8::NarrowTargets(tp, n, d, t8);
+        st.int8.words = t8;
+      }
     }
     return st;
   };
   ScreenTargets screen_t, screen_b;
   auto pack = [&] {
     if (packed) return;
-    screen_t = pack_screen(t, num_targets, tp_buf, tp16_buf, [](int i) { return i; });
+    screen_t = pack_screen(t, num_targets, tp_buf, tp16_buf, tp8_buf, [](int i) { return i; });
     packed = true;
   };
   auto pack_x = [&] {
@@ -509,6 +516,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   thread_local std::vector<std::vector<float>> tb_of, tbx_of;
   thread_local std::vector<std::vector<uint32_t>> tpb_of;
   thread_local std::vector<std::vector<int16_t>> tpb16_of;
+  thread_local std::vector<std::vector<int8_t>> tpb8_of;
   int32_t max_tok = 0;
   if (use_memo) {
     ++stats.memo_calls;
@@ -539,7 +547,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
     const size_t ns = srcs.size();
     if (rest_of.size() < ns) {
       rest_of.resize(ns), rows_of.resize(ns), brow_of.resize(ns), tb_of.resize(ns), tbx_of.resize(ns);
-      tpb_of.resize(ns), tpb16_of.resize(ns);
+      tpb_of.resize(ns), tpb16_of.resize(ns), tpb8_of.resize(ns);
     }
   }
   // Source i's B = K \ A (slots in order) and, in place, its rows.
@@ -636,7 +644,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
       if (screened) {
         if (!prepacked) copy_b(i);
         if (!s.packed) {
-          s.st = pack_screen(s.tb, nb, tpb_of[i], tpb16_of[i], [&](int j) { return rest[j]; });
+          s.st = pack_screen(s.tb, nb, tpb_of[i], tpb16_of[i], tpb8_of[i], [&](int j) { return rest[j]; });
           s.packed = true;
         }
         if (prepacked) {

@@ -11,7 +11,8 @@
 //    bit, with about half the multiply-adds; the proof is there and in docs/performance.md ("Round 7: merge
 //    similarities screened in bf16").
 //  - The int16 screen (round 10; merge_screen_int16.h): the same with 15-bit fixed point summed exactly by
-//    AVX2 `vpmaddwd`, where the CPU has AVX2 but not AVX512-BF16 (Int16Enabled below).
+//    AVX2 `vpmaddwd`, where the CPU has AVX2 but not AVX512-BF16 (Int16Enabled below); since round 16 with
+//    an int8 first stage (merge_screen_int8.h) that leaves it the same candidates at about half the cost.
 // Exposed for tests and bench/.
 
 #include <cstdint>

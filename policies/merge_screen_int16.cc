@@ -43,6 +43,12 @@ static_assert(kShift == 14, "kScale and the range argument assume 2^14");
 
 const bool kSupported = CpuHas(CpuFeature::kAvx2);
 std::atomic<bool> g_vector_pack{true};
+std::atomic<bool> g_int8{true};
+bool Int8EnvAllows() {
+  const char* v = std::getenv("KVSIM_MERGE_INT8");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+const bool kInt8EnvAllows = Int8EnvAllows();
 
 // round(x 2^14), nearest, ties to even (x 2^14 is exact: a power-of-two scaling of a float of size ≤ 2).
 inline int16_t Fixed(float x) { return static_cast<int16_t>(std::nearbyint(x * kScale)); }
@@ -182,16 +188,175 @@ KVSIM_INT16_TARGET void PackQueriesAvx2(const float* rows, int n, int d, int16_t
   }
 }
 
+// One query row's int16 products with single targets (the int8 stage's survivors): out[c] = S of target
+// idx[c], its words row-major at rows + idx[c] d; the same exact integers as Block's (any order of the
+// exact int32 sums, by the range argument above). Four targets at a time.
+template <int V>
+KVSIM_INT16_TARGET inline __attribute__((always_inline)) void TargetsOf(const int16_t* q, int d,
+                                                                        const int16_t* rows, const int* idx,
+                                                                        int32_t* out) {
+  const int16_t* t[V];
+  __m256i acc[V];
+  for (int v = 0; v < V; ++v) t[v] = rows + static_cast<long>(idx[v]) * d, acc[v] = _mm256_setzero_si256();
+  for (int k = 0; k < d; k += 16) {
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
+    for (int v = 0; v < V; ++v)
+      acc[v] = _mm256_add_epi32(
+          acc[v], _mm256_madd_epi16(qv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v] + k))));
+  }
+  for (int v = 0; v < V; ++v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc[v]), _mm256_extracti128_si256(acc[v], 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    out[v] = _mm_cvtsi128_si32(s4);
+  }
+}
+
+KVSIM_INT16_TARGET void RowTargets(const int16_t* q, int d, const int16_t* rows, const int* idx, int n,
+                                   int32_t* out) {
+  int i = 0;
+  for (; i + 4 <= n; i += 4) TargetsOf<4>(q, d, rows, idx + i, out + i);
+  switch (n - i) {
+    case 3:
+      return TargetsOf<3>(q, d, rows, idx + i, out + i);
+    case 2:
+      return TargetsOf<2>(q, d, rows, idx + i, out + i);
+    case 1:
+      return TargetsOf<1>(q, d, rows, idx + i, out + i);
+    default:
+      return;
+  }
+}
+
+// The int8 stage for `rows` (≤ kRows) query rows from r0 (merge_screen_int8.cc (3)): their int8 products
+// p (row stride ld); then per row the list of groups that can hold a candidate (and those with an unusable
+// target), their int16 products (compact: the i-th listed group's 8 at buf + 8 i; padding INT32_MIN), and
+// the row's candidates by Collect's rule over them — the same list as Collect over every product, since
+// the groups left out hold none and do not hold the row maximum (unless no target reaches the floor).
+// Left-packing: kPack[m] lists the set bits of m (ascending), padded with zeros.
+struct PackTable {
+  alignas(8) uint8_t idx[256][8];
+  constexpr PackTable() : idx{} {
+    for (int m = 0; m < 256; ++m) {
+      int n = 0;
+      for (int b = 0; b < 8; ++b)
+        if (m >> b & 1) idx[m][n++] = static_cast<uint8_t>(b);
+    }
+  }
+};
+constexpr PackTable kPack;
+
+KVSIM_INT16_TARGET void Int8Stage(const int16_t* queries, int r0, int rows, int d, const uint8_t* q8,
+                                  const int32_t* qs, const double* qn, const double* qe, int nt,
+                                  const Narrowed& narrow, const int* bad, int num_bad, const int64_t* slack,
+                                  const int64_t* floor, int32_t* p, int32_t* buf, long ld4, int* list,
+                                  std::vector<int>* out_rows, std::vector<int>* out_idx) {
+  const int groups = PaddedTargets(nt) / 8, groups4 = static_cast<int>(ld4 / 8);  // groups4 % 4 == 0
+  const uint8_t* unusable = int8::Unusable(narrow.words, nt, d);
+  const int16_t* rows16 = int8::Rows16(narrow.words, nt, d);
+  int8::Dots(q8 + static_cast<long>(r0) * d, rows, narrow.words, nt, d, p, ld4);
+  for (int i = 0; i < rows; ++i) {
+    const int r = r0 + i;
+    int32_t* pr = p + i * ld4;
+    (void)groups;
+    std::fill(pr + nt, pr + ld4, INT32_MIN);  // padding and unusable targets are never the maximum
+    for (int b = 0; b < num_bad; ++b)
+      for (unsigned m = unusable[bad[b]]; m != 0; m &= m - 1)
+        pr[bad[b] * 8 + std::countr_zero(m)] = INT32_MIN;
+    __m256i mx0 = _mm256_set1_epi32(INT32_MIN), mx1 = mx0;
+    for (long j = 0; j < ld4; j += 16) {
+      mx0 = _mm256_max_epi32(mx0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pr + j)));
+      mx1 = _mm256_max_epi32(mx1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pr + j + 8)));
+    }
+    __m256i mx = _mm256_max_epi32(mx0, mx1);
+    mx = _mm256_max_epi32(mx, _mm256_shuffle_epi32(mx, 0x4E));
+    mx = _mm256_max_epi32(mx, _mm256_shuffle_epi32(mx, 0xB1));
+    const int32_t m = std::max(_mm256_extract_epi32(mx, 0), _mm256_extract_epi32(mx, 4));
+    const int64_t sl = std::min<int64_t>(slack[r], int64_t{1} << 30);
+    const int64_t f =
+        floor != nullptr ? std::clamp<int64_t>(floor[r], -(int64_t{1} << 30), int64_t{1} << 30) : INT64_MIN;
+    // m ≥ INT32_MIN, W ≤ 2^40 + 1, |FloorP| ≤ 2^40 + 1: no overflow in int64.
+    int64_t lo = int64_t{m} - int8::Window(qs[r], qn[r], qe[r], narrow.norms, sl);
+    if (floor != nullptr) lo = std::max(lo, int8::FloorP(qs[r], qn[r], qe[r], narrow.norms, f));
+    // P ≥ lo ⟺ P > lo − 1; INT32_MIN entries never pass.
+    const __m256i th =
+        _mm256_set1_epi32(static_cast<int32_t>(std::clamp<int64_t>(lo - 1, INT32_MIN, INT32_MAX)));
+    // The surviving targets, ascending (left-packed 8 at a time), and every unusable one
+    // (merge_screen_int8.cc (3)).
+    int n = 0;
+    int b = 0;  // next unusable group
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int g = 0; g < groups4; g += 4) {  // most groups fail: test four at once
+      const __m256i* v = reinterpret_cast<const __m256i*>(pr + g * 8);
+      const __m256i g0 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v), th);
+      const __m256i g1 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 1), th);
+      const __m256i g2 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 2), th);
+      const __m256i g3 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 3), th);
+      const __m256i any = _mm256_or_si256(_mm256_or_si256(g0, g1), _mm256_or_si256(g2, g3));
+      const bool has_bad = b < num_bad && bad[b] < g + 4;
+      if (_mm256_testz_si256(any, any) && !has_bad) continue;
+      unsigned mk[4] = {static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g0))),
+                        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g1))),
+                        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g2))),
+                        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g3)))};
+      for (; b < num_bad && bad[b] < g + 4; ++b) mk[bad[b] - g] |= unusable[bad[b]];
+      for (int k = 0; k < 4; ++k) {
+        const __m256i at =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPack.idx[mk[k]])));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(list + n),
+                            _mm256_add_epi32(at, _mm256_set1_epi32((g + k) * 8)));
+        n += std::popcount(mk[k]);
+      }
+    }
+    (void)lane;
+    if (n == 0) continue;
+    RowTargets(queries + static_cast<long>(r) * d, d, rows16, list, n, buf);
+    // Collect's rule for this row over these targets (padding is never among them: its P is INT32_MIN).
+    int32_t sm = buf[0];
+    for (int c = 1; c < n; ++c) sm = std::max(sm, buf[c]);
+    int64_t slo = sm - sl;
+    if (floor != nullptr) slo = std::max(slo, f);
+    for (int c = 0; c < n; ++c)
+      if (buf[c] >= slo) out_rows->push_back(r), out_idx->push_back(list[c]);
+  }
+}
+
 KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int16_t* targets, int nt, int d,
-                                       const int64_t* slack, const int64_t* floor, std::vector<int>* out_rows,
-                                       std::vector<int>* out_idx) {
-  thread_local std::vector<int32_t> buf;
+                                       const int64_t* slack, const int64_t* floor, const Narrowed* narrow,
+                                       std::vector<int>* out_rows, std::vector<int>* out_idx) {
+  thread_local std::vector<int32_t> buf, pbuf, qs;
+  thread_local std::vector<uint8_t> q8;
+  thread_local std::vector<double> qn, qe;
+  thread_local std::vector<int> list, bad;
   const int groups = PaddedTargets(nt) / 8;
   const long ld = PaddedTargets(nt);
+  const long ld4 = (ld + 31) / 32 * 32;  // the int8 products' row stride: whole runs of four groups
   if (buf.size() < static_cast<size_t>(kRows * ld)) buf.resize(kRows * ld);
   const int32_t* t = reinterpret_cast<const int32_t*>(targets);
+  const bool use8 = narrow != nullptr && narrow->words != nullptr && int8::Applies(d) &&
+                    g_int8.load(std::memory_order_relaxed) && kInt8EnvAllows;
+  if (use8) {
+    if (pbuf.size() < static_cast<size_t>(kRows * ld4)) pbuf.resize(kRows * ld4);
+    if (q8.size() < static_cast<size_t>(nq) * d) q8.resize(static_cast<size_t>(nq) * d);
+    if (qn.size() < static_cast<size_t>(nq)) qn.resize(nq), qe.resize(nq), qs.resize(nq);
+    if (list.size() < static_cast<size_t>(ld4 + 8)) list.resize(ld4 + 8);
+    if (buf.size() < static_cast<size_t>(ld4 + 8)) buf.resize(ld4 + 8);
+    int8::NarrowQueries(queries, nq, d, narrow->norms, q8.data(), qs.data(), qn.data(), qe.data());
+    const uint8_t* unusable = int8::Unusable(narrow->words, nt, d);
+    bad.clear();
+    for (int g = 0; g < groups; ++g)
+      if (unusable[g] != 0) bad.push_back(g);
+  }
   for (int r = 0; r < nq; r += kRows) {
     const int rows = std::min(kRows, nq - r);
+    bool ok = use8;
+    for (int i = 0; ok && i < rows; ++i) ok = qs[r + i] > 0;
+    if (ok) {
+      Int8Stage(queries, r, rows, d, q8.data(), qs.data(), qn.data(), qe.data(), nt, *narrow, bad.data(),
+                static_cast<int>(bad.size()), slack, floor, pbuf.data(), buf.data(), ld4, list.data(),
+                out_rows, out_idx);
+      continue;
+    }
     RowsN(rows, queries + static_cast<long>(r) * d, d, t, groups, buf.data(), ld);
     for (int i = 0; i < rows; ++i) std::fill(buf.data() + i * ld + nt, buf.data() + (i + 1) * ld, INT32_MIN);
     Collect(buf.data(), ld, rows, r, slack, floor, out_rows, out_idx);
@@ -262,13 +427,17 @@ void Dots(const int16_t* queries, int num_queries, const int16_t* targets, int n
 #endif
 }
 
+void SetInt8ForTesting(bool enabled) { g_int8.store(enabled, std::memory_order_relaxed); }
+bool Int8Enabled() { return kInt8EnvAllows && g_int8.load(std::memory_order_relaxed); }
+
 void Candidates(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
-                const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx, const int64_t* floor) {
+                const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx, const int64_t* floor,
+                const Narrowed* narrow) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  CandidatesAvx2(queries, num_queries, targets, num_targets, d, slack, floor, rows, idx);
+  CandidatesAvx2(queries, num_queries, targets, num_targets, d, slack, floor, narrow, rows, idx);
 #else
   (void)queries, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)slack, (void)rows,
-      (void)idx, (void)floor;
+      (void)idx, (void)floor, (void)narrow;
   std::abort();  // callers check Supported()
 #endif
 }

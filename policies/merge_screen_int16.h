@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "policies/merge_screen_int8.h"
+
 namespace kvsim::merge_screen::int16 {
 
 // A normalised coordinate x is held as the integer round(x * 2^kShift) (nearest, ties to even).
@@ -46,9 +48,22 @@ void Dots(const int16_t* queries, int num_queries, const int16_t* targets, int n
 // (r) and `idx` (j). Works on six query rows at a time, so their products stay near (≤ 6 x targets int32: L1
 // or L2). With `floor` (issue 14, round 14), only the targets whose S_rj is also ≥ floor[r] (a row may then
 // have none). Requires Supported().
+//
+// With `narrow` (issue 14, round 16: the targets also narrowed by int8::NarrowTargets), an int8 first
+// stage (merge_screen_int8.h) picks, per query row, the targets that can be candidates and their int16
+// products are computed one by one (from NarrowTargets' row-major copy of the words): the same candidates,
+// in the same order (proof in merge_screen_int8.cc). Blocks of 6 rows with a row NarrowQueries cannot
+// scale, and d without int8::Applies, use the int16 products of every target.
+struct Narrowed {
+  const int8_t* words = nullptr;  // int8::NarrowTargets' output (int8::PackedTargetsSize bytes)
+  int8::Norms norms;
+};
 void Candidates(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
                 const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx,
-                const int64_t* floor = nullptr);
+                const int64_t* floor = nullptr, const Narrowed* narrow = nullptr);
+// Test and A/B hook: the int8 stage off (false) or on again (true). Also off with KVSIM_MERGE_INT8=0.
+void SetInt8ForTesting(bool enabled);
+bool Int8Enabled();
 
 // The slack for a query whose rounding error norm is rq against targets whose largest is rt:
 // ceil(2 · merge_screen::ErrorBound(d, rq, rt) · 2^(2 kShift)), saturated at 2^30.
