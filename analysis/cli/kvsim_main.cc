@@ -944,7 +944,7 @@ int main(int argc, char** argv) {
     return kExitInput;
   }
   // The A/B switches of the merging policies' similarity search (same results either way): 0 or 1.
-  for (const char* name : {"KVSIM_MERGE_SCREEN", "KVSIM_MERGE_MEMO"}) {
+  for (const char* name : {"KVSIM_MERGE_SCREEN", "KVSIM_MERGE_MEMO", "KVSIM_MERGE_INT8"}) {
     const char* v = std::getenv(name);
     if (v && *v && std::string(v) != "0" && std::string(v) != "1") {
       std::fprintf(stderr, "kvsim: error: environment variable %s='%s': expected 0 (off) or 1 (on)\n", name,

@@ -646,7 +646,7 @@ TEST_CASE("cli: progress is plain lines without carriage returns off a terminal;
   CHECK(Has(out, "KVSIM_PROGRESS='maybe'"));
   CHECK(testing::RunCommand("KVSIM_PROGRESS_INTERVAL=soon " + Kvsim() + cmds[0].first, &out) == 1);
   CHECK(Has(out, "KVSIM_PROGRESS_INTERVAL='soon'"));
-  for (const char* name : {"KVSIM_MERGE_SCREEN", "KVSIM_MERGE_MEMO"}) {
+  for (const char* name : {"KVSIM_MERGE_SCREEN", "KVSIM_MERGE_MEMO", "KVSIM_MERGE_INT8"}) {
     CHECK(testing::RunCommand(std::string(name) + "=yes " + Kvsim() + cmds[0].first, &out) == 1);
     CHECK(Has(out, std::string("kvsim: error: environment variable ") + name +
                        "='yes': expected 0 (off) or 1 (on)"));
