@@ -128,4 +128,23 @@ int RunCommand(const std::string& cmd, std::string* output) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
+void NormalizeRows(std::vector<float>* m, int d) {
+  for (size_t r = 0; r < m->size() / d; ++r) {
+    double s = 0;
+    for (int k = 0; k < d; ++k) s += static_cast<double>((*m)[r * d + k]) * (*m)[r * d + k];
+    if (s == 0) continue;
+    const float inv = static_cast<float>(1.0 / std::sqrt(s));
+    for (int k = 0; k < d; ++k) (*m)[r * d + k] *= inv;
+  }
+}
+
+std::vector<float> UnitRows(int n, int d, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> m(static_cast<size_t>(n) * d);
+  for (float& x : m) x = dist(g);
+  NormalizeRows(&m, d);
+  return m;
+}
+
 }  // namespace kvsim::testing

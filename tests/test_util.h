@@ -4,6 +4,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "sim/trace.h"
 
@@ -41,6 +42,12 @@ std::string WriteFile(const std::string& path, const std::string& text);
 
 // Runs a shell command, returns its exit status; stdout+stderr captured into *output if given.
 int RunCommand(const std::string& cmd, std::string* output = nullptr);
+
+// Scales each row of the row-major n x d matrix *m to unit length as NearestByCosine's NormalizeRows does
+// (a double sum of squares, a float inverse); zero rows stay zero.
+void NormalizeRows(std::vector<float>* m, int d);
+// n random rows of length d (normal coordinates from std::mt19937(seed)), scaled by NormalizeRows.
+std::vector<float> UnitRows(int n, int d, uint32_t seed);
 
 // A TraceSource over another that records which layers ReadLayer was asked for (in call order), and the
 // sizes of the keys, values and queries buffers it was handed (before the read).

@@ -13,32 +13,15 @@
 #include <vector>
 
 #include "policies/merge_screen.h"
+#include "tests/test_util.h"
 
 namespace kvsim {
 namespace {
 
 namespace i16 = merge_screen::int16;
 
-// Rows scaled to unit length as NearestByCosine's NormalizeRows does (double sum of squares, a float
-// inverse).
-void Normalize(std::vector<float>* m, int d) {
-  for (size_t r = 0; r < m->size() / d; ++r) {
-    double s = 0;
-    for (int k = 0; k < d; ++k) s += static_cast<double>((*m)[r * d + k]) * (*m)[r * d + k];
-    if (s == 0) continue;
-    const float inv = static_cast<float>(1.0 / std::sqrt(s));
-    for (int k = 0; k < d; ++k) (*m)[r * d + k] *= inv;
-  }
-}
-
-std::vector<float> UnitRows(int n, int d, uint32_t seed) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> m(static_cast<size_t>(n) * d);
-  for (float& x : m) x = dist(g);
-  Normalize(&m, d);
-  return m;
-}
+using testing::NormalizeRows;
+using testing::UnitRows;
 
 float Exact(const float* a, const float* b, int d) {
   float v;
@@ -142,7 +125,7 @@ TEST_CASE("int16 screen: the error bound holds, and adversarial rows reach 97% o
   // normalisation moves each coordinate by less than 0.01 u.
   std::vector<float> x(d);
   for (int k = 0; k < d; ++k) x[k] = static_cast<float>(((k < 82 ? 1448 : 1447) + 0.48) * u);
-  Normalize(&x, d);
+  NormalizeRows(&x, d);
   std::vector<int16_t> qp(d), tp(i16::PackedTargetsSize(1, d));
   double rq = 0;
   i16::PackQueries(x.data(), 1, d, qp.data(), &rq);
@@ -248,7 +231,7 @@ TEST_CASE("int16 screen: the first maximum of the exact values is always a candi
     for (int j = 0; j < nt; j += 3)
       for (int k = 0; k < d; ++k) t[j * d + k] = q[(j % nq) * d + k] + tiny(g);
     for (int j = 1; j + 10 < nt; j += 10) std::copy_n(&t[j * d], d, &t[(j + 10) * d]);
-    Normalize(&t, d);
+    NormalizeRows(&t, d);
     for (int r = 0; r < nq; r += 5) std::copy_n(&t[(7 * r % nt) * d], d, &q[r * d]);
     std::vector<int16_t> qp(static_cast<size_t>(nq) * d), tp(i16::PackedTargetsSize(nt, d));
     std::vector<double> rq(nq);

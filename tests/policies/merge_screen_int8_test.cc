@@ -16,6 +16,7 @@
 
 #include "policies/merge_screen.h"
 #include "policies/merge_screen_int16.h"
+#include "tests/test_util.h"
 
 namespace kvsim {
 namespace {
@@ -23,24 +24,8 @@ namespace {
 namespace i16 = merge_screen::int16;
 namespace i8 = merge_screen::int8;
 
-void Normalize(std::vector<float>* m, int d) {
-  for (size_t r = 0; r < m->size() / d; ++r) {
-    double s = 0;
-    for (int k = 0; k < d; ++k) s += static_cast<double>((*m)[r * d + k]) * (*m)[r * d + k];
-    if (s == 0) continue;
-    const float inv = static_cast<float>(1.0 / std::sqrt(s));
-    for (int k = 0; k < d; ++k) (*m)[r * d + k] *= inv;
-  }
-}
-
-std::vector<float> UnitRows(int n, int d, uint32_t seed) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> m(static_cast<size_t>(n) * d);
-  for (float& x : m) x = dist(g);
-  Normalize(&m, d);
-  return m;
-}
+using testing::NormalizeRows;
+using testing::UnitRows;
 
 // The narrowed words and their errors (the definitions in merge_screen_int8.cc): a query's with the scale c,
 // clamped at ±127; a target's with kTargetScale, clamped at ±64.
@@ -274,7 +259,7 @@ TEST_CASE("int8 stage: the int16 candidates are the same, target for target", "[
         for (int j = 0; j < nt; j += 3)
           for (int k = 0; k < d; ++k) t[j * d + k] = q[(j % nq) * d + k] + (j % 2 ? tiny(g) : 0.0f);
         for (int j = 1; j + 9 < nt; j += 9) std::copy_n(&t[j * d], d, &t[(j + 9) * d]);
-        Normalize(&t, d);
+        NormalizeRows(&t, d);
         if (nt > 4)
           for (int k = 0; k < d; ++k) t[4 * d + k] = 0.0f, t[(nt - 1) * d + k] = -q[k];
         if (nt > 2)
