@@ -2018,14 +2018,6 @@ class LayerPass {
     if (t == steps - 1) RecordMerges(cache, u, &a);
   }
 
-  // The outputs ô_t = Σ_s w_s v_s / Σ_s w_s of every step of run r on KV head u, then the output error and
-  // the eviction bound per sample. The plain slots' part of all steps is one product: the union U of the
-  // tokens any step kept as themselves, A[g·S + t][U] = p_t (zero where step t did not keep the token) times
-  // V[U] (a run whose every step kept every visible token is the reference product itself). When the union
-  // is much wider than the steps' caches (a cache re-selected every step), a per-step gather is cheaper.
-  // When every step holds every visible decode token as itself, A's decode columns are the reference
-  // probabilities' own, the same for every such run of the unit: the product covers U's other tokens and
-  // the unit's decode part (DecodePart, computed once) is added to it, out = A[:, U \ D] V[U \ D] + Y.
   // Does step 0 hold every visible token as itself, and are steps 1.. prefix-closed (each step's plain
   // slots begin with the previous step's, and the tokens it adds lie past the previous step's position,
   // where that step's p is zero)? Then FinishRun takes step 0's output row from the reference and gathers
@@ -2047,6 +2039,14 @@ class LayerPass {
     return true;
   }
 
+  // The outputs ô_t = Σ_s w_s v_s / Σ_s w_s of every step of run r on KV head u, then the output error and
+  // the eviction bound per sample. The plain slots' part of all steps is one product: the union U of the
+  // tokens any step kept as themselves, A[g·S + t][U] = p_t (zero where step t did not keep the token) times
+  // V[U] (a run whose every step kept every visible token is the reference product itself). When the union
+  // is much wider than the steps' caches (a cache re-selected every step), a per-step gather is cheaper.
+  // When every step holds every visible decode token as itself, A's decode columns are the reference
+  // probabilities' own, the same for every such run of the unit: the product covers U's other tokens and
+  // the unit's decode part (DecodePart, computed once) is added to it, out = A[:, U \ D] V[U \ D] + Y.
   void FinishRun(int u, int r, WorkerScratch& ws) {
     FlushMergedBlock(ws);
     FlushPrefixSums(u, r, ws);
