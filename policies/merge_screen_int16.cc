@@ -251,14 +251,13 @@ KVSIM_INT16_TARGET void Int8Stage(const int16_t* queries, int r0, int rows, int 
                                   const Narrowed& narrow, const int* bad, int num_bad, const int64_t* slack,
                                   const int64_t* floor, int32_t* p, int32_t* buf, long ld4, int* list,
                                   std::vector<int>* out_rows, std::vector<int>* out_idx) {
-  const int groups = PaddedTargets(nt) / 8, groups4 = static_cast<int>(ld4 / 8);  // groups4 % 4 == 0
+  const int groups4 = static_cast<int>(ld4 / 8);  // groups4 % 4 == 0
   const uint8_t* unusable = int8::Unusable(narrow.words, nt, d);
   const int16_t* rows16 = int8::Rows16(narrow.words, nt, d);
   int8::Dots(q8 + static_cast<long>(r0) * d, rows, narrow.words, nt, d, p, ld4);
   for (int i = 0; i < rows; ++i) {
     const int r = r0 + i;
     int32_t* pr = p + i * ld4;
-    (void)groups;
     std::fill(pr + nt, pr + ld4, INT32_MIN);  // padding and unusable targets are never the maximum
     for (int b = 0; b < num_bad; ++b)
       for (unsigned m = unusable[bad[b]]; m != 0; m &= m - 1)
@@ -284,8 +283,7 @@ KVSIM_INT16_TARGET void Int8Stage(const int16_t* queries, int r0, int rows, int 
     // The surviving targets, ascending (left-packed 8 at a time), and every unusable one
     // (merge_screen_int8.cc (3)).
     int n = 0;
-    int b = 0;  // next unusable group
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int b = 0;                              // next unusable group
     for (int g = 0; g < groups4; g += 4) {  // most groups fail: test four at once
       const __m256i* v = reinterpret_cast<const __m256i*>(pr + g * 8);
       const __m256i g0 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v), th);
@@ -308,7 +306,6 @@ KVSIM_INT16_TARGET void Int8Stage(const int16_t* queries, int r0, int rows, int 
         n += std::popcount(mk[k]);
       }
     }
-    (void)lane;
     if (n == 0) continue;
     RowTargets(queries + static_cast<long>(r) * d, d, rows16, list, n, buf);
     // Collect's rule for this row over these targets (padding is never among them: its P is INT32_MIN).
@@ -333,8 +330,7 @@ KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int
   const long ld4 = (ld + 31) / 32 * 32;  // the int8 products' row stride: whole runs of four groups
   if (buf.size() < static_cast<size_t>(kRows * ld)) buf.resize(kRows * ld);
   const int32_t* t = reinterpret_cast<const int32_t*>(targets);
-  const bool use8 = narrow != nullptr && narrow->words != nullptr && int8::Applies(d) &&
-                    g_int8.load(std::memory_order_relaxed) && kInt8EnvAllows;
+  const bool use8 = narrow != nullptr && narrow->words != nullptr && int8::Applies(d) && Int8Enabled();
   if (use8) {
     if (pbuf.size() < static_cast<size_t>(kRows * ld4)) pbuf.resize(kRows * ld4);
     if (q8.size() < static_cast<size_t>(nq) * d) q8.resize(static_cast<size_t>(nq) * d);
