@@ -477,6 +477,88 @@ void RowNorms(const float* x, int rows, int d, float* out) {
   }
 }
 
+// MaxRowNorm (replay.h). A float pass bounds every row's sum of squares, then RowNorms' exact double sum
+// runs only for the rows whose bound reaches the best lower bound. The proof:
+// - a_j, the float sum (fused multiply-adds in eight lanes, the lanes added, the rest one at a time: at most
+//   d + 1 roundings on any path (d < 2^22), each relative error <= u = 2^-24 for a normal result, and an
+//   absolute error < 2^-149 per product for a subnormal one) is within gamma = (d + 1)u / (1 - (d + 1)u) of
+//   the exact sum s_j, plus tiny = (d + 1) 2^-149; the double sum S_j (RowNorms: d additions in double) is
+//   within d 2^-53 of s_j. With eps = (d + 2) 2^-23 (more than gamma + d 2^-53 + the double roundings below):
+//   lo_j = (a_j - tiny)(1 - eps) <= S_j <= (a_j + tiny)(1 + eps) = hi_j; a float sum that overflowed (+inf)
+//   gives lo_j = 0, hi_j = +inf.
+// - Let L = max(0, max_i lo_i). If L = 0, every row is a candidate (hi_j >= 0). Otherwise L = lo_i at row i.
+// ‖v_j‖ = float(sqrt(S_j)) is non-decreasing in S_j. If row i's norm
+//   is the maximum V, row i has hi_i >= S_i >= L. Otherwise a row j with norm V > ‖v_i‖ has S_j > S_i >=
+//   L, so hi_j > L. Either way a row with norm V has hi_j >= L: the candidates' maximum is V, bit for bit.
+float MaxRowNorm(const float* x, int rows, int d) {
+  if (rows <= 0) return 0.0f;
+  thread_local std::vector<float> approx;
+  approx.resize(rows);
+  for (int j = 0; j < rows; ++j) {
+    const float* v = x + static_cast<size_t>(j) * d;
+    float a = 0.0f;
+    int k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d >= 8) {
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+      for (; k + 16 <= d; k += 16) {
+        const __m256 c0 = _mm256_loadu_ps(v + k), c1 = _mm256_loadu_ps(v + k + 8);
+        acc0 = _mm256_fmadd_ps(c0, c0, acc0);
+        acc1 = _mm256_fmadd_ps(c1, c1, acc1);
+      }
+      for (; k + 8 <= d; k += 8) {
+        const __m256 c0 = _mm256_loadu_ps(v + k);
+        acc0 = _mm256_fmadd_ps(c0, c0, acc0);
+      }
+      const __m256 acc = _mm256_add_ps(acc0, acc1);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      a = _mm_cvtss_f32(h);
+    }
+#endif
+    for (; k < d; ++k) a = std::fma(v[k], v[k], a);
+    approx[j] = a;
+  }
+  const double eps = std::ldexp(static_cast<double>(d) + 2.0, -23);
+  const double tiny = std::ldexp(static_cast<double>(d) + 1.0, -149);
+  double best_lo = 0.0;
+  for (int j = 0; j < rows; ++j)
+    if (approx[j] <= std::numeric_limits<float>::max())
+      best_lo = std::max(best_lo, (static_cast<double>(approx[j]) - tiny) * (1.0 - eps));
+  float best = 0.0f;
+  for (int j = 0; j < rows; ++j) {
+    if (approx[j] <= std::numeric_limits<float>::max() &&
+        (static_cast<double>(approx[j]) + tiny) * (1.0 + eps) < best_lo)
+      continue;
+    float norm;
+    RowNorms(x + static_cast<size_t>(j) * d, 1, d, &norm);
+    best = std::max(best, norm);
+  }
+  return best;
+}
+
+// MaxVisibleNorms (replay.h): a running maximum while the window starts at 0 (a maximum is exact, so this
+// equals the search over the whole range); keys [0, n] at once by MaxRowNorm when no step's window moves.
+void MaxVisibleNorms(const float* values, int n, int steps, int d, const int32_t* first, float* out) {
+  if (steps <= 0) return;
+  if (std::all_of(first, first + steps, [](int32_t f) { return f == 0; })) {
+    std::vector<float> vnorm(steps);  // vnorm[t] = ‖v_{n + t}‖ for t >= 1
+    if (steps > 1) RowNorms(values + static_cast<size_t>(n + 1) * d, steps - 1, d, vnorm.data() + 1);
+    out[0] = MaxRowNorm(values, n + 1, d);
+    for (int t = 1; t < steps; ++t) out[t] = std::max(out[t - 1], vnorm[t]);
+    return;
+  }
+  std::vector<float> vnorm(static_cast<size_t>(n) + steps);
+  RowNorms(values, n + steps, d, vnorm.data());
+  for (int t = 0; t < steps; ++t) {
+    const int prev_first = t > 0 ? first[t - 1] : -1;
+    out[t] = first[t] == 0 && prev_first == 0
+                 ? std::max(out[t - 1], vnorm[n + t])
+                 : *std::max_element(vnorm.begin() + first[t], vnorm.begin() + n + t + 1);
+  }
+}
+
 // PlainSlotSums (replay.h). With AVX2, lane j's four modality sums live in one register and every slot adds
 // p[tok_s] masked to its modality (the others get +0.0): x + (+0.0) = x for every x these sums hold (they
 // start at +0.0, and a NaN or infinity is masked to +0.0 outside its modality), so each sum gets the same
@@ -919,20 +1001,9 @@ class LayerPass {
     w.band_mutex = std::make_unique<std::mutex>();
     w.all_once = std::make_unique<std::once_flag>();
     w.shared = std::make_unique<UnitShared>();
-    // ‖v_j‖, 8 keys at a time: each key's sum is still added over k in order, but the 8 chains are
-    // independent (one serial chain per key kept the core waiting on the adder).
-    std::vector<float> vnorm(t_all);
-    RowNorms(values, t_all, d, vnorm.data());
-    // max over the visible keys [first, n + t]: a running maximum while the window starts at 0 (a maximum
-    // is exact, so this equals the search over the whole range).
+    // max ‖v_j‖ over each step's visible keys (the output-error bound's).
     w.max_vnorm.resize(steps);
-    for (int t = 0; t < steps; ++t) {
-      const int first = w.refs.empty() ? 0 : w.refs[0].first[t];
-      const int prev_first = t > 0 && !w.refs.empty() ? w.refs[0].first[t - 1] : -1;
-      w.max_vnorm[t] = first == 0 && prev_first == 0
-                           ? std::max(w.max_vnorm[t - 1], vnorm[n + t])
-                           : *std::max_element(vnorm.begin() + first, vnorm.begin() + n + t + 1);
-    }
+    if (steps > 0) MaxVisibleNorms(values, n, steps, d, w.refs[0].first.data(), w.max_vnorm.data());
     // Compression hook of every run.
     WorkerScratch check;  // CheckCache's marker for the prefill checks (few per unit)
     check.stamp.assign(t_all, 0);

@@ -5,6 +5,7 @@
 // token-step order for every (KV head, configuration) unit. After the last layer, the latency model turns the
 // per-step cache sizes into simulated time, and metrics are aggregated (docs/metrics.md).
 
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
@@ -104,6 +105,14 @@ int PlainSlotSums(const int32_t* tk, int slots, const float* p, const Modality* 
 // exact squares (a float times itself is exact in double) added over k in order from +0.0, whatever path
 // (eight rows' 8 × 8 tiles transposed in registers with AVX2, a row at a time without) does it.
 void RowNorms(const float* x, int rows, int d, float* out);
+
+// The largest of RowNorms' values for rows j < rows (+0.0 when rows <= 0), bit for bit: a float pass bounds
+// every row's sum of squares, and RowNorms' exact sum runs only for the rows that can be the largest.
+float MaxRowNorm(const float* x, int rows, int d);
+
+// out[t] = the largest of RowNorms' values over the keys [first[t], n + t] of values [n + steps][d], for
+// t < steps (Prefill's max ‖v_j‖ over each decode step's visible keys), bit for bit.
+void MaxVisibleNorms(const float* values, int n, int steps, int d, const int32_t* first, float* out);
 
 // Tests only: false makes the oracle's k-th largest value come from a selection in a copy of the row
 // instead of the regret's buckets (TopKSums::Kth), so a test can compare the two.

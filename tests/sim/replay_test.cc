@@ -2199,6 +2199,95 @@ TEST_CASE("replay: RowNorms equals the per-row sum of squares in double, bit for
     }
 }
 
+TEST_CASE("replay: MaxRowNorm equals the largest of RowNorms' values, bit for bit", "[replay]") {
+  std::mt19937 rng(4321);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> binade(-30, 30);
+  const auto reference = [](const float* x, int rows, int d) {
+    std::vector<float> norms(std::max(rows, 1), 0.0f);
+    if (rows > 0) RowNorms(x, rows, d, norms.data());
+    return *std::max_element(norms.begin(), norms.end());
+  };
+  const auto same = [](float a, float b) { return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b); };
+  // Random rows over many binades (the whole-vector path, its rest, the scalar path for d < 8).
+  for (int d : {1, 7, 8, 9, 16, 63, 128, 129, 136})
+    for (int rows : {0, 1, 7, 27, 300}) {
+      std::vector<float> x(static_cast<size_t>(rows) * d + 3);
+      for (float& v : x) v = rng() % 11 == 0 ? 0.0f : std::ldexp(unit(rng), binade(rng));
+      INFO("d = " << d << ", rows = " << rows);
+      CHECK(same(MaxRowNorm(x.data() + 3, rows, d), reference(x.data() + 3, rows, d)));
+    }
+  // Near ties: 64 orders of one row (their float sums differ by a few units in the last place, their norms
+  // hardly at all) and one row whose norm is one float step above theirs (x[0] raised ulp by ulp until the
+  // norm moves), at a random place. The largest float sum is seldom that row's, so the exact norm of the
+  // largest float sum alone would miss it.
+  for (int d : {64, 128, 136})
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<float> row(d);
+      for (float& v : row) v = std::ldexp(unit(rng), binade(rng) / 10);
+      float base_norm;
+      RowNorms(row.data(), 1, d, &base_norm);
+      std::vector<float> up = row;
+      float up_norm = base_norm;
+      while (up_norm == base_norm) {
+        up[0] = std::nextafter(up[0], up[0] < 0 ? -INFINITY : INFINITY);
+        RowNorms(up.data(), 1, d, &up_norm);
+      }
+      const int rows = 65, at = static_cast<int>(rng() % rows);
+      std::vector<float> x;
+      for (int j = 0; j < rows; ++j) {
+        if (j == at) {
+          x.insert(x.end(), up.begin(), up.end());
+        } else {
+          std::shuffle(row.begin(), row.end(), rng);
+          x.insert(x.end(), row.begin(), row.end());
+        }
+      }
+      INFO("d = " << d << ", trial " << trial);
+      const float want = reference(x.data(), rows, d);
+      CHECK(want >= up_norm);
+      CHECK(same(MaxRowNorm(x.data(), rows, d), want));
+    }
+  // Squares below float's range (every float sum 0, the double sums not) and above it (float sums +inf).
+  for (float scale : {1e-30f, 1e-23f, 1e20f, 3e19f}) {
+    const int d = 128, rows = 40;
+    std::vector<float> x(static_cast<size_t>(rows) * d);
+    for (float& v : x) v = scale * unit(rng);
+    INFO("scale " << scale);
+    CHECK(same(MaxRowNorm(x.data(), rows, d), reference(x.data(), rows, d)));
+  }
+}
+
+TEST_CASE("replay: MaxVisibleNorms is the largest norm over each step's visible keys, bit for bit",
+          "[replay]") {
+  // Every window start (none, sliding windows of several widths), with the largest row anywhere: the first
+  // key, the last prefill key n, a decode key, inside or outside a window.
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  const int d = 24;
+  for (int n : {1, 9, 40})
+    for (int steps : {1, 2, 7})
+      for (int window : {0, 3, 10, 1000})
+        for (int big : {-1, 0, n - 1, n, n + steps - 1}) {
+          const int t_all = n + steps;
+          std::vector<float> v(static_cast<size_t>(t_all) * d);
+          for (float& x : v) x = unit(rng);
+          if (big >= 0)
+            for (int k = 0; k < d; ++k) v[static_cast<size_t>(big) * d + k] *= 4.0f;
+          std::vector<int32_t> first(steps);
+          for (int t = 0; t < steps; ++t) first[t] = window > 0 ? std::max(0, n + t - window + 1) : 0;
+          std::vector<float> norms(t_all), got(steps, -1.0f);
+          RowNorms(v.data(), t_all, d, norms.data());
+          MaxVisibleNorms(v.data(), n, steps, d, first.data(), got.data());
+          for (int t = 0; t < steps; ++t) {
+            const float want = *std::max_element(norms.begin() + first[t], norms.begin() + n + t + 1);
+            INFO("n = " << n << ", steps = " << steps << ", window = " << window << ", big = " << big
+                        << ", t = " << t);
+            CHECK(std::bit_cast<uint32_t>(got[t]) == std::bit_cast<uint32_t>(want));
+          }
+        }
+}
+
 TEST_CASE("replay: the prefix-closed steps' sums at once equal PlainSlotSums step by step, bit for bit",
           "[replay]") {
   // Random prefix-closed caches: step t holds the first count[t] slots (count non-decreasing, from any
