@@ -363,6 +363,7 @@ std::atomic<bool> g_decode_part{true};     // SetSharedDecodePartForTesting
 std::atomic<bool> g_rank_bands{true};      // SetOutputBandsForTesting
 std::atomic<bool> g_band_memo{true};       // SetRankBandMemoForTesting
 std::atomic<bool> g_step0_split{true};     // SetStepZeroSplitForTesting
+std::atomic<bool> g_held_by_runs{true};    // SetHeldByRunsForTesting
 // A ranked run's output product is added in bands of this many columns (FinishRun).
 constexpr size_t kRankBand = 64;
 
@@ -2218,10 +2219,22 @@ class LayerPass {
         // (step t holds token n + t) and A's decode columns are p's (zero where p is).
         decode_part =
             g_decode_part.load(std::memory_order_relaxed) && steps > 0 && nu >= static_cast<size_t>(steps);
+        // With the lists as runs (ascending consecutive tokens), a run's tokens at or after lo are counted at
+        // once: the same count as the token-by-token loop, without another pass over the lists.
+        const bool held_by_runs = !ws.runs.empty() && g_held_by_runs.load(std::memory_order_relaxed);
+        size_t hri = 0;  // the next run (step by step, in list order)
         for (int t = 0; t < steps && decode_part; ++t) {
           const int32_t lo = std::max(n, w.refs[0].first[t]);
           size_t held = 0;
-          for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i) held += ws.plain[i] >= lo;
+          if (held_by_runs) {
+            for (; hri < ws.runs.size() && static_cast<size_t>(ws.runs[hri].at) < ws.step_begin[t + 1];
+                 ++hri) {
+              const int32_t end = ws.runs[hri].first + ws.runs[hri].len;
+              held += static_cast<size_t>(std::max(0, end - std::max(ws.runs[hri].first, lo)));
+            }
+          } else {
+            for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i) held += ws.plain[i] >= lo;
+          }
           decode_part = held == static_cast<size_t>(n + t - lo + 1);
         }
         const size_t k = nu - (decode_part ? steps : 0);
@@ -2733,6 +2746,7 @@ void SetSharedDecodePartForTesting(bool allowed) { g_decode_part.store(allowed, 
 void SetOutputBandsForTesting(bool allowed) { g_rank_bands.store(allowed, std::memory_order_relaxed); }
 void SetRankBandMemoForTesting(bool allowed) { g_band_memo.store(allowed, std::memory_order_relaxed); }
 void SetStepZeroSplitForTesting(bool allowed) { g_step0_split.store(allowed, std::memory_order_relaxed); }
+void SetHeldByRunsForTesting(bool allowed) { g_held_by_runs.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

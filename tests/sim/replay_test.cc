@@ -1991,6 +1991,34 @@ TEST_CASE("replay: the output product from runs of consecutive tokens equals the
   SetOutputBandsForTesting(true);
 }
 
+// FinishRun counts each step's held decode tokens (does every step hold its visible ones, so that the unit's
+// decode part can be added?) run by run when the steps' lists are runs of consecutive tokens. A window that
+// holds every decode token so far (the decode part is used), one that drops decode token n + 2 from step 4
+// on (not used), and streaming_llm: every result the token-by-token count's, bit for bit.
+TEST_CASE("replay: held decode tokens counted by runs equal the token-by-token count", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 600;
+  spec.decode_steps = 12;
+  spec.image_begin = 40;
+  spec.image_end = 500;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  auto keeps = [](bool gap) {
+    return std::make_shared<ActPolicy>([gap](int step, HeadCache* c) {
+      std::vector<int32_t> keep;
+      for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                           // sinks
+      for (int32_t t = 50 + 7 * step; t < 150 + 7 * step; ++t) keep.push_back(t);  // a window
+      for (int32_t t = 600; t < 600 + step; ++t)                                   // decode tokens
+        if (!gap || step < 4 || t != 602) keep.push_back(t);
+      c->Assign(keep);
+    });
+  };
+  std::vector<RunSpec> runs{Spec(keeps(false), spec.prefill_length), Spec(keeps(true), spec.prefill_length),
+                            Spec(Registered("streaming_llm"), 150)};
+  CheckSameWithout(tr, runs, &SetHeldByRunsForTesting);
+}
+
 // FinishRun's token-by-token loops build the union U of a cache re-selected every step (the tokens' range
 // shorter than the steps' lists together) by marking every listed token and one scan of the markers over
 // the range, instead of listing first sights and sorting; the runs' buffers (A, V[U], the outputs) only
