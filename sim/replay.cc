@@ -264,7 +264,13 @@ struct WorkerScratch {
   struct TokenRun {
     int32_t first, len, at;  // tokens first .. first + len - 1, from ws.plain[at]
   };
-  std::vector<TokenRun> runs;     // FinishRun: the steps' lists as runs of consecutive tokens (when few)
+  std::vector<TokenRun> runs;  // FinishRun: the steps' lists as runs of consecutive tokens (when few)
+  // While `runs_live`, `runs` holds the runs of the steps [0, runs_steps) written into `plain` so far, found
+  // as each step's list is written (AddStepRuns: the list still in cache) instead of in another pass over
+  // all of them in FinishRun; given up (cleared, FinishRun finds them) once they are more than one per 16
+  // listed tokens.
+  bool runs_live = false;
+  int runs_steps = 0;
   std::vector<float> a, vu, out;  // the compact product: [g*S][|U|] x [|U|][d] = [g*S][d]
   // A ranked run's columns in rank order, their sort keys, and its band sums (FinishRun, RankBands).
   std::vector<int32_t> order;
@@ -364,6 +370,7 @@ std::atomic<bool> g_rank_bands{true};      // SetOutputBandsForTesting
 std::atomic<bool> g_band_memo{true};       // SetRankBandMemoForTesting
 std::atomic<bool> g_step0_split{true};     // SetStepZeroSplitForTesting
 std::atomic<bool> g_held_by_runs{true};    // SetHeldByRunsForTesting
+std::atomic<bool> g_step_runs{true};       // SetStepRunsForTesting
 // A ranked run's output product is added in bands of this many columns (FinishRun).
 constexpr size_t kRankBand = 64;
 
@@ -1196,6 +1203,9 @@ class LayerPass {
     }
     ws.plain.clear();
     ws.step_begin.assign(1, 0);
+    ws.runs.clear();
+    ws.runs_live = g_step_runs.load(std::memory_order_relaxed);
+    ws.runs_steps = 0;
     ws.prefix = false;
     ws.ptok.clear();
     ws.deferred = 0;
@@ -1658,13 +1668,33 @@ class LayerPass {
     ws.cs0 = ws.cs_end = -1;
   }
 
-  // Ends the prefix mode (WorkerScratch::prefix): writes the steps so far into `plain`.
+  // The runs of the next step's list, plain[step_begin[runs_steps] .. step_begin[runs_steps + 1]), as
+  // FinishRun's pass finds them (RunEnd, in list order; WorkerScratch::runs_live).
+  static void AddStepRuns(WorkerScratch& ws) {
+    if (!ws.runs_live) return;
+    const int32_t* pl = ws.plain.data();
+    const size_t b = ws.step_begin[ws.runs_steps], e = ws.step_begin[ws.runs_steps + 1];
+    for (size_t i = b; i < e;) {
+      const size_t j = RunEnd(pl, i, e);
+      ws.runs.push_back({pl[i], static_cast<int32_t>(j - i), static_cast<int32_t>(i)});
+      i = j;
+    }
+    ++ws.runs_steps;
+    if (ws.runs.size() * 16 > ws.plain.size()) {
+      ws.runs_live = false;
+      ws.runs.clear();
+    }
+  }
+
+  // Ends the prefix mode (WorkerScratch::prefix): writes the steps so far into `plain` (and their runs).
   static void ExpandPrefix(WorkerScratch& ws) {
     if (!ws.prefix) return;
     ws.plain.clear();
-    for (size_t t = 0; t + 1 < ws.step_begin.size(); ++t)
+    for (size_t t = 0; t + 1 < ws.step_begin.size(); ++t) {
       ws.plain.insert(ws.plain.end(), ws.ptok.begin(),
                       ws.ptok.begin() + static_cast<std::ptrdiff_t>(ws.step_begin[t + 1] - ws.step_begin[t]));
+      AddStepRuns(ws);
+    }
     ws.prefix = false;
     ws.ptok.clear();
   }
@@ -1838,7 +1868,10 @@ class LayerPass {
       }
       ws.plain.resize(k);
     }
-    if (!ws.prefix) ws.step_begin.push_back(ws.plain.size());
+    if (!ws.prefix) {
+      ws.step_begin.push_back(ws.plain.size());
+      AddStepRuns(ws);
+    }
     ws.checked[t] = !cache.has_merges();
     // Merged slots in bulk while the cache is unchanged since the previous step (else per step, below).
     const uint64_t version = cache.version();
@@ -2156,13 +2189,17 @@ class LayerPass {
       // runs, the union U is the merge of the runs' intervals and A's rows are copies of p's stretches; the
       // same U (ascending) and the same A as the token-by-token loops below.
       const size_t gathered = ws.plain.size();
-      ws.runs.clear();
       {
         // The runs step by step (RunEnd: eight tokens compared per instruction), given up as soon as there
-        // are more than one per 16 slots (then the token-by-token loops below).
+        // are more than one per 16 slots (then the token-by-token loops below). Step found them already
+        // (WorkerScratch::runs_live) unless it gave up: then they are more than one per 16 slots of the
+        // steps so far, and (if they are not more than one per 16 slots of all steps) found here.
         const int32_t* pl = ws.plain.data();
         bool by_runs = gathered > 0 && g_run_lists.load(std::memory_order_relaxed);
-        for (int t = 0; t < steps && by_runs; ++t)
+        const bool found = ws.runs_live && ws.runs_steps == steps;
+        if (!found || !by_runs || ws.runs.size() * 16 > gathered) ws.runs.clear();
+        if (found) by_runs = by_runs && !ws.runs.empty();
+        for (int t = 0; t < steps && by_runs && !found; ++t)
           for (size_t i = ws.step_begin[t], e = ws.step_begin[t + 1]; i < e;) {
             const size_t j = RunEnd(pl, i, e);
             ws.runs.push_back({pl[i], static_cast<int32_t>(j - i), static_cast<int32_t>(i)});
@@ -2747,6 +2784,7 @@ void SetOutputBandsForTesting(bool allowed) { g_rank_bands.store(allowed, std::m
 void SetRankBandMemoForTesting(bool allowed) { g_band_memo.store(allowed, std::memory_order_relaxed); }
 void SetStepZeroSplitForTesting(bool allowed) { g_step0_split.store(allowed, std::memory_order_relaxed); }
 void SetHeldByRunsForTesting(bool allowed) { g_held_by_runs.store(allowed, std::memory_order_relaxed); }
+void SetStepRunsForTesting(bool allowed) { g_step_runs.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

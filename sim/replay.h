@@ -141,6 +141,9 @@ void SetStepZeroSplitForTesting(bool allowed);
 // Test hook: false makes FinishRun count each step's held decode tokens token by token even when the steps'
 // lists are runs of consecutive tokens (it counts them run by run: the same counts).
 void SetHeldByRunsForTesting(bool allowed);
+// Test hook: false makes FinishRun find the steps' runs of consecutive tokens in one pass over all the lists
+// (Step finds each step's as it writes the list: the same runs).
+void SetStepRunsForTesting(bool allowed);
 
 // A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
 // its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in

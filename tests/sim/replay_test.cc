@@ -2019,6 +2019,62 @@ TEST_CASE("replay: held decode tokens counted by runs equal the token-by-token c
   CheckSameWithout(tr, runs, &SetHeldByRunsForTesting);
 }
 
+// Step finds each step's runs of consecutive tokens as it writes the step's list (and ExpandPrefix those of
+// the prefix-closed steps it writes out), instead of FinishRun's pass over all lists: the same runs, so every
+// result the same, bit for bit. A window with sinks after it and a fixed block; a cache appended to for four
+// steps, then a window (the prefix mode's steps expanded at step 4); one whose lists turn scattered after
+// step 6 (Step gives up, FinishRun decides); one scattered at step 0 only; streaming_llm.
+TEST_CASE("replay: the steps' runs found step by step equal FinishRun's pass", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 600;
+  spec.decode_steps = 12;
+  spec.image_begin = 40;
+  spec.image_end = 500;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    std::vector<int32_t> keep;
+    for (int32_t t = 50 + 7 * step; t < 150 + 7 * step; ++t) keep.push_back(t);  // a window
+    for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                           // sinks, after it
+    for (int32_t t = 300; t < 340; ++t) keep.push_back(t);                       // a fixed block
+    c->Assign(keep);
+  });
+  auto prefix_then_window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    if (step == 0) c->AssignRange(0, 600);
+    if (step < 4) return;  // appended to: prefix-closed
+    std::vector<int32_t> keep;
+    for (int32_t t = 100 + 9 * step; t < 400 + 9 * step; ++t) keep.push_back(t);
+    c->Assign(keep);
+  });
+  auto turns_scattered = [](int from) {
+    return std::make_shared<ActPolicy>([from](int step, HeadCache* c) {
+      std::vector<int32_t> keep;
+      if (step < from)
+        for (int32_t t = 200 + step; t < 500 + step; ++t) keep.push_back(t);
+      else
+        for (int32_t t = step % 3; t < 600; t += 3) keep.push_back(t);
+      c->Assign(keep);
+    });
+  };
+  auto scattered_first = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    std::vector<int32_t> keep;
+    if (step == 0)
+      for (int32_t t = 0; t < 60; t += 2) keep.push_back(t);
+    else
+      for (int32_t t = 200 + step; t < 590; ++t) keep.push_back(t);
+    c->Assign(keep);
+  });
+  std::vector<RunSpec> runs{Spec(window, spec.prefill_length),
+                            Spec(prefix_then_window, spec.prefill_length),
+                            Spec(turns_scattered(6), spec.prefill_length),
+                            Spec(turns_scattered(11), spec.prefill_length),
+                            Spec(scattered_first, spec.prefill_length),
+                            Spec(Registered("streaming_llm"), 150),
+                            Spec(Registered("streaming_llm"), 40)};
+  CheckSameWithout(tr, runs, &SetStepRunsForTesting);
+}
+
 // FinishRun's token-by-token loops build the union U of a cache re-selected every step (the tokens' range
 // shorter than the steps' lists together) by marking every listed token and one scan of the markers over
 // the range, instead of listing first sights and sorting; the runs' buffers (A, V[U], the outputs) only
