@@ -280,6 +280,7 @@ struct WorkerScratch {
   std::vector<int32_t> hold;         // [T + 1] PositionOrder's difference array (zero between uses)
   std::vector<int32_t> span;         // [|U|] consecutive tokens in consecutive columns from column c on
   std::vector<const float*> band_v;  // FinishRun: each band product's value rows (in V, or in vu)
+  std::vector<const float*> band_a;  // FinishRun: each band product's A, in p's rows (see there)
   // Merged slots in bulk (see BeginMergedBlock): while the cache's version is unchanged, its merged slots
   // (keys, values, slot indices) are too, so the dots of steps [mt0, mt0 + mrows) with them are one product
   // per group member and their values' output contribution another, added to `extra` when the block ends.
@@ -371,6 +372,7 @@ std::atomic<bool> g_band_memo{true};       // SetRankBandMemoForTesting
 std::atomic<bool> g_step0_split{true};     // SetStepZeroSplitForTesting
 std::atomic<bool> g_held_by_runs{true};    // SetHeldByRunsForTesting
 std::atomic<bool> g_step_runs{true};       // SetStepRunsForTesting
+std::atomic<bool> g_in_place_a{true};      // SetInPlaceProbRowsForTesting
 // A ranked run's output product is added in bands of this many columns (FinishRun).
 constexpr size_t kRankBand = 64;
 
@@ -1375,9 +1377,12 @@ class LayerPass {
   // kRankBand columns at a time, and keeps the sums other runs of the unit may resume at (WantedBands, and
   // after the last whole band: a larger budget's run resumes there). ws.a's rows hold columns a_first, ...
   // (lda apart); ws.vu the value rows of columns from, from + 1, ..., or, when `band_v` is given,
-  // band_v[(c - from) / kRankBand] those of the band from column c on (d apart: the same operand).
+  // band_v[(c - from) / kRankBand] those of the band from column c on (d apart: the same operand); when
+  // `band_a` is given and band_a[(c - from) / kRankBand] is not null, it is that band's A (rows band_lda
+  // apart: the same operand).
   void BandProducts(int u, int r, size_t nb, size_t from, size_t a_first, size_t lda, WorkerScratch& ws,
-                    const float* const* band_v = nullptr) {
+                    const float* const* band_v = nullptr, const float* const* band_a = nullptr,
+                    size_t band_lda = 0) {
     const int steps = meta_.num_decode_steps, d = m_.head_dim;
     const size_t rows = static_cast<size_t>(m_.GroupSize()) * steps;
     WantedBands(u, r, nb, ws);
@@ -1386,8 +1391,9 @@ class LayerPass {
     EnsureSingleThreadedBlas();
     for (size_t c = from; c < nb; c += kRankBand) {
       const size_t kb = std::min(kRankBand, nb - c);
+      const float* a = band_a ? band_a[(c - from) / kRankBand] : nullptr;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, static_cast<int>(kb),
-                  1.0f, ws.a.data() + (c - a_first), static_cast<int>(lda),
+                  1.0f, a ? a : ws.a.data() + (c - a_first), static_cast<int>(a ? band_lda : lda),
                   band_v ? band_v[(c - from) / kRankBand] : ws.vu.data() + (c - from) * d, d, 1.0f,
                   ws.out.data(), d);
       const size_t m = (c + kb) / kRankBand;
@@ -2308,6 +2314,24 @@ class LayerPass {
         };
         for (size_t c = from; c < full; c += kRankBand)
           ws.band_v.push_back(rows_of(c, std::min(full, c + kRankBand)));
+        // With one query head per KV head (A's rows are the steps' rows of p), a band of consecutive tokens
+        // reads A in place too: the reference probabilities' rows from its first token on, T apart, hold the
+        // values the copy would (p_t[tok], zero where p is), so the same operand. A's columns of the resumed
+        // bands [0, from) and of the first bands that read in place, [from, skip_full), are not written (no
+        // product reads them); a band after one that cannot (sinks and a window's oldest tokens together)
+        // reads ws.a.
+        ws.band_a.clear();
+        size_t skip_full = 0;
+        if (g_in_place_a.load(std::memory_order_relaxed)) {
+          skip_full = from;
+          for (size_t c = from; c < full; c += kRankBand) {
+            const size_t c1 = std::min(full, c + kRankBand);
+            const bool a_in_place =
+                in_place && group == 1 && skip_full == c && ws.span[c] >= static_cast<int32_t>(c1 - c);
+            ws.band_a.push_back(a_in_place ? w.refs[0].row(0) + ws.used[c] : nullptr);
+            if (a_in_place) skip_full = c1;
+          }
+        }
         const float* rest_v = k > full ? rows_of(std::max(full, from), k) : nullptr;
         for (int g = 0; g < group; ++g) {
           size_t ri = 0;  // the next run (ws.runs: step by step, in list order)
@@ -2322,7 +2346,9 @@ class LayerPass {
                 for (int32_t f = ws.runs[ri].first, len = ws.runs[ri].len; len > 0;) {
                   const size_t c = static_cast<size_t>(ws.col[f]);
                   const int32_t l = std::min(len, ws.span[c]);
-                  std::copy_n(p + f, l, row + c);
+                  // Columns below skip_full are not read (above): only the piece's part past them.
+                  const int32_t sk = c < skip_full ? std::min(l, static_cast<int32_t>(skip_full - c)) : 0;
+                  std::copy_n(p + f + sk, l - sk, row + c + sk);
                   f += l;
                   len -= l;
                 }
@@ -2356,7 +2382,9 @@ class LayerPass {
         if (full == 0) {
           product(k, nu);
         } else {
-          BandProducts(u, r, full, from, 0, nu, ws, ws.band_v.data());
+          BandProducts(u, r, full, from, 0, nu, ws, ws.band_v.data(),
+                       ws.band_a.empty() ? nullptr : ws.band_a.data(),
+                       static_cast<size_t>(meta_.total_tokens()));
           if (k > full) {
             EnsureSingleThreadedBlas();
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d,
@@ -2785,6 +2813,7 @@ void SetRankBandMemoForTesting(bool allowed) { g_band_memo.store(allowed, std::m
 void SetStepZeroSplitForTesting(bool allowed) { g_step0_split.store(allowed, std::memory_order_relaxed); }
 void SetHeldByRunsForTesting(bool allowed) { g_held_by_runs.store(allowed, std::memory_order_relaxed); }
 void SetStepRunsForTesting(bool allowed) { g_step_runs.store(allowed, std::memory_order_relaxed); }
+void SetInPlaceProbRowsForTesting(bool allowed) { g_in_place_a.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

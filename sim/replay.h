@@ -144,6 +144,9 @@ void SetHeldByRunsForTesting(bool allowed);
 // Test hook: false makes FinishRun find the steps' runs of consecutive tokens in one pass over all the lists
 // (Step finds each step's as it writes the list: the same runs).
 void SetStepRunsForTesting(bool allowed);
+// Test hook: false makes FinishRun copy a sliding window's full columns into A even where it can read them in
+// place in the reference probabilities' rows (one query head per KV head: the same operand).
+void SetInPlaceProbRowsForTesting(bool allowed);
 
 // A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
 // its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in

@@ -3293,6 +3293,29 @@ TEST_CASE("replay: a window's value rows read in place give the copied rows' res
   }
 }
 
+// With one query head per KV head, a sliding window's full bands read A in place in the reference
+// probabilities' rows (T apart) and A's full columns are not written: the same operands, so the same bits as
+// the copied A. Windows of several sizes (bands resumed from another window's run, whole and partial bands),
+// a window that holds sinks and a fixed block too, and GQA (never in place: A's rows span the group).
+TEST_CASE("replay: a window's probability rows read in place give the copied A's results", "[replay]") {
+  for (int hkv : {4, 2}) {
+    MemoryTrace tr = BandTrace(hkv);
+    auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+      std::vector<int32_t> keep;
+      for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                 // sinks
+      for (int32_t t = 100; t < 140; ++t) keep.push_back(t);             // a fixed block
+      for (int32_t t = 200 + 3 * step; t < 420; ++t) keep.push_back(t);  // a window
+      c->Assign(keep);
+    });
+    std::vector<RunSpec> runs;
+    for (int b : {30, 90, 150, 300, 410}) runs.push_back(Spec(Registered("streaming_llm"), b));
+    runs.push_back(Spec(window, 420));
+    runs.push_back(Spec(Registered("streaming_llm", {"num_sinks=70"}), 200));
+    INFO("kv heads " << hkv);
+    CheckSameWithout(tr, runs, &SetInPlaceProbRowsForTesting);
+  }
+}
+
 // The bands change only the order in which the product's terms are added: the output errors agree with
 // token order to float rounding, and differ from it somewhere (the bands were used).
 TEST_CASE("replay: rank bands and the shared decode part agree with one product in token order", "[replay]") {
