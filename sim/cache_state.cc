@@ -6,9 +6,17 @@
 
 namespace kvsim {
 
+void HeadCache::Compact() {
+  if (begin_ == 0) return;
+  tokens_.erase(tokens_.begin(), tokens_.begin() + static_cast<std::ptrdiff_t>(begin_));
+  merge_of_.erase(merge_of_.begin(), merge_of_.begin() + static_cast<std::ptrdiff_t>(begin_));
+  begin_ = 0;
+}
+
 void HeadCache::Assign(std::span<const int32_t> tokens) {
   ++version_;
   ++rewrites_;
+  begin_ = 0;
   tokens_.assign(tokens.begin(), tokens.end());
   merge_of_.assign(tokens_.size(), -1);
   merges_.clear();
@@ -18,6 +26,7 @@ void HeadCache::Assign(std::span<const int32_t> tokens) {
 void HeadCache::AssignRange(int32_t begin, int32_t end) {
   ++version_;
   ++rewrites_;
+  begin_ = 0;
   tokens_.resize(end - begin);
   for (int32_t i = begin; i < end; ++i) tokens_[i - begin] = i;
   merge_of_.assign(tokens_.size(), -1);
@@ -27,6 +36,7 @@ void HeadCache::AssignRange(int32_t begin, int32_t end) {
 
 void HeadCache::Append(int32_t token) {
   ++appends_;
+  if (begin_ > 0 && tokens_.size() == tokens_.capacity()) Compact();
   tokens_.push_back(token);
   merge_of_.push_back(-1);
 }
@@ -34,14 +44,24 @@ void HeadCache::Append(int32_t token) {
 void HeadCache::EvictSlot(int slot) {
   ++version_;
   KVSIM_CHECK(slot >= 0 && slot < size());
-  if (merge_of_[slot] >= 0) --num_merged_slots_;
-  tokens_.erase(tokens_.begin() + slot);
-  merge_of_.erase(merge_of_.begin() + slot);
+  const size_t at = begin_ + static_cast<size_t>(slot);
+  if (merge_of_[at] >= 0) --num_merged_slots_;
+  if (slot < size() / 2) {
+    const auto tb = tokens_.begin() + static_cast<std::ptrdiff_t>(begin_);
+    const auto mb = merge_of_.begin() + static_cast<std::ptrdiff_t>(begin_);
+    std::copy_backward(tb, tb + slot, tb + slot + 1);
+    std::copy_backward(mb, mb + slot, mb + slot + 1);
+    ++begin_;  // slot < size() / 2: a slot is left
+  } else {
+    tokens_.erase(tokens_.begin() + static_cast<std::ptrdiff_t>(at));
+    merge_of_.erase(merge_of_.begin() + static_cast<std::ptrdiff_t>(at));
+  }
 }
 
 void HeadCache::EvictSlots(std::span<const int> slots) {
   ++version_;
   if (slots.empty()) return;
+  Compact();
   std::vector<char> drop(tokens_.size(), 0);
   for (int s : slots) {
     KVSIM_CHECK(s >= 0 && s < size() && !drop[s]);
@@ -67,12 +87,13 @@ void HeadCache::MergeInto(int slot, int32_t token, float weight, std::span<const
   ++rewrites_;
   KVSIM_CHECK(slot >= 0 && slot < size());
   KVSIM_CHECK(static_cast<int>(key.size()) == head_dim_ && static_cast<int>(value.size()) == head_dim_);
-  if (merge_of_[slot] < 0) {
-    merge_of_[slot] = static_cast<int32_t>(merges_.size());
+  int32_t& of = merge_of_[begin_ + slot];
+  if (of < 0) {
+    of = static_cast<int32_t>(merges_.size());
     merges_.emplace_back();
     ++num_merged_slots_;
   }
-  MergedSlot& m = merges_[merge_of_[slot]];
+  MergedSlot& m = merges_[of];
   m.key.assign(key.begin(), key.end());
   m.value.assign(value.begin(), value.end());
   m.members.emplace_back(token, weight);
@@ -84,19 +105,21 @@ void HeadCache::SetMerge(int slot, MergedSlot merge) {
   KVSIM_CHECK(slot >= 0 && slot < size());
   KVSIM_CHECK(static_cast<int>(merge.key.size()) == head_dim_ &&
               static_cast<int>(merge.value.size()) == head_dim_);
-  if (merge_of_[slot] < 0) {
-    merge_of_[slot] = static_cast<int32_t>(merges_.size());
+  int32_t& of = merge_of_[begin_ + slot];
+  if (of < 0) {
+    of = static_cast<int32_t>(merges_.size());
     merges_.emplace_back();
     ++num_merged_slots_;
   }
-  merges_[merge_of_[slot]] = std::move(merge);
+  merges_[of] = std::move(merge);
 }
 
 std::vector<int32_t> HeadCache::CoveredTokens() const {
-  std::vector<int32_t> out(tokens_.begin(), tokens_.end());
+  const std::span<const int32_t> toks = tokens();
+  std::vector<int32_t> out(toks.begin(), toks.end());
   for (int s = 0; s < size(); ++s)
-    if (merge_of_[s] >= 0)
-      for (const auto& [t, w] : merges_[merge_of_[s]].members) out.push_back(t);
+    if (is_merged(s))
+      for (const auto& [t, w] : merged(s).members) out.push_back(t);
   return out;
 }
 

@@ -22,13 +22,13 @@ class HeadCache {
   HeadCache() = default;
   explicit HeadCache(int head_dim) : head_dim_(head_dim) {}
 
-  int size() const { return static_cast<int>(tokens_.size()); }
+  int size() const { return static_cast<int>(tokens_.size() - begin_); }
   int head_dim() const { return head_dim_; }
   // Anchor token positions, one per slot, in slot order (ascending unless a policy reorders).
-  std::span<const int32_t> tokens() const { return tokens_; }
-  int32_t token(int slot) const { return tokens_[slot]; }
-  bool is_merged(int slot) const { return merge_of_[slot] >= 0; }
-  const MergedSlot& merged(int slot) const { return merges_[merge_of_[slot]]; }
+  std::span<const int32_t> tokens() const { return {tokens_.data() + begin_, tokens_.size() - begin_}; }
+  int32_t token(int slot) const { return tokens_[begin_ + slot]; }
+  bool is_merged(int slot) const { return merge_of_[begin_ + slot] >= 0; }
+  const MergedSlot& merged(int slot) const { return merges_[merge_of_[begin_ + slot]]; }
   bool has_merges() const { return num_merged_slots_ > 0; }
   int num_merged_slots() const { return num_merged_slots_; }
   // Counts every change other than Append (evictions, assignments, merges): a checker that saw version v
@@ -48,6 +48,9 @@ class HeadCache {
   void Append(int32_t token);
   // Removes the slots whose indices are listed (any order, no duplicates); order of the rest is kept.
   void EvictSlots(std::span<const int> slots);
+  // Removes one slot; order of the rest is kept. The shorter side moves: a slot in the first half shifts
+  // the slots before it one place towards the end (streaming_llm's oldest non-sink token: its few sinks),
+  // one in the second half the slots after it one place towards the front.
   void EvictSlot(int slot);
   // Turns `slot` into a merge (if it isn't one) holding `key`/`value`, and records `token` as merged-in with
   // `weight`. The caller computes the new key/value (merge strategies live in policies/).
@@ -61,7 +64,14 @@ class HeadCache {
   std::vector<int32_t> CoveredTokens() const;
 
  private:
+  // Moves the slots to the front of tokens_ / merge_of_ (begin_ = 0).
+  void Compact();
+
   int head_dim_ = 0;
+  // Slot s is tokens_[begin_ + s] / merge_of_[begin_ + s]: EvictSlot of a slot near the front moves the
+  // slots before it and advances begin_; Append compacts before tokens_ would reallocate, so the elements
+  // before begin_ never outnumber the vector's growth.
+  size_t begin_ = 0;
   std::vector<int32_t> tokens_;
   std::vector<int32_t> merge_of_;  // per slot: index into merges_, or -1
   std::vector<MergedSlot> merges_;

@@ -264,7 +264,13 @@ struct WorkerScratch {
   struct TokenRun {
     int32_t first, len, at;  // tokens first .. first + len - 1, from ws.plain[at]
   };
-  std::vector<TokenRun> runs;     // FinishRun: the steps' lists as runs of consecutive tokens (when few)
+  std::vector<TokenRun> runs;  // FinishRun: the steps' lists as runs of consecutive tokens (when few)
+  // While `runs_live`, `runs` holds the runs of the steps [0, runs_steps) written into `plain` so far, found
+  // as each step's list is written (AddStepRuns: the list still in cache) instead of in another pass over
+  // all of them in FinishRun; given up (cleared, FinishRun finds them) once they are more than one per 16
+  // listed tokens.
+  bool runs_live = false;
+  int runs_steps = 0;
   std::vector<float> a, vu, out;  // the compact product: [g*S][|U|] x [|U|][d] = [g*S][d]
   // A ranked run's columns in rank order, their sort keys, and its band sums (FinishRun, RankBands).
   std::vector<int32_t> order;
@@ -274,6 +280,7 @@ struct WorkerScratch {
   std::vector<int32_t> hold;         // [T + 1] PositionOrder's difference array (zero between uses)
   std::vector<int32_t> span;         // [|U|] consecutive tokens in consecutive columns from column c on
   std::vector<const float*> band_v;  // FinishRun: each band product's value rows (in V, or in vu)
+  std::vector<const float*> band_a;  // FinishRun: each band product's A, in p's rows (see there)
   // Merged slots in bulk (see BeginMergedBlock): while the cache's version is unchanged, its merged slots
   // (keys, values, slot indices) are too, so the dots of steps [mt0, mt0 + mrows) with them are one product
   // per group member and their values' output contribution another, added to `extra` when the block ends.
@@ -363,6 +370,9 @@ std::atomic<bool> g_decode_part{true};     // SetSharedDecodePartForTesting
 std::atomic<bool> g_rank_bands{true};      // SetOutputBandsForTesting
 std::atomic<bool> g_band_memo{true};       // SetRankBandMemoForTesting
 std::atomic<bool> g_step0_split{true};     // SetStepZeroSplitForTesting
+std::atomic<bool> g_held_by_runs{true};    // SetHeldByRunsForTesting
+std::atomic<bool> g_step_runs{true};       // SetStepRunsForTesting
+std::atomic<bool> g_in_place_a{true};      // SetInPlaceProbRowsForTesting
 // A ranked run's output product is added in bands of this many columns (FinishRun).
 constexpr size_t kRankBand = 64;
 
@@ -1266,6 +1276,9 @@ class LayerPass {
     }
     ws.plain.clear();
     ws.step_begin.assign(1, 0);
+    ws.runs.clear();
+    ws.runs_live = g_step_runs.load(std::memory_order_relaxed);
+    ws.runs_steps = 0;
     ws.prefix = false;
     ws.ptok.clear();
     ws.deferred = 0;
@@ -1435,9 +1448,12 @@ class LayerPass {
   // kRankBand columns at a time, and keeps the sums other runs of the unit may resume at (WantedBands, and
   // after the last whole band: a larger budget's run resumes there). ws.a's rows hold columns a_first, ...
   // (lda apart); ws.vu the value rows of columns from, from + 1, ..., or, when `band_v` is given,
-  // band_v[(c - from) / kRankBand] those of the band from column c on (d apart: the same operand).
+  // band_v[(c - from) / kRankBand] those of the band from column c on (d apart: the same operand); when
+  // `band_a` is given and band_a[(c - from) / kRankBand] is not null, it is that band's A (rows band_lda
+  // apart: the same operand).
   void BandProducts(int u, int r, size_t nb, size_t from, size_t a_first, size_t lda, WorkerScratch& ws,
-                    const float* const* band_v = nullptr) {
+                    const float* const* band_v = nullptr, const float* const* band_a = nullptr,
+                    size_t band_lda = 0) {
     const int steps = meta_.num_decode_steps, d = m_.head_dim;
     const size_t rows = static_cast<size_t>(m_.GroupSize()) * steps;
     WantedBands(u, r, nb, ws);
@@ -1446,8 +1462,9 @@ class LayerPass {
     EnsureSingleThreadedBlas();
     for (size_t c = from; c < nb; c += kRankBand) {
       const size_t kb = std::min(kRankBand, nb - c);
+      const float* a = band_a ? band_a[(c - from) / kRankBand] : nullptr;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, static_cast<int>(kb),
-                  1.0f, ws.a.data() + (c - a_first), static_cast<int>(lda),
+                  1.0f, a ? a : ws.a.data() + (c - a_first), static_cast<int>(a ? band_lda : lda),
                   band_v ? band_v[(c - from) / kRankBand] : ws.vu.data() + (c - from) * d, d, 1.0f,
                   ws.out.data(), d);
       const size_t m = (c + kb) / kRankBand;
@@ -1728,13 +1745,33 @@ class LayerPass {
     ws.cs0 = ws.cs_end = -1;
   }
 
-  // Ends the prefix mode (WorkerScratch::prefix): writes the steps so far into `plain`.
+  // The runs of the next step's list, plain[step_begin[runs_steps] .. step_begin[runs_steps + 1]), as
+  // FinishRun's pass finds them (RunEnd, in list order; WorkerScratch::runs_live).
+  static void AddStepRuns(WorkerScratch& ws) {
+    if (!ws.runs_live) return;
+    const int32_t* pl = ws.plain.data();
+    const size_t b = ws.step_begin[ws.runs_steps], e = ws.step_begin[ws.runs_steps + 1];
+    for (size_t i = b; i < e;) {
+      const size_t j = RunEnd(pl, i, e);
+      ws.runs.push_back({pl[i], static_cast<int32_t>(j - i), static_cast<int32_t>(i)});
+      i = j;
+    }
+    ++ws.runs_steps;
+    if (ws.runs.size() * 16 > ws.plain.size()) {
+      ws.runs_live = false;
+      ws.runs.clear();
+    }
+  }
+
+  // Ends the prefix mode (WorkerScratch::prefix): writes the steps so far into `plain` (and their runs).
   static void ExpandPrefix(WorkerScratch& ws) {
     if (!ws.prefix) return;
     ws.plain.clear();
-    for (size_t t = 0; t + 1 < ws.step_begin.size(); ++t)
+    for (size_t t = 0; t + 1 < ws.step_begin.size(); ++t) {
       ws.plain.insert(ws.plain.end(), ws.ptok.begin(),
                       ws.ptok.begin() + static_cast<std::ptrdiff_t>(ws.step_begin[t + 1] - ws.step_begin[t]));
+      AddStepRuns(ws);
+    }
     ws.prefix = false;
     ws.ptok.clear();
   }
@@ -1908,7 +1945,10 @@ class LayerPass {
       }
       ws.plain.resize(k);
     }
-    if (!ws.prefix) ws.step_begin.push_back(ws.plain.size());
+    if (!ws.prefix) {
+      ws.step_begin.push_back(ws.plain.size());
+      AddStepRuns(ws);
+    }
     ws.checked[t] = !cache.has_merges();
     // Merged slots in bulk while the cache is unchanged since the previous step (else per step, below).
     const uint64_t version = cache.version();
@@ -2226,13 +2266,17 @@ class LayerPass {
       // runs, the union U is the merge of the runs' intervals and A's rows are copies of p's stretches; the
       // same U (ascending) and the same A as the token-by-token loops below.
       const size_t gathered = ws.plain.size();
-      ws.runs.clear();
       {
         // The runs step by step (RunEnd: eight tokens compared per instruction), given up as soon as there
-        // are more than one per 16 slots (then the token-by-token loops below).
+        // are more than one per 16 slots (then the token-by-token loops below). Step found them already
+        // (WorkerScratch::runs_live) unless it gave up: then they are more than one per 16 slots of the
+        // steps so far, and (if they are not more than one per 16 slots of all steps) found here.
         const int32_t* pl = ws.plain.data();
         bool by_runs = gathered > 0 && g_run_lists.load(std::memory_order_relaxed);
-        for (int t = 0; t < steps && by_runs; ++t)
+        const bool found = ws.runs_live && ws.runs_steps == steps;
+        if (!found || !by_runs || ws.runs.size() * 16 > gathered) ws.runs.clear();
+        if (found) by_runs = by_runs && !ws.runs.empty();
+        for (int t = 0; t < steps && by_runs && !found; ++t)
           for (size_t i = ws.step_begin[t], e = ws.step_begin[t + 1]; i < e;) {
             const size_t j = RunEnd(pl, i, e);
             ws.runs.push_back({pl[i], static_cast<int32_t>(j - i), static_cast<int32_t>(i)});
@@ -2289,10 +2333,22 @@ class LayerPass {
         // (step t holds token n + t) and A's decode columns are p's (zero where p is).
         decode_part =
             g_decode_part.load(std::memory_order_relaxed) && steps > 0 && nu >= static_cast<size_t>(steps);
+        // With the lists as runs (ascending consecutive tokens), a run's tokens at or after lo are counted at
+        // once: the same count as the token-by-token loop, without another pass over the lists.
+        const bool held_by_runs = !ws.runs.empty() && g_held_by_runs.load(std::memory_order_relaxed);
+        size_t hri = 0;  // the next run (step by step, in list order)
         for (int t = 0; t < steps && decode_part; ++t) {
           const int32_t lo = std::max(n, w.refs[0].first[t]);
           size_t held = 0;
-          for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i) held += ws.plain[i] >= lo;
+          if (held_by_runs) {
+            for (; hri < ws.runs.size() && static_cast<size_t>(ws.runs[hri].at) < ws.step_begin[t + 1];
+                 ++hri) {
+              const int32_t end = ws.runs[hri].first + ws.runs[hri].len;
+              held += static_cast<size_t>(std::max(0, end - std::max(ws.runs[hri].first, lo)));
+            }
+          } else {
+            for (size_t i = ws.step_begin[t]; i < ws.step_begin[t + 1]; ++i) held += ws.plain[i] >= lo;
+          }
           decode_part = held == static_cast<size_t>(n + t - lo + 1);
         }
         const size_t k = nu - (decode_part ? steps : 0);
@@ -2329,6 +2385,24 @@ class LayerPass {
         };
         for (size_t c = from; c < full; c += kRankBand)
           ws.band_v.push_back(rows_of(c, std::min(full, c + kRankBand)));
+        // With one query head per KV head (A's rows are the steps' rows of p), a band of consecutive tokens
+        // reads A in place too: the reference probabilities' rows from its first token on, T apart, hold the
+        // values the copy would (p_t[tok], zero where p is), so the same operand. A's columns of the resumed
+        // bands [0, from) and of the first bands that read in place, [from, skip_full), are not written (no
+        // product reads them); a band after one that cannot (sinks and a window's oldest tokens together)
+        // reads ws.a.
+        ws.band_a.clear();
+        size_t skip_full = 0;
+        if (g_in_place_a.load(std::memory_order_relaxed)) {
+          skip_full = from;
+          for (size_t c = from; c < full; c += kRankBand) {
+            const size_t c1 = std::min(full, c + kRankBand);
+            const bool a_in_place =
+                in_place && group == 1 && skip_full == c && ws.span[c] >= static_cast<int32_t>(c1 - c);
+            ws.band_a.push_back(a_in_place ? w.refs[0].row(0) + ws.used[c] : nullptr);
+            if (a_in_place) skip_full = c1;
+          }
+        }
         const float* rest_v = k > full ? rows_of(std::max(full, from), k) : nullptr;
         for (int g = 0; g < group; ++g) {
           size_t ri = 0;  // the next run (ws.runs: step by step, in list order)
@@ -2343,7 +2417,9 @@ class LayerPass {
                 for (int32_t f = ws.runs[ri].first, len = ws.runs[ri].len; len > 0;) {
                   const size_t c = static_cast<size_t>(ws.col[f]);
                   const int32_t l = std::min(len, ws.span[c]);
-                  std::copy_n(p + f, l, row + c);
+                  // Columns below skip_full are not read (above): only the piece's part past them.
+                  const int32_t sk = c < skip_full ? std::min(l, static_cast<int32_t>(skip_full - c)) : 0;
+                  std::copy_n(p + f + sk, l - sk, row + c + sk);
                   f += l;
                   len -= l;
                 }
@@ -2377,7 +2453,9 @@ class LayerPass {
         if (full == 0) {
           product(k, nu);
         } else {
-          BandProducts(u, r, full, from, 0, nu, ws, ws.band_v.data());
+          BandProducts(u, r, full, from, 0, nu, ws, ws.band_v.data(),
+                       ws.band_a.empty() ? nullptr : ws.band_a.data(),
+                       static_cast<size_t>(meta_.total_tokens()));
           if (k > full) {
             EnsureSingleThreadedBlas();
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d,
@@ -2804,6 +2882,9 @@ void SetSharedDecodePartForTesting(bool allowed) { g_decode_part.store(allowed, 
 void SetOutputBandsForTesting(bool allowed) { g_rank_bands.store(allowed, std::memory_order_relaxed); }
 void SetRankBandMemoForTesting(bool allowed) { g_band_memo.store(allowed, std::memory_order_relaxed); }
 void SetStepZeroSplitForTesting(bool allowed) { g_step0_split.store(allowed, std::memory_order_relaxed); }
+void SetHeldByRunsForTesting(bool allowed) { g_held_by_runs.store(allowed, std::memory_order_relaxed); }
+void SetStepRunsForTesting(bool allowed) { g_step_runs.store(allowed, std::memory_order_relaxed); }
+void SetInPlaceProbRowsForTesting(bool allowed) { g_in_place_a.store(allowed, std::memory_order_relaxed); }
 
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,
                                         const ReplayOptions& options) {

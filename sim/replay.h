@@ -147,6 +147,15 @@ void SetRankBandMemoForTesting(bool allowed);
 // Test hook: false keeps FinishRun from taking step 0 on its own (a step 0 that holds every visible token as
 // itself, then prefix-closed steps: its row from the reference, the others' product over their own union).
 void SetStepZeroSplitForTesting(bool allowed);
+// Test hook: false makes FinishRun count each step's held decode tokens token by token even when the steps'
+// lists are runs of consecutive tokens (it counts them run by run: the same counts).
+void SetHeldByRunsForTesting(bool allowed);
+// Test hook: false makes FinishRun find the steps' runs of consecutive tokens in one pass over all the lists
+// (Step finds each step's as it writes the list: the same runs).
+void SetStepRunsForTesting(bool allowed);
+// Test hook: false makes FinishRun copy a sliding window's full columns into A even where it can read them in
+// place in the reference probabilities' rows (one query head per KV head: the same operand).
+void SetInPlaceProbRowsForTesting(bool allowed);
 
 // A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
 // its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <random>
 #include <vector>
 
 namespace kvsim {
@@ -146,6 +147,92 @@ TEST_CASE("HeadCache: rewrites() counts what can bring a token in other than App
   c.Assign(std::vector<int32_t>{1});
   CHECK(c.rewrites() == 4);
   CHECK(c.appends() == 2);
+}
+
+}  // namespace kvsim
+
+namespace kvsim {
+
+// EvictSlot moves the shorter side (a slot in the first half shifts the slots before it and the cache's
+// start advances; Append compacts before its vector would grow). A random mix of every operation, from
+// sinks-and-window evictions (slot 2 of many, streaming_llm's) to evictions near the end, merges and
+// reassignments, against a plain list of (token, merge id): the same slots, tokens, merges and counts after
+// every operation.
+TEST_CASE("HeadCache: evictions at either end keep slots, tokens and merges in order", "[cache_state]") {
+  std::mt19937 rng(11);
+  HeadCache c(1);
+  std::vector<std::pair<int32_t, int>> want;  // (token, merge id: -1 plain)
+  int32_t next = 0;
+  int merges = 0;
+  auto check = [&] {
+    REQUIRE(c.size() == static_cast<int>(want.size()));
+    int merged = 0;
+    std::vector<int32_t> covered, members;  // CoveredTokens: the anchors in slot order, then the members
+    for (int s = 0; s < c.size(); ++s) {
+      INFO("slot " << s);
+      CHECK(c.token(s) == want[s].first);
+      CHECK(c.tokens()[s] == want[s].first);
+      CHECK(c.is_merged(s) == (want[s].second >= 0));
+      covered.push_back(want[s].first);
+      if (want[s].second >= 0) {
+        ++merged;
+        REQUIRE(c.merged(s).members.size() == 1);
+        CHECK(c.merged(s).members[0].first == -1 - want[s].second);
+        CHECK(c.merged(s).key[0] == static_cast<float>(want[s].second));
+        members.push_back(-1 - want[s].second);
+      }
+    }
+    covered.insert(covered.end(), members.begin(), members.end());
+    CHECK(c.num_merged_slots() == merged);
+    CHECK(c.has_merges() == (merged > 0));
+    CHECK(c.CoveredTokens() == covered);
+  };
+  for (int op = 0; op < 4000; ++op) {
+    const int size = c.size(), kind = static_cast<int>(rng() % 100);
+    if (kind < 2 || size == 0) {  // reassign
+      std::vector<int32_t> keep;
+      for (int i = 0, n = 1 + static_cast<int>(rng() % 40); i < n; ++i) keep.push_back(next++);
+      c.Assign(keep);
+      want.clear();
+      for (int32_t t : keep) want.emplace_back(t, -1);
+    } else if (kind < 45) {
+      c.Append(next);
+      want.emplace_back(next++, -1);
+    } else if (kind < 75) {  // near the front (a sink window's oldest token)
+      const int s = std::min(size - 1, static_cast<int>(rng() % 4));
+      c.EvictSlot(s);
+      want.erase(want.begin() + s);
+    } else if (kind < 88) {  // anywhere
+      const int s = static_cast<int>(rng() % size);
+      c.EvictSlot(s);
+      want.erase(want.begin() + s);
+    } else if (kind < 92) {  // several at once
+      std::vector<int> ev;
+      for (int s = 0; s < size; ++s)
+        if (rng() % 5 == 0) ev.push_back(s);
+      std::shuffle(ev.begin(), ev.end(), rng);
+      c.EvictSlots(ev);
+      std::sort(ev.rbegin(), ev.rend());
+      for (int s : ev) want.erase(want.begin() + s);
+    } else {  // a merge into a plain slot: member token -1 - id, key {id}
+      const int s = static_cast<int>(rng() % size);
+      if (want[s].second >= 0) continue;
+      const float k = static_cast<float>(merges);
+      const std::vector<float> key{k}, value{k};
+      if (kind < 96) {
+        c.MergeInto(s, -1 - merges, 0.5f, key, value);
+      } else {
+        MergedSlot m;
+        m.key = key;
+        m.value = value;
+        m.members = {{-1 - merges, 0.5f}};
+        c.SetMerge(s, std::move(m));
+      }
+      want[s].second = merges++;
+    }
+    INFO("operation " << op);
+    check();
+  }
 }
 
 }  // namespace kvsim

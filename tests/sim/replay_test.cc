@@ -1991,6 +1991,90 @@ TEST_CASE("replay: the output product from runs of consecutive tokens equals the
   SetOutputBandsForTesting(true);
 }
 
+// FinishRun counts each step's held decode tokens (does every step hold its visible ones, so that the unit's
+// decode part can be added?) run by run when the steps' lists are runs of consecutive tokens. A window that
+// holds every decode token so far (the decode part is used), one that drops decode token n + 2 from step 4
+// on (not used), and streaming_llm: every result the token-by-token count's, bit for bit.
+TEST_CASE("replay: held decode tokens counted by runs equal the token-by-token count", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 600;
+  spec.decode_steps = 12;
+  spec.image_begin = 40;
+  spec.image_end = 500;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  auto keeps = [](bool gap) {
+    return std::make_shared<ActPolicy>([gap](int step, HeadCache* c) {
+      std::vector<int32_t> keep;
+      for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                           // sinks
+      for (int32_t t = 50 + 7 * step; t < 150 + 7 * step; ++t) keep.push_back(t);  // a window
+      for (int32_t t = 600; t < 600 + step; ++t)                                   // decode tokens
+        if (!gap || step < 4 || t != 602) keep.push_back(t);
+      c->Assign(keep);
+    });
+  };
+  std::vector<RunSpec> runs{Spec(keeps(false), spec.prefill_length), Spec(keeps(true), spec.prefill_length),
+                            Spec(Registered("streaming_llm"), 150)};
+  CheckSameWithout(tr, runs, &SetHeldByRunsForTesting);
+}
+
+// Step finds each step's runs of consecutive tokens as it writes the step's list (and ExpandPrefix those of
+// the prefix-closed steps it writes out), instead of FinishRun's pass over all lists: the same runs, so every
+// result the same, bit for bit. A window with sinks after it and a fixed block; a cache appended to for four
+// steps, then a window (the prefix mode's steps expanded at step 4); one whose lists turn scattered after
+// step 6 (Step gives up, FinishRun decides); one scattered at step 0 only; streaming_llm.
+TEST_CASE("replay: the steps' runs found step by step equal FinishRun's pass", "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.num_kv_heads = 2;
+  spec.prefill_length = 600;
+  spec.decode_steps = 12;
+  spec.image_begin = 40;
+  spec.image_end = 500;
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    std::vector<int32_t> keep;
+    for (int32_t t = 50 + 7 * step; t < 150 + 7 * step; ++t) keep.push_back(t);  // a window
+    for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                           // sinks, after it
+    for (int32_t t = 300; t < 340; ++t) keep.push_back(t);                       // a fixed block
+    c->Assign(keep);
+  });
+  auto prefix_then_window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    if (step == 0) c->AssignRange(0, 600);
+    if (step < 4) return;  // appended to: prefix-closed
+    std::vector<int32_t> keep;
+    for (int32_t t = 100 + 9 * step; t < 400 + 9 * step; ++t) keep.push_back(t);
+    c->Assign(keep);
+  });
+  auto turns_scattered = [](int from) {
+    return std::make_shared<ActPolicy>([from](int step, HeadCache* c) {
+      std::vector<int32_t> keep;
+      if (step < from)
+        for (int32_t t = 200 + step; t < 500 + step; ++t) keep.push_back(t);
+      else
+        for (int32_t t = step % 3; t < 600; t += 3) keep.push_back(t);
+      c->Assign(keep);
+    });
+  };
+  auto scattered_first = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    std::vector<int32_t> keep;
+    if (step == 0)
+      for (int32_t t = 0; t < 60; t += 2) keep.push_back(t);
+    else
+      for (int32_t t = 200 + step; t < 590; ++t) keep.push_back(t);
+    c->Assign(keep);
+  });
+  std::vector<RunSpec> runs{Spec(window, spec.prefill_length),
+                            Spec(prefix_then_window, spec.prefill_length),
+                            Spec(turns_scattered(6), spec.prefill_length),
+                            Spec(turns_scattered(11), spec.prefill_length),
+                            Spec(scattered_first, spec.prefill_length),
+                            Spec(Registered("streaming_llm"), 150),
+                            Spec(Registered("streaming_llm"), 40)};
+  CheckSameWithout(tr, runs, &SetStepRunsForTesting);
+}
+
 // FinishRun's token-by-token loops build the union U of a cache re-selected every step (the tokens' range
 // shorter than the steps' lists together) by marking every listed token and one scan of the markers over
 // the range, instead of listing first sights and sorting; the runs' buffers (A, V[U], the outputs) only
@@ -3295,6 +3379,29 @@ TEST_CASE("replay: a window's value rows read in place give the copied rows' res
     runs.push_back(Spec(Registered("streaming_llm", {"num_sinks=70"}), 200));
     INFO("kv heads " << hkv);
     CheckSameWithout(tr, runs, &SetInPlaceValueRowsForTesting);
+  }
+}
+
+// With one query head per KV head, a sliding window's full bands read A in place in the reference
+// probabilities' rows (T apart) and A's full columns are not written: the same operands, so the same bits as
+// the copied A. Windows of several sizes (bands resumed from another window's run, whole and partial bands),
+// a window that holds sinks and a fixed block too, and GQA (never in place: A's rows span the group).
+TEST_CASE("replay: a window's probability rows read in place give the copied A's results", "[replay]") {
+  for (int hkv : {4, 2}) {
+    MemoryTrace tr = BandTrace(hkv);
+    auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+      std::vector<int32_t> keep;
+      for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                 // sinks
+      for (int32_t t = 100; t < 140; ++t) keep.push_back(t);             // a fixed block
+      for (int32_t t = 200 + 3 * step; t < 420; ++t) keep.push_back(t);  // a window
+      c->Assign(keep);
+    });
+    std::vector<RunSpec> runs;
+    for (int b : {30, 90, 150, 300, 410}) runs.push_back(Spec(Registered("streaming_llm"), b));
+    runs.push_back(Spec(window, 420));
+    runs.push_back(Spec(Registered("streaming_llm", {"num_sinks=70"}), 200));
+    INFO("kv heads " << hkv);
+    CheckSameWithout(tr, runs, &SetInPlaceProbRowsForTesting);
   }
 }
 
