@@ -196,7 +196,7 @@ struct UnitWork {
   // prefix-closed run's deferred plain-slot sums (FlushPrefixSums) and its output product's rows (FinishRun).
   // Built on first use (ProbsT; a unit whose runs need none of these never builds it), shared read-only by
   // the unit's runs; its memory goes back to PassBuffers with the unit's.
-  std::unique_ptr<std::once_flag> probs_t_once;
+  std::unique_ptr<SharedBuild> probs_t_build;
   std::vector<float> probs_t;
   // The decode tokens' part of the reference outputs, [g][S][d]: Y_t = Σ_{j=n}^{n+S-1} p_t[j] v_j (one
   // product over the decode columns of the reference probabilities; zeros past step t's position). A run
@@ -322,7 +322,7 @@ constexpr int kMemberChunk = 16;
 // the demo trace) and the top-k sums. They were allocated per (layer, KV head) and freed by the unit's last
 // run; glibc handed those pages back to the kernel, so each unit faulted them in (zeroed) again. Here a
 // finished unit's buffers go back to the pool and the next unit's Prefill takes them: the pool holds at most
-// the buffers of the units alive at once (one chunk plus one per worker, see LayerPass::Run), as before.
+// the buffers of the units alive at once (a few per worker, see LayerPass::Run).
 // Results do not depend on what a buffer held: ComputeDecodeReference overwrites every field of a
 // reference, and the top-k sums are cleared before their rows are added.
 struct UnitBuffers {
@@ -899,22 +899,23 @@ class LayerPass {
   // per (KV head, run), every decode step in event order, then the outputs of all steps at once. Each item
   // writes only its own accumulator slots, so results never depend on the thread count or on scheduling.
   //
-  // The KV heads go in chunks of a few heads (twice the workers): the item list is each chunk's Prefill
-  // items, then its decode items, chunk after chunk, handed out in that order by one ParallelForWorkers
-  // with no barrier between phases or chunks. A decode item waits (rarely: its Prefill was handed out at
-  // least a chunk's other Prefill items earlier) until its head's Prefill is done, and a head's reference
-  // and scores are freed by the last of its runs to finish. So the next chunk's Prefill runs while the
-  // current chunk's last decode items finish (a barrier per phase left a worker idle behind the longest
-  // item). What is resident stays O(chunk) units' state: at most the units whose Prefill was handed out and
-  // whose decode items were not all handed out (one chunk) plus those with an item in flight (one per
-  // worker), not every unit's state of every run at once (a 45-run sweep held 32 heads x 45 runs of caches
-  // over a whole layer before chunking).
+  // The item list: head u's Prefill item, then head u - lag's decode items (lag = the workers; the last
+  // heads' decode items at the end), handed out in that order by one ParallelForWorkers with no barrier
+  // between phases or heads. A decode item waits (rarely: its Prefill was handed out `lag` Prefill items
+  // earlier) until its head's Prefill is done, and a head's reference and scores are freed by the last of
+  // its runs to finish. So Prefills run while earlier decode items finish: a barrier per phase left a worker
+  // idle behind the longest item, and decode items right after their own chunk of Prefills (rounds 5-16:
+  // chunks of twice the workers) left one idle behind the chunk's last Prefill (~0.3 core-s of `full`
+  // alone's 5; issue 14, round 17). What is resident stays O(workers) units' state: at most the units whose
+  // Prefill was handed out and whose decode items were not all handed out (lag + 1) plus those with an item
+  // in flight (one per worker), not every unit's state of every run at once (a 45-run sweep held 32 heads x
+  // 45 runs of caches over a whole layer before chunking).
   void Run() {
     const int hkv = m_.num_kv_heads, runs = static_cast<int>(plans_.size());
     const int workers = threads_ > 0 ? threads_ : DefaultThreads();
-    const int chunk = std::min(hkv, 2 * workers);
+    const int lag = workers;  // decode items of head u follow head u + lag's Prefill item
     units_.resize(hkv);
-    scratch_.resize(std::max(1, std::min(workers, chunk * (runs + 1))));
+    scratch_.resize(std::max(1, std::min(workers, hkv * (runs + 1))));
     struct Item {
       int u, r;  // r < 0: Prefill(u)
     };
@@ -928,12 +929,14 @@ class LayerPass {
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
                      [&](int a, int b) { return plans_[a].budget < plans_[b].budget; });
-    for (int u0 = 0; u0 < hkv; u0 += chunk) {
-      const int nu = std::min(chunk, hkv - u0);
-      for (int u = u0; u < u0 + nu; ++u) items.push_back({u, -1});
-      for (int u = u0; u < u0 + nu; ++u)
-        for (int r : order) items.push_back({u, r});
+    auto decode_items = [&](int u) {
+      for (int r : order) items.push_back({u, r});
+    };
+    for (int u = 0; u < hkv; ++u) {
+      items.push_back({u, -1});
+      if (u >= lag) decode_items(u - lag);
     }
+    for (int u = std::max(0, hkv - lag); u < hkv; ++u) decode_items(u);
     // Per unit: 0 while its Prefill is pending, 1 once done, 2 if it threw (its decode items are skipped;
     // ParallelForWorkers rethrows the Prefill's exception, the lowest item index); and its runs still to
     // finish.
@@ -1006,7 +1009,7 @@ class LayerPass {
     for (int g = 0; g < group; ++g)
       ComputeDecodeReference(m_, n, steps, DecodeQuery(u * group + g, 0), keys, values, &w.refs[g],
                              meta_.tokens.modality.data());
-    w.probs_t_once = std::make_unique<std::once_flag>();
+    w.probs_t_build = std::make_unique<SharedBuild>();
     w.decode_part_once = std::make_unique<std::once_flag>();
     w.band_mutex = std::make_unique<std::mutex>();
     w.all_once = std::make_unique<std::once_flag>();
@@ -1331,18 +1334,25 @@ class LayerPass {
     ws.mrows = rows;
   }
 
-  // The unit's transposed reference probabilities (UnitWork::probs_t), built by the first caller.
+  // The unit's transposed reference probabilities (UnitWork::probs_t), built by the callers that need them
+  // before they are done: 8 steps of one group member per piece (SharedBuild), so a run of the unit that
+  // asks while another run's worker is building helps instead of waiting idle for the whole transpose (the
+  // same values whoever writes which piece).
   const float* ProbsT(UnitWork& w) const {
     const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
     const size_t ts = static_cast<size_t>(t_all) * steps;
-    std::call_once(*w.probs_t_once, [&] {
-      // Every element below group * ts is written here; the padding is zeroed (a recycled buffer holds a
-      // finished unit's values).
-      w.probs_t.resize(group * ts + kMemberChunk);
-      std::fill(w.probs_t.begin() + group * ts, w.probs_t.end(), 0.0f);
-      for (int g = 0; g < group; ++g) {
-        float* dst = w.probs_t.data() + g * ts;
-        for (int t0 = 0; t0 < steps; t0 += 8) {
+    const int per = (steps + 7) / 8;  // pieces per group member
+    w.probs_t_build->Run(
+        group * per,
+        [&] {
+          // Every element below group * ts is written by the pieces; the padding is zeroed (a recycled
+          // buffer holds a finished unit's values).
+          w.probs_t.resize(group * ts + kMemberChunk);
+          std::fill(w.probs_t.begin() + group * ts, w.probs_t.end(), 0.0f);
+        },
+        [&](int piece) {
+          const int g = piece / per, t0 = piece % per * 8;
+          float* dst = w.probs_t.data() + g * ts;
           const int nb = std::min(8, steps - t0);  // 8 rows read in order, 8 adjacent floats written
           const float* src[8];
           for (int b = 0; b < nb; ++b) src[b] = w.refs[g].row(t0 + b);
@@ -1354,9 +1364,7 @@ class LayerPass {
             float* out = dst + static_cast<size_t>(j) * steps + t0;
             for (int b = 0; b < nb; ++b) out[b] = src[b][j];
           }
-        }
-      }
-    });
+        });
     return w.probs_t.data();
   }
 

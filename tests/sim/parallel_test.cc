@@ -62,4 +62,46 @@ TEST_CASE("ParallelFor: an item's exception reaches the caller after every threa
   CHECK_THROWS_AS(ParallelForWorkers(10, 2, [](int, int) { throw std::bad_alloc(); }), std::bad_alloc);
 }
 
+TEST_CASE("SharedBuild: setup once, every piece once, and each caller returns only once all are built",
+          "[parallel]") {
+  for (int parts : {0, 1, 7, 64}) {
+    for (int round = 0; round < 20; ++round) {
+      SharedBuild build;
+      std::atomic<int> setups{0};
+      std::vector<int> out;
+      std::vector<std::atomic<int>> runs(static_cast<size_t>(parts));
+      std::atomic<int> incomplete{0}, helpers{0};
+      // Five callers at once, as a unit's runs on several workers; each checks the whole output on return.
+      ParallelFor(5, 5, [&](int) {
+        bool helped = false;
+        build.Run(
+            parts,
+            [&] {
+              setups.fetch_add(1);
+              out.assign(static_cast<size_t>(parts), -1);
+            },
+            [&](int i) {
+              helped = true;
+              runs[static_cast<size_t>(i)].fetch_add(1);
+              volatile int spin = 0;  // a piece that takes a while, so callers overlap
+              for (int k = 0; k < 2000; ++k) spin = spin + k;
+              out[static_cast<size_t>(i)] = i * 3;
+            });
+        for (int i = 0; i < parts; ++i)
+          if (out[static_cast<size_t>(i)] != i * 3) incomplete.fetch_add(1);
+        if (helped) helpers.fetch_add(1);
+      });
+      CHECK(setups.load() == 1);
+      for (auto& r : runs) CHECK(r.load() == 1);
+      CHECK(incomplete.load() == 0);
+      CHECK(helpers.load() <= std::max(1, parts));
+      // Built: later callers return at once, without running setup or a piece.
+      build.Run(
+          parts, [&] { setups.fetch_add(1); }, [&](int) { incomplete.fetch_add(1); });
+      CHECK(setups.load() == 1);
+      CHECK(incomplete.load() == 0);
+    }
+  }
+}
+
 }  // namespace kvsim
