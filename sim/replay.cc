@@ -316,6 +316,8 @@ struct WorkerScratch {
 
 // Steps whose merged slots' member sums are computed together (one AVX2 register pair per member).
 constexpr int kMemberChunk = 16;
+// Tokens per piece of ProbsT's transpose (a multiple of 8: whole 8 x 8 tiles).
+constexpr int kProbsTTokens = 256;
 
 // Buffers that outlive one LayerPass (owned by Replay, reused by every layer): the worker scratch and the
 // units' largest buffers, the full-attention references (probabilities [S][T]: 1.7 MB per query head on
@@ -1335,13 +1337,14 @@ class LayerPass {
   }
 
   // The unit's transposed reference probabilities (UnitWork::probs_t), built by the callers that need them
-  // before they are done: 8 steps of one group member per piece (SharedBuild), so a run of the unit that
-  // asks while another run's worker is building helps instead of waiting idle for the whole transpose (the
-  // same values whoever writes which piece).
+  // before they are done: one group member's kProbsTTokens tokens (all steps) per piece (SharedBuild), so a
+  // run of the unit that asks while another run's worker is building helps instead of waiting idle for the
+  // whole transpose (the same values whoever writes which piece). A piece writes one contiguous stretch of
+  // the output (pieces of 8 steps for all tokens interleaved two workers' stores within cache lines).
   const float* ProbsT(UnitWork& w) const {
     const int steps = meta_.num_decode_steps, t_all = meta_.total_tokens(), group = m_.GroupSize();
     const size_t ts = static_cast<size_t>(t_all) * steps;
-    const int per = (steps + 7) / 8;  // pieces per group member
+    const int per = (t_all + kProbsTTokens - 1) / kProbsTTokens;  // pieces per group member
     w.probs_t_build->Run(
         group * per,
         [&] {
@@ -1351,18 +1354,21 @@ class LayerPass {
           std::fill(w.probs_t.begin() + group * ts, w.probs_t.end(), 0.0f);
         },
         [&](int piece) {
-          const int g = piece / per, t0 = piece % per * 8;
+          const int g = piece / per, j0 = piece % per * kProbsTTokens;
+          const int j1 = std::min(t_all, j0 + kProbsTTokens);
           float* dst = w.probs_t.data() + g * ts;
-          const int nb = std::min(8, steps - t0);  // 8 rows read in order, 8 adjacent floats written
-          const float* src[8];
-          for (int b = 0; b < nb; ++b) src[b] = w.refs[g].row(t0 + b);
-          int j = 0;
-          if (nb == 8)
-            for (; j + 8 <= t_all; j += 8)
-              TransposeTile8(src, j, dst + static_cast<size_t>(j) * steps + t0, steps);
-          for (; j < t_all; ++j) {
-            float* out = dst + static_cast<size_t>(j) * steps + t0;
-            for (int b = 0; b < nb; ++b) out[b] = src[b][j];
+          for (int t0 = 0; t0 < steps; t0 += 8) {
+            const int nb = std::min(8, steps - t0);  // 8 rows read in order, 8 adjacent floats written
+            const float* src[8];
+            for (int b = 0; b < nb; ++b) src[b] = w.refs[g].row(t0 + b);
+            int j = j0;
+            if (nb == 8)
+              for (; j + 8 <= j1; j += 8)
+                TransposeTile8(src, j, dst + static_cast<size_t>(j) * steps + t0, steps);
+            for (; j < j1; ++j) {
+              float* out = dst + static_cast<size_t>(j) * steps + t0;
+              for (int b = 0; b < nb; ++b) out[b] = src[b][j];
+            }
           }
         });
     return w.probs_t.data();
