@@ -324,7 +324,7 @@ constexpr int kProbsTTokens = 256;
 // the demo trace) and the top-k sums. They were allocated per (layer, KV head) and freed by the unit's last
 // run; glibc handed those pages back to the kernel, so each unit faulted them in (zeroed) again. Here a
 // finished unit's buffers go back to the pool and the next unit's Prefill takes them: the pool holds at most
-// the buffers of the units alive at once (a few per worker, see LayerPass::Run).
+// the buffers of the units alive at once (one chunk plus one per worker, see LayerPass::Run), as before.
 // Results do not depend on what a buffer held: ComputeDecodeReference overwrites every field of a
 // reference, and the top-k sums are cleared before their rows are added.
 struct UnitBuffers {
@@ -901,23 +901,22 @@ class LayerPass {
   // per (KV head, run), every decode step in event order, then the outputs of all steps at once. Each item
   // writes only its own accumulator slots, so results never depend on the thread count or on scheduling.
   //
-  // The item list: head u's Prefill item, then head u - lag's decode items (lag = the workers; the last
-  // heads' decode items at the end), handed out in that order by one ParallelForWorkers with no barrier
-  // between phases or heads. A decode item waits (rarely: its Prefill was handed out `lag` Prefill items
-  // earlier) until its head's Prefill is done, and a head's reference and scores are freed by the last of
-  // its runs to finish. So Prefills run while earlier decode items finish: a barrier per phase left a worker
-  // idle behind the longest item, and decode items right after their own chunk of Prefills (rounds 5-16:
-  // chunks of twice the workers) left one idle behind the chunk's last Prefill (~0.3 core-s of `full`
-  // alone's 5; issue 14, round 17). What is resident stays O(workers) units' state: at most the units whose
-  // Prefill was handed out and whose decode items were not all handed out (lag + 1) plus those with an item
-  // in flight (one per worker), not every unit's state of every run at once (a 45-run sweep held 32 heads x
-  // 45 runs of caches over a whole layer before chunking).
+  // The KV heads go in chunks of a few heads (twice the workers): the item list is each chunk's Prefill
+  // items, then its decode items, chunk after chunk, handed out in that order by one ParallelForWorkers
+  // with no barrier between phases or chunks. A decode item waits (rarely: its Prefill was handed out at
+  // least a chunk's other Prefill items earlier) until its head's Prefill is done, and a head's reference
+  // and scores are freed by the last of its runs to finish. So the next chunk's Prefill runs while the
+  // current chunk's last decode items finish (a barrier per phase left a worker idle behind the longest
+  // item). What is resident stays O(chunk) units' state: at most the units whose Prefill was handed out and
+  // whose decode items were not all handed out (one chunk) plus those with an item in flight (one per
+  // worker), not every unit's state of every run at once (a 45-run sweep held 32 heads x 45 runs of caches
+  // over a whole layer before chunking).
   void Run() {
     const int hkv = m_.num_kv_heads, runs = static_cast<int>(plans_.size());
     const int workers = threads_ > 0 ? threads_ : DefaultThreads();
-    const int lag = workers;  // decode items of head u follow head u + lag's Prefill item
+    const int chunk = std::min(hkv, 2 * workers);
     units_.resize(hkv);
-    scratch_.resize(std::max(1, std::min(workers, hkv * (runs + 1))));
+    scratch_.resize(std::max(1, std::min(workers, chunk * (runs + 1))));
     struct Item {
       int u, r;  // r < 0: Prefill(u)
     };
@@ -934,11 +933,11 @@ class LayerPass {
     auto decode_items = [&](int u) {
       for (int r : order) items.push_back({u, r});
     };
-    for (int u = 0; u < hkv; ++u) {
-      items.push_back({u, -1});
-      if (u >= lag) decode_items(u - lag);
+    for (int u0 = 0; u0 < hkv; u0 += chunk) {
+      const int nu = std::min(chunk, hkv - u0);
+      for (int u = u0; u < u0 + nu; ++u) items.push_back({u, -1});
+      for (int u = u0; u < u0 + nu; ++u) decode_items(u);
     }
-    for (int u = std::max(0, hkv - lag); u < hkv; ++u) decode_items(u);
     // Per unit: 0 while its Prefill is pending, 1 once done, 2 if it threw (its decode items are skipped;
     // ParallelForWorkers rethrows the Prefill's exception, the lowest item index); and its runs still to
     // finish.
