@@ -486,4 +486,61 @@ TEST_CASE("ComputeDecodeReference: a recycled buffer's stale contents change not
   }
 }
 
+// With the keys' modalities: the rows' exact sums, and with bucket_counts also TopKSums::AddRow's bucket
+// counts of each exact row (ExactKindSums' own, at the row's counts_at), nothing else changed; a recycled
+// buffer's stale counts are dropped, and without bucket_counts there are none.
+TEST_CASE("ComputeDecodeReference: the exact rows' bucket counts are ExactKindSums' own", "[attention]") {
+  ModelInfo m;
+  m.num_layers = 1;
+  m.num_heads = m.num_kv_heads = 1;
+  m.head_dim = 16;
+  m.softmax_scale = 0.3;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  for (int window : {0, 30}) {
+    m.sliding_window = window;
+    const int n = 300, steps = 11, t_all = n + steps;
+    std::vector<float> q(static_cast<size_t>(steps) * m.head_dim), k(static_cast<size_t>(t_all) * m.head_dim),
+        v(k.size());
+    for (float& x : q) x = g(rng);
+    for (float& x : k) x = g(rng);
+    for (float& x : v) x = g(rng);
+    std::vector<Modality> mod(t_all, Modality::kText);
+    for (int j = 40; j < 200; ++j) mod[j] = Modality::kImage;
+    DecodeReference plain, counted;
+    ComputeDecodeReference(m, n, steps, q.data(), k.data(), v.data(), &plain, mod.data());
+    counted.counts.assign(1000, -3);  // stale
+    ComputeDecodeReference(m, n, steps, q.data(), k.data(), v.data(), &counted, mod.data(), true);
+    INFO("window " << window);
+    CHECK(plain.counts.empty());
+    CHECK(std::memcmp(plain.probs.data(), counted.probs.data(), plain.probs.size() * sizeof(float)) == 0);
+    CHECK(plain.exact == counted.exact);
+    size_t expect_size = 0;
+    int exact_rows = 0;
+    for (int t = 0; t < steps; ++t) {
+      CHECK(plain.row_counts(t).empty());
+      if (!counted.exact[t]) {
+        CHECK(counted.row_counts(t).empty());
+        continue;
+      }
+      ++exact_rows;
+      CHECK(counted.sums[t].total == plain.sums[t].total);
+      const int first = counted.first[t], len = counted.last(t) - first + 1;
+      const std::vector<int32_t> end{len};
+      const std::vector<uint8_t> kind{0};
+      RowSums rs;
+      std::vector<int32_t> want;
+      REQUIRE(ExactKindSums({counted.row(t) + first, static_cast<size_t>(len)}, end, kind, &rs, &want));
+      const std::span<const int32_t> got = counted.row_counts(t);
+      REQUIRE(got.size() == want.size());
+      CHECK(std::equal(got.begin(), got.end(), want.begin()));
+      CHECK(got.back() == len);  // every value of a softmax row is >= 2^L here
+      CHECK(counted.sums[t].counts_at == expect_size);
+      expect_size += want.size();
+    }
+    CHECK(exact_rows == steps);
+    CHECK(counted.counts.size() == expect_size);
+  }
+}
+
 }  // namespace kvsim
