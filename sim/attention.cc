@@ -408,7 +408,7 @@ float SoftmaxInPlace(float* x, int n) {
 
 void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_steps, const float* q_decode,
                             const float* keys, const float* values, DecodeReference* out,
-                            const Modality* modality, bool bucket_counts) {
+                            const Modality* modality) {
   EnsureSingleThreadedBlas();
   const int d = m.head_dim;
   const int t_all = prefill_length + num_steps;
@@ -424,8 +424,6 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
   out->first.resize(num_steps);
   out->exact.assign(modality != nullptr ? num_steps : 0, 0);
   out->sums.resize(modality != nullptr ? num_steps : 0);
-  out->counts.clear();
-  std::vector<int32_t>* counts = modality != nullptr && bucket_counts ? &out->counts : nullptr;
   if (num_steps == 0) return;
   // The keys' runs of one modality (run r ends at run_end[r]), clipped to each row's visible keys below.
   thread_local std::vector<int32_t> run_end, row_end;
@@ -464,7 +462,7 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
         if (e == pos + 1) break;
       }
       out->exact[t] = ExactKindSums({row + first, static_cast<size_t>(pos - first + 1)}, row_end, row_kind,
-                                    &out->sums[t], counts);
+                                    &out->sums[t]);
     }
     std::fill(row, row + first, 0.0f);
     std::fill(row + pos + 1, row + t_all, 0.0f);

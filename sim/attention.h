@@ -42,25 +42,16 @@ struct DecodeReference {
   // cache. Empty without modalities.
   std::vector<uint8_t> exact;
   std::vector<RowSums> sums;
-  // When also asked for bucket counts: the exact rows' cumulative bucket counts for TopKSums::AddRow (row t's
-  // at sums[t].counts_at, sums[t].counts_len long; ExactKindSums), counted while the row is in the cache.
-  std::vector<int32_t> counts;
-  std::span<const int32_t> row_counts(int t) const {
-    return counts.empty() || exact.empty() || exact[t] == 0
-               ? std::span<const int32_t>()
-               : std::span<const int32_t>(counts.data() + sums[t].counts_at,
-                                          static_cast<size_t>(sums[t].counts_len));
-  }
   const float* row(int t) const { return probs.data() + static_cast<size_t>(t) * num_keys; }
   const float* out(int t) const { return output.data() + static_cast<size_t>(t) * head_dim; }
   int last(int t) const { return num_keys - num_steps + t; }  // last visible key (the token itself)
 };
 
 // q_decode: [num_steps][d] queries of the decode tokens; keys/values: [T][d]; modality: [T] or null (then
-// out->exact and out->sums are left empty). bucket_counts (with modality): fill out->counts too.
+// out->exact and out->sums are left empty).
 void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_steps, const float* q_decode,
                             const float* keys, const float* values, DecodeReference* out,
-                            const Modality* modality = nullptr, bool bucket_counts = false);
+                            const Modality* modality = nullptr);
 
 // Adds Σ_i softmax_i[j] into col_sums[j] for the given queries (absolute positions q_pos[i], ascending)
 // over keys [0, key_limit): each row's softmax is over its causal/window-visible keys restricted to

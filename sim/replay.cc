@@ -909,19 +909,11 @@ class LayerPass {
     w.sums = std::move(recycled.sums);
     w.all_sums = std::move(recycled.all_sums);
     w.probs_t = std::move(recycled.probs_t);  // rebuilt by ProbsT on first use (its memory is what is reused)
-    // Full-attention reference, shared by every run; with the rows' bucket counts for the regret's top-k
-    // sums when some run may need them (RegretSums: a bound below T; the prefill's cache size can only
-    // raise a bound, so this is every unit whose kpre will be above 0, and seldom one more).
-    bool may_need_sums = false;
-    for (const RunPlan& plan : plans_) {
-      const int64_t cap =
-          static_cast<int64_t>(plan.head_budgets[UnitIndex(u)]) + (n - plan.compress_end) + plan.headroom;
-      may_need_sums = may_need_sums || (plan.evicts ? cap : cap + steps) < t_all;
-    }
+    // Full-attention reference, shared by every run.
     w.refs.resize(group);
     for (int g = 0; g < group; ++g)
       ComputeDecodeReference(m_, n, steps, DecodeQuery(u * group + g, 0), keys, values, &w.refs[g],
-                             meta_.tokens.modality.data(), may_need_sums);
+                             meta_.tokens.modality.data());
     w.probs_t_once = std::make_unique<std::once_flag>();
     w.decode_part_once = std::make_unique<std::once_flag>();
     w.band_mutex = std::make_unique<std::mutex>();
@@ -1034,8 +1026,7 @@ class LayerPass {
           hi = std::max(hi, last);
           if (w.use_sums) {  // row g * steps + t
             tot[b] = w.sums.AddRow({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kpre,
-                                   exact(t) ? &ref.sums[t] : nullptr,
-                                   exact(t) ? ref.row_counts(t) : std::span<const int32_t>());
+                                   exact(t) ? &ref.sums[t] : nullptr);
             tails[b].clear();
             continue;
           }

@@ -533,63 +533,6 @@ void KeepGroups(const float* v, size_t n, int ng, const uint32_t* from, const in
       }
   }
 }
-
-// The thread's per-bucket counts (absolute buckets, by the value's top bits: u >> kBucketShift), kCountLanes
-// counters per bucket, side by side (value i counts in lane i % kCountLanes): independent chains of
-// increments instead of one whose every increment of a repeated bucket waits on the previous one's store.
-// Kept zero between rows (a failed check aborts): CumulativeCounts clears what CountBuckets counted.
-constexpr int kCountLanes = 4;
-int32_t* ThreadBucketCounts() {
-  thread_local std::vector<int32_t> counts(static_cast<size_t>(kTopBuckets) * kCountLanes, 0);
-  return counts.data();
-}
-
-// Counts values[0, n) per bucket into the thread's counters.
-void CountBuckets(const float* v, size_t n) {
-  int32_t* cnt = ThreadBucketCounts();
-  auto slot = [&](size_t at) {  // (bucket, lane)
-    uint32_t u;
-    std::memcpy(&u, &v[at], 4);
-    return (((u & 0x7fffffffu) >> kBucketShift) * kCountLanes) | (at % kCountLanes);
-  };
-  size_t i = 0;
-  for (; i + kCountLanes <= n; i += kCountLanes)
-    for (int l = 0; l < kCountLanes; ++l) ++cnt[slot(i + l)];
-  for (; i < n; ++i) ++cnt[slot(i)];
-}
-
-// After CountBuckets of a row whose nonzero magnitudes' bit patterns are at least `unz` (0 when every value
-// is a zero) and at most `umax`: cc[j] = how many values the top j buckets from umax's hold, j = 0 .. nb
-// (cc[0] = 0), and the thread's counters back to zero (those of [unz's bucket, umax's] and of the zeros').
-void CumulativeCounts(uint32_t unz, uint32_t umax, int nb, int32_t* cc) {
-  int32_t* cnt = ThreadBucketCounts();
-  const uint32_t hi = umax >> kBucketShift, bmin = unz >> kBucketShift;
-  int32_t run_count = 0;  // in a register (cc and cnt may alias as far as the compiler knows)
-  cc[0] = 0;
-  for (int j = 0; j < nb; ++j) {
-    const int32_t* c = cnt + static_cast<size_t>(hi - j) * kCountLanes;
-    int32_t s = 0;
-    for (int l = 0; l < kCountLanes; ++l) s += c[l];
-    run_count += s;
-    cc[j + 1] = run_count;
-  }
-  if (bmin <= hi)
-    std::fill(cnt + static_cast<size_t>(bmin) * kCountLanes, cnt + static_cast<size_t>(hi + 1) * kCountLanes,
-              0);
-  std::fill(cnt, cnt + kCountLanes, 0);  // the zeros' bucket
-}
-
-// 2^L's bit pattern for a row of non-negative values whose sum (in any order) is `sum`: values with bit
-// patterns >= it are the row's big values (see SortForDescendingSums; 0 when 2^L is subnormal: every value
-// counts as big, see TopKSums).
-uint32_t BigPattern(double sum) {
-  int e = 0;
-  std::frexp(sum * (1.0 + 0x1p-20), &e);       // sum * (1 + 2^-20) < 2^e (see SortForDescendingSums)
-  const float big = std::ldexp(1.0f, e - 30);  // 2^L; 0 when L is below the smallest subnormal
-  uint32_t ubig;
-  std::memcpy(&ubig, &big, 4);
-  return ubig < 0x00800000u ? 0 : ubig;
-}
 }  // namespace
 
 namespace {
@@ -601,7 +544,7 @@ void SetKindSumsAvx2ForTesting(bool allowed) {
 }
 
 bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_end,
-                   std::span<const uint8_t> run_kind, RowSums* out, std::vector<int32_t>* counts) {
+                   std::span<const uint8_t> run_kind, RowSums* out) {
   const size_t n = values.size();
   const float* v = values.data();
   double ks[4] = {};
@@ -674,29 +617,23 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
   // A sum of non-negative values in any order is within n * 2^-53 (relative) of the true one: sum * (1 +
   // 2^-20) bounds it (n < 2^30), as in SortForDescendingSums. A value below -0 or a non-finite one: no.
   if (raw > 0x80000000u || !std::isfinite(sum)) return false;
-  const uint32_t ubig = BigPattern(sum);  // 2^L (0 when subnormal: every value counts as big)
-  const uint32_t nonzero_min = unz + 1;   // 0 when every value is a zero
+  int e = 0;
+  std::frexp(sum * (1.0 + 0x1p-20), &e);
+  const float big = std::ldexp(1.0f, e - 30);  // 2^L (0 when L is below the smallest subnormal)
+  uint32_t ubig;
+  std::memcpy(&ubig, &big, 4);
+  if (ubig < 0x00800000u) ubig = 0;      // 2^L subnormal: every value counts as big (see TopKSums)
+  const uint32_t nonzero_min = unz + 1;  // 0 when every value is a zero
   if (nonzero_min != 0 && nonzero_min < ubig) return false;
   for (int k = 0; k < 4; ++k) out->kind[k] = ks[k];
   out->total = sum;
   out->umax = umax;
   out->umin = n > 0 ? umin : 0;
   out->unz = nonzero_min;
-  out->counts_at = 0;
-  out->counts_len = 0;
-  if (counts != nullptr) {  // AddRow's counts, while the row is in the cache (the same as AddRow's own)
-    const int nb = umax >= ubig ? static_cast<int>((umax >> kBucketShift) - (ubig >> kBucketShift)) + 1 : 0;
-    out->counts_at = static_cast<uint32_t>(counts->size());
-    out->counts_len = nb + 1;
-    counts->resize(counts->size() + nb + 1);
-    CountBuckets(v, n);
-    CumulativeCounts(nonzero_min, umax, nb, counts->data() + out->counts_at);
-  }
   return true;
 }
 
-double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* known,
-                        std::span<const int32_t> known_counts) {
+double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* known) {
   const size_t n = values.size();
   Row row;
   row.n = static_cast<int>(n);
@@ -777,18 +714,35 @@ double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* 
       s4[0] += values[i];
     }
   }
-  // Per bucket (absolute: by the value's top bits, so before 2^L is known) the count (CountBuckets), unless
-  // ExactKindSums counted them already (`known_counts`: the same integers).
-  const bool counted = known != nullptr && !known_counts.empty();
-  if (!counted) CountBuckets(values.data(), n);
-  const uint32_t hi = umax >> kBucketShift;
+  // Per bucket (absolute: by the value's top bits, so before 2^L is known) the count, for the two halves of
+  // the row separately ([0, h) and [h, n)): two independent chains of increments instead of one whose every
+  // increment of a repeated bucket waits on the previous one's store. The bucket arrays are kept zero
+  // between rows (a failed check aborts): only [umin's bucket, umax's bucket] is cleared after use.
+  thread_local std::vector<int32_t> count0(kTopBuckets, 0), count1(kTopBuckets, 0);
+  int32_t *cnt0 = count0.data(), *cnt1 = count1.data();
+  const size_t h = n / 2;
+  auto bucket = [&](size_t at) {
+    uint32_t u;
+    std::memcpy(&u, &values[at], 4);
+    return (u & 0x7fffffffu) >> kBucketShift;
+  };
+  for (i = 0; i < h; ++i) {
+    ++cnt0[bucket(i)];
+    ++cnt1[bucket(h + i)];
+  }
+  if (n % 2) ++cnt1[bucket(n - 1)];
+  const uint32_t hi = umax >> kBucketShift, bmin = n > 0 ? umin >> kBucketShift : hi;
   KVSIM_CHECK_MSG(!negative, "TopKSums: values must be non-negative");
   const double sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
   KVSIM_CHECK_MSG(std::isfinite(sum), "TopKSums: values must be finite");
-  // 2^L's pattern (values >= 2^L: bit patterns >= ubig). A subnormal 2^L is no bucket boundary; but then
-  // every value counts as big (ubig 0): all are multiples of 2^-149 and every sum is below 2^(L+30) <=
-  // 2^-97, so it has at most 53 significant bits (exact in any order).
-  const uint32_t ubig = BigPattern(sum);
+  int e = 0;
+  std::frexp(sum * (1.0 + 0x1p-20), &e);       // sum * (1 + 2^-20) < 2^e (see SortForDescendingSums)
+  const float big = std::ldexp(1.0f, e - 30);  // 2^L; 0 when L is below the smallest subnormal
+  uint32_t ubig;                               // values >= 2^L: bit patterns >= ubig
+  std::memcpy(&ubig, &big, 4);
+  // A subnormal 2^L is no bucket boundary; but then every value counts as big: all are multiples of 2^-149
+  // and every sum is below 2^(L+30) <= 2^-97, so it has at most 53 significant bits (exact in any order).
+  if (ubig < 0x00800000u) ubig = 0;
   // Buckets j = 0 .. nb-1 from the top: bucket j holds the bit patterns u with (u >> shift) = hi - j.
   const uint32_t lo = ubig >> kBucketShift;
   const int nb = umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
@@ -797,12 +751,11 @@ double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* 
   // The cumulative counts.
   cc_.resize(row.bucket + nb + 1);
   int32_t* cc = cc_.data() + row.bucket;
-  if (counted) {
-    KVSIM_CHECK_MSG(known_counts.size() == static_cast<size_t>(nb) + 1,
-                    "TopKSums: known counts of another row");
-    std::copy(known_counts.begin(), known_counts.end(), cc);
-  } else {
-    CumulativeCounts(unz + 1, umax, nb, cc);  // unz + 1: the smallest nonzero pattern (0: none)
+  int32_t run_count = 0;  // in a register (cc and cnt may alias as far as the compiler knows)
+  cc[0] = 0;
+  for (int j = 0; j < nb; ++j) {
+    run_count += cnt0[hi - j] + cnt1[hi - j];
+    cc[j + 1] = run_count;
   }
   // The values Sum and Kth may need: those of the buckets down to the one holding the min(kmax, |big|)-th
   // largest value (none at kmax 0; Kth answers nothing below). elems_ only grows (its size is a high-water
@@ -842,6 +795,7 @@ double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* 
                                                        0, 0, nullptr);
     }
   }
+  for (int32_t* c : {cnt0, cnt1}) std::fill(c + bmin, c + hi + 1, 0);  // back to zero for the next row
   // The exact sum of the values >= 2^L: when every nonzero value is (the usual case for softmax rows; zeros
   // add nothing), pass 1's sum, whose every partial sum was exact; else a masked pass.
   const uint32_t nonzero_min = unz + 1;  // 0 when every value is zero

@@ -51,10 +51,6 @@ struct RowSums {
   uint32_t umax = 0;    // the largest magnitude's bit pattern
   uint32_t umin = 0;    // the smallest magnitude's bit pattern (0 when the row holds a zero)
   uint32_t unz = 0;     // the smallest nonzero magnitude's bit pattern (0 when every value is a zero)
-  // When ExactKindSums was given `counts`: where this row's cumulative bucket counts start there, and how
-  // many (TopKSums::AddRow's `known_counts`).
-  uint32_t counts_at = 0;
-  int32_t counts_len = 0;
 };
 // The sums of a row of non-negative values by kind (up to 4 kinds, given as runs: run r covers positions
 // [r == 0 ? 0 : run_end[r - 1], run_end[r]) of `values` and has kind run_kind[r]; the last run ends at
@@ -65,12 +61,8 @@ struct RowSums {
 // of kind k (and out->total to the row's S[n], and to the sequential sum of all values): the sums are
 // taken by runs, in vector lanes, in any order. Returns false, and leaves *out unspecified, otherwise (a
 // caller then sums in its own order, and its own checks report a negative or non-finite value).
-// `counts`, when given and the sums are exact: TopKSums::AddRow's cumulative bucket counts of the row are
-// appended to it ([j] how many values the top j buckets hold, from the largest value's bucket down to 2^L's),
-// and out->counts_at / counts_len say where: a pass over the row while the caller has it in the cache
-// (ComputeDecodeReference, right after the softmax), instead of AddRow's own pass long after.
 bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_end,
-                   std::span<const uint8_t> run_kind, RowSums* out, std::vector<int32_t>* counts = nullptr);
+                   std::span<const uint8_t> run_kind, RowSums* out);
 // Tests only: false makes ExactKindSums take its portable loops on a CPU with AVX2 too.
 void SetKindSumsAvx2ForTesting(bool allowed);
 
@@ -106,10 +98,7 @@ class TopKSums {
   // Sum will be asked for k <= kmax only.
   // `known`, when given, is ExactKindSums' result for these values (it returned true): its total and bit
   // patterns replace AddRow's first pass over the row (the same results: its sum is then exact too).
-  // `known_counts`, when not empty (with `known`), is the row's cumulative bucket counts ExactKindSums
-  // appended (known->counts_at, counts_len): they replace AddRow's counting pass (the same integers).
-  double AddRow(std::span<const float> values, int kmax, const RowSums* known = nullptr,
-                std::span<const int32_t> known_counts = {});
+  double AddRow(std::span<const float> values, int kmax, const RowSums* known = nullptr);
   // S[k] of row `row`, k in [0, kmax] (k >= n is S[n]). `scratch` holds one bucket's values (it is grown
   // to a group's length and not shrunk).
   double Sum(int row, int k, std::vector<float>* scratch) const;

@@ -685,8 +685,7 @@ TEST_CASE("TopKSums: AddRow with ExactKindSums' result equals AddRow alone", "[s
   // rows with and without zeros, kmax from 0 to n, interleaved with rows added without them.
   std::mt19937 rng(37);
   std::normal_distribution<float> logit(0.0f, 3.0f);
-  TopKSums with, without, counted;
-  std::vector<int32_t> counts;  // ExactKindSums' bucket counts of every accepted row, appended
+  TopKSums with, without;
   std::vector<std::vector<float>> rows;
   std::vector<int> kmaxes;
   std::vector<float> scratch;
@@ -705,24 +704,12 @@ TEST_CASE("TopKSums: AddRow with ExactKindSums' result equals AddRow alone", "[s
     const int kmax = trial % 4 == 0 ? 0 : trial % 4 == 1 ? n : (trial * 37) % (n + 1);
     const double a = without.AddRow(v, kmax);
     double b;
-    double c;
     if (ExactKindSums(v, end, kind, &known)) {
       b = with.AddRow(v, kmax, &known);
-      REQUIRE(known.counts_len == 0);  // no counts asked
-      RowSums with_counts;
-      counts.push_back(-7);  // counts_at is where this row's start, after whatever the vector held
-      REQUIRE(ExactKindSums(v, end, kind, &with_counts, &counts));
-      REQUIRE(with_counts.total == known.total);
-      REQUIRE(with_counts.counts_at == counts.size() - with_counts.counts_len);
-      REQUIRE(with_counts.counts_at + with_counts.counts_len == counts.size());
-      c = counted.AddRow(v, kmax, &with_counts,
-                         {counts.data() + with_counts.counts_at, static_cast<size_t>(with_counts.counts_len)});
     } else {
       b = with.AddRow(v, kmax);
-      c = counted.AddRow(v, kmax);
     }
     REQUIRE(a == b);
-    REQUIRE(a == c);
     rows.push_back(v);
     kmaxes.push_back(kmax);
   }
@@ -733,62 +720,8 @@ TEST_CASE("TopKSums: AddRow with ExactKindSums' result equals AddRow alone", "[s
       INFO("row " << r << " k " << k);
       REQUIRE(with.Sum(static_cast<int>(r), k, &scratch) == pre[k]);
       REQUIRE(with.Sum(static_cast<int>(r), k, &scratch) == without.Sum(static_cast<int>(r), k, &scratch));
-      REQUIRE(counted.Sum(static_cast<int>(r), k, &scratch) == pre[k]);
-      if (k >= 1) {
+      if (k >= 1)
         REQUIRE(with.Kth(static_cast<int>(r), k, &scratch) == without.Kth(static_cast<int>(r), k, &scratch));
-        REQUIRE(counted.Kth(static_cast<int>(r), k, &scratch) == without.Kth(static_cast<int>(r), k, &scratch));
-      }
-    }
-  }
-}
-
-TEST_CASE("ExactKindSums' bucket counts: per 16th of a binade from the largest value down to 2^L", "[select]") {
-  // counts[j] = how many values have bit patterns with u >> 19 in (hi - j, hi], hi the largest value's,
-  // j = 0 .. nb, the last bucket 2^L's (as AddRow counts them); both paths; the thread's count arrays left
-  // zero (a second row, with other buckets, counts right).
-  std::mt19937 rng(41);
-  std::normal_distribution<float> logit(0.0f, 2.5f);
-  for (int trial = 0; trial < 12; ++trial) {
-    const int n = trial == 0 ? 0 : 1 + (trial * 389) % 2000;
-    std::vector<float> v(n);
-    double z = 0;
-    for (float& x : v) z += (x = std::exp(logit(rng)));
-    const float scale = trial % 3 == 2 ? 1e-40f : 1.0f;  // 2^L subnormal: every value counts as big
-    for (float& x : v) x = static_cast<float>(x / z) * scale;
-    if (trial % 2)
-      for (int i = 0; i < n; i += 7) v[i] = 0.0f;
-    const std::vector<int32_t> end{n};
-    const std::vector<uint8_t> kind{0};
-    for (bool avx2 : {true, false}) {
-      SetKindSumsAvx2ForTesting(avx2);
-      RowSums got;
-      std::vector<int32_t> counts(3, 99);
-      const bool ok = ExactKindSums(v, end, kind, &got, &counts);
-      SetKindSumsAvx2ForTesting(true);
-      if (!ok) continue;
-      uint32_t ubig = 0;
-      {
-        int e = 0;
-        std::frexp(got.total * (1.0 + 0x1p-20), &e);
-        const float big = std::ldexp(1.0f, e - 30);
-        std::memcpy(&ubig, &big, 4);
-        if (ubig < 0x00800000u) ubig = 0;
-      }
-      const uint32_t hi = got.umax >> 19;
-      const int nb = got.umax >= ubig ? static_cast<int>(hi - (ubig >> 19)) + 1 : 0;
-      INFO("trial " << trial << ", avx2 " << avx2);
-      REQUIRE(got.counts_at == 3);
-      REQUIRE(got.counts_len == nb + 1);
-      REQUIRE(counts.size() == 3u + nb + 1);
-      for (int j = 0; j <= nb; ++j) {
-        int32_t want = 0;
-        for (float x : v) {
-          uint32_t u;
-          std::memcpy(&u, &x, 4);
-          want += static_cast<int64_t>((u & 0x7fffffffu) >> 19) > static_cast<int64_t>(hi) - j;
-        }
-        REQUIRE(counts[3 + j] == want);
-      }
     }
   }
 }
