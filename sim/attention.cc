@@ -375,33 +375,6 @@ void GatherWeightedRowsSteps(const float* const* p, const int32_t* const* tok, c
 #endif
 }
 
-namespace {
-// SoftmaxInPlace's steps. After the exponentials of x[0, i) and their partial sums part[0..3] (the vector
-// loop's): the exponentials of x[i, n) from the row's max mx, the partial sums, the scaling; returns log Z.
-float SoftmaxFinish(float* x, int n, int i, float mx, double part[4]) {
-  for (int j = i; j < n; ++j) x[j] = ExpNonPositive(x[j] - mx);
-  int i4 = i;
-  for (; i4 + 4 <= n; i4 += 4)
-    for (int k = 0; k < 4; ++k) part[k] += x[i4 + k];
-  for (; i4 < n; ++i4) part[0] += x[i4];
-  const double sum = (part[0] + part[1]) + (part[2] + part[3]);
-  const float inv = static_cast<float>(1.0 / sum);
-  for (int j = 0; j < n; ++j) x[j] *= inv;
-  return mx + static_cast<float>(std::log(sum));
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// The exponentials and the sum of x[i, i + 8) in one step: the four lanes of `acc` are part[0..3], each
-// adding its elements in order.
-inline void ExpSum8(float* x, int i, __m256 m, __m256d& acc) {
-  const __m256 e = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
-  _mm256_storeu_ps(x + i, e);
-  acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-  acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-}
-#endif
-}  // namespace
-
 float SoftmaxInPlace(float* x, int n) {
   const float mx = RowMax(x, n);
   // Four independent double partial sums (fixed order, so deterministic): part[k] adds x[k], x[k + 4], ...
@@ -414,33 +387,23 @@ float SoftmaxInPlace(float* x, int n) {
   // four lanes of `acc` are part[0..3], each adding its elements in order.
   const __m256 m = _mm256_set1_ps(mx);
   __m256d acc = _mm256_setzero_pd();
-  for (; i + 8 <= n; i += 8) ExpSum8(x, i, m, acc);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
   _mm256_storeu_pd(part, acc);
 #endif
-  return SoftmaxFinish(x, n, i, mx, part);
-}
-
-void SoftmaxInPlace2(float* x0, int n0, float* x1, int n1, float* log_z0, float* log_z1) {
-  const float mx0 = RowMax(x0, n0), mx1 = RowMax(x1, n1);
-  double part0[4] = {0, 0, 0, 0}, part1[4] = {0, 0, 0, 0};
-  int i0 = 0, i1 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  // Each row's steps exactly as SoftmaxInPlace takes them; the two rows' serial chains of additions
-  // interleaved (independent: the core overlaps them).
-  const __m256 m0 = _mm256_set1_ps(mx0), m1 = _mm256_set1_ps(mx1);
-  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
-  for (; i0 + 8 <= n0 && i0 + 8 <= n1; i0 += 8) {
-    ExpSum8(x0, i0, m0, acc0);
-    ExpSum8(x1, i0, m1, acc1);
-  }
-  i1 = i0;
-  for (; i0 + 8 <= n0; i0 += 8) ExpSum8(x0, i0, m0, acc0);
-  for (; i1 + 8 <= n1; i1 += 8) ExpSum8(x1, i1, m1, acc1);
-  _mm256_storeu_pd(part0, acc0);
-  _mm256_storeu_pd(part1, acc1);
-#endif
-  *log_z0 = SoftmaxFinish(x0, n0, i0, mx0, part0);
-  *log_z1 = SoftmaxFinish(x1, n1, i1, mx1, part1);
+  for (int j = i; j < n; ++j) x[j] = ExpNonPositive(x[j] - mx);
+  int i4 = i;
+  for (; i4 + 4 <= n; i4 += 4)
+    for (int k = 0; k < 4; ++k) part[k] += x[i4 + k];
+  for (; i4 < n; ++i4) part[0] += x[i4];
+  const double sum = (part[0] + part[1]) + (part[2] + part[3]);
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int i = 0; i < n; ++i) x[i] *= inv;
+  return mx + static_cast<float>(std::log(sum));
 }
 
 void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_steps, const float* q_decode,
@@ -486,19 +449,8 @@ void ComputeDecodeReference(const ModelInfo& m, int prefill_length, int num_step
     const int pos = prefill_length + t;
     const int first = FirstVisibleKey(m, pos);
     out->first[t] = first;
-    // Rows t and t + 1 (t even) softmaxed together (SoftmaxInPlace2: each row's operations unchanged, their
-    // serial chains of additions overlapped); an odd last row alone.
-    if (t % 2 == 0 && t + 1 < num_steps) {
-      const int first1 = FirstVisibleKey(m, pos + 1);
-      float* row1 = row + t_all;
-      SoftCap(row + first, pos - first + 1, cap);
-      SoftCap(row1 + first1, pos + 1 - first1 + 1, cap);
-      SoftmaxInPlace2(row + first, pos - first + 1, row1 + first1, pos + 1 - first1 + 1, &out->log_z[t],
-                      &out->log_z[t + 1]);
-    } else if (t % 2 == 0) {
-      SoftCap(row + first, pos - first + 1, cap);
-      out->log_z[t] = SoftmaxInPlace(row + first, pos - first + 1);
-    }
+    SoftCap(row + first, pos - first + 1, cap);
+    out->log_z[t] = SoftmaxInPlace(row + first, pos - first + 1);
     if (modality != nullptr) {  // the row's sums by modality and in all, from the cache
       row_end.clear();
       row_kind.clear();

@@ -90,8 +90,6 @@ void GatherWeightedRowsSteps(const float* const* p, const int32_t* const* tok, c
 
 // Softmax of one row of logits in place, numerically stable; returns log-sum-exp.
 float SoftmaxInPlace(float* x, int n);
-// SoftmaxInPlace of two rows, bit for bit (their log Z to *log_z0, *log_z1), their passes interleaved.
-void SoftmaxInPlace2(float* x0, int n0, float* x1, int n1, float* log_z0, float* log_z1);
 
 // Entropy -Σ p log p (nats) of softmax(logits), without materialising the probabilities.
 float SoftmaxEntropy(const float* logits, int n);
