@@ -251,6 +251,32 @@ std::shared_ptr<const Policy> Registered(const std::string& name, std::vector<st
   return *p;
 }
 
+// The trace of the run-list tests (FinishRun's runs of consecutive tokens): GQA (4 query heads on 2 KV
+// heads), 600 prompt tokens with an image at [40, 500), 12 decode steps.
+constexpr int kRunListPrompt = 600;
+MemoryTrace RunListTrace() {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;  // GQA: group of 2
+  spec.num_kv_heads = 2;
+  spec.prefill_length = kRunListPrompt;
+  spec.decode_steps = 12;
+  spec.image_begin = 40;
+  spec.image_end = 500;
+  return testing::MakeTinyTrace(spec);
+}
+
+// Re-selected every step: a window of 100 tokens moving 7 per step, the 4 sinks listed after it, and a
+// fixed block [300, 340).
+std::shared_ptr<ActPolicy> WindowSinksBlock() {
+  return std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    std::vector<int32_t> keep;
+    for (int32_t t = 50 + 7 * step; t < 150 + 7 * step; ++t) keep.push_back(t);  // a window
+    for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                           // sinks, after it
+    for (int32_t t = 300; t < 340; ++t) keep.push_back(t);                       // a fixed block
+    c->Assign(keep);
+  });
+}
+
 }  // namespace
 
 TEST_CASE("replay: the hand trace is valid", "[replay]") {
@@ -1962,21 +1988,8 @@ TEST_CASE("replay: append-only steps give the same results with or without per-s
 // token-by-token path's, bit for bit, at 1 and 3 threads; a list of scattered tokens keeps the old path.
 TEST_CASE("replay: the output product from runs of consecutive tokens equals the token-by-token one",
           "[replay]") {
-  testing::TinyTraceSpec spec;
-  spec.num_heads = 4;  // GQA: group of 2
-  spec.num_kv_heads = 2;
-  spec.prefill_length = 600;
-  spec.decode_steps = 12;
-  spec.image_begin = 40;
-  spec.image_end = 500;
-  MemoryTrace tr = testing::MakeTinyTrace(spec);
-  auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
-    std::vector<int32_t> keep;
-    for (int32_t t = 50 + 7 * step; t < 150 + 7 * step; ++t) keep.push_back(t);  // a window
-    for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                           // sinks, after it
-    for (int32_t t = 300; t < 340; ++t) keep.push_back(t);                       // a fixed block
-    c->Assign(keep);
-  });
+  MemoryTrace tr = RunListTrace();
+  auto window = WindowSinksBlock();
   auto scattered = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
     std::vector<int32_t> keep;
     for (int32_t t = step % 3; t < 600; t += 3) keep.push_back(t);
@@ -1984,7 +1997,7 @@ TEST_CASE("replay: the output product from runs of consecutive tokens equals the
   });
   auto streaming = PolicyRegistry::Default().Create("streaming_llm", {});
   REQUIRE(streaming.ok());
-  std::vector<RunSpec> runs{Spec(window, spec.prefill_length), Spec(scattered, spec.prefill_length),
+  std::vector<RunSpec> runs{Spec(window, kRunListPrompt), Spec(scattered, kRunListPrompt),
                             RunSpec{*streaming, "streaming", 0.2, 0, QuestionMode::kQueryAware}};
   SetOutputBandsForTesting(false);  // the runs path's position bands add in another order
   CheckSameWithout(tr, runs, &SetRunListsForTesting);
@@ -1996,14 +2009,7 @@ TEST_CASE("replay: the output product from runs of consecutive tokens equals the
 // holds every decode token so far (the decode part is used), one that drops decode token n + 2 from step 4
 // on (not used), and streaming_llm: every result the token-by-token count's, bit for bit.
 TEST_CASE("replay: held decode tokens counted by runs equal the token-by-token count", "[replay]") {
-  testing::TinyTraceSpec spec;
-  spec.num_heads = 4;  // GQA: group of 2
-  spec.num_kv_heads = 2;
-  spec.prefill_length = 600;
-  spec.decode_steps = 12;
-  spec.image_begin = 40;
-  spec.image_end = 500;
-  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  MemoryTrace tr = RunListTrace();
   auto keeps = [](bool gap) {
     return std::make_shared<ActPolicy>([gap](int step, HeadCache* c) {
       std::vector<int32_t> keep;
@@ -2014,7 +2020,7 @@ TEST_CASE("replay: held decode tokens counted by runs equal the token-by-token c
       c->Assign(keep);
     });
   };
-  std::vector<RunSpec> runs{Spec(keeps(false), spec.prefill_length), Spec(keeps(true), spec.prefill_length),
+  std::vector<RunSpec> runs{Spec(keeps(false), kRunListPrompt), Spec(keeps(true), kRunListPrompt),
                             Spec(Registered("streaming_llm"), 150)};
   CheckSameWithout(tr, runs, &SetHeldByRunsForTesting);
 }
@@ -2025,21 +2031,8 @@ TEST_CASE("replay: held decode tokens counted by runs equal the token-by-token c
 // steps, then a window (the prefix mode's steps expanded at step 4); one whose lists turn scattered after
 // step 6 (Step gives up, FinishRun decides); one scattered at step 0 only; streaming_llm.
 TEST_CASE("replay: the steps' runs found step by step equal FinishRun's pass", "[replay]") {
-  testing::TinyTraceSpec spec;
-  spec.num_heads = 4;  // GQA: group of 2
-  spec.num_kv_heads = 2;
-  spec.prefill_length = 600;
-  spec.decode_steps = 12;
-  spec.image_begin = 40;
-  spec.image_end = 500;
-  MemoryTrace tr = testing::MakeTinyTrace(spec);
-  auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
-    std::vector<int32_t> keep;
-    for (int32_t t = 50 + 7 * step; t < 150 + 7 * step; ++t) keep.push_back(t);  // a window
-    for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                           // sinks, after it
-    for (int32_t t = 300; t < 340; ++t) keep.push_back(t);                       // a fixed block
-    c->Assign(keep);
-  });
+  MemoryTrace tr = RunListTrace();
+  auto window = WindowSinksBlock();
   auto prefix_then_window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
     if (step == 0) c->AssignRange(0, 600);
     if (step < 4) return;  // appended to: prefix-closed
@@ -2065,11 +2058,11 @@ TEST_CASE("replay: the steps' runs found step by step equal FinishRun's pass", "
       for (int32_t t = 200 + step; t < 590; ++t) keep.push_back(t);
     c->Assign(keep);
   });
-  std::vector<RunSpec> runs{Spec(window, spec.prefill_length),
-                            Spec(prefix_then_window, spec.prefill_length),
-                            Spec(turns_scattered(6), spec.prefill_length),
-                            Spec(turns_scattered(11), spec.prefill_length),
-                            Spec(scattered_first, spec.prefill_length),
+  std::vector<RunSpec> runs{Spec(window, kRunListPrompt),
+                            Spec(prefix_then_window, kRunListPrompt),
+                            Spec(turns_scattered(6), kRunListPrompt),
+                            Spec(turns_scattered(11), kRunListPrompt),
+                            Spec(scattered_first, kRunListPrompt),
                             Spec(Registered("streaming_llm"), 150),
                             Spec(Registered("streaming_llm"), 40)};
   CheckSameWithout(tr, runs, &SetStepRunsForTesting);
@@ -3358,6 +3351,30 @@ TEST_CASE("replay: a ranked run's output product is its own, alone or resuming a
   CHECK((*together)[1].SerializeAsString() != (*together)[2].SerializeAsString());
 }
 
+namespace {
+
+// The window-band tests' runs on BandTrace(hkv), each the same with and without `hook`'s path
+// (CheckSameWithout): streaming_llm at several budgets (bands resumed from another window's run, whole and
+// partial bands), a window that holds sinks and a fixed block too, and streaming_llm with 70 sinks.
+void CheckWindowBandsSameWithout(int hkv, void (*hook)(bool)) {
+  MemoryTrace tr = BandTrace(hkv);
+  auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
+    std::vector<int32_t> keep;
+    for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                 // sinks
+    for (int32_t t = 100; t < 140; ++t) keep.push_back(t);             // a fixed block
+    for (int32_t t = 200 + 3 * step; t < 420; ++t) keep.push_back(t);  // a window
+    c->Assign(keep);
+  });
+  std::vector<RunSpec> runs;
+  for (int b : {30, 90, 150, 300, 410}) runs.push_back(Spec(Registered("streaming_llm"), b));
+  runs.push_back(Spec(window, 420));
+  runs.push_back(Spec(Registered("streaming_llm", {"num_sinks=70"}), 200));
+  INFO("kv heads " << hkv);
+  CheckSameWithout(tr, runs, hook);
+}
+
+}  // namespace
+
 // A sliding window's output product reads the value rows of a band of consecutive tokens in place in V
 // (its full tokens' bands and the columns after them), and copies the others (a band across blocks, the
 // sinks with the window's oldest tokens): the same operands, so the same bits as copying every row. Windows
@@ -3365,20 +3382,7 @@ TEST_CASE("replay: a ranked run's output product is its own, alone or resuming a
 // window that holds sinks and a fixed block too, and a scattered cache (the token-by-token loops).
 TEST_CASE("replay: a window's value rows read in place give the copied rows' results", "[replay]") {
   for (int hkv : {2, 4}) {
-    MemoryTrace tr = BandTrace(hkv);
-    auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
-      std::vector<int32_t> keep;
-      for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                 // sinks
-      for (int32_t t = 100; t < 140; ++t) keep.push_back(t);             // a fixed block
-      for (int32_t t = 200 + 3 * step; t < 420; ++t) keep.push_back(t);  // a window
-      c->Assign(keep);
-    });
-    std::vector<RunSpec> runs;
-    for (int b : {30, 90, 150, 300, 410}) runs.push_back(Spec(Registered("streaming_llm"), b));
-    runs.push_back(Spec(window, 420));
-    runs.push_back(Spec(Registered("streaming_llm", {"num_sinks=70"}), 200));
-    INFO("kv heads " << hkv);
-    CheckSameWithout(tr, runs, &SetInPlaceValueRowsForTesting);
+    CheckWindowBandsSameWithout(hkv, &SetInPlaceValueRowsForTesting);
   }
 }
 
@@ -3388,20 +3392,7 @@ TEST_CASE("replay: a window's value rows read in place give the copied rows' res
 // a window that holds sinks and a fixed block too, and GQA (never in place: A's rows span the group).
 TEST_CASE("replay: a window's probability rows read in place give the copied A's results", "[replay]") {
   for (int hkv : {4, 2}) {
-    MemoryTrace tr = BandTrace(hkv);
-    auto window = std::make_shared<ActPolicy>([](int step, HeadCache* c) {
-      std::vector<int32_t> keep;
-      for (int32_t t = 0; t < 4; ++t) keep.push_back(t);                 // sinks
-      for (int32_t t = 100; t < 140; ++t) keep.push_back(t);             // a fixed block
-      for (int32_t t = 200 + 3 * step; t < 420; ++t) keep.push_back(t);  // a window
-      c->Assign(keep);
-    });
-    std::vector<RunSpec> runs;
-    for (int b : {30, 90, 150, 300, 410}) runs.push_back(Spec(Registered("streaming_llm"), b));
-    runs.push_back(Spec(window, 420));
-    runs.push_back(Spec(Registered("streaming_llm", {"num_sinks=70"}), 200));
-    INFO("kv heads " << hkv);
-    CheckSameWithout(tr, runs, &SetInPlaceProbRowsForTesting);
+    CheckWindowBandsSameWithout(hkv, &SetInPlaceProbRowsForTesting);
   }
 }
 
