@@ -930,13 +930,11 @@ class LayerPass {
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
                      [&](int a, int b) { return plans_[a].budget < plans_[b].budget; });
-    auto decode_items = [&](int u) {
-      for (int r : order) items.push_back({u, r});
-    };
     for (int u0 = 0; u0 < hkv; u0 += chunk) {
       const int nu = std::min(chunk, hkv - u0);
       for (int u = u0; u < u0 + nu; ++u) items.push_back({u, -1});
-      for (int u = u0; u < u0 + nu; ++u) decode_items(u);
+      for (int u = u0; u < u0 + nu; ++u)
+        for (int r : order) items.push_back({u, r});
     }
     // Per unit: 0 while its Prefill is pending, 1 once done, 2 if it threw (its decode items are skipped;
     // ParallelForWorkers rethrows the Prefill's exception, the lowest item index); and its runs still to
@@ -1758,17 +1756,22 @@ class LayerPass {
     ws.cs0 = ws.cs_end = -1;
   }
 
-  // The runs of the next step's list, plain[step_begin[runs_steps] .. step_begin[runs_steps + 1]), as
-  // FinishRun's pass finds them (RunEnd, in list order; WorkerScratch::runs_live).
-  static void AddStepRuns(WorkerScratch& ws) {
-    if (!ws.runs_live) return;
+  // Appends step t's list, plain[step_begin[t] .. step_begin[t + 1]), to ws.runs as runs of consecutive
+  // tokens (RunEnd: eight tokens compared per instruction), in list order.
+  static void StepRuns(WorkerScratch& ws, int t) {
     const int32_t* pl = ws.plain.data();
-    const size_t b = ws.step_begin[ws.runs_steps], e = ws.step_begin[ws.runs_steps + 1];
-    for (size_t i = b; i < e;) {
+    for (size_t i = ws.step_begin[t], e = ws.step_begin[t + 1]; i < e;) {
       const size_t j = RunEnd(pl, i, e);
       ws.runs.push_back({pl[i], static_cast<int32_t>(j - i), static_cast<int32_t>(i)});
       i = j;
     }
+  }
+
+  // The runs of the next step's list (StepRuns of step runs_steps), as FinishRun's pass finds them
+  // (WorkerScratch::runs_live).
+  static void AddStepRuns(WorkerScratch& ws) {
+    if (!ws.runs_live) return;
+    StepRuns(ws, ws.runs_steps);
     ++ws.runs_steps;
     if (ws.runs.size() * 16 > ws.plain.size()) {
       ws.runs_live = false;
@@ -2280,8 +2283,8 @@ class LayerPass {
       // same U (ascending) and the same A as the token-by-token loops below.
       const size_t gathered = ws.plain.size();
       {
-        // The runs step by step (RunEnd: eight tokens compared per instruction), given up as soon as there
-        // are more than one per 16 slots (then the token-by-token loops below). Step found them already
+        // The runs step by step (StepRuns), given up after the first step that brings them to more than one
+        // per 16 slots (then the token-by-token loops below). Step found them already
         // (WorkerScratch::runs_live) unless it gave up: then they are more than one per 16 slots of the
         // steps so far, and (if they are not more than one per 16 slots of all steps) found here.
         const int32_t* pl = ws.plain.data();
@@ -2289,17 +2292,13 @@ class LayerPass {
         const bool found = ws.runs_live && ws.runs_steps == steps;
         if (!found || !by_runs || ws.runs.size() * 16 > gathered) ws.runs.clear();
         if (found) by_runs = by_runs && !ws.runs.empty();
-        for (int t = 0; t < steps && by_runs && !found; ++t)
-          for (size_t i = ws.step_begin[t], e = ws.step_begin[t + 1]; i < e;) {
-            const size_t j = RunEnd(pl, i, e);
-            ws.runs.push_back({pl[i], static_cast<int32_t>(j - i), static_cast<int32_t>(i)});
-            i = j;
-            if (ws.runs.size() * 16 > gathered) {
-              by_runs = false;
-              ws.runs.clear();
-              break;
-            }
+        for (int t = 0; t < steps && by_runs && !found; ++t) {
+          StepRuns(ws, t);
+          if (ws.runs.size() * 16 > gathered) {
+            by_runs = false;
+            ws.runs.clear();
           }
+        }
         if (by_runs) {
           std::vector<WorkerScratch::TokenRun> iv(ws.runs);
           std::sort(iv.begin(), iv.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
