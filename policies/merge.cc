@@ -816,27 +816,24 @@ void NearestByCosine(const float* queries, int num_queries, const float* targets
 }
 
 // A merged slot from its anchor's original key / value and the members' sums (`sk`, `sv`: d floats each).
-MergedSlot Merger::Merged(const HeadContext& ctx, int32_t anchor, const float* sk, const float* sv,
-                          std::vector<std::pair<int32_t, float>> members) const {
+void Merger::Merged(const HeadContext& ctx, int32_t anchor, const float* sk, const float* sv,
+                    MergedSlot* out) const {
   const int d = ctx.head_dim();
-  const double m = static_cast<double>(members.size());
+  const double m = static_cast<double>(out->members.size());
   const double a = strategy_ == policy::PIVOT ? 1.0 + m / 2 : 1.0;
   const double inv = 1.0 / (1.0 + m);
-  MergedSlot out;
-  out.key.resize(d);
-  out.value.resize(d);
   const float* ka = OriginalKey(ctx, anchor);
   const float* va = OriginalValue(ctx, anchor);
   for (int k = 0; k < d; ++k) {
-    out.key[k] = static_cast<float>((a * ka[k] + sk[k]) * inv);
-    out.value[k] = static_cast<float>((a * va[k] + sv[k]) * inv);
+    out->key[k] = static_cast<float>((a * ka[k] + sk[k]) * inv);
+    out->value[k] = static_cast<float>((a * va[k] + sv[k]) * inv);
   }
-  out.members = std::move(members);
-  return out;
 }
 
 void Merger::Apply(const HeadContext& ctx, int slot, Sums& s, HeadCache* cache) const {
-  cache->SetMerge(slot, Merged(ctx, cache->token(slot), s.k.data(), s.v.data(), s.members));
+  MergedSlot& merge = cache->SetMergeInPlace(slot);
+  merge.members.assign(s.members.begin(), s.members.end());
+  Merged(ctx, cache->token(slot), s.k.data(), s.v.data(), &merge);
 }
 
 void Merger::KeepAndMerge(const HeadContext& ctx, std::span<const int32_t> kept,
@@ -872,9 +869,17 @@ void Merger::KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> k
   // addition stays, as -0 + +0 is +0), later members add to it.
   float* sk = Scratch(k_buf, static_cast<size_t>(rows) * d);
   float* sv = Scratch(v_buf, static_cast<size_t>(rows) * d);
-  std::vector<std::vector<std::pair<int32_t, float>>> members(rows);
+  // Row r's members, in token order, at members[at[r], at[r + 1]) (filled up to end[r]); they are copied
+  // into the merges' own storage below, which the cache reuses (HeadCache::SetMergeInPlace: no allocation
+  // per merged slot once the cache has held as many merges).
+  thread_local std::vector<std::pair<int32_t, float>> members;
+  thread_local std::vector<int> at, end;
+  at.resize(rows + 1);
+  at[0] = 0;
   for (int s = 0; s < slots; ++s)
-    if (count[s] > 0) members[first[s]].reserve(count[s]);
+    if (count[s] > 0) at[first[s] + 1] = at[first[s]] + count[s];
+  end.assign(at.begin(), at.end() - 1);
+  members.resize(at[rows]);
   for (int i = 0; i < e; ++i) {
     if (join_slot[i] < 0) continue;
     const int r = first[join_slot[i]];
@@ -883,7 +888,7 @@ void Merger::KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> k
     float* rv = sv + static_cast<size_t>(r) * d;
     const float* k = OriginalKey(ctx, evicted[i]);
     const float* v = OriginalValue(ctx, evicted[i]);
-    if (members[r].empty()) {
+    if (end[r] == at[r]) {
       for (int j = 0; j < d; ++j) {
         rk[j] = 0.0f + c * k[j];
         rv[j] = 0.0f + c * v[j];
@@ -894,13 +899,14 @@ void Merger::KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> k
         rv[j] += c * v[j];
       }
     }
-    members[r].emplace_back(evicted[i], c);
+    members[end[r]++] = {evicted[i], c};
   }
   for (int s = 0; s < slots; ++s)
     if (count[s] > 0) {
       const int r = first[s];
-      cache->SetMerge(s, Merged(ctx, cache->token(s), sk + static_cast<size_t>(r) * d,
-                                sv + static_cast<size_t>(r) * d, std::move(members[r])));
+      MergedSlot& merge = cache->SetMergeInPlace(s);
+      merge.members.assign(members.begin() + at[r], members.begin() + at[r + 1]);
+      Merged(ctx, cache->token(s), sk + static_cast<size_t>(r) * d, sv + static_cast<size_t>(r) * d, &merge);
     }
 }
 

@@ -95,8 +95,10 @@ class Merger {
     std::vector<float> k, v;  // Σ coefficient * original key/value of the members
     std::vector<std::pair<int32_t, float>> members;
   };
-  MergedSlot Merged(const HeadContext& ctx, int32_t anchor, const float* sk, const float* sv,
-                    std::vector<std::pair<int32_t, float>> members) const;
+  // The merge of `anchor` with its members (out->members, already set) whose weighted key / value sums are
+  // sk / sv: writes out->key and out->value (head_dim floats each).
+  void Merged(const HeadContext& ctx, int32_t anchor, const float* sk, const float* sv,
+              MergedSlot* out) const;
   void Apply(const HeadContext& ctx, int slot, Sums& s, HeadCache* cache) const;
   // The slot each of `tokens` joins (-1: filtered out) and its coefficient (1, 0.5 or the cosine); false if
   // nothing merges.

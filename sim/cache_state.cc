@@ -1,6 +1,7 @@
 #include "sim/cache_state.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "sim/status.h"
 
@@ -19,7 +20,7 @@ void HeadCache::Assign(std::span<const int32_t> tokens) {
   begin_ = 0;
   tokens_.assign(tokens.begin(), tokens.end());
   merge_of_.assign(tokens_.size(), -1);
-  merges_.clear();
+  merges_used_ = 0;  // the entries keep their memory (MergeEntry)
   num_merged_slots_ = 0;
 }
 
@@ -30,7 +31,7 @@ void HeadCache::AssignRange(int32_t begin, int32_t end) {
   tokens_.resize(end - begin);
   for (int32_t i = begin; i < end; ++i) tokens_[i - begin] = i;
   merge_of_.assign(tokens_.size(), -1);
-  merges_.clear();
+  merges_used_ = 0;  // the entries keep their memory (MergeEntry)
   num_merged_slots_ = 0;
 }
 
@@ -87,13 +88,7 @@ void HeadCache::MergeInto(int slot, int32_t token, float weight, std::span<const
   ++rewrites_;
   KVSIM_CHECK(slot >= 0 && slot < size());
   KVSIM_CHECK(static_cast<int>(key.size()) == head_dim_ && static_cast<int>(value.size()) == head_dim_);
-  int32_t& of = merge_of_[begin_ + slot];
-  if (of < 0) {
-    of = static_cast<int32_t>(merges_.size());
-    merges_.emplace_back();
-    ++num_merged_slots_;
-  }
-  MergedSlot& m = merges_[of];
+  MergedSlot& m = MergeEntry(slot);
   m.key.assign(key.begin(), key.end());
   m.value.assign(value.begin(), value.end());
   m.members.emplace_back(token, weight);
@@ -105,13 +100,43 @@ void HeadCache::SetMerge(int slot, MergedSlot merge) {
   KVSIM_CHECK(slot >= 0 && slot < size());
   KVSIM_CHECK(static_cast<int>(merge.key.size()) == head_dim_ &&
               static_cast<int>(merge.value.size()) == head_dim_);
+  MergeEntry(slot) = std::move(merge);
+}
+
+MergedSlot& HeadCache::SetMergeInPlace(int slot) {
+  ++version_;
+  ++rewrites_;
+  KVSIM_CHECK(slot >= 0 && slot < size());
+  MergedSlot& m = MergeEntry(slot);
+  m.key.resize(head_dim_);
+  m.value.resize(head_dim_);
+  m.members.clear();
+  return m;
+}
+
+std::vector<MergedSlot> HeadCache::TakeMergeStorage() {
+  ++version_;
+  ++rewrites_;
+  std::fill(merge_of_.begin(), merge_of_.end(), -1);
+  merges_used_ = 0;
+  num_merged_slots_ = 0;
+  return std::exchange(merges_, {});
+}
+
+void HeadCache::AdoptMergeStorage(std::vector<MergedSlot> storage) {
+  KVSIM_CHECK_MSG(merges_used_ == 0, "HeadCache::AdoptMergeStorage: the cache has merges");
+  merges_ = std::move(storage);
+}
+
+MergedSlot& HeadCache::MergeEntry(int slot) {
   int32_t& of = merge_of_[begin_ + slot];
   if (of < 0) {
-    of = static_cast<int32_t>(merges_.size());
-    merges_.emplace_back();
+    if (merges_used_ == merges_.size()) merges_.emplace_back();
+    of = static_cast<int32_t>(merges_used_++);
+    merges_[of].members.clear();  // an entry of a merge dropped by Assign keeps its members until here
     ++num_merged_slots_;
   }
-  merges_[of] = std::move(merge);
+  return merges_[of];
 }
 
 std::vector<int32_t> HeadCache::CoveredTokens() const {

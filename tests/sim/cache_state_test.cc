@@ -120,6 +120,57 @@ TEST_CASE("HeadCache: SetMerge replaces a slot's merge wholesale", "[cache_state
   CHECK(c.CoveredTokens() == std::vector<int32_t>{0, 1, 2, 8, 6, 7});
 }
 
+TEST_CASE("HeadCache: merges dropped by Assign lend their memory to the next merges", "[cache_state]") {
+  HeadCache c(3);
+  c.AssignRange(0, 6);
+  std::vector<const float*> keys;
+  for (int s = 0; s < 3; ++s) {
+    MergedSlot& m = c.SetMergeInPlace(s);
+    m.key = {1.0f, 2.0f, 3.0f};
+    m.value = {4.0f, 5.0f, 6.0f};
+    m.members = {{10 + s, 0.5f}, {20 + s, 0.25f}};
+    keys.push_back(m.key.data());
+  }
+  const uint64_t version = c.version(), rewrites = c.rewrites();
+  c.Assign(std::vector<int32_t>{7, 8, 9});
+  CHECK_FALSE(c.has_merges());
+  // The first merges after the Assign reuse the old entries, in order: no allocation, no stale members.
+  MergedSlot& m = c.SetMergeInPlace(2);
+  CHECK(m.key.data() == keys[0]);
+  CHECK(m.key.size() == 3);
+  CHECK(m.value.size() == 3);
+  CHECK(m.members.empty());
+  m.members = {{30, 1.0f}};
+  c.MergeInto(0, 31, 0.5f, std::vector<float>{7, 8, 9}, std::vector<float>{1, 1, 1});
+  CHECK(c.merged(0).key.data() == keys[1]);
+  REQUIRE(c.merged(0).members.size() == 1);  // the dropped merge's two members are gone
+  CHECK(c.merged(0).members[0].first == 31);
+  CHECK(c.merged(2).members == std::vector<std::pair<int32_t, float>>{{30, 1.0f}});
+  CHECK(c.num_merged_slots() == 2);
+  CHECK(c.CoveredTokens() == std::vector<int32_t>{7, 8, 9, 31, 30});
+  CHECK(c.version() > version);
+  CHECK(c.rewrites() > rewrites);
+  // A slot merged again keeps its entry.
+  MergedSlot& again = c.SetMergeInPlace(2);
+  CHECK(again.key.data() == keys[0]);
+  CHECK(again.members.empty());
+  // A finished cache's storage goes to a new cache (the replay's PassBuffers): its slots are left plain,
+  // and the new cache's merges reuse the memory.
+  std::vector<MergedSlot> storage = c.TakeMergeStorage();
+  CHECK(storage.size() == 3);
+  CHECK_FALSE(c.has_merges());
+  CHECK_FALSE(c.is_merged(0));
+  CHECK(c.CoveredTokens() == std::vector<int32_t>{7, 8, 9});
+  HeadCache next(3);
+  next.AssignRange(0, 4);
+  next.AdoptMergeStorage(std::move(storage));
+  CHECK_FALSE(next.has_merges());
+  next.MergeInto(3, 40, 0.5f, std::vector<float>{1, 2, 3}, std::vector<float>{4, 5, 6});
+  CHECK(next.merged(3).key.data() == keys[0]);
+  CHECK(next.merged(3).members == std::vector<std::pair<int32_t, float>>{{40, 0.5f}});
+  CHECK(next.CoveredTokens() == std::vector<int32_t>{0, 1, 2, 3, 40});
+}
+
 TEST_CASE("HeadCache: rewrites() counts what can bring a token in other than Append; appends() the appends",
           "[cache_state]") {
   HeadCache c(1);
@@ -219,14 +270,21 @@ TEST_CASE("HeadCache: evictions at either end keep slots, tokens and merges in o
       if (want[s].second >= 0) continue;
       const float k = static_cast<float>(merges);
       const std::vector<float> key{k}, value{k};
-      if (kind < 96) {
+      if (kind < 95) {
         c.MergeInto(s, -1 - merges, 0.5f, key, value);
-      } else {
+      } else if (kind < 98) {
         MergedSlot m;
         m.key = key;
         m.value = value;
         m.members = {{-1 - merges, 0.5f}};
         c.SetMerge(s, std::move(m));
+      } else {
+        MergedSlot& m = c.SetMergeInPlace(s);
+        REQUIRE(m.key.size() == 1);
+        REQUIRE(m.value.size() == 1);
+        REQUIRE(m.members.empty());
+        m.key[0] = m.value[0] = k;
+        m.members.emplace_back(-1 - merges, 0.5f);
       }
       want[s].second = merges++;
     }
