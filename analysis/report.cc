@@ -11,8 +11,12 @@
 #include <fstream>
 #include <iomanip>
 #include <map>
+#include <memory>
 #include <set>
 #include <sstream>
+#include <string_view>
+
+#include "sim/parallel.h"
 
 namespace kvsim {
 
@@ -25,6 +29,68 @@ std::string ToJson(const google::protobuf::Message& msg) {
   auto st = google::protobuf::util::MessageToJsonString(msg, &out, opt);
   KVSIM_CHECK_MSG(st.ok(), std::string(st.message()));
   return out;
+}
+
+SplitJson::SplitJson(const google::protobuf::Message& msg, const std::string& field)
+    : msg_(msg), field_(msg.GetDescriptor()->FindFieldByName(field)), name_(field) {
+  KVSIM_CHECK_MSG(field_ && field_->is_repeated() &&
+                      field_->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE,
+                  "SplitJson: '" + field + "' is not a repeated message field of " + msg.GetTypeName());
+  text_.resize(1 + msg.GetReflection()->FieldSize(msg, field_));
+}
+
+void SplitJson::Print(int part) {
+  if (part > 0) {
+    text_[part] = ToJson(msg_.GetReflection()->GetRepeatedMessage(msg_, field_, part - 1));
+    return;
+  }
+  // The message without the field: a copy, cleared (the elements' JSON is most of the bytes; copying the
+  // message is a small part of printing it).
+  std::unique_ptr<google::protobuf::Message> rest(msg_.New());
+  rest->CopyFrom(msg_);
+  rest->GetReflection()->ClearField(rest.get(), field_);
+  text_[0] = ToJson(*rest);
+}
+
+std::string SplitJson::Join() const {
+  if (text_.size() == 1) return text_[0];
+  // The printer writes the empty field as `"name": []` at depth 1 (one space) and each element at depth 2;
+  // an element printed alone is at depth 0 and ends with a newline. JSON strings escape newlines, so every
+  // newline in an element's text is the printer's.
+  const std::string empty = "\n \"" + name_ + "\": []";
+  const size_t at = text_[0].find(empty);
+  KVSIM_CHECK_MSG(at != std::string::npos, "SplitJson: no empty '" + name_ + "' at depth 1");
+  size_t bytes = text_[0].size();
+  for (size_t i = 1; i < text_.size(); ++i) bytes += text_[i].size() * 2;
+  std::string out;
+  out.reserve(bytes);
+  out.append(text_[0], 0, at + empty.size() - 1);  // up to and with the '['
+  out += '\n';
+  for (size_t i = 1; i < text_.size(); ++i) {
+    std::string_view e = text_[i];
+    if (!e.empty() && e.back() == '\n') e.remove_suffix(1);
+    if (i > 1) out += ",\n";
+    out += "  ";
+    for (size_t p = 0;;) {
+      const size_t nl = e.find('\n', p);
+      if (nl == std::string_view::npos) {
+        out.append(e.substr(p));
+        break;
+      }
+      out.append(e.substr(p, nl + 1 - p));
+      out += "  ";
+      p = nl + 1;
+    }
+  }
+  out += "\n ]";
+  out.append(text_[0], at + empty.size(), std::string::npos);
+  return out;
+}
+
+std::string ToJsonSplit(const google::protobuf::Message& msg, const std::string& field, int threads) {
+  SplitJson json(msg, field);
+  ParallelFor(json.parts(), threads, [&](int i) { json.Print(i); });
+  return json.Join();
 }
 
 std::string FormatNumber(double v, int prec) {

@@ -15,6 +15,26 @@ namespace kvsim {
 // traces, kvsim_replay_gpu reports) is a message printed here (protobuf's JSON mapping, proto field names,
 // indented, zero values printed), so escaping and number formatting are the same everywhere.
 std::string ToJson(const google::protobuf::Message& msg);
+// ToJson(msg) in pieces that can be printed at the same time: piece 0 is msg without the repeated message
+// field `field` (one of msg's own fields), piece i >= 1 its element i - 1. Join() splices them (each
+// element re-indented to its depth) into exactly the bytes of ToJson(msg). Print(i) writes only piece i's
+// text, so the pieces may be printed on different threads, in any order, before Join.
+class SplitJson {
+ public:
+  SplitJson(const google::protobuf::Message& msg, const std::string& field);
+  int parts() const { return static_cast<int>(text_.size()); }
+  void Print(int part);
+  std::string Join() const;
+
+ private:
+  const google::protobuf::Message& msg_;
+  const google::protobuf::FieldDescriptor* field_;
+  std::string name_;
+  std::vector<std::string> text_;
+};
+// ToJson(msg) with the elements of its repeated message field `field` printed on up to `threads` threads
+// (<= 0: all cores): the same bytes.
+std::string ToJsonSplit(const google::protobuf::Message& msg, const std::string& field, int threads);
 // Tidy tables (docs/metrics.md "Tables"): runs.csv has one row per run, layers.csv one row per (run, layer);
 // both start with the same key columns (run = the run's index in results.json).
 std::string RunsCsv(const std::vector<RunResult>& runs);

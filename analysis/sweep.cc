@@ -604,8 +604,8 @@ StatusOr<SweepResult> RunSweep(const config::Experiment& experiment, const std::
       }
       KVSIM_ASSIGN_OR_RETURN(SweepUnit unit, ComputeSweepUnit(plan, i, options.threads, &progress, "", hash));
       if (!units_dir.empty())
-        KVSIM_RETURN_IF_ERROR(
-            WriteFileAtomic((fs::path(units_dir) / plan.UnitFile(i)).string(), ToJson(unit)));
+        KVSIM_RETURN_IF_ERROR(WriteFileAtomic((fs::path(units_dir) / plan.UnitFile(i)).string(),
+                                              ToJsonSplit(unit, "runs", options.threads)));
       if (units) ++units->computed;
       return unit;
     }();
@@ -632,12 +632,14 @@ std::string SweepDatasetMarkdown(const SweepResult& result) {
 }  // namespace
 
 Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir, int threads) {
-  // The texts are independent functions of the result, formatted on two threads (the sweep's serial end):
-  // results.json on one, the tables and the summary on the other.
+  // The texts are independent functions of the result, formatted on up to two threads (the sweep's serial
+  // end): the tables and the summary in one item, results.json in the others (the rest of the result, then
+  // each run's JSON: SplitJson), which the other thread takes while the tables are formatted.
   std::string text[5];
-  ParallelFor(2, threads, [&](int i) {
-    if (i == 0) {
-      text[0] = ToJson(result);
+  SplitJson json(result, "runs");
+  ParallelFor(1 + json.parts(), std::min(threads > 0 ? threads : DefaultThreads(), 2), [&](int i) {
+    if (i > 0) {
+      json.Print(i - 1);
       return;
     }
     const std::vector<RunResult> runs(result.runs().begin(), result.runs().end());
@@ -647,6 +649,7 @@ Status WriteSweepOutputs(const SweepResult& result, const std::string& out_dir, 
     text[3] = AggregatesCsv(aggregates);
     text[4] = SummaryMarkdown(runs, "kvsim sweep summary") + SweepDatasetMarkdown(result);
   });
+  text[0] = json.Join();
   return WriteOutputFolder(out_dir, {{"results.json", std::move(text[0])},
                                      {"runs.csv", std::move(text[1])},
                                      {"layers.csv", std::move(text[2])},

@@ -40,6 +40,50 @@ void CheckRectangular(const std::string& csv) {
 
 }  // namespace
 
+TEST_CASE("report: SplitJson prints a repeated field's elements apart, the same bytes as ToJson",
+          "[report]") {
+  // Elements with nested messages, repeated fields and strings that JSON escapes (a newline, quotes,
+  // braces); the field between others (SweepResult: experiment before, aggregates after) and last
+  // (SweepUnit); no element and one element.
+  SweepResult result;
+  result.set_experiment("description: \"a\\nb\" {x: [1]}\n");
+  for (int r = 0; r < 4; ++r) {
+    RunResult* run = result.add_runs();
+    run->set_policy(r % 2 ? "snapkv" : "full");
+    run->set_label("line one\n  \"two\" ],\n{");
+    run->set_budget_tokens(10 * r);
+    run->mutable_metrics()->set_retained_mass_mean(0.1 * r + 1e-17);
+    for (int l = 0; l < r; ++l) {
+      LayerResult* lr = run->add_layers();
+      lr->set_layer(l);
+      lr->add_kv_head_budgets(l);
+      lr->add_kv_head_budgets(l + 1);
+    }
+    run->add_warnings(r % 2 ? "w\tx" : "");
+  }
+  result.add_aggregates()->set_policy("full");
+  SweepUnit unit;
+  unit.set_sample_id("s0");
+  for (const RunResult& r : result.runs()) *unit.add_runs() = r;
+  SweepResult none;
+  none.set_experiment("e");
+  SweepUnit one;
+  *one.add_runs() = result.runs(3);
+  for (int threads : {1, 2, 3}) {
+    INFO("threads " << threads);
+    CHECK(ToJsonSplit(result, "runs", threads) == ToJson(result));
+    CHECK(ToJsonSplit(unit, "runs", threads) == ToJson(unit));
+    CHECK(ToJsonSplit(none, "runs", threads) == ToJson(none));
+    CHECK(ToJsonSplit(one, "runs", threads) == ToJson(one));
+    CHECK(ToJsonSplit(result, "aggregates", threads) == ToJson(result));
+  }
+  // Printed in any order before the join.
+  SplitJson json(result, "runs");
+  REQUIRE(json.parts() == 5);
+  for (int i = json.parts() - 1; i >= 0; --i) json.Print(i);
+  CHECK(json.Join() == ToJson(result));
+}
+
 TEST_CASE("report: runs.csv has one row per run, layers.csv one per (run, layer), quoting fields",
           "[report]") {
   RunResult r;
