@@ -184,6 +184,12 @@ struct UnitWork {
   std::vector<DecodeReference> refs;  // per group member
   int kpre = 0;                       // the largest k of top_sum / sums (see RegretSums)
   bool use_sums = false;              // the top-k sums come from `sums`, not `top_sum`
+  // With use_sums and no run asking the k-th largest value (FullKth): `sums` is not built; each run's k
+  // and retained mass per row wait in dk / dret ([r][g][t]; k -1: none) until the unit's runs have all
+  // finished their steps, then every row's k are answered together (FinishRegret).
+  bool defer = false;
+  std::vector<int32_t> dk;
+  std::vector<double> dret;
   TopKSums sums;                // row g * steps + t: Σ of the k largest, as if added in descending order
   std::vector<double> top_sum;  // [g][t][kpre + 1]: Σ of the k largest, added in descending order
   std::vector<double> top_all;  // [g][t]: Σ of every visible probability, added in descending order
@@ -382,6 +388,7 @@ void GrowTo(std::vector<T>& v, size_t n) {
 }
 
 std::atomic<bool> g_kth_from_sums{true};   // SetFullKthFromSumsForTesting
+std::atomic<bool> g_defer_sums{true};      // SetDeferredTopKSumsForTesting
 std::atomic<bool> g_exact_row_sums{true};  // SetExactRowSumsForTesting
 std::atomic<bool> g_run_lists{true};       // SetRunListsForTesting
 std::atomic<bool> g_in_place_v{true};      // SetInPlaceValueRowsForTesting
@@ -989,7 +996,10 @@ class LayerPass {
       units_[u].policies[r].reset();  // the run is done on this head: its state goes now
       buffers_.GiveMergeStorage(r, units_[u].caches[r].TakeMergeStorage());
       units_[u].caches[r] = HeadCache(m_.head_dim);
-      if (remaining[u].fetch_sub(1) == 1) ReleaseUnit(u);  // the head's last run: its state goes
+      if (remaining[u].fetch_sub(1) == 1) {  // the head's last run: the deferred regrets, then its state goes
+        FinishRegret(u);
+        ReleaseUnit(u);
+      }
     });
   }
 
@@ -1104,8 +1114,15 @@ class LayerPass {
     }
     w.kpre = kpre;
     w.use_sums = kpre > 0;
+    bool kth = false;  // some run asks FullKth, which reads `sums`
+    for (const RunPlan& plan : plans_) kth = kth || plan.req.future_attention;
+    w.defer = w.use_sums && !kth && g_defer_sums.load(std::memory_order_relaxed);
     w.sums.Clear();
-    if (w.use_sums) w.sums.Reserve(group * steps, static_cast<size_t>(group) * steps * t_all);
+    if (w.use_sums && !w.defer) w.sums.Reserve(group * steps, static_cast<size_t>(group) * steps * t_all);
+    if (w.defer) w.dk.assign(plans_.size() * group * steps, -1);
+    if (w.defer) w.dret.resize(plans_.size() * group * steps);
+    // The sorted path's head length: 0 with top-k sums (deferred too: then only each row's S[n] is taken).
+    const int kh = w.use_sums ? 0 : kpre;
     w.top_sum.resize(w.use_sums ? 0 : static_cast<size_t>(group) * steps * (kpre + 1));
     w.top_all.resize(static_cast<size_t>(group) * steps);
     w.full_mod.assign(static_cast<size_t>(group) * steps * 4, 0.0);
@@ -1115,7 +1132,7 @@ class LayerPass {
     // non-negative sum changes no bit.
     constexpr int kBlock = 8;
     std::vector<float> head, tails[kBlock];
-    std::vector<float> hblock(w.use_sums ? 0 : static_cast<size_t>(kBlock) * kpre), tblock;
+    std::vector<float> hblock(static_cast<size_t>(kBlock) * kh), tblock;
     const Modality* mod = meta_.tokens.modality.data();
     for (int g = 0; g < group; ++g) {
       const DecodeReference& ref = w.refs[g];
@@ -1130,22 +1147,22 @@ class LayerPass {
           const int t = t0 + b, first = ref.first[t], last = ref.last(t);
           lo = std::min(lo, first);
           hi = std::max(hi, last);
-          if (w.use_sums) {  // row g * steps + t
+          if (w.use_sums && !w.defer) {  // row g * steps + t
             tot[b] = w.sums.AddRow({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kpre,
                                    exact(t) ? &ref.sums[t] : nullptr);
             tails[b].clear();
             continue;
           }
-          if (exact(t)) {  // S[n], taken after the row's softmax (kpre is 0 here: no head, no tail)
+          if (exact(t)) {  // S[n], taken after the row's softmax (kh is 0 here: no head, no tail)
             tot[b] = ref.sums[t].total;
             tails[b].clear();
             continue;
           }
-          SortForDescendingSums({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kpre, &head,
+          SortForDescendingSums({ref.row(t) + first, static_cast<size_t>(last - first + 1)}, kh, &head,
                                 &tot[b], &tails[b]);
-          float* dst = hblock.data() + static_cast<size_t>(b) * kpre;
+          float* dst = hblock.data() + static_cast<size_t>(b) * kh;
           std::copy(head.begin(), head.end(), dst);
-          std::fill(dst + head.size(), dst + kpre, 0.0f);
+          std::fill(dst + head.size(), dst + kh, 0.0f);
           hlen = std::max(hlen, static_cast<int>(head.size()));
           tlen = std::max(tlen, static_cast<int>(tails[b].size()));
         }
@@ -1204,6 +1221,43 @@ class LayerPass {
         }
     });
     return w.all_sums;
+  }
+
+  // The deferred regrets of unit u (UnitWork::defer), by the worker whose run of the unit finished last
+  // (after every run's steps, before the unit's buffers go back): per row, the distinct k its runs asked
+  // (DescendingSums, the same bits as TopKSums::Sum), then each run's regret as Step would have recorded it.
+  void FinishRegret(int u) {
+    UnitWork& w = units_[u];
+    if (!w.defer) return;
+    const int steps = meta_.num_decode_steps, group = m_.GroupSize(), runs = static_cast<int>(plans_.size());
+    const size_t rows = static_cast<size_t>(group) * steps;
+    std::vector<int32_t> ks;
+    std::vector<int> which(runs);  // run r's place in ks (-1: no deferred k for the row)
+    std::vector<double> top;
+    for (int g = 0; g < group; ++g) {
+      const DecodeReference& ref = w.refs[g];
+      const bool row_sums = g_exact_row_sums.load(std::memory_order_relaxed) && !ref.exact.empty();
+      for (int t = 0; t < steps; ++t) {
+        const size_t gt = static_cast<size_t>(g) * steps + t;
+        ks.clear();
+        for (int r = 0; r < runs; ++r) {
+          const int32_t k = w.dk[r * rows + gt];
+          which[r] = -1;
+          if (k < 0) continue;
+          const auto at = std::find(ks.begin(), ks.end(), k);
+          which[r] = static_cast<int>(at - ks.begin());
+          if (at == ks.end()) ks.push_back(k);
+        }
+        if (ks.empty()) continue;
+        top.resize(ks.size());
+        const int first = ref.first[t];
+        DescendingSums({ref.row(t) + first, static_cast<size_t>(ref.last(t) - first + 1)}, ks,
+                       row_sums && ref.exact[t] != 0 ? &ref.sums[t] : nullptr, top.data());
+        const size_t si = Sample(u * group + g, t);
+        for (int r = 0; r < runs; ++r)
+          if (which[r] >= 0) acc_[r].regret[si] = static_cast<float>(top[which[r]] - w.dret[r * rows + gt]);
+      }
+    }
   }
 
   // Kept-token statistics right after the compression event.
@@ -1822,7 +1876,7 @@ class LayerPass {
     const DecodeReference& ref = w.refs[g];
     const int first = ref.first[t], len = ref.last(t) - first + 1;
     if (k > len) return 0.0f;
-    if (w.use_sums && g_kth_from_sums.load(std::memory_order_relaxed))
+    if (w.use_sums && !w.defer && g_kth_from_sums.load(std::memory_order_relaxed))
       if (const std::optional<float> v = w.sums.Kth(g * meta_.num_decode_steps + t, k, &ws.sorted)) return *v;
     ws.sorted.assign(ref.row(t) + first, ref.row(t) + first + len);
     const auto at = ws.sorted.begin() + (k - 1);
@@ -1832,7 +1886,7 @@ class LayerPass {
 
   // What step t of a run records from its sums for group member g: the step's wsum and retained mass (for
   // FinishRun), its samples' retained / anchor / covered mass and regret, and the run's modality sums.
-  void RecordSums(UnitWork& w, RunAccum& a, WorkerScratch& ws, int u, int g, int t, double wsum,
+  void RecordSums(UnitWork& w, RunAccum& a, WorkerScratch& ws, int u, int r, int g, int t, double wsum,
                   double retained, double anchor, double covered, const double ret_mod[4], int visible) {
     const int qh = u * m_.GroupSize() + g, steps = meta_.num_decode_steps;
     const int32_t pos = meta_.prefill_length + t;
@@ -1846,13 +1900,20 @@ class LayerPass {
     a.covered[si] = static_cast<float>(covered);
     // Regret: the mass of the best `visible` tokens of this step minus what the cache retained.
     const int len = pos - first + 1, k = std::min(visible, len);
-    const double top = k == len      ? w.top_all[gt]
-                       : k <= w.kpre ? (w.use_sums ? w.sums.Sum(static_cast<int>(gt), k, &ws.sorted)
-                                                   : w.top_sum[gt * (w.kpre + 1) + k])
-                                     : AllSums(w).Sum(static_cast<int>(gt), k, &ws.sorted);
-    a.regret[si] = static_cast<float>(top - retained);
-    // The next step's row of this member (asked next, with about the same k): its lines on their way.
-    if (w.use_sums && t + 1 < steps && k <= w.kpre) w.sums.Prefetch(static_cast<int>(gt) + 1, k);
+    if (k != len && k <= w.kpre && w.defer) {  // answered with the row's other k (FinishRegret)
+      const size_t at = static_cast<size_t>(r) * m_.GroupSize() * steps + gt;
+      w.dk[at] = k;
+      w.dret[at] = retained;
+    } else {
+      const double top = k == len      ? w.top_all[gt]
+                         : k <= w.kpre ? (w.use_sums ? w.sums.Sum(static_cast<int>(gt), k, &ws.sorted)
+                                                     : w.top_sum[gt * (w.kpre + 1) + k])
+                                       : AllSums(w).Sum(static_cast<int>(gt), k, &ws.sorted);
+      a.regret[si] = static_cast<float>(top - retained);
+      // The next step's row of this member (asked next, with about the same k): its lines on their way.
+      if (w.use_sums && !w.defer && t + 1 < steps && k <= w.kpre)
+        w.sums.Prefetch(static_cast<int>(gt) + 1, k);
+    }
     double* rm = &a.ret_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
     double* fm = &a.full_mod[(static_cast<size_t>(layer_.layer) * m_.num_heads + qh) * 4];
     const double* wfm = &w.full_mod[gt * 4];
@@ -1893,7 +1954,7 @@ class LayerPass {
         }
         double ret_mod[4];
         const double retained = CombineSlotSums(rmt[t], ret_mod);
-        RecordSums(w, a, ws, u, g, t, retained, retained, 0.0, retained, ret_mod, visible);
+        RecordSums(w, a, ws, u, r, g, t, retained, retained, 0.0, retained, ret_mod, visible);
       }
     }
   }
@@ -2148,7 +2209,7 @@ class LayerPass {
         std::copy_n(sums.ret_mod, 4, ret_mod);
         visible = sums.visible;
       }
-      RecordSums(w, a, ws, u, g, t, wsum, retained, anchor, covered, ret_mod, visible);
+      RecordSums(w, a, ws, u, r, g, t, wsum, retained, anchor, covered, ret_mod, visible);
       if (merged_mass > 0) {
         a.merged_share_sum[UnitIndex(u)] += merged_w / merged_mass;
         ++a.merged_share_n[UnitIndex(u)];
@@ -2909,6 +2970,7 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
 }
 
 void SetFullKthFromSumsForTesting(bool allowed) { g_kth_from_sums.store(allowed, std::memory_order_relaxed); }
+void SetDeferredTopKSumsForTesting(bool allowed) { g_defer_sums.store(allowed, std::memory_order_relaxed); }
 void SetExactRowSumsForTesting(bool allowed) { g_exact_row_sums.store(allowed, std::memory_order_relaxed); }
 void SetRunListsForTesting(bool allowed) { g_run_lists.store(allowed, std::memory_order_relaxed); }
 void SetUnionScanForTesting(bool allowed) { g_union_scan.store(allowed, std::memory_order_relaxed); }

@@ -117,6 +117,10 @@ void MaxVisibleNorms(const float* values, int n, int steps, int d, const int32_t
 // Tests only: false makes the oracle's k-th largest value come from a selection in a copy of the row
 // instead of the regret's buckets (TopKSums::Kth), so a test can compare the two.
 void SetFullKthFromSumsForTesting(bool allowed);
+// Tests only: false makes a unit whose runs ask no k-th largest value build the regret's TopKSums at Prefill
+// and answer each run's k at its step, instead of deferring every row's k to the unit's last run
+// (DescendingSums), so a test can compare the two.
+void SetDeferredTopKSumsForTesting(bool allowed);
 // Tests only: false makes the regret's row sums ignore the exact sums taken after each reference row's
 // softmax (DecodeReference::sums) and add every row again in its own order, as before round 14.
 void SetExactRowSumsForTesting(bool allowed);

@@ -633,6 +633,142 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
   return true;
 }
 
+namespace {
+// What TopKSums needs from a pass over a row before its buckets: an upper bound of the sum (as
+// SortForDescendingSums), the sign check, the largest and smallest value and the smallest nonzero value
+// (the minimum of u - 1: a zero wraps to the largest). `known` (ExactKindSums' result for these values)
+// replaces the pass: the same bound (its sum is exact too).
+struct RowScan {
+  double sum = 0;
+  uint32_t negative = 0, umax = 0, umin = 0, unz = 0;  // unz: the smallest nonzero pattern minus 1
+};
+RowScan ScanRow(std::span<const float> values, const RowSums* known) {
+  const size_t n = values.size();
+  RowScan r;
+  if (known != nullptr) {
+    r.sum = known->total;
+    r.umax = known->umax;
+    r.umin = known->umin;
+    r.unz = known->unz - 1;  // a row of zeros wraps to ~0, as below
+    return r;
+  }
+  // Four lanes, lane l adding values[i + l] of every group of four in index order (then the tail to lane 0).
+  double s4[4] = {};
+  uint32_t neg4[4] = {}, umax4[4] = {}, umin4[4] = {0x7fffffffu, 0x7fffffffu, 0x7fffffffu, 0x7fffffffu},
+           unz4[4] = {~0u, ~0u, ~0u, ~0u};
+  size_t i = 0;
+#if defined(__AVX2__)
+  {  // the same lanes in registers (GCC does not vectorise the loop below: float to double, mixed types)
+    __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd();
+    __m128i vneg = _mm_setzero_si128(), vmax = _mm_setzero_si128(), vmin = _mm_set1_epi32(0x7fffffff),
+            vnz = _mm_set1_epi32(-1);
+    const __m128i abs = _mm_set1_epi32(0x7fffffff), sign = _mm_set1_epi32(static_cast<int>(0x80000000u)),
+                  one = _mm_set1_epi32(1);
+    auto block = [&](size_t at, __m256d& sum) {
+      const __m128 f = _mm_loadu_ps(&values[at]);
+      const __m128i u = _mm_castps_si128(f);
+      // u > 0x80000000 unsigned <=> (u ^ 0x80000000) > 0 signed
+      vneg = _mm_or_si128(vneg, _mm_cmpgt_epi32(_mm_xor_si128(u, sign), _mm_setzero_si128()));
+      const __m128i a = _mm_and_si128(u, abs);
+      vmax = _mm_max_epu32(vmax, a);
+      vmin = _mm_min_epu32(vmin, a);
+      vnz = _mm_min_epu32(vnz, _mm_sub_epi32(a, one));
+      sum = _mm256_add_pd(sum, _mm256_cvtps_pd(f));
+    };
+    for (; i + 8 <= n; i += 8) {  // two chains of additions
+      block(i, acc);
+      block(i + 4, acc2);
+    }
+    if (i + 4 <= n) {
+      block(i, acc);
+      i += 4;
+    }
+    _mm256_storeu_pd(s4, _mm256_add_pd(acc, acc2));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(neg4), vneg);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(umax4), vmax);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(umin4), vmin);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(unz4), vnz);
+  }
+#else
+  for (; i + 4 <= n; i += 4)
+    for (int l = 0; l < 4; ++l) {
+      uint32_t u;
+      std::memcpy(&u, &values[i + l], 4);
+      neg4[l] |= u > 0x80000000u;
+      u &= 0x7fffffffu;
+      umax4[l] = std::max(umax4[l], u);
+      umin4[l] = std::min(umin4[l], u);
+      unz4[l] = std::min(unz4[l], u - 1);
+      s4[l] += values[i + l];
+    }
+#endif
+  r.negative = (neg4[0] | neg4[1]) | (neg4[2] | neg4[3]);
+  r.umax = std::max(std::max(umax4[0], umax4[1]), std::max(umax4[2], umax4[3]));
+  r.umin = std::min(std::min(umin4[0], umin4[1]), std::min(umin4[2], umin4[3]));
+  r.unz = std::min(std::min(unz4[0], unz4[1]), std::min(unz4[2], unz4[3]));
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &values[i], 4);
+    r.negative |= u > 0x80000000u;
+    u &= 0x7fffffffu;
+    r.umax = std::max(r.umax, u);
+    r.umin = std::min(r.umin, u);
+    r.unz = std::min(r.unz, u - 1);
+    s4[0] += values[i];
+  }
+  r.sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+  return r;
+}
+
+// Per bucket (absolute: by the value's top bits, so before 2^L is known) the count, for the two halves of the
+// row separately ([0, h) and [h, n)): two independent chains of increments instead of one whose every
+// increment of a repeated bucket waits on the previous one's store. The arrays (thread-local) are kept zero
+// between rows: the caller clears [umin's bucket, umax's bucket] after use (ClearBuckets).
+struct BucketCounts {
+  int32_t *c0, *c1;
+};
+BucketCounts CountBuckets(std::span<const float> values) {
+  thread_local std::vector<int32_t> count0(kTopBuckets, 0), count1(kTopBuckets, 0);
+  int32_t *cnt0 = count0.data(), *cnt1 = count1.data();
+  const size_t n = values.size(), h = n / 2;
+  auto bucket = [&](size_t at) {
+    uint32_t u;
+    std::memcpy(&u, &values[at], 4);
+    return (u & 0x7fffffffu) >> kBucketShift;
+  };
+  for (size_t i = 0; i < h; ++i) {
+    ++cnt0[bucket(i)];
+    ++cnt1[bucket(h + i)];
+  }
+  if (n % 2) ++cnt1[bucket(n - 1)];
+  return {cnt0, cnt1};
+}
+// cc[j] = how many values the top j buckets (numbers hi, hi - 1, ..., hi - j + 1) hold, j = 0 .. nb.
+void CumulativeCounts(BucketCounts c, uint32_t hi, int nb, int32_t* cc) {
+  int32_t run_count = 0;  // in a register (cc and the counts may alias as far as the compiler knows)
+  cc[0] = 0;
+  for (int j = 0; j < nb; ++j) {
+    run_count += c.c0[hi - j] + c.c1[hi - j];
+    cc[j + 1] = run_count;
+  }
+}
+void ClearBuckets(BucketCounts c, uint32_t bmin, uint32_t hi) {
+  for (int32_t* p : {c.c0, c.c1}) std::fill(p + bmin, p + hi + 1, 0);
+}
+// The bit pattern of 2^L (values >= 2^L: bit patterns >= it) for a row whose sum is at most `sum` (an upper
+// bound within 2^-20: see SortForDescendingSums). A subnormal 2^L is no bucket boundary; but then every
+// value counts as big: all are multiples of 2^-149 and every sum is below 2^(L+30) <= 2^-97, so it has at
+// most 53 significant bits (exact in any order): 0.
+uint32_t BigPattern(double sum) {
+  int e = 0;
+  std::frexp(sum * (1.0 + 0x1p-20), &e);       // sum * (1 + 2^-20) < 2^e (see SortForDescendingSums)
+  const float big = std::ldexp(1.0f, e - 30);  // 2^L; 0 when L is below the smallest subnormal
+  uint32_t ubig;
+  std::memcpy(&ubig, &big, 4);
+  return ubig < 0x00800000u ? 0 : ubig;
+}
+}  // namespace
+
 double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* known) {
   const size_t n = values.size();
   Row row;
@@ -640,109 +776,14 @@ double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* 
   row.elem = elems_used_;
   row.bucket = cc_.size();
   row.tail = tail_.size();
-  // An upper bound of the sum (as SortForDescendingSums), the sign check, the largest and smallest value
-  // and the smallest nonzero value (the minimum of u - 1: a zero wraps to the largest): four lanes, lane l
-  // adding values[i + l] of every group of four in index order (then the tail to lane 0).
-  double s4[4] = {};
-  uint32_t neg4[4] = {}, umax4[4] = {}, umin4[4] = {0x7fffffffu, 0x7fffffffu, 0x7fffffffu, 0x7fffffffu},
-           unz4[4] = {~0u, ~0u, ~0u, ~0u};
-  uint32_t negative = 0, umax = 0, umin = 0, unz = 0;
-  size_t i = 0;
-  if (known != nullptr) {  // ExactKindSums' pass, taken earlier: the same bound (its sum is exact too)
-    s4[0] = known->total;
-    umax = known->umax;
-    umin = known->umin;
-    unz = known->unz - 1;  // the smallest nonzero pattern minus 1, as below (a row of zeros wraps to ~0)
-  } else {
-#if defined(__AVX2__)
-    {  // the same lanes in registers (GCC does not vectorise the loop below: float to double, mixed types)
-      __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd();
-      __m128i vneg = _mm_setzero_si128(), vmax = _mm_setzero_si128(), vmin = _mm_set1_epi32(0x7fffffff),
-              vnz = _mm_set1_epi32(-1);
-      const __m128i abs = _mm_set1_epi32(0x7fffffff), sign = _mm_set1_epi32(static_cast<int>(0x80000000u)),
-                    one = _mm_set1_epi32(1);
-      auto block = [&](size_t at, __m256d& sum) {
-        const __m128 f = _mm_loadu_ps(&values[at]);
-        const __m128i u = _mm_castps_si128(f);
-        // u > 0x80000000 unsigned <=> (u ^ 0x80000000) > 0 signed
-        vneg = _mm_or_si128(vneg, _mm_cmpgt_epi32(_mm_xor_si128(u, sign), _mm_setzero_si128()));
-        const __m128i a = _mm_and_si128(u, abs);
-        vmax = _mm_max_epu32(vmax, a);
-        vmin = _mm_min_epu32(vmin, a);
-        vnz = _mm_min_epu32(vnz, _mm_sub_epi32(a, one));
-        sum = _mm256_add_pd(sum, _mm256_cvtps_pd(f));
-      };
-      for (; i + 8 <= n; i += 8) {  // two chains of additions
-        block(i, acc);
-        block(i + 4, acc2);
-      }
-      if (i + 4 <= n) {
-        block(i, acc);
-        i += 4;
-      }
-      _mm256_storeu_pd(s4, _mm256_add_pd(acc, acc2));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(neg4), vneg);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(umax4), vmax);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(umin4), vmin);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(unz4), vnz);
-    }
-#else
-    for (; i + 4 <= n; i += 4)
-      for (int l = 0; l < 4; ++l) {
-        uint32_t u;
-        std::memcpy(&u, &values[i + l], 4);
-        neg4[l] |= u > 0x80000000u;
-        u &= 0x7fffffffu;
-        umax4[l] = std::max(umax4[l], u);
-        umin4[l] = std::min(umin4[l], u);
-        unz4[l] = std::min(unz4[l], u - 1);
-        s4[l] += values[i + l];
-      }
-#endif
-    negative = (neg4[0] | neg4[1]) | (neg4[2] | neg4[3]);
-    umax = std::max(std::max(umax4[0], umax4[1]), std::max(umax4[2], umax4[3]));
-    umin = std::min(std::min(umin4[0], umin4[1]), std::min(umin4[2], umin4[3]));
-    unz = std::min(std::min(unz4[0], unz4[1]), std::min(unz4[2], unz4[3]));
-    for (; i < n; ++i) {
-      uint32_t u;
-      std::memcpy(&u, &values[i], 4);
-      negative |= u > 0x80000000u;
-      u &= 0x7fffffffu;
-      umax = std::max(umax, u);
-      umin = std::min(umin, u);
-      unz = std::min(unz, u - 1);
-      s4[0] += values[i];
-    }
-  }
-  // Per bucket (absolute: by the value's top bits, so before 2^L is known) the count, for the two halves of
-  // the row separately ([0, h) and [h, n)): two independent chains of increments instead of one whose every
-  // increment of a repeated bucket waits on the previous one's store. The bucket arrays are kept zero
-  // between rows (a failed check aborts): only [umin's bucket, umax's bucket] is cleared after use.
-  thread_local std::vector<int32_t> count0(kTopBuckets, 0), count1(kTopBuckets, 0);
-  int32_t *cnt0 = count0.data(), *cnt1 = count1.data();
-  const size_t h = n / 2;
-  auto bucket = [&](size_t at) {
-    uint32_t u;
-    std::memcpy(&u, &values[at], 4);
-    return (u & 0x7fffffffu) >> kBucketShift;
-  };
-  for (i = 0; i < h; ++i) {
-    ++cnt0[bucket(i)];
-    ++cnt1[bucket(h + i)];
-  }
-  if (n % 2) ++cnt1[bucket(n - 1)];
-  const uint32_t hi = umax >> kBucketShift, bmin = n > 0 ? umin >> kBucketShift : hi;
-  KVSIM_CHECK_MSG(!negative, "TopKSums: values must be non-negative");
-  const double sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+  const RowScan scan = ScanRow(values, known);
+  const uint32_t umax = scan.umax, unz = scan.unz;
+  const BucketCounts counts = CountBuckets(values);
+  const uint32_t hi = umax >> kBucketShift, bmin = n > 0 ? scan.umin >> kBucketShift : hi;
+  KVSIM_CHECK_MSG(!scan.negative, "TopKSums: values must be non-negative");
+  const double sum = scan.sum;
   KVSIM_CHECK_MSG(std::isfinite(sum), "TopKSums: values must be finite");
-  int e = 0;
-  std::frexp(sum * (1.0 + 0x1p-20), &e);       // sum * (1 + 2^-20) < 2^e (see SortForDescendingSums)
-  const float big = std::ldexp(1.0f, e - 30);  // 2^L; 0 when L is below the smallest subnormal
-  uint32_t ubig;                               // values >= 2^L: bit patterns >= ubig
-  std::memcpy(&ubig, &big, 4);
-  // A subnormal 2^L is no bucket boundary; but then every value counts as big: all are multiples of 2^-149
-  // and every sum is below 2^(L+30) <= 2^-97, so it has at most 53 significant bits (exact in any order).
-  if (ubig < 0x00800000u) ubig = 0;
+  const uint32_t ubig = BigPattern(sum);  // values >= 2^L: bit patterns >= ubig
   // Buckets j = 0 .. nb-1 from the top: bucket j holds the bit patterns u with (u >> shift) = hi - j.
   const uint32_t lo = ubig >> kBucketShift;
   const int nb = umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
@@ -751,12 +792,7 @@ double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* 
   // The cumulative counts.
   cc_.resize(row.bucket + nb + 1);
   int32_t* cc = cc_.data() + row.bucket;
-  int32_t run_count = 0;  // in a register (cc and cnt may alias as far as the compiler knows)
-  cc[0] = 0;
-  for (int j = 0; j < nb; ++j) {
-    run_count += cnt0[hi - j] + cnt1[hi - j];
-    cc[j + 1] = run_count;
-  }
+  CumulativeCounts(counts, hi, nb, cc);
   // The values Sum and Kth may need: those of the buckets down to the one holding the min(kmax, |big|)-th
   // largest value (none at kmax 0; Kth answers nothing below). elems_ only grows (its size is a high-water
   // mark, so a row's places are not zero-filled again and again).
@@ -795,7 +831,7 @@ double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* 
                                                        0, 0, nullptr);
     }
   }
-  for (int32_t* c : {cnt0, cnt1}) std::fill(c + bmin, c + hi + 1, 0);  // back to zero for the next row
+  ClearBuckets(counts, bmin, hi);  // back to zero for the next row
   // The exact sum of the values >= 2^L: when every nonzero value is (the usual case for softmax rows; zeros
   // add nothing), pass 1's sum, whose every partial sum was exact; else a masked pass.
   const uint32_t nonzero_min = unz + 1;  // 0 when every value is zero
@@ -807,7 +843,7 @@ double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* 
   if (nonzero_min != 0 && nonzero_min < ubig) {
     a.resize(n);
     b.resize(n);
-    for (i = 0; i < n; ++i) {
+    for (size_t i = 0; i < n; ++i) {
       uint32_t u;
       std::memcpy(&u, &values[i], 4);
       u &= 0x7fffffffu;
@@ -831,6 +867,211 @@ double TopKSums::AddRow(std::span<const float> values, int kmax, const RowSums* 
   row.total = acc;
   rows_.push_back(row);
   return acc;
+}
+
+namespace {
+// The exact sum of the `need` largest of sv[0, size) (0 < need < size; values of one bucket, >= 2^L: every
+// sum of them is exact, in any order). Reorders sv[0, size) and may overwrite its front.
+double TopOfBucket(float* sv, int size, int need) {
+  if (size > kSplitMin) {
+    // One more level of buckets, by the next kSubBits bits (again ordered like the values): the sub-buckets
+    // above the k-th largest are taken whole (their sums are exact, as every sum of big values is), and only
+    // the one holding it is selected in: one counting pass and a selection among ~size / 16 values instead
+    // of a selection among all. Every result is the exact sum of the need largest values.
+    int32_t sc[1 << kSubBits] = {};
+    double ss[1 << kSubBits] = {};
+    for (int i = 0; i < size; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &sv[i], 4);
+      const int sb = static_cast<int>(u >> kSubShift) & ((1 << kSubBits) - 1);
+      ++sc[sb];
+      ss[sb] += sv[i];
+    }
+    double above = 0;
+    int sb = (1 << kSubBits) - 1;
+    for (; sc[sb] < need; --sb) {
+      need -= sc[sb];
+      above += ss[sb];
+    }
+    if (sc[sb] == need) return above + ss[sb];
+    int kept = 0;  // the sub-bucket's values to the front (their order does not matter: exact sums)
+    for (int i = 0; i < size; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &sv[i], 4);
+      if ((static_cast<int>(u >> kSubShift) & ((1 << kSubBits) - 1)) == sb) sv[kept++] = sv[i];
+    }
+    size = kept;
+    double part = 0;
+    if (need <= size - need) {
+      std::nth_element(sv, sv + (need - 1), sv + size, std::greater<float>());
+      for (int i = 0; i < need; ++i) part += sv[i];
+      return above + part;
+    }
+    std::nth_element(sv, sv + (size - need - 1), sv + size);
+    for (int i = 0; i < size - need; ++i) part += sv[i];
+    return (above + ss[sb]) - part;
+  }
+  double part = 0;
+  if (need <= size - need) {  // the `need` largest of the bucket
+    std::nth_element(sv, sv + (need - 1), sv + size, std::greater<float>());
+    for (int i = 0; i < need; ++i) part += sv[i];
+    return part;
+  }
+  // the bucket's sum minus its size - need smallest (every value and difference here is exact)
+  double bucket_sum = 0;
+  for (int i = 0; i < size; ++i) bucket_sum += sv[i];
+  std::nth_element(sv, sv + (size - need - 1), sv + size);
+  for (int i = 0; i < size - need; ++i) part += sv[i];
+  return bucket_sum - part;
+}
+
+// Splits v[0, n) at the bit pattern `from` (<= 2^31, without the sign): the values at or above it go to `hi`
+// in index order (hi may be v: the AVX2 loop loads each block before it stores, at or before its place),
+// and when `lo` is given, those of bucket `lo_bucket` (below `from`) to lo. Returns the sum (in double) of
+// those written to hi and their count in *nhi. The caller sums only values >= 2^L (exact in any order, as
+// SumFromAndGather). hi and lo need 8 spare places after their values (whole-block stores).
+double SplitAt(const float* v, size_t n, uint32_t from, float* hi, float* lo, uint32_t lo_bucket,
+               size_t* nhi) {
+  size_t i = 0, m = 0, ml = 0;
+  double s[4] = {};
+#if defined(__AVX2__)
+  {
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff), lim = _mm256_set1_epi32(static_cast<int>(from - 1)),
+                  lb = _mm256_set1_epi32(static_cast<int>(lo_bucket));
+    __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 f = _mm256_loadu_ps(v + i);
+      const __m256i u = _mm256_and_si256(_mm256_castps_si256(f), absm);
+      const __m256 ge = _mm256_castsi256_ps(_mm256_cmpgt_epi32(u, lim));  // u < 2^31: signed; from 0: -1
+      const __m256 fm = _mm256_and_ps(f, ge);
+      acc0 = _mm256_add_pd(acc0, _mm256_cvtps_pd(_mm256_castps256_ps128(fm)));
+      acc1 = _mm256_add_pd(acc1, _mm256_cvtps_pd(_mm256_extractf128_ps(fm, 1)));
+      const unsigned take = static_cast<unsigned>(_mm256_movemask_ps(ge));
+      const __m256i at = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kSetBits.at[take])));
+      _mm256_storeu_ps(hi + m, _mm256_permutevar8x32_ps(f, at));
+      m += static_cast<size_t>(__builtin_popcount(take));
+      if (lo) {
+        const unsigned rest = static_cast<unsigned>(_mm256_movemask_ps(
+            _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_srli_epi32(u, kBucketShift), lb))));
+        const __m256i lat =
+            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kSetBits.at[rest])));
+        _mm256_storeu_ps(lo + ml, _mm256_permutevar8x32_ps(f, lat));
+        ml += static_cast<size_t>(__builtin_popcount(rest));
+      }
+    }
+    _mm256_storeu_pd(s, _mm256_add_pd(acc0, acc1));
+  }
+#endif
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &v[i], 4);
+    u &= 0x7fffffffu;
+    const float x = v[i];
+    if (u >= from) {
+      s[i & 3] += x;
+      hi[m++] = x;
+    } else if (lo && (u >> kBucketShift) == lo_bucket) {
+      lo[ml++] = x;
+    }
+  }
+  *nhi = m;
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+}  // namespace
+
+void DescendingSums(std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,
+                    double* out) {
+  const size_t n = values.size();
+  const RowScan scan = ScanRow(values, known);
+  KVSIM_CHECK_MSG(!scan.negative, "TopKSums: values must be non-negative");
+  KVSIM_CHECK_MSG(std::isfinite(scan.sum), "TopKSums: values must be finite");
+  const uint32_t ubig = BigPattern(scan.sum), nonzero_min = scan.unz + 1;
+  if (nonzero_min != 0 && nonzero_min < ubig) {  // nonzero values below 2^L: their order matters (TopKSums)
+    thread_local TopKSums sums;
+    thread_local std::vector<float> scratch;
+    sums.Clear();
+    int kmax = 0;
+    for (int32_t k : ks) kmax = std::max(kmax, static_cast<int>(k));
+    sums.AddRow(values, kmax, known);
+    for (size_t i = 0; i < ks.size(); ++i) out[i] = sums.Sum(0, ks[i], &scratch);
+    return;
+  }
+  // Every nonzero value is big: S[k] is the exact sum of the k largest (zeros add nothing), S[n] the row's.
+  const BucketCounts counts = CountBuckets(values);
+  const uint32_t hi = scan.umax >> kBucketShift, bmin = n > 0 ? scan.umin >> kBucketShift : hi;
+  const uint32_t lo = ubig >> kBucketShift;
+  const int nb = scan.umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
+  thread_local std::vector<int32_t> ccv;
+  ccv.resize(static_cast<size_t>(nb) + 1);
+  int32_t* cc = ccv.data();
+  CumulativeCounts(counts, hi, nb, cc);
+  ClearBuckets(counts, bmin, hi);
+  const int nbig = cc[nb];
+  // Each k inside the big values: the bucket b holding its k-th largest value, and how many of b's values
+  // it takes (need; 0 when it takes them all). Its sum is that of every value from bucket b + 1 up (from b
+  // up when need is 0), plus the need largest of bucket b. Levels: those lower boundaries (b + 1's, b's),
+  // and the lowest bucket any k needs.
+  struct Query {
+    size_t i;
+    uint32_t b;
+    int need;
+  };
+  thread_local std::vector<Query> qs;
+  thread_local std::vector<uint32_t> levels;
+  qs.clear();
+  levels.clear();
+  uint32_t lowest = hi;
+  for (size_t i = 0; i < ks.size(); ++i) {
+    const int k = ks[i];
+    if (k <= 0) {
+      out[i] = 0.0;
+    } else if (k >= static_cast<int>(n) || k > nbig) {
+      out[i] = scan.sum;  // exact: every nonzero value is big
+    } else {
+      const int j =
+          static_cast<int>(std::upper_bound(cc, cc + nb + 1, k - 1) - cc) - 1;  // cc[j] < k <= cc[j+1]
+      const uint32_t b = hi - static_cast<uint32_t>(j);
+      const int need = cc[j + 1] == k ? 0 : k - cc[j];
+      qs.push_back({i, b, need});
+      levels.push_back(need > 0 ? b + 1 : b);
+      lowest = std::min(lowest, b);
+    }
+  }
+  if (qs.empty()) return;
+  levels.push_back(lowest);
+  std::sort(levels.begin(), levels.end());
+  levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
+  // From the lowest level up: the values at or above it (compressed from the row once, then split in place
+  // at each next level), their exact sum per level, and at level b + 1 of a k ending inside bucket b, that
+  // bucket's values (below the level, at or above the one below: bucket b lies between them) for the
+  // selections.
+  thread_local std::vector<float> buf, part, sel;
+  thread_local std::vector<double> at_level;
+  if (buf.size() < n + 8) buf.resize(n + 8);
+  at_level.resize(levels.size());
+  size_t len = 0;
+  at_level[0] = SplitAt(values.data(), n, levels[0] << kBucketShift, buf.data(), nullptr, 0, &len);
+  for (size_t l = 1; l < levels.size(); ++l) {
+    const uint32_t b = levels[l] - 1;  // the bucket just below the level
+    bool partial = false;              // some k ends inside bucket b
+    for (const Query& q : qs) partial = partial || (q.need > 0 && q.b == b);
+    const int size = cc[hi - b + 1] - cc[hi - b];  // bucket b's values
+    if (partial && part.size() < static_cast<size_t>(size) + 8) part.resize(size + 8);
+    size_t next = 0;
+    at_level[l] = SplitAt(buf.data(), len, levels[l] << kBucketShift, buf.data(),
+                          partial ? part.data() : nullptr, b, &next);
+    if (partial)
+      for (const Query& q : qs) {
+        if (q.need == 0 || q.b != b) continue;
+        if (sel.size() < static_cast<size_t>(size)) sel.resize(size);
+        std::copy_n(part.data(), size, sel.data());
+        out[q.i] = at_level[l] + TopOfBucket(sel.data(), size, q.need);
+      }
+    len = next;
+  }
+  for (const Query& q : qs)
+    if (q.need == 0)
+      out[q.i] = at_level[std::lower_bound(levels.begin(), levels.end(), q.b) - levels.begin()];
 }
 
 double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
@@ -857,58 +1098,7 @@ double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
   if (cc[j + 1] == k) return row.gsum[g] + SumFromAndGather(el, glen, bj << kBucketShift, 0, nullptr);
   // The exact sum of the values above bucket j, and bucket j's values (in index order).
   double above = row.gsum[g] + SumFromAndGather(el, glen, (bj + 1) << kBucketShift, bj, scratch);
-  int need = k - cc[j], size = cc[j + 1] - cc[j];
-  float* sv = scratch->data();
-  if (size > kSplitMin) {
-    // One more level of buckets, by the next kSubBits bits (again ordered like the values): the sub-buckets
-    // above the k-th largest are taken whole (their sums are exact, as every sum of big values is), and only
-    // the one holding it is selected in: one counting pass and a selection among ~size / 16 values instead
-    // of a selection among all. Every result is the exact sum of the k largest values, as before.
-    int32_t sc[1 << kSubBits] = {};
-    double ss[1 << kSubBits] = {};
-    for (int i = 0; i < size; ++i) {
-      uint32_t u;
-      std::memcpy(&u, &sv[i], 4);
-      const int sb = static_cast<int>(u >> kSubShift) & ((1 << kSubBits) - 1);
-      ++sc[sb];
-      ss[sb] += sv[i];
-    }
-    int sb = (1 << kSubBits) - 1;
-    for (; sc[sb] < need; --sb) {
-      need -= sc[sb];
-      above += ss[sb];
-    }
-    if (sc[sb] == need) return above + ss[sb];
-    int kept = 0;  // the sub-bucket's values to the front (their order does not matter: exact sums)
-    for (int i = 0; i < size; ++i) {
-      uint32_t u;
-      std::memcpy(&u, &sv[i], 4);
-      if ((static_cast<int>(u >> kSubShift) & ((1 << kSubBits) - 1)) == sb) sv[kept++] = sv[i];
-    }
-    size = kept;
-    if (need <= size - need) {
-      double part = 0;
-      std::nth_element(sv, sv + (need - 1), sv + size, std::greater<float>());
-      for (int i = 0; i < need; ++i) part += sv[i];
-      return above + part;
-    }
-    double part = 0;
-    std::nth_element(sv, sv + (size - need - 1), sv + size);
-    for (int i = 0; i < size - need; ++i) part += sv[i];
-    return (above + ss[sb]) - part;
-  }
-  double part = 0;
-  if (need <= size - need) {  // the `need` largest of the bucket
-    std::nth_element(sv, sv + (need - 1), sv + size, std::greater<float>());
-    for (int i = 0; i < need; ++i) part += sv[i];
-    return above + part;
-  }
-  // the bucket's sum minus its size - need smallest (every value and difference here is exact)
-  double bucket_sum = 0;
-  for (int i = 0; i < size; ++i) bucket_sum += sv[i];
-  std::nth_element(sv, sv + (size - need - 1), sv + size);
-  for (int i = 0; i < size - need; ++i) part += sv[i];
-  return (above + bucket_sum) - part;
+  return above + TopOfBucket(scratch->data(), cc[j + 1] - cc[j], k - cc[j]);
 }
 
 void TopKSums::Prefetch(int r, int k) const {

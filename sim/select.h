@@ -136,4 +136,17 @@ class TopKSums {
   std::vector<float> tailv_;  // per row: the values added there (descending), i = 1 .. kept_tail
 };
 
+// S[k] of one row for each k of `ks` (any order, repeats allowed; k <= 0 gives 0, k >= n gives S[n]) into
+// out[i] = S[ks[i]]: the same bits as TopKSums::AddRow(values, the largest k, known) followed by Sum(row, k)
+// for each (every one is the exact sum of the k largest values, see TopKSums), without keeping the row: a
+// caller that knows all its k for a row at once (the regret's runs, when the unit's runs have all finished
+// their steps: RegretSums in sim/replay.cc) needs no groups of kept values and no second scan of them per
+// k. One bucket-count pass as AddRow's; then the values from the lowest bucket some k needs up are
+// compressed once, and split at each next bucket boundary a k needs (each split's exact sum: the sum of
+// the values above a k's bucket; the part below the split, when it is one bucket a k ends inside, is where
+// that k's largest values are selected, as Sum does). A row with nonzero values below 2^L (their order
+// matters) takes TopKSums itself. `known` as in AddRow.
+void DescendingSums(std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,
+                    double* out);
+
 }  // namespace kvsim

@@ -1047,6 +1047,46 @@ TEST_CASE("replay: the oracle's k-th largest from the regret's buckets equals a 
   }
 }
 
+TEST_CASE("replay: the regret's top-k sums deferred to the unit's last run equal TopKSums at each step",
+          "[replay]") {
+  // Units whose runs ask no k-th largest value store each run's k and retained mass per row and answer
+  // every row's k at the unit's end (FinishRegret, DescendingSums); the test switch makes them build
+  // TopKSums at Prefill and ask Sum at each step. Capped runs at several budgets (the same policy and
+  // budget twice: many runs asking the same k) and `full` (k = the row's length: no k deferred), MHA and
+  // GQA, with a sliding window (rows starting past key 0), at 1 and 3 threads: every result equal.
+  for (int window : {0, 17}) {
+    testing::TinyTraceSpec spec;
+    spec.num_heads = 4;
+    spec.num_kv_heads = window ? 2 : 4;
+    spec.prefill_length = 56;
+    spec.decode_steps = 13;
+    spec.image_begin = 4;
+    spec.image_end = 30;
+    spec.seed = 47;
+    MemoryTrace trace = testing::MakeTinyTrace(spec);
+    if (window > 0) SetSlidingWindow(trace, window);
+    std::vector<RunSpec> runs{RunSpec{Registered("full"), "full", 1.0, 0, QuestionMode::kQueryAware}};
+    for (const char* name : {"snapkv", "streaming_llm", "h2o"})
+      for (double b : {0.05, 0.2, 0.5, 0.9})
+        runs.push_back(RunSpec{Registered(name), name, b, 0, QuestionMode::kQueryAware});
+    runs.push_back(RunSpec{Registered("snapkv"), "snapkv again", 0.2, 0, QuestionMode::kQueryAware});
+    for (int threads : {1, 3}) {
+      auto deferred = Replay(trace, runs, ReplayOptions{.threads = threads});
+      SetDeferredTopKSumsForTesting(false);
+      auto at_step = Replay(trace, runs, ReplayOptions{.threads = threads});
+      SetDeferredTopKSumsForTesting(true);
+      REQUIRE(deferred.ok());
+      REQUIRE(at_step.ok());
+      for (size_t i = 0; i < runs.size(); ++i) {
+        INFO(runs[i].label << " budget " << runs[i].budget_fraction << ", window " << window << ", threads "
+                           << threads);
+        if (runs[i].budget_fraction <= 0.2) CHECK((*deferred)[i].metrics().regret_vs_oracle_mean() > 0);
+        CHECK((*deferred)[i].SerializeAsString() == (*at_step)[i].SerializeAsString());
+      }
+    }
+  }
+}
+
 TEST_CASE("replay: the reference rows' sums taken after their softmax equal the regret's own pass",
           "[replay]") {
   // RegretSums reads each row's total and modality sums from ComputeDecodeReference (ExactKindSums, after

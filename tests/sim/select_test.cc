@@ -225,6 +225,49 @@ TEST_CASE("SortForDescendingSums: the small values' order matters and is kept", 
 
 namespace {
 
+// DescendingSums on each row against the full sort's prefix sums, bit for bit: every k from -1 to n + 2 in
+// one call (every bucket boundary a level, every bucket a selection), each k alone, and random sets of k
+// with repeats (many runs asking the same k) in any order; with and without ExactKindSums' result (when it
+// gives one). Returns how many rows took the rows-with-small-values path (TopKSums itself).
+int CheckDescendingSumsOfRows(const std::vector<std::vector<float>>& rows) {
+  std::mt19937 rng(5);
+  int small = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const std::vector<float>& v = rows[r];
+    const int n = static_cast<int>(v.size());
+    const std::vector<double> want = DescendingPrefix(v);
+    auto expect = [&](int k) { return k <= 0 ? 0.0 : want[std::min(k, n)]; };
+    RowSums known;
+    const std::vector<int32_t> end{n};
+    const std::vector<uint8_t> kind{0};
+    const bool exact = ExactKindSums(v, end, kind, &known);
+    small += !exact && !v.empty();
+    std::vector<std::vector<int32_t>> sets;
+    sets.emplace_back();
+    for (int k = -1; k <= n + 2; ++k) sets.back().push_back(k);
+    for (int k = 0; k <= n + 1; k += std::max(1, n / 40)) sets.push_back({k});
+    for (int trial = 0; trial < 8; ++trial) {
+      std::uniform_int_distribution<int> pick(0, n + 1), count(1, 12);
+      std::vector<int32_t> ks(count(rng));
+      for (int32_t& k : ks) k = pick(rng);
+      ks.push_back(ks[0]);  // a repeat
+      sets.push_back(ks);
+    }
+    std::vector<double> out;
+    for (const std::vector<int32_t>& ks : sets)
+      for (const RowSums* kn : std::vector<const RowSums*>{nullptr, exact ? &known : nullptr}) {
+        out.assign(ks.size(), -1.0);
+        DescendingSums(v, ks, kn, out.data());
+        for (size_t i = 0; i < ks.size(); ++i) {
+          INFO("row " << r << " of n " << n << ", k " << ks[i] << " of " << ks.size()
+                      << (kn ? ", known" : ""));
+          REQUIRE(out[i] == expect(ks[i]));
+        }
+      }
+  }
+  return small;
+}
+
 // Adds the rows to one TopKSums (so that rows share its storage) at each kmax, and checks Sum(row, k) for
 // every k in [0, min(kmax, n)] and beyond n against the reference, bit for bit: every bucket boundary,
 // k = 0 and k = n included.
@@ -354,6 +397,7 @@ TEST_CASE("TopKSums: every top-k sum equals a full sort's prefix sum, bit for bi
     rows.push_back(v);
   }
   CheckTopKSums(rows);
+  CHECK(CheckDescendingSumsOfRows(rows) > 0);  // some rows hold nonzero values below 2^L
 }
 
 TEST_CASE("TopKSums: rows of disjoint and extreme ranges, two structures interleaved on one thread",
@@ -372,6 +416,7 @@ TEST_CASE("TopKSums: rows of disjoint and extreme ranges, two structures interle
   }
   rows.push_back({fmax / 4, fmax / 8, denorm, 0.0f, fmax / 4, 1.0f});  // the top bucket and bucket 0
   rows.push_back({0.0f, 0.0f, 1e-30f, 1.0f, 0.5f, 0.0f, 1e-20f});      // zeros and values below 2^L
+  CheckDescendingSumsOfRows(rows);
   std::vector<std::vector<double>> want;
   for (const auto& v : rows) want.push_back(DescendingPrefix(v));
   for (int kfrac : {0, 1, 7}) {
