@@ -23,6 +23,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -1473,14 +1474,75 @@ void WriteAll(int fd, const std::string& s) {
   }
 }
 
+// Files a guarded child has read without fault, and this process after it (Open): a file with the same
+// identity (device, inode, size, modification and status-change times) is not probed again by this
+// process (a sweep opens its trace three times: the kind check, the plan's check, the replay). Only files
+// whose two times were at least kStableSeconds old before the probe are remembered: any later change to
+// the file (its bytes, or its times through utimensat) sets its status-change time to the time of that
+// change, which then differs, so a changed file is always probed again.
+struct FileIdentity {
+  dev_t dev = 0;
+  ino_t ino = 0;
+  off_t size = 0;
+  timespec mtime{}, ctime{};
+  bool operator==(const FileIdentity& o) const {
+    return dev == o.dev && ino == o.ino && size == o.size && mtime.tv_sec == o.mtime.tv_sec &&
+           mtime.tv_nsec == o.mtime.tv_nsec && ctime.tv_sec == o.ctime.tv_sec &&
+           ctime.tv_nsec == o.ctime.tv_nsec;
+  }
+};
+constexpr double kStableSeconds = 2.0;
+constexpr size_t kProbedFiles = 64;  // the most recent ones
+std::mutex probed_mu;
+std::vector<FileIdentity> probed;    // oldest first
+std::atomic<bool> probe_memo{true};  // SetGuardMemoForTesting
+std::atomic<double> stable_seconds{kStableSeconds};
+std::atomic<int> probes_run{0};  // GuardedProbesForTesting
+
+// The identity of a regular file whose times are stable (kStableSeconds before now); nullopt otherwise.
+std::optional<FileIdentity> StableIdentity(const std::string& path) {
+  struct stat sb;
+  if (!probe_memo.load() || ::stat(path.c_str(), &sb) != 0 || !S_ISREG(sb.st_mode)) return std::nullopt;
+  timespec now;
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  auto age = [&](const timespec& t) {
+    return static_cast<double>(now.tv_sec - t.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec - t.tv_nsec);
+  };
+  const double min_age = stable_seconds.load();
+  if (age(sb.st_mtim) < min_age || age(sb.st_ctim) < min_age) return std::nullopt;
+  return FileIdentity{sb.st_dev, sb.st_ino, sb.st_size, sb.st_mtim, sb.st_ctim};
+}
+
+bool ProbedBefore(const FileIdentity& id) {
+  std::lock_guard<std::mutex> lock(probed_mu);
+  return std::find(probed.begin(), probed.end(), id) != probed.end();
+}
+
+void RememberProbed(const FileIdentity& id) {
+  std::lock_guard<std::mutex> lock(probed_mu);
+  if (std::find(probed.begin(), probed.end(), id) != probed.end()) return;
+  if (probed.size() == kProbedFiles) probed.erase(probed.begin());
+  probed.push_back(id);
+}
+
 }  // namespace
 
-Status Hdf5TraceReader::GuardedProbe(const std::string& path) {
+void SetGuardMemoForTesting(bool enabled, double stable_s) {
+  probe_memo.store(enabled);
+  stable_seconds.store(stable_s);
+  std::lock_guard<std::mutex> lock(probed_mu);
+  probed.clear();
+}
+
+int GuardedProbesForTesting() { return probes_run.load(); }
+
+Status Hdf5TraceReader::GuardedProbe(const std::string& path, bool* probed) {
   KVSIM_ASSIGN_OR_RETURN(const double timeout_s, GuardTimeout());
   if (timeout_s == 0) return Status::Ok();
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) return Status::Ok();  // cannot guard: read unguarded
   std::fflush(nullptr);
+  probes_run.fetch_add(1);
   pthread_rwlock_wrlock(Hdf5ForkLock());  // no other thread inside HDF5
   const pid_t pid = ::fork();
   if (pid == 0)
@@ -1553,14 +1615,22 @@ Status Hdf5TraceReader::GuardedProbe(const std::string& path) {
   const int code = std::atoi(reply.substr(0, nl).c_str());
   if (code < 0 || code > static_cast<int>(StatusCode::kInternal))
     return Status::Internal(path + ": the guarded process sent an unknown status");
+  if (probed) *probed = true;  // the child read the file's metadata to the end (its status, ok or not)
   return Status::FromCode(static_cast<StatusCode>(code), reply.substr(nl + 1));
 }
 
 // ---------------------------------------------------------------------------------------------- reader
 
 StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::Open(const std::string& path) {
-  KVSIM_RETURN_IF_ERROR(GuardedProbe(path));
-  return OpenUnguarded(path);
+  // A file this process has probed and opened before, unchanged since, is not probed again (FileIdentity).
+  // Remembered only when a child probed it: not with the guard off.
+  const std::optional<FileIdentity> id = StableIdentity(path);
+  const bool known = id && ProbedBefore(*id);
+  bool probed = false;
+  if (!known) KVSIM_RETURN_IF_ERROR(GuardedProbe(path, &probed));
+  auto r = OpenUnguarded(path);
+  if (r.ok() && id && probed) RememberProbed(*id);
+  return r;
 }
 
 StatusOr<std::unique_ptr<Hdf5TraceReader>> Hdf5TraceReader::OpenUnguarded(const std::string& path) {

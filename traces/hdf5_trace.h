@@ -54,7 +54,8 @@ class Hdf5TraceReader final : public TraceSource {
   Status CheckLayerShapes() const;
   static StatusOr<std::unique_ptr<Hdf5TraceReader>> FromOpenFile(const std::string& name, long long file,
                                                                  bool checksummed_only);
-  static Status GuardedProbe(const std::string& path);
+  // `probed`: set when a child process read the metadata to the end (not with the guard off).
+  static Status GuardedProbe(const std::string& path, bool* probed = nullptr);
   std::string path_;
   long long file_ = -1;  // hid_t
   TraceMeta meta_;
@@ -70,6 +71,11 @@ class Hdf5TraceReader final : public TraceSource {
 // construction); SetFletcherAvx2ForTesting(false) forces the portable loop (tests compare the two).
 uint32_t HdfFletcher32(const void* data, size_t size);
 void SetFletcherAvx2ForTesting(bool allowed);
+// Test hooks of the guarded open's memo (Hdf5TraceReader::Open): `enabled` false probes every open;
+// `stable_s` is how old a file's times must be to be remembered (2 s); both clear the memo.
+// GuardedProbesForTesting counts the child processes this process has started.
+void SetGuardMemoForTesting(bool enabled, double stable_s = 2.0);
+int GuardedProbesForTesting();
 // Whether a stored chunk (data then its 4-byte checksum, `size` bytes in all) passes the Fletcher32 filter's
 // check exactly as HDF5 does it (the stored value or its byte-pair-swapped form, for files of HDF5 < 1.6.3).
 bool HdfFletcher32ChunkOk(const uint8_t* chunk, size_t size);

@@ -1066,6 +1066,64 @@ TEST_CASE("hdf5 trace: the guarded open", "[hdf5][integrity]") {
   }
 }
 
+// The guarded open's memo: a file this process probed and opened, unchanged since, is not probed again; a
+// changed one (its bytes, or only its times), a file whose probe failed, and a file opened with the guard
+// off are. Files are remembered only when their times are at least 2 s old (a fresh file is probed at every
+// open); the test sets that age to 0 and waits 50 ms before each change (file times are coarse).
+TEST_CASE("hdf5 trace: the guarded open probes an unchanged file once", "[hdf5][integrity]") {
+  const std::string dir = testing::ScratchDir("hdf5_guard_memo");
+  const std::string path = dir + "/t.h5";
+  MemoryTrace tiny = testing::MakeTinyTrace();
+  REQUIRE(WriteTrace(tiny, path).ok());
+  struct Restore {
+    ~Restore() { SetGuardMemoForTesting(true); }
+  } restore;
+  auto probes_of_open = [&](const std::string& p, bool ok = true) {
+    const int before = GuardedProbesForTesting();
+    CHECK(Hdf5TraceReader::Open(p).ok() == ok);
+    return GuardedProbesForTesting() - before;
+  };
+  auto pause = [] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); };
+  SECTION("a fresh file is probed at every open") {
+    SetGuardMemoForTesting(true);  // the default age, 2 s
+    CHECK(probes_of_open(path) == 1);
+    CHECK(probes_of_open(path) == 1);
+  }
+  SECTION("an unchanged file once; again after any change") {
+    SetGuardMemoForTesting(true, 0.0);
+    CHECK(probes_of_open(path) == 1);
+    CHECK(probes_of_open(path) == 0);
+    CHECK(probes_of_open(path) == 0);
+    pause();
+    testing::TinyTraceSpec spec;  // another trace's bytes at the same path
+    spec.decode_steps = 3;
+    MemoryTrace other = testing::MakeTinyTrace(spec);
+    REQUIRE(WriteTrace(other, path).ok());
+    CHECK(probes_of_open(path) == 1);
+    CHECK(probes_of_open(path) == 0);
+    pause();  // only the times change (the status-change time with them)
+    REQUIRE(::utimensat(AT_FDCWD, path.c_str(), nullptr, 0) == 0);
+    CHECK(probes_of_open(path) == 1);
+    CHECK(probes_of_open(path) == 0);
+    SetGuardMemoForTesting(false, 0.0);  // the memo off: every open probes
+    CHECK(probes_of_open(path) == 1);
+    CHECK(probes_of_open(path) == 1);
+  }
+  SECTION("a failed probe and the guard off are not remembered") {
+    SetGuardMemoForTesting(true, 0.0);
+    const std::string bad = dir + "/bad.h5";
+    std::ofstream(bad) << "not an HDF5 file";
+    CHECK(probes_of_open(bad, false) == 1);
+    CHECK(probes_of_open(bad, false) == 1);
+    {
+      ScopedEnv env("KVSIM_TRACE_GUARD", "0");
+      CHECK(probes_of_open(path) == 0);
+    }
+    CHECK(probes_of_open(path) == 1);
+    CHECK(probes_of_open(path) == 0);
+  }
+}
+
 }  // namespace kvsim
 
 namespace kvsim {
