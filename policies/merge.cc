@@ -138,6 +138,7 @@ struct InPlace {
   const double* err = nullptr;
   const float* const* qrows = nullptr;
   const float* const* trows = nullptr;
+  merge_screen::int8::NarrowedRows narrowed;  // the rows' int8 words (UnitKeys::Build), or none (bytes null)
 };
 
 //
@@ -184,7 +185,9 @@ void ScreenBlock(const float* q, int rows, const float* t, const ScreenTargets& 
                     : std::numeric_limits<int64_t>::min();
       }
     }
-    merge_screen::int16::Candidates(qp, rows, tp.int16, num_targets, d, sl, &crow, &cidx, fl, &tp.int8);
+    const bool pre = in_place != nullptr && in_place->narrowed.bytes != nullptr;
+    merge_screen::int16::Candidates(qp, rows, tp.int16, num_targets, d, sl, &crow, &cidx, fl, &tp.int8,
+                                    pre ? &in_place->narrowed : nullptr);
     for (size_t i = 0; i < crow.size(); ++i) {
       if (in_place != nullptr) {
         ca.push_back(in_place->qrows[crow[i]]), cb.push_back(in_place->trows[cidx[i]]);
@@ -271,7 +274,8 @@ struct MemoEntry {
 // The unit's keys normalised once (NormalizeRows: each row alone, so the same bits as a call's own
 // normalisation) and, where the int16 screen can run, packed once (PackQueries' words and error norms, row
 // by row as well): the merge-once calls of a unit's runs gather their rows from here instead of normalising
-// and packing every query and target again in each call (issue 14, round 11).
+// and packing every query and target again in each call (issue 14, round 11). Where the int8 stage applies,
+// also the rows' int8 words (int8::NarrowRows, row by row: the same as a call's own NarrowQueries; round 19).
 struct UnitKeys {
   const float* keys = nullptr;  // the unit's key buffer
   int n = 0, d = 0;             // its rows, their dimension
@@ -279,8 +283,12 @@ struct UnitKeys {
   std::vector<char> regular;    // per row: ScaleRow's regularity
   std::vector<int16_t> packed;  // n x d int16 words (regular rows; zero otherwise), or empty
   std::vector<double> err;      // per row: the packed row's error norm
+  std::vector<uint8_t> bytes;   // n x d int8 stage words (NarrowRows of the packed rows), or empty
+  std::vector<int32_t> norm2;   // per row: NarrowRows' ‖q‖², ‖q‖ and error norm
+  std::vector<double> norm, nerr;
   const float* row(int32_t tok) const { return rows.data() + static_cast<size_t>(tok) * d; }
   const int16_t* words(int32_t tok) const { return packed.data() + static_cast<size_t>(tok) * d; }
+  const uint8_t* narrowed(int32_t tok) const { return bytes.data() + static_cast<size_t>(tok) * d; }
 
   void Build(const float* k, int num_rows, int dim) {
     keys = k, n = num_rows, d = dim;
@@ -311,6 +319,10 @@ struct UnitKeys {
                                        err.data() + r);
       r = e;
     }
+    if (!merge_screen::int8::Applies(d)) return;
+    bytes.resize(static_cast<size_t>(n) * d);
+    norm2.resize(n), norm.resize(n), nerr.resize(n);
+    merge_screen::int8::NarrowRows(packed.data(), n, d, bytes.data(), norm2.data(), norm.data(), nerr.data());
   }
 };
 
@@ -448,7 +460,9 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
   thread_local std::vector<int16_t> tp16_buf, tpb16_buf;
   thread_local std::vector<int8_t> tp8_buf;
   thread_local std::vector<const int16_t*> words, qwords;
-  thread_local std::vector<double> word_err, qerr;
+  thread_local std::vector<double> word_err, qerr, qnorm, qnerr;
+  thread_local std::vector<const uint8_t*> qbytes;
+  thread_local std::vector<int32_t> qnorm2;
   // Packs `n` targets `rows` for this call's screen; slot(i) is target row i's slot (for prepacked words).
   auto pack_screen = [&](const float* rows, int n, std::vector<uint32_t>& b32, std::vector<int16_t>& b16,
                          std::vector<int8_t>& b8, auto slot) {
@@ -620,6 +634,15 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
         qwords[i] = uk->words(tok), qerr[i] = uk->err[tok], qsub[i] = qrow[r];
       }
       ip = InPlace{qwords.data(), qerr.data(), qsub.data(), target_rows};
+      if (!uk->bytes.empty()) {
+        qbytes.resize(n), qnorm2.resize(n), qnorm.resize(n), qnerr.resize(n);
+        for (int i = 0; i < n; ++i) {
+          const int32_t tok = mc->queries[b + (sub != nullptr ? sub[i] : i)];
+          qbytes[i] = uk->narrowed(tok), qnorm2[i] = uk->norm2[tok], qnorm[i] = uk->norm[tok];
+          qnerr[i] = uk->nerr[tok];
+        }
+        ip.narrowed = {qbytes.data(), qnorm2.data(), qnorm.data(), qnerr.data()};
+      }
       return &ip;
     };
     // The block's rows `sub` against every target / against source i's B = K \ A.

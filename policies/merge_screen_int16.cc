@@ -320,7 +320,8 @@ KVSIM_INT16_TARGET void Int8Stage(const int16_t* queries, int r0, int rows, int 
 
 KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int16_t* targets, int nt, int d,
                                        const int64_t* slack, const int64_t* floor, const Narrowed* narrow,
-                                       std::vector<int>* out_rows, std::vector<int>* out_idx) {
+                                       const int8::NarrowedRows* pre, std::vector<int>* out_rows,
+                                       std::vector<int>* out_idx) {
   thread_local std::vector<int32_t> buf, pbuf, qs;
   thread_local std::vector<uint8_t> q8;
   thread_local std::vector<double> qn, qe;
@@ -337,7 +338,15 @@ KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int
     if (qn.size() < static_cast<size_t>(nq)) qn.resize(nq), qe.resize(nq), qs.resize(nq);
     if (list.size() < static_cast<size_t>(ld4 + 8)) list.resize(ld4 + 8);
     if (buf.size() < static_cast<size_t>(ld4 + 8)) buf.resize(ld4 + 8);
-    int8::NarrowQueries(queries, nq, d, narrow->norms, q8.data(), qs.data(), qn.data(), qe.data());
+    if (pre != nullptr) {  // narrowed already: NarrowQueries' bytes and values, the targets' check here
+      for (int r = 0; r < nq; ++r) {
+        std::memcpy(q8.data() + static_cast<size_t>(r) * d, pre->bytes[r], d);
+        qs[r] = int8::RowScale(d, pre->norm2[r], narrow->norms);
+        qn[r] = qs[r] > 0 ? pre->norm[r] : 0, qe[r] = qs[r] > 0 ? pre->err[r] : 0;
+      }
+    } else {
+      int8::NarrowQueries(queries, nq, d, narrow->norms, q8.data(), qs.data(), qn.data(), qe.data());
+    }
     const uint8_t* unusable = int8::Unusable(narrow->words, nt, d);
     bad.clear();
     for (int g = 0; g < groups; ++g)
@@ -428,12 +437,13 @@ bool Int8Enabled() { return kInt8EnvAllows && g_int8.load(std::memory_order_rela
 
 void Candidates(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
                 const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx, const int64_t* floor,
-                const Narrowed* narrow) {
+                const Narrowed* narrow, const int8::NarrowedRows* narrowed_queries) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  CandidatesAvx2(queries, num_queries, targets, num_targets, d, slack, floor, narrow, rows, idx);
+  CandidatesAvx2(queries, num_queries, targets, num_targets, d, slack, floor, narrow, narrowed_queries, rows,
+                 idx);
 #else
   (void)queries, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)slack, (void)rows,
-      (void)idx, (void)floor, (void)narrow;
+      (void)idx, (void)floor, (void)narrow, (void)narrowed_queries;
   std::abort();  // callers check Supported()
 #endif
 }

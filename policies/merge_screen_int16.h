@@ -58,9 +58,13 @@ struct Narrowed {
   const int8_t* words = nullptr;  // int8::NarrowTargets' output (int8::PackedTargetsSize bytes)
   int8::Norms norms;
 };
+// With `narrowed_queries` as well (issue 14, round 19): the query rows' int8 words and norms as
+// int8::NarrowRows made them from these int16 rows (merge.cc narrows a unit's rows once for all its calls),
+// used instead of narrowing the rows here; the same candidates.
 void Candidates(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
                 const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx,
-                const int64_t* floor = nullptr, const Narrowed* narrow = nullptr);
+                const int64_t* floor = nullptr, const Narrowed* narrow = nullptr,
+                const int8::NarrowedRows* narrowed_queries = nullptr);
 // Test and A/B hook: the int8 stage off (false) or on again (true). Also off with KVSIM_MERGE_INT8=0.
 void SetInt8ForTesting(bool enabled);
 bool Int8Enabled();

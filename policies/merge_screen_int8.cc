@@ -185,10 +185,9 @@ int QueryScaleFor(int d) {
   return std::min(kMaxQueryScale, static_cast<int>(std::floor(c)));
 }
 
-KVSIM_INT8_TARGET void NarrowQueriesAvx2(const int16_t* q16, int n, int d, const Norms& t, uint8_t* out,
-                                         int32_t* scale, double* norm, double* err) {
+KVSIM_INT8_TARGET void NarrowRowsAvx2(const int16_t* q16, int n, int d, uint8_t* out, int32_t* norm2,
+                                      double* norm, double* err) {
   const double up = Err2Up(d);
-  const int64_t limit = int64_t{32767} * 32767;
   const int cs = QueryScaleFor(d);
   const __m256i c = _mm256_set1_epi32(cs);
   const __m256i half = _mm256_set1_epi32(1 << 13), top = _mm256_set1_epi32(127),
@@ -221,12 +220,8 @@ KVSIM_INT8_TARGET void NarrowQueriesAvx2(const int16_t* q16, int n, int d, const
     __m128 e4 = _mm_add_ps(_mm256_castps256_ps128(e2), _mm256_extractf128_ps(e2, 1));
     e4 = _mm_add_ps(e4, _mm_movehl_ps(e4, e4));
     e4 = _mm_add_ss(e4, _mm_movehdup_ps(e4));
-    const int64_t nn = _mm_cvtsi128_si32(n4);
-    if (nn * t.norm2 > limit) {
-      scale[r] = 0, norm[r] = 0, err[r] = 0;  // a row too long for the int16 sums: no stage for its block
-      continue;
-    }
-    scale[r] = cs;
+    const int32_t nn = _mm_cvtsi128_si32(n4);
+    norm2[r] = nn;
     norm[r] = std::sqrt(static_cast<double>(nn)) * (1 + 0x1p-50);
     err[r] = std::sqrt(static_cast<double>(_mm_cvtss_f32(e4)) * up) * (1 + 0x1p-50);
   }
@@ -295,14 +290,27 @@ Norms NarrowTargets(const int16_t* targets16, int n, int d, int8_t* out) {
 #endif
 }
 
-void NarrowQueries(const int16_t* rows16, int n, int d, const Norms& t, uint8_t* out, int32_t* scale,
-                   double* norm, double* err) {
+void NarrowRows(const int16_t* rows16, int n, int d, uint8_t* out, int32_t* norm2, double* norm,
+                double* err) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  NarrowQueriesAvx2(rows16, n, d, t, out, scale, norm, err);
+  NarrowRowsAvx2(rows16, n, d, out, norm2, norm, err);
 #else
-  (void)rows16, (void)n, (void)d, (void)t, (void)out, (void)scale, (void)norm, (void)err;
+  (void)rows16, (void)n, (void)d, (void)out, (void)norm2, (void)norm, (void)err;
   std::abort();
 #endif
+}
+
+int RowScale(int d, int32_t norm2, const Norms& t) {
+  return int64_t{norm2} * t.norm2 > int64_t{32767} * 32767 ? 0 : QueryScaleFor(d);
+}
+
+void NarrowQueries(const int16_t* rows16, int n, int d, const Norms& t, uint8_t* out, int32_t* scale,
+                   double* norm, double* err) {
+  NarrowRows(rows16, n, d, out, scale, norm, err);  // ‖q‖² into scale, then the targets' check
+  for (int r = 0; r < n; ++r) {
+    scale[r] = RowScale(d, scale[r], t);
+    if (scale[r] == 0) norm[r] = 0, err[r] = 0;  // a row too long for the int16 sums: no stage for its block
+  }
 }
 
 void Dots(const uint8_t* queries, int num_queries, const int8_t* targets, int num_targets, int d,

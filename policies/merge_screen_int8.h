@@ -62,6 +62,22 @@ inline const int16_t* Rows16(const int8_t* targets, int n, int d) {
 void NarrowQueries(const int16_t* rows16, int n, int d, const Norms& t, uint8_t* out, int32_t* scale,
                    double* norm, double* err);
 
+// NarrowQueries in two parts, for rows narrowed once and screened against many target sets (merge.cc's
+// UnitKeys; issue 14, round 19): NarrowRows gives every row's bytes, its exact ‖q‖² (norm2), ‖q‖ and error
+// norm (norm, err: NarrowQueries' values for a row it scales), whatever the targets; RowScale is
+// NarrowQueries' scale of a row with that norm2 against targets t (QueryScale(d), or 0 when ‖q‖² t.norm2 >
+// 32767²; the row's norm and err then count as 0). NarrowQueries is NarrowRows, then RowScale. Require
+// Applies(d).
+void NarrowRows(const int16_t* rows16, int n, int d, uint8_t* out, int32_t* norm2, double* norm, double* err);
+int RowScale(int d, int32_t norm2, const Norms& t);
+// Rows NarrowRows narrowed (row r's bytes at bytes[r], its norm2, norm and err), for int16::Candidates.
+struct NarrowedRows {
+  const uint8_t* const* bytes = nullptr;
+  const int32_t* norm2 = nullptr;
+  const double* norm = nullptr;
+  const double* err = nullptr;
+};
+
 // The int8 products P_rj = Σ_k q_rk t_jk, out[r * ld + j] for j < padded targets: exact for usable targets
 // and rows with scale > 0 (others: any value). Requires Applies(d).
 void Dots(const uint8_t* queries, int num_queries, const int8_t* targets, int num_targets, int d,

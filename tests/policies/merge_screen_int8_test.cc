@@ -135,6 +135,44 @@ TEST_CASE("int8 stage: narrowing gives the defined words, exact norms and upper-
   }
 }
 
+TEST_CASE("int8 stage: NarrowRows then RowScale is NarrowQueries (round 19)", "[merge][screen]") {
+  if (!i8::Applies(128)) return;
+  for (int d : {16, 48, 128}) {
+    const int n = 13;
+    std::vector<float> rows = UnitRows(n, d, 31 + d);
+    for (int k = 0; k < d; ++k) rows[k] = k == 2 ? 1.0f : 0.0f;  // a clamped coordinate
+    for (int k = 0; k < d; ++k) rows[d + k] = 0.0f;              // a zero row
+    Packed p = Pack(rows, n, rows, n, d);
+    // Rows 3 and 4 far too long for the targets below: NarrowQueries gives them scale, norm and err 0.
+    for (int r : {3, 4})
+      for (int k = 0; k < d; ++k) p.q[r * d + k] = static_cast<int16_t>(k % 3 == 0 ? 16384 : -9000);
+    std::vector<int16_t> t16(i16::PackedTargetsSize(1, d), 0);
+    for (int k = 0; k < 4; ++k) t16[2 * (k / 2) * 8 + k % 2] = 8000;  // one usable target, ‖t‖ = 126
+    for (const std::vector<int16_t>& targets : {p.t, t16}) {
+      const int nt = targets.size() == t16.size() ? 1 : n;
+      const Narrow w = NarrowAll(p.q, n, targets, nt, d);
+      std::vector<uint8_t> bytes(static_cast<size_t>(n) * d, 0xAB);
+      std::vector<int32_t> norm2(n, -1);
+      std::vector<double> norm(n, -1), err(n, -1);
+      i8::NarrowRows(p.q.data(), n, d, bytes.data(), norm2.data(), norm.data(), err.data());
+      CHECK(bytes == w.q);
+      for (int r = 0; r < n; ++r) {
+        CAPTURE(d, nt, r);
+        int64_t qn2 = 0;
+        for (int k = 0; k < d; ++k) qn2 += (bytes[r * d + k] - 128) * (bytes[r * d + k] - 128);
+        CHECK(norm2[r] == qn2);
+        const int scale = i8::RowScale(d, norm2[r], w.tn);
+        CHECK(scale == w.scale[r]);
+        CHECK((scale == 0) == (r == 3 || r == 4));
+        if (scale > 0) {
+          CHECK(norm[r] == w.norm[r]);  // bit for bit
+          CHECK(err[r] == w.err[r]);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("int8 stage: the kernel's products are exact up to the Cauchy-Schwarz edge, every tail",
           "[merge][screen]") {
   if (!i8::Applies(128)) return;
@@ -232,17 +270,49 @@ TEST_CASE("int8 stage: the bound holds, and aligned rows reach it", "[merge][scr
 
 // Candidates with and without the int8 stage, for every query row; the stage's counts of groups computed
 // are not visible, so the check is the list itself.
+// Rows narrowed by int8::NarrowRows, stored last row first, with pointers in row order (row r at
+// bytes[r], its norms at [r]).
+struct Rows {
+  std::vector<uint8_t> bytes;
+  std::vector<int32_t> norm2;
+  std::vector<double> norm, err;
+  std::vector<const uint8_t*> at;
+  i8::NarrowedRows rows;
+};
+Rows NarrowedReversed(const std::vector<int16_t>& q16, int nq, int d) {
+  Rows w;
+  std::vector<int16_t> rev(static_cast<size_t>(nq) * d);
+  for (int r = 0; r < nq; ++r) std::copy_n(&q16[static_cast<size_t>(r) * d], d, &rev[(nq - 1 - r) * d]);
+  std::vector<int32_t> n2(nq);
+  std::vector<double> nn(nq), ne(nq);
+  w.bytes.resize(static_cast<size_t>(nq) * d);
+  i8::NarrowRows(rev.data(), nq, d, w.bytes.data(), n2.data(), nn.data(), ne.data());
+  for (int r = 0; r < nq; ++r) {
+    w.at.push_back(w.bytes.data() + static_cast<size_t>(nq - 1 - r) * d);
+    w.norm2.push_back(n2[nq - 1 - r]), w.norm.push_back(nn[nq - 1 - r]), w.err.push_back(ne[nq - 1 - r]);
+  }
+  w.rows = {w.at.data(), w.norm2.data(), w.norm.data(), w.err.data()};
+  return w;
+}
+
 void SameCandidates(const Packed& p, int nq, int nt, int d, const std::vector<int64_t>& slack,
                     const int64_t* floor) {
   std::vector<int8_t> t8(i8::PackedTargetsSize(nt, d));
   i16::Narrowed nw;
   nw.norms = i8::NarrowTargets(p.t.data(), nt, d, t8.data());
   nw.words = t8.data();
-  std::vector<int> rows{-7}, idx{-7}, rows8{-7}, idx8{-7};
+  std::vector<int> rows{-7}, idx{-7}, rows8{-7}, idx8{-7}, rows_pre{-7}, idx_pre{-7};
   i16::Candidates(p.q.data(), nq, p.t.data(), nt, d, slack.data(), &rows, &idx, floor);
   i16::Candidates(p.q.data(), nq, p.t.data(), nt, d, slack.data(), &rows8, &idx8, floor, &nw);
   REQUIRE(rows8 == rows);
   REQUIRE(idx8 == idx);
+  // Round 19: the queries narrowed beforehand (int8::NarrowRows, stored in reverse row order and read
+  // through row pointers, as merge.cc's unit keys are) give the same list again.
+  const Rows pre = NarrowedReversed(p.q, nq, d);
+  i16::Candidates(p.q.data(), nq, p.t.data(), nt, d, slack.data(), &rows_pre, &idx_pre, floor, &nw,
+                  &pre.rows);
+  REQUIRE(rows_pre == rows);
+  REQUIRE(idx_pre == idx);
 }
 
 TEST_CASE("int8 stage: the int16 candidates are the same, target for target", "[merge][screen]") {
