@@ -184,12 +184,15 @@ struct UnitWork {
   std::vector<DecodeReference> refs;  // per group member
   int kpre = 0;                       // the largest k of top_sum / sums (see RegretSums)
   bool use_sums = false;              // the top-k sums come from `sums`, not `top_sum`
-  // With use_sums and no run asking the k-th largest value (FullKth): `sums` is not built; each run's k
-  // and retained mass per row wait in dk / dret ([r][g][t]; k -1: none) until the unit's runs have all
-  // finished their steps, then every row's k are answered together (FinishRegret).
+  // With use_sums: `sums` is not built; each run's k and retained mass per row wait in dk / dret ([r][g][t];
+  // k -1: none) until the unit's runs have all finished their steps, then every row's k are answered
+  // together (FinishRegret). When some run asks the k-th largest value (FullKth: the oracle), `buckets`
+  // keeps each row's bucket counts (row g * steps + t) for it, and FinishRegret takes them too.
   bool defer = false;
+  bool kth_buckets = false;
   std::vector<int32_t> dk;
   std::vector<double> dret;
+  RowBuckets buckets;
   TopKSums sums;                // row g * steps + t: Σ of the k largest, as if added in descending order
   std::vector<double> top_sum;  // [g][t][kpre + 1]: Σ of the k largest, added in descending order
   std::vector<double> top_all;  // [g][t]: Σ of every visible probability, added in descending order
@@ -338,6 +341,7 @@ constexpr int kProbsTTokens = 256;
 struct UnitBuffers {
   std::vector<DecodeReference> refs;
   TopKSums sums, all_sums;
+  RowBuckets buckets;
   std::vector<float> probs_t;
 };
 class PassBuffers {
@@ -389,6 +393,7 @@ void GrowTo(std::vector<T>& v, size_t n) {
 
 std::atomic<bool> g_kth_from_sums{true};   // SetFullKthFromSumsForTesting
 std::atomic<bool> g_defer_sums{true};      // SetDeferredTopKSumsForTesting
+std::atomic<bool> g_defer_kth{true};       // SetDeferredKthUnitsForTesting
 std::atomic<bool> g_exact_row_sums{true};  // SetExactRowSumsForTesting
 std::atomic<bool> g_run_lists{true};       // SetRunListsForTesting
 std::atomic<bool> g_in_place_v{true};      // SetInPlaceValueRowsForTesting
@@ -1010,7 +1015,8 @@ class LayerPass {
   // A unit's state goes; its largest buffers go back to the pool for the next unit (PassBuffers).
   void ReleaseUnit(int u) {
     UnitWork& w = units_[u];
-    buffers_.Give({std::move(w.refs), std::move(w.sums), std::move(w.all_sums), std::move(w.probs_t)});
+    buffers_.Give({std::move(w.refs), std::move(w.sums), std::move(w.all_sums), std::move(w.buckets),
+                   std::move(w.probs_t)});
     w = UnitWork{};
   }
   size_t UnitIndex(int u) const { return static_cast<size_t>(layer_.layer) * m_.num_kv_heads + u; }
@@ -1033,6 +1039,7 @@ class LayerPass {
     w.refs = std::move(recycled.refs);
     w.sums = std::move(recycled.sums);
     w.all_sums = std::move(recycled.all_sums);
+    w.buckets = std::move(recycled.buckets);
     w.probs_t = std::move(recycled.probs_t);  // rebuilt by ProbsT on first use (its memory is what is reused)
     // Full-attention reference, shared by every run.
     w.refs.resize(group);
@@ -1114,11 +1121,15 @@ class LayerPass {
     }
     w.kpre = kpre;
     w.use_sums = kpre > 0;
-    bool kth = false;  // some run asks FullKth, which reads `sums`
+    bool kth = false;  // some run asks FullKth, which reads `sums` or `buckets`
     for (const RunPlan& plan : plans_) kth = kth || plan.req.future_attention;
-    w.defer = w.use_sums && !kth && g_defer_sums.load(std::memory_order_relaxed);
+    w.defer = w.use_sums && g_defer_sums.load(std::memory_order_relaxed) &&
+              (!kth || g_defer_kth.load(std::memory_order_relaxed));
+    w.kth_buckets = w.defer && kth;
     w.sums.Clear();
+    w.buckets.Clear();
     if (w.use_sums && !w.defer) w.sums.Reserve(group * steps, static_cast<size_t>(group) * steps * t_all);
+    if (w.kth_buckets) w.buckets.Reserve(group * steps);
     if (w.defer) w.dk.assign(plans_.size() * group * steps, -1);
     if (w.defer) w.dret.resize(plans_.size() * group * steps);
     // The sorted path's head length: 0 with top-k sums (deferred too: then only each row's S[n] is taken).
@@ -1153,6 +1164,9 @@ class LayerPass {
             tails[b].clear();
             continue;
           }
+          if (w.kth_buckets)  // row g * steps + t (rows are added in this order)
+            w.buckets.AddRow({ref.row(t) + first, static_cast<size_t>(last - first + 1)},
+                             exact(t) ? &ref.sums[t] : nullptr);
           if (exact(t)) {  // S[n], taken after the row's softmax (kh is 0 here: no head, no tail)
             tot[b] = ref.sums[t].total;
             tails[b].clear();
@@ -1251,8 +1265,12 @@ class LayerPass {
         if (ks.empty()) continue;
         top.resize(ks.size());
         const int first = ref.first[t];
-        DescendingSums({ref.row(t) + first, static_cast<size_t>(ref.last(t) - first + 1)}, ks,
-                       row_sums && ref.exact[t] != 0 ? &ref.sums[t] : nullptr, top.data());
+        const std::span<const float> row(ref.row(t) + first, static_cast<size_t>(ref.last(t) - first + 1));
+        const RowSums* known = row_sums && ref.exact[t] != 0 ? &ref.sums[t] : nullptr;
+        if (w.kth_buckets)
+          w.buckets.Sums(static_cast<int>(gt), row, ks, known, top.data());
+        else
+          DescendingSums(row, ks, known, top.data());
         const size_t si = Sample(u * group + g, t);
         for (int r = 0; r < runs; ++r)
           if (which[r] >= 0) acc_[r].regret[si] = static_cast<float>(top[which[r]] - w.dret[r * rows + gt]);
@@ -1878,6 +1896,10 @@ class LayerPass {
     if (k > len) return 0.0f;
     if (w.use_sums && !w.defer && g_kth_from_sums.load(std::memory_order_relaxed))
       if (const std::optional<float> v = w.sums.Kth(g * meta_.num_decode_steps + t, k, &ws.sorted)) return *v;
+    if (w.kth_buckets && g_kth_from_sums.load(std::memory_order_relaxed))
+      if (const std::optional<float> v = w.buckets.Kth(
+              g * meta_.num_decode_steps + t, {ref.row(t) + first, static_cast<size_t>(len)}, k, &ws.sorted))
+        return *v;
     ws.sorted.assign(ref.row(t) + first, ref.row(t) + first + len);
     const auto at = ws.sorted.begin() + (k - 1);
     std::nth_element(ws.sorted.begin(), at, ws.sorted.end(), std::greater<float>());
@@ -2971,6 +2993,7 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
 
 void SetFullKthFromSumsForTesting(bool allowed) { g_kth_from_sums.store(allowed, std::memory_order_relaxed); }
 void SetDeferredTopKSumsForTesting(bool allowed) { g_defer_sums.store(allowed, std::memory_order_relaxed); }
+void SetDeferredKthUnitsForTesting(bool allowed) { g_defer_kth.store(allowed, std::memory_order_relaxed); }
 void SetExactRowSumsForTesting(bool allowed) { g_exact_row_sums.store(allowed, std::memory_order_relaxed); }
 void SetRunListsForTesting(bool allowed) { g_run_lists.store(allowed, std::memory_order_relaxed); }
 void SetUnionScanForTesting(bool allowed) { g_union_scan.store(allowed, std::memory_order_relaxed); }

@@ -121,6 +121,10 @@ void SetFullKthFromSumsForTesting(bool allowed);
 // and answer each run's k at its step, instead of deferring every row's k to the unit's last run
 // (DescendingSums), so a test can compare the two.
 void SetDeferredTopKSumsForTesting(bool allowed);
+// Tests only: false keeps TopKSums (built at Prefill, Sum at each step) for a unit with a run that asks the
+// k-th largest value (the oracle), instead of deferring its regrets too and answering the k-th largest
+// values from each row's bucket counts (RowBuckets), so a test can compare the two.
+void SetDeferredKthUnitsForTesting(bool allowed);
 // Tests only: false makes the regret's row sums ignore the exact sums taken after each reference row's
 // softmax (DecodeReference::sums) and add every row again in its own order, as before round 14.
 void SetExactRowSumsForTesting(bool allowed);

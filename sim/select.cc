@@ -979,33 +979,12 @@ double SplitAt(const float* v, size_t n, uint32_t from, float* hi, float* lo, ui
 }
 }  // namespace
 
-void DescendingSums(std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,
-                    double* out) {
+namespace {
+// DescendingSums after its row pass and count pass, for a row whose every nonzero value is big: `sum` its
+// exact sum, cc[0 .. nb] its cumulative bucket counts from the top bucket `hi` down to 2^L's.
+void SumsFromCounts(std::span<const float> values, std::span<const int32_t> ks, double sum, const int32_t* cc,
+                    uint32_t hi, int nb, double* out) {
   const size_t n = values.size();
-  const RowScan scan = ScanRow(values, known);
-  KVSIM_CHECK_MSG(!scan.negative, "TopKSums: values must be non-negative");
-  KVSIM_CHECK_MSG(std::isfinite(scan.sum), "TopKSums: values must be finite");
-  const uint32_t ubig = BigPattern(scan.sum), nonzero_min = scan.unz + 1;
-  if (nonzero_min != 0 && nonzero_min < ubig) {  // nonzero values below 2^L: their order matters (TopKSums)
-    thread_local TopKSums sums;
-    thread_local std::vector<float> scratch;
-    sums.Clear();
-    int kmax = 0;
-    for (int32_t k : ks) kmax = std::max(kmax, static_cast<int>(k));
-    sums.AddRow(values, kmax, known);
-    for (size_t i = 0; i < ks.size(); ++i) out[i] = sums.Sum(0, ks[i], &scratch);
-    return;
-  }
-  // Every nonzero value is big: S[k] is the exact sum of the k largest (zeros add nothing), S[n] the row's.
-  const BucketCounts counts = CountBuckets(values);
-  const uint32_t hi = scan.umax >> kBucketShift, bmin = n > 0 ? scan.umin >> kBucketShift : hi;
-  const uint32_t lo = ubig >> kBucketShift;
-  const int nb = scan.umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
-  thread_local std::vector<int32_t> ccv;
-  ccv.resize(static_cast<size_t>(nb) + 1);
-  int32_t* cc = ccv.data();
-  CumulativeCounts(counts, hi, nb, cc);
-  ClearBuckets(counts, bmin, hi);
   const int nbig = cc[nb];
   // Each k inside the big values: the bucket b holding its k-th largest value, and how many of b's values
   // it takes (need; 0 when it takes them all). Its sum is that of every value from bucket b + 1 up (from b
@@ -1026,7 +1005,7 @@ void DescendingSums(std::span<const float> values, std::span<const int32_t> ks, 
     if (k <= 0) {
       out[i] = 0.0;
     } else if (k >= static_cast<int>(n) || k > nbig) {
-      out[i] = scan.sum;  // exact: every nonzero value is big
+      out[i] = sum;  // exact: every nonzero value is big
     } else {
       const int j =
           static_cast<int>(std::upper_bound(cc, cc + nb + 1, k - 1) - cc) - 1;  // cc[j] < k <= cc[j+1]
@@ -1072,6 +1051,37 @@ void DescendingSums(std::span<const float> values, std::span<const int32_t> ks, 
   for (const Query& q : qs)
     if (q.need == 0)
       out[q.i] = at_level[std::lower_bound(levels.begin(), levels.end(), q.b) - levels.begin()];
+}
+}  // namespace
+
+void DescendingSums(std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,
+                    double* out) {
+  const size_t n = values.size();
+  const RowScan scan = ScanRow(values, known);
+  KVSIM_CHECK_MSG(!scan.negative, "TopKSums: values must be non-negative");
+  KVSIM_CHECK_MSG(std::isfinite(scan.sum), "TopKSums: values must be finite");
+  const uint32_t ubig = BigPattern(scan.sum), nonzero_min = scan.unz + 1;
+  if (nonzero_min != 0 && nonzero_min < ubig) {  // nonzero values below 2^L: their order matters (TopKSums)
+    thread_local TopKSums sums;
+    thread_local std::vector<float> scratch;
+    sums.Clear();
+    int kmax = 0;
+    for (int32_t k : ks) kmax = std::max(kmax, static_cast<int>(k));
+    sums.AddRow(values, kmax, known);
+    for (size_t i = 0; i < ks.size(); ++i) out[i] = sums.Sum(0, ks[i], &scratch);
+    return;
+  }
+  // Every nonzero value is big: S[k] is the exact sum of the k largest (zeros add nothing), S[n] the row's.
+  const BucketCounts counts = CountBuckets(values);
+  const uint32_t hi = scan.umax >> kBucketShift, bmin = n > 0 ? scan.umin >> kBucketShift : hi;
+  const uint32_t lo = ubig >> kBucketShift;
+  const int nb = scan.umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
+  thread_local std::vector<int32_t> ccv;
+  ccv.resize(static_cast<size_t>(nb) + 1);
+  int32_t* cc = ccv.data();
+  CumulativeCounts(counts, hi, nb, cc);
+  ClearBuckets(counts, bmin, hi);
+  SumsFromCounts(values, ks, scan.sum, cc, hi, nb, out);
 }
 
 double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
@@ -1140,6 +1150,62 @@ std::optional<float> TopKSums::Kth(int r, int k, std::vector<float>* scratch) co
   float* sv = scratch->data();  // bucket j's cc[j + 1] - cc[j] values
   std::nth_element(sv, sv + (k - cc[j] - 1), sv + (cc[j + 1] - cc[j]), std::greater<float>());
   return sv[k - cc[j] - 1];
+}
+
+void RowBuckets::Clear() {
+  rows_.clear();
+  cc_.clear();
+}
+
+void RowBuckets::Reserve(int rows) {
+  rows_.reserve(rows);
+  cc_.reserve(static_cast<size_t>(rows) * 512);  // as TopKSums::Reserve
+}
+
+void RowBuckets::AddRow(std::span<const float> values, const RowSums* known) {
+  const size_t n = values.size();
+  const RowScan scan = ScanRow(values, known);
+  KVSIM_CHECK_MSG(!scan.negative, "TopKSums: values must be non-negative");
+  KVSIM_CHECK_MSG(std::isfinite(scan.sum), "TopKSums: values must be finite");
+  Row row;
+  row.n = static_cast<int>(n);
+  row.sum = scan.sum;
+  row.bucket = cc_.size();
+  const uint32_t ubig = BigPattern(scan.sum), nonzero_min = scan.unz + 1;
+  if (nonzero_min == 0 || nonzero_min >= ubig) {  // every nonzero value is big (DescendingSums' counts)
+    const BucketCounts counts = CountBuckets(values);
+    const uint32_t hi = scan.umax >> kBucketShift, bmin = n > 0 ? scan.umin >> kBucketShift : hi;
+    const uint32_t lo = ubig >> kBucketShift;
+    row.hi = hi;
+    row.nb = scan.umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
+    cc_.resize(row.bucket + row.nb + 1);
+    CumulativeCounts(counts, hi, row.nb, cc_.data() + row.bucket);
+    ClearBuckets(counts, bmin, hi);
+  }
+  rows_.push_back(row);
+}
+
+std::optional<float> RowBuckets::Kth(int r, std::span<const float> values, int k,
+                                     std::vector<float>* scratch) const {
+  const Row& row = rows_[r];
+  KVSIM_CHECK_MSG(k >= 1, "RowBuckets::Kth: k must be at least 1");
+  if (row.nb < 0) return std::nullopt;
+  if (k > row.n) return 0.0f;
+  const int32_t* cc = cc_.data() + row.bucket;
+  if (k > cc[row.nb]) return 0.0f;  // beyond the big values: zeros (every nonzero value is big)
+  // The bucket j with cc[j] < k <= cc[j + 1] holds it: the (k - cc[j])-th largest of that bucket.
+  const int j = static_cast<int>(std::upper_bound(cc, cc + row.nb + 1, k - 1) - cc) - 1;
+  SumFromAndGather(values.data(), values.size(), 1u << 31, row.hi - static_cast<uint32_t>(j), scratch);
+  float* sv = scratch->data();  // bucket j's cc[j + 1] - cc[j] values
+  std::nth_element(sv, sv + (k - cc[j] - 1), sv + (cc[j + 1] - cc[j]), std::greater<float>());
+  return sv[k - cc[j] - 1];
+}
+
+void RowBuckets::Sums(int r, std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,
+                      double* out) const {
+  const Row& row = rows_[r];
+  if (row.nb < 0) return DescendingSums(values, ks, known, out);
+  SumsFromCounts(values, ks, row.sum, cc_.data() + row.bucket, row.hi, row.nb, out);
 }
 
 }  // namespace kvsim

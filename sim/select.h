@@ -149,4 +149,38 @@ class TopKSums {
 void DescendingSums(std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,
                     double* out);
 
+// Per row, the bucket counts TopKSums and DescendingSums take (and the row pass before them), kept without
+// the row's values: for a unit whose regrets are deferred (DescendingSums at the unit's end) while a run
+// asks the k-th largest value of its rows at every step (the oracle's threshold: Kth), so neither needs
+// TopKSums' kept values (no KeepGroups, no group sums). The values themselves stay with the caller, who
+// gives them again to Kth and Sums (the same values as to AddRow). A row with nonzero values below 2^L
+// (their order matters) keeps no counts: Kth answers nothing and Sums takes DescendingSums' own path.
+class RowBuckets {
+ public:
+  // Forgets every row (keeps the memory).
+  void Clear();
+  void Reserve(int rows);
+  // Adds the next row (numbered 0, 1, ... in the order added); `known` as in TopKSums::AddRow.
+  void AddRow(std::span<const float> values, const RowSums* known = nullptr);
+  // The k-th largest of `values` (row `row`'s values; k >= 1; 0 for k > n), exactly the value a full
+  // descending sort puts at place k - 1, as TopKSums::Kth: one gather of the bucket holding it from the
+  // row, then a selection in it. Empty for a row that keeps no counts. `scratch` is grown, not shrunk.
+  std::optional<float> Kth(int row, std::span<const float> values, int k, std::vector<float>* scratch) const;
+  // DescendingSums(values, ks, known, out) with row `row`'s counts instead of its own row pass and count
+  // pass (the same bits).
+  void Sums(int row, std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,
+            double* out) const;
+
+ private:
+  struct Row {
+    size_t bucket = 0;  // offset in cc_ (nb + 1 entries)
+    int nb = -1;        // buckets from the top one down to 2^L's; -1: no counts (values below 2^L)
+    int n = 0;
+    uint32_t hi = 0;  // the top bucket's number
+    double sum = 0;   // the row's exact sum (S[n])
+  };
+  std::vector<Row> rows_;
+  std::vector<int32_t> cc_;  // per row: [j] how many values the top j buckets hold
+};
+
 }  // namespace kvsim

@@ -1033,16 +1033,70 @@ TEST_CASE("replay: the oracle's k-th largest from the regret's buckets equals a 
     for (double b : {0.05, 0.2, 0.5, 0.9})
       runs.push_back(RunSpec{*p, name + " " + set, b, 0, QuestionMode::kQueryAware});
   }
-  for (int threads : {1, 3}) {
-    auto from_sums = Replay(trace, runs, ReplayOptions{.threads = threads});
-    SetFullKthFromSumsForTesting(false);
-    auto selected = Replay(trace, runs, ReplayOptions{.threads = threads});
-    SetFullKthFromSumsForTesting(true);
-    REQUIRE(from_sums.ok());
-    REQUIRE(selected.ok());
-    for (size_t i = 0; i < runs.size(); ++i) {
-      INFO(runs[i].label << " budget " << runs[i].budget_fraction << " threads " << threads);
-      CHECK((*from_sums)[i].SerializeAsString() == (*selected)[i].SerializeAsString());
+  // Both bucket sources: each row's counts (RowBuckets::Kth, the units deferring their regrets) and
+  // TopKSums::Kth (SetDeferredKthUnitsForTesting(false)).
+  for (bool deferred : {true, false})
+    for (int threads : {1, 3}) {
+      SetDeferredKthUnitsForTesting(deferred);
+      auto from_sums = Replay(trace, runs, ReplayOptions{.threads = threads});
+      SetFullKthFromSumsForTesting(false);
+      auto selected = Replay(trace, runs, ReplayOptions{.threads = threads});
+      SetFullKthFromSumsForTesting(true);
+      SetDeferredKthUnitsForTesting(true);
+      REQUIRE(from_sums.ok());
+      REQUIRE(selected.ok());
+      for (size_t i = 0; i < runs.size(); ++i) {
+        INFO(runs[i].label << " budget " << runs[i].budget_fraction << " threads " << threads
+                           << (deferred ? " deferred" : ""));
+        CHECK((*from_sums)[i].SerializeAsString() == (*selected)[i].SerializeAsString());
+      }
+    }
+}
+
+TEST_CASE("replay: units with an oracle deferring their regrets equal TopKSums at each step", "[replay]") {
+  // A unit with an oracle run (it asks the k-th largest value at every step) defers its runs' regrets too
+  // (FinishRegret with each row's bucket counts, RowBuckets::Sums) and answers the oracle's k-th largest
+  // values from those counts (RowBuckets::Kth); the test switch makes it build TopKSums at Prefill, ask Sum
+  // at each step and Kth from it (the old path). Oracles with and without decode growth beside capped runs
+  // that defer (snapkv, streaming_llm, h2o, snapkv twice at one budget) and `full`, MHA and GQA (the
+  // oracle's group threshold takes no k-th value there, the regrets are still deferred), with a sliding
+  // window, at 1 and 3 threads: every result equal.
+  for (int window : {0, 17}) {
+    testing::TinyTraceSpec spec;
+    spec.num_heads = 4;
+    spec.num_kv_heads = window ? 2 : 4;
+    spec.prefill_length = 56;
+    spec.decode_steps = 13;
+    spec.image_begin = 4;
+    spec.image_end = 30;
+    spec.seed = 53;
+    MemoryTrace trace = testing::MakeTinyTrace(spec);
+    if (window > 0) SetSlidingWindow(trace, window);
+    std::vector<RunSpec> runs{RunSpec{Registered("full"), "full", 1.0, 0, QuestionMode::kQueryAware}};
+    for (const char* set : {"decode_growth=false", "decode_growth=true"}) {
+      auto p = PolicyRegistry::Default().Create("oracle", std::vector<std::string>{set});
+      REQUIRE(p.ok());
+      for (double b : {0.05, 0.2, 0.5})
+        runs.push_back(RunSpec{*p, std::string("oracle ") + set, b, 0, QuestionMode::kQueryAware});
+    }
+    for (const char* name : {"snapkv", "streaming_llm", "h2o"})
+      for (double b : {0.05, 0.2, 0.9})
+        runs.push_back(RunSpec{Registered(name), name, b, 0, QuestionMode::kQueryAware});
+    runs.push_back(RunSpec{Registered("snapkv"), "snapkv again", 0.2, 0, QuestionMode::kQueryAware});
+    for (int threads : {1, 3}) {
+      auto deferred = Replay(trace, runs, ReplayOptions{.threads = threads});
+      SetDeferredKthUnitsForTesting(false);
+      auto at_step = Replay(trace, runs, ReplayOptions{.threads = threads});
+      SetDeferredKthUnitsForTesting(true);
+      REQUIRE(deferred.ok());
+      REQUIRE(at_step.ok());
+      for (size_t i = 0; i < runs.size(); ++i) {
+        INFO(runs[i].label << " budget " << runs[i].budget_fraction << ", window " << window << ", threads "
+                           << threads);
+        if (runs[i].budget_fraction <= 0.2 && runs[i].label.rfind("oracle", 0) != 0)
+          CHECK((*deferred)[i].metrics().regret_vs_oracle_mean() > 0);
+        CHECK((*deferred)[i].SerializeAsString() == (*at_step)[i].SerializeAsString());
+      }
     }
   }
 }

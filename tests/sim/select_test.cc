@@ -228,10 +228,24 @@ namespace {
 // DescendingSums on each row against the full sort's prefix sums, bit for bit: every k from -1 to n + 2 in
 // one call (every bucket boundary a level, every bucket a selection), each k alone, and random sets of k
 // with repeats (many runs asking the same k) in any order; with and without ExactKindSums' result (when it
-// gives one). Returns how many rows took the rows-with-small-values path (TopKSums itself).
+// gives one). RowBuckets (the rows added to one structure, with and without ExactKindSums' result): its
+// Sums on the same sets, and Kth for every k from 1 to n + 2 against the sort (always answered when the
+// row has no nonzero value below 2^L). Returns how many rows took the rows-with-small-values path
+// (TopKSums itself).
 int CheckDescendingSumsOfRows(const std::vector<std::vector<float>>& rows) {
   std::mt19937 rng(5);
   int small = 0;
+  RowBuckets with_known, alone;
+  alone.AddRow(std::vector<float>{1.0f, 2.0f});  // a previous use, forgotten by Clear
+  alone.Clear();
+  std::vector<RowSums> knowns(rows.size());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const int n = static_cast<int>(rows[r].size());
+    const bool exact = ExactKindSums(rows[r], std::vector<int32_t>{n}, std::vector<uint8_t>{0}, &knowns[r]);
+    with_known.AddRow(rows[r], exact ? &knowns[r] : nullptr);
+    alone.AddRow(rows[r]);
+  }
+  std::vector<float> scratch;
   for (size_t r = 0; r < rows.size(); ++r) {
     const std::vector<float>& v = rows[r];
     const int n = static_cast<int>(v.size());
@@ -256,13 +270,26 @@ int CheckDescendingSumsOfRows(const std::vector<std::vector<float>>& rows) {
     std::vector<double> out;
     for (const std::vector<int32_t>& ks : sets)
       for (const RowSums* kn : std::vector<const RowSums*>{nullptr, exact ? &known : nullptr}) {
-        out.assign(ks.size(), -1.0);
-        DescendingSums(v, ks, kn, out.data());
-        for (size_t i = 0; i < ks.size(); ++i) {
-          INFO("row " << r << " of n " << n << ", k " << ks[i] << " of " << ks.size()
-                      << (kn ? ", known" : ""));
-          REQUIRE(out[i] == expect(ks[i]));
+        for (int how = 0; how < 3; ++how) {  // DescendingSums, then RowBuckets::Sums alone and with `known`
+          out.assign(ks.size(), -1.0);
+          if (how == 0) DescendingSums(v, ks, kn, out.data());
+          if (how == 1) alone.Sums(static_cast<int>(r), v, ks, kn, out.data());
+          if (how == 2) with_known.Sums(static_cast<int>(r), v, ks, kn, out.data());
+          for (size_t i = 0; i < ks.size(); ++i) {
+            INFO("row " << r << " of n " << n << ", k " << ks[i] << " of " << ks.size()
+                        << (kn ? ", known" : "") << ", way " << how);
+            REQUIRE(out[i] == expect(ks[i]));
+          }
         }
+      }
+    std::vector<float> sorted = v;
+    std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+    for (int k = 1; k <= n + 2; ++k)
+      for (const RowBuckets* b : {&alone, &with_known}) {
+        INFO("row " << r << " of n " << n << ", Kth " << k);
+        const std::optional<float> got = b->Kth(static_cast<int>(r), v, k, &scratch);
+        if (exact) REQUIRE(got.has_value());
+        if (got) REQUIRE(*got == (k <= n ? sorted[k - 1] : 0.0f));
       }
   }
   return small;
