@@ -980,6 +980,35 @@ double SplitAt(const float* v, size_t n, uint32_t from, float* hi, float* lo, ui
 }  // namespace
 
 namespace {
+// The row pass and, when every nonzero value is big (none below 2^L), the count pass that DescendingSums and
+// RowBuckets::AddRow take: the row's exact sum, and in (*cc)[at .. at + nb] (cc resized to at + nb + 1) its
+// cumulative bucket counts from the top bucket `hi` down to 2^L's. Empty (no counts) when a nonzero value is
+// below 2^L: then their order matters (TopKSums).
+struct BigCounts {
+  double sum = 0;
+  uint32_t hi = 0;
+  int nb = 0;
+};
+std::optional<BigCounts> CountBig(std::span<const float> values, const RowSums* known,
+                                  std::vector<int32_t>* cc, size_t at) {
+  const size_t n = values.size();
+  const RowScan scan = ScanRow(values, known);
+  KVSIM_CHECK_MSG(!scan.negative, "TopKSums: values must be non-negative");
+  KVSIM_CHECK_MSG(std::isfinite(scan.sum), "TopKSums: values must be finite");
+  const uint32_t ubig = BigPattern(scan.sum), nonzero_min = scan.unz + 1;
+  if (nonzero_min != 0 && nonzero_min < ubig) return std::nullopt;
+  const BucketCounts counts = CountBuckets(values);
+  BigCounts b;
+  b.sum = scan.sum;
+  b.hi = scan.umax >> kBucketShift;
+  const uint32_t bmin = n > 0 ? scan.umin >> kBucketShift : b.hi, lo = ubig >> kBucketShift;
+  b.nb = scan.umax >= ubig ? static_cast<int>(b.hi - lo) + 1 : 0;
+  cc->resize(at + static_cast<size_t>(b.nb) + 1);
+  CumulativeCounts(counts, b.hi, b.nb, cc->data() + at);
+  ClearBuckets(counts, bmin, b.hi);
+  return b;
+}
+
 // DescendingSums after its row pass and count pass, for a row whose every nonzero value is big: `sum` its
 // exact sum, cc[0 .. nb] its cumulative bucket counts from the top bucket `hi` down to 2^L's.
 void SumsFromCounts(std::span<const float> values, std::span<const int32_t> ks, double sum, const int32_t* cc,
@@ -1056,32 +1085,18 @@ void SumsFromCounts(std::span<const float> values, std::span<const int32_t> ks, 
 
 void DescendingSums(std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,
                     double* out) {
-  const size_t n = values.size();
-  const RowScan scan = ScanRow(values, known);
-  KVSIM_CHECK_MSG(!scan.negative, "TopKSums: values must be non-negative");
-  KVSIM_CHECK_MSG(std::isfinite(scan.sum), "TopKSums: values must be finite");
-  const uint32_t ubig = BigPattern(scan.sum), nonzero_min = scan.unz + 1;
-  if (nonzero_min != 0 && nonzero_min < ubig) {  // nonzero values below 2^L: their order matters (TopKSums)
-    thread_local TopKSums sums;
-    thread_local std::vector<float> scratch;
-    sums.Clear();
-    int kmax = 0;
-    for (int32_t k : ks) kmax = std::max(kmax, static_cast<int>(k));
-    sums.AddRow(values, kmax, known);
-    for (size_t i = 0; i < ks.size(); ++i) out[i] = sums.Sum(0, ks[i], &scratch);
-    return;
-  }
-  // Every nonzero value is big: S[k] is the exact sum of the k largest (zeros add nothing), S[n] the row's.
-  const BucketCounts counts = CountBuckets(values);
-  const uint32_t hi = scan.umax >> kBucketShift, bmin = n > 0 ? scan.umin >> kBucketShift : hi;
-  const uint32_t lo = ubig >> kBucketShift;
-  const int nb = scan.umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
+  // Every nonzero value big: S[k] is the exact sum of the k largest (zeros add nothing), S[n] the row's.
   thread_local std::vector<int32_t> ccv;
-  ccv.resize(static_cast<size_t>(nb) + 1);
-  int32_t* cc = ccv.data();
-  CumulativeCounts(counts, hi, nb, cc);
-  ClearBuckets(counts, bmin, hi);
-  SumsFromCounts(values, ks, scan.sum, cc, hi, nb, out);
+  if (const std::optional<BigCounts> b = CountBig(values, known, &ccv, 0))
+    return SumsFromCounts(values, ks, b->sum, ccv.data(), b->hi, b->nb, out);
+  // Nonzero values below 2^L: their order matters (TopKSums).
+  thread_local TopKSums sums;
+  thread_local std::vector<float> scratch;
+  sums.Clear();
+  int kmax = 0;
+  for (int32_t k : ks) kmax = std::max(kmax, static_cast<int>(k));
+  sums.AddRow(values, kmax, known);
+  for (size_t i = 0; i < ks.size(); ++i) out[i] = sums.Sum(0, ks[i], &scratch);
 }
 
 double TopKSums::Sum(int r, int k, std::vector<float>* scratch) const {
@@ -1163,24 +1178,14 @@ void RowBuckets::Reserve(int rows) {
 }
 
 void RowBuckets::AddRow(std::span<const float> values, const RowSums* known) {
-  const size_t n = values.size();
-  const RowScan scan = ScanRow(values, known);
-  KVSIM_CHECK_MSG(!scan.negative, "TopKSums: values must be non-negative");
-  KVSIM_CHECK_MSG(std::isfinite(scan.sum), "TopKSums: values must be finite");
   Row row;
-  row.n = static_cast<int>(n);
-  row.sum = scan.sum;
+  row.n = static_cast<int>(values.size());
   row.bucket = cc_.size();
-  const uint32_t ubig = BigPattern(scan.sum), nonzero_min = scan.unz + 1;
-  if (nonzero_min == 0 || nonzero_min >= ubig) {  // every nonzero value is big (DescendingSums' counts)
-    const BucketCounts counts = CountBuckets(values);
-    const uint32_t hi = scan.umax >> kBucketShift, bmin = n > 0 ? scan.umin >> kBucketShift : hi;
-    const uint32_t lo = ubig >> kBucketShift;
-    row.hi = hi;
-    row.nb = scan.umax >= ubig ? static_cast<int>(hi - lo) + 1 : 0;
-    cc_.resize(row.bucket + row.nb + 1);
-    CumulativeCounts(counts, hi, row.nb, cc_.data() + row.bucket);
-    ClearBuckets(counts, bmin, hi);
+  if (const std::optional<BigCounts> b =
+          CountBig(values, known, &cc_, row.bucket)) {  // DescendingSums' counts
+    row.sum = b->sum;
+    row.hi = b->hi;
+    row.nb = b->nb;
   }
   rows_.push_back(row);
 }

@@ -1053,6 +1053,22 @@ TEST_CASE("replay: the oracle's k-th largest from the regret's buckets equals a 
     }
 }
 
+// The deferred-regret tests' trace: 4 query heads (MHA, or GQA on 2 KV heads with a sliding window of
+// `window` tokens), 56 prompt tokens with an image at [4, 30), 13 decode steps.
+MemoryTrace DeferralTrace(int window, uint64_t seed) {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 4;
+  spec.num_kv_heads = window ? 2 : 4;
+  spec.prefill_length = 56;
+  spec.decode_steps = 13;
+  spec.image_begin = 4;
+  spec.image_end = 30;
+  spec.seed = seed;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  if (window > 0) SetSlidingWindow(trace, window);
+  return trace;
+}
+
 TEST_CASE("replay: units with an oracle deferring their regrets equal TopKSums at each step", "[replay]") {
   // A unit with an oracle run (it asks the k-th largest value at every step) defers its runs' regrets too
   // (FinishRegret with each row's bucket counts, RowBuckets::Sums) and answers the oracle's k-th largest
@@ -1062,16 +1078,7 @@ TEST_CASE("replay: units with an oracle deferring their regrets equal TopKSums a
   // oracle's group threshold takes no k-th value there, the regrets are still deferred), with a sliding
   // window, at 1 and 3 threads: every result equal.
   for (int window : {0, 17}) {
-    testing::TinyTraceSpec spec;
-    spec.num_heads = 4;
-    spec.num_kv_heads = window ? 2 : 4;
-    spec.prefill_length = 56;
-    spec.decode_steps = 13;
-    spec.image_begin = 4;
-    spec.image_end = 30;
-    spec.seed = 53;
-    MemoryTrace trace = testing::MakeTinyTrace(spec);
-    if (window > 0) SetSlidingWindow(trace, window);
+    MemoryTrace trace = DeferralTrace(window, 53);
     std::vector<RunSpec> runs{RunSpec{Registered("full"), "full", 1.0, 0, QuestionMode::kQueryAware}};
     for (const char* set : {"decode_growth=false", "decode_growth=true"}) {
       auto p = PolicyRegistry::Default().Create("oracle", std::vector<std::string>{set});
@@ -1109,16 +1116,7 @@ TEST_CASE("replay: the regret's top-k sums deferred to the unit's last run equal
   // budget twice: many runs asking the same k) and `full` (k = the row's length: no k deferred), MHA and
   // GQA, with a sliding window (rows starting past key 0), at 1 and 3 threads: every result equal.
   for (int window : {0, 17}) {
-    testing::TinyTraceSpec spec;
-    spec.num_heads = 4;
-    spec.num_kv_heads = window ? 2 : 4;
-    spec.prefill_length = 56;
-    spec.decode_steps = 13;
-    spec.image_begin = 4;
-    spec.image_end = 30;
-    spec.seed = 47;
-    MemoryTrace trace = testing::MakeTinyTrace(spec);
-    if (window > 0) SetSlidingWindow(trace, window);
+    MemoryTrace trace = DeferralTrace(window, 47);
     std::vector<RunSpec> runs{RunSpec{Registered("full"), "full", 1.0, 0, QuestionMode::kQueryAware}};
     for (const char* name : {"snapkv", "streaming_llm", "h2o"})
       for (double b : {0.05, 0.2, 0.5, 0.9})
