@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
+#include <thread>
 #include <vector>
 
 namespace kvsim {
@@ -294,6 +296,38 @@ TEST_CASE("AccumulateColumnSums: hand-computed prompt case, with and without key
   // Accumulates (adds to what is there).
   AccumulateColumnSums(m, q.data() + 4, pos.data() + 2, 1, k.data(), 3, sums.data());
   CHECK(sums[2] == Approx(1.0).margin(1e-6));
+}
+
+TEST_CASE("AccumulateColumnSums: a call after a larger one gives a fresh thread's sums", "[attention]") {
+  // The logits block is kept per thread across calls: a later, smaller call (fewer rows, another width)
+  // must give bit for bit the sums a fresh thread gives, whatever the larger call left in the block.
+  const ModelInfo m = Model(8, 0.35);
+  std::mt19937 rng(91);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> q(300 * 8), k(300 * 8);
+  for (float& x : q) x = normal(rng);
+  for (float& x : k) x = normal(rng);
+  std::vector<int32_t> pos(300);
+  std::iota(pos.begin(), pos.end(), 0);
+  auto small = [&] {  // 40 queries at positions 100 .. 139 over 120 keys
+    std::vector<float> sums(120, 0.0f);
+    AccumulateColumnSums(m, q.data() + 100 * 8, pos.data() + 100, 40, k.data(), 120, sums.data());
+    return sums;
+  };
+  std::vector<float> fresh;
+  std::thread([&] { fresh = small(); }).join();
+  std::vector<float> large(300, 0.0f);
+  AccumulateColumnSums(m, q.data(), pos.data(), 300, k.data(), 300, large.data());
+  const std::vector<float> after = small();
+  REQUIRE(after.size() == fresh.size());
+  int differ = 0;
+  for (size_t j = 0; j < after.size(); ++j)
+    differ += std::bit_cast<uint32_t>(after[j]) != std::bit_cast<uint32_t>(fresh[j]);
+  CHECK(differ == 0);
+  const std::vector<double> naive =
+      NaiveColumnSums(m, std::vector<float>(q.begin() + 800, q.begin() + 1120),
+                      std::vector<int32_t>(pos.begin() + 100, pos.begin() + 140), k, 120);
+  for (size_t j = 0; j < after.size(); ++j) CHECK(after[j] == Approx(naive[j]).margin(1e-5));
 }
 
 TEST_CASE("AccumulateColumnSums matches a naive double loop on random data", "[attention]") {
