@@ -177,7 +177,7 @@ class RowBuckets {
     int nb = -1;        // buckets from the top one down to 2^L's; -1: no counts (values below 2^L)
     int n = 0;
     uint32_t hi = 0;  // the top bucket's number
-    double sum = 0;   // the row's exact sum (S[n])
+    double sum = 0;   // the row's exact sum (S[n]); set only with counts (nb >= 0)
   };
   std::vector<Row> rows_;
   std::vector<int32_t> cc_;  // per row: [j] how many values the top j buckets hold
