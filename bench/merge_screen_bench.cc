@@ -10,7 +10,7 @@
 // products and whether the merged slots are the same bits. On AVX2 CPUs without AVX512-BF16 also (round 16)
 // the int16 kernel alone with and without its int8 first stage, and its int8 products alone. Usage:
 // kvsim_merge_screen_bench [--shapes 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
-//        [--tokens 3280]
+//        [--tokens 3280] [--keys FILE] [--ghz 2.445]
 #include <cblas.h>
 
 #include <algorithm>
@@ -125,6 +125,104 @@ void NestedBudgets(int n, int reps, double mean) {
               same ? "yes" : "NO");
 }
 
+// The int16 screen's times for queries q (e x d) against targets t (k x d), rows normalised here: the int16
+// kernel and candidate scan alone (int16::Candidates without the int8 stage), with the int8 first stage
+// (round 16), and the int8 products alone (int8::Dots over all e rows). Round 21: also products per second
+// and int8 multiply-adds per cycle at --ghz (modelled: the clock is taken as given, not measured).
+double g_ghz = 2.445;
+double Int16Screen(const std::string& label, const std::vector<float>& q, int e, const std::vector<float>& t,
+                   int k, int reps, int d) {
+  namespace i16 = kvsim::merge_screen::int16;
+  namespace i8 = kvsim::merge_screen::int8;
+  std::vector<float> qn(q), tn(t);
+  for (std::vector<float>* m : {&qn, &tn})
+    for (size_t r = 0; r < m->size() / d; ++r) {
+      double s2 = 0;
+      for (int k2 = 0; k2 < d; ++k2) s2 += static_cast<double>((*m)[r * d + k2]) * (*m)[r * d + k2];
+      const float f = static_cast<float>(1.0 / std::sqrt(s2));
+      for (int k2 = 0; k2 < d; ++k2) (*m)[r * d + k2] *= f;
+    }
+  std::vector<int16_t> qp(static_cast<size_t>(e) * d), tp(i16::PackedTargetsSize(k, d));
+  std::vector<double> rq(e);
+  i16::PackQueries(qn.data(), e, d, qp.data(), rq.data());
+  const double rt = i16::PackTargets(tn.data(), k, d, tp.data());
+  std::vector<int64_t> slack(e);
+  for (int r = 0; r < e; ++r) slack[r] = i16::Slack(d, rq[r], rt);
+  std::vector<int> rows, idx;
+  i16::SetInt8ForTesting(false);
+  const double s16 = Best(reps, [&] {
+    rows.clear(), idx.clear();
+    i16::Candidates(qp.data(), e, tp.data(), k, d, slack.data(), &rows, &idx);
+  });
+  i16::SetInt8ForTesting(true);
+  if (!i8::Applies(d)) return s16;
+  // The same with the int8 first stage (the same candidates, checked).
+  std::vector<int8_t> t8(i8::PackedTargetsSize(k, d));
+  i16::Narrowed nw;
+  nw.norms = i8::NarrowTargets(tp.data(), k, d, t8.data());
+  nw.words = t8.data();
+  std::vector<int> rows8, idx8;
+  const double s8 = Best(reps, [&] {
+    rows8.clear(), idx8.clear();
+    i16::Candidates(qp.data(), e, tp.data(), k, d, slack.data(), &rows8, &idx8, nullptr, &nw);
+  });
+  std::vector<uint8_t> q8(static_cast<size_t>(e) * d);
+  std::vector<double> qn2(e), qe2(e);
+  std::vector<int32_t> qsc(e);
+  const long ld8 = i16::PaddedTargets(k);
+  std::vector<int32_t> p8(static_cast<size_t>(e) * ld8);
+  i8::NarrowQueries(qp.data(), e, d, nw.norms, q8.data(), qsc.data(), qn2.data(), qe2.data());
+  const double d8 = Best(reps, [&] { i8::Dots(q8.data(), e, t8.data(), k, d, p8.data(), ld8); });
+  const double products = static_cast<double>(e) * k;
+  std::printf(
+      "%-11s int16 only %.5f s; int8 stage %.5f s (%.2fx, %.2f G products/s, %.1f MAC/cycle); int8::Dots "
+      "alone %.5f s (%.2f G products/s, %.1f MAC/cycle); candidates/q %.2f; same candidates: %s\n",
+      label.c_str(), s16, s8, s8 / s16, products / s8 * 1e-9, products * d / s8 / (g_ghz * 1e9), d8,
+      products / d8 * 1e-9, products * d / d8 / (g_ghz * 1e9), static_cast<double>(rows8.size()) / e,
+      rows8 == rows && idx8 == idx ? "yes" : "NO");
+  return s16;
+}
+
+// Round 21: the int16 screen on real keys (--keys FILE: raw float32, heads x --tokens x 128, e.g. a few
+// heads of demo.h5 dumped with h5py): for each shape e x k and each head, k targets drawn at random (kept
+// tokens, in token order) and e other tokens as queries.
+void RealKeys(const std::string& file, const std::string& shapes, int tokens, int reps) {
+  constexpr int d = 128;
+  FILE* f = std::fopen(file.c_str(), "rb");
+  if (f == nullptr) {
+    std::fprintf(stderr, "kvsim: error: cannot open %s\n", file.c_str());
+    std::exit(2);
+  }
+  std::vector<float> all;
+  std::vector<float> buf(static_cast<size_t>(tokens) * d);
+  while (std::fread(buf.data(), sizeof(float), buf.size(), f) == buf.size())
+    all.insert(all.end(), buf.begin(), buf.end());
+  std::fclose(f);
+  const int heads = static_cast<int>(all.size() / buf.size());
+  std::printf("real keys: %d heads x %d tokens from %s\n", heads, tokens, file.c_str());
+  size_t pos = 0;
+  while (pos < shapes.size()) {
+    const size_t comma = std::min(shapes.find(',', pos), shapes.size());
+    const std::string shape = shapes.substr(pos, comma - pos);
+    pos = comma + 1;
+    const int e = std::atoi(shape.c_str()), k = std::atoi(shape.c_str() + shape.find('x') + 1);
+    if (e + k > tokens) continue;
+    for (int h = 0; h < heads; ++h) {
+      std::mt19937 rng(h);
+      std::vector<int> order(tokens);
+      for (int i = 0; i < tokens; ++i) order[i] = i;
+      std::shuffle(order.begin(), order.end(), rng);
+      std::sort(order.begin(), order.begin() + k);
+      std::vector<float> q(static_cast<size_t>(e) * d), t(static_cast<size_t>(k) * d);
+      const float* head = all.data() + static_cast<size_t>(h) * tokens * d;
+      for (int j = 0; j < k; ++j) std::copy_n(head + static_cast<size_t>(order[j]) * d, d, t.data() + j * d);
+      for (int r = 0; r < e; ++r)
+        std::copy_n(head + static_cast<size_t>(order[k + r]) * d, d, q.data() + r * d);
+      Int16Screen(shape + " h" + std::to_string(h), q, e, t, k, reps, d);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -132,6 +230,7 @@ int main(int argc, char** argv) {
   int reps = 5;
   double mean = 0.0;
   int tokens = 3280;
+  std::string keys;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--shapes"))
       shapes = argv[i + 1];
@@ -141,11 +240,15 @@ int main(int argc, char** argv) {
       mean = std::atof(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--tokens"))
       tokens = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--keys"))
+      keys = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--ghz"))
+      g_ghz = std::atof(argv[i + 1]);
     else {
-      std::fprintf(
-          stderr,
-          "kvsim: error: unknown argument %s (use --shapes ExK,..., --reps N, --mean M, --tokens N)\n",
-          argv[i]);
+      std::fprintf(stderr,
+                   "kvsim: error: unknown argument %s (use --shapes ExK,..., --reps N, --mean M, --tokens N, "
+                   "--keys F, --ghz G)\n",
+                   argv[i]);
       return 2;
     }
   }
@@ -157,6 +260,10 @@ int main(int argc, char** argv) {
               "int16::Candidates\n"
             : "note: no AVX512-BF16 or AVX2 on this CPU: both paths are the exact search\n");
   kvsim::EnsureSingleThreadedBlas();
+  if (!keys.empty()) {
+    RealKeys(keys, shapes, tokens, reps);
+    return 0;
+  }
   constexpr int d = 128;
   std::printf("d = %d, one thread, CPU s (best of %d), keys Gaussian + %.2f x shared direction\n", d, reps,
               mean);
@@ -200,57 +307,8 @@ int main(int argc, char** argv) {
                                         kvsim::merge_screen::PaddedTargets(k));
       });
     }
-    if (!kvsim::merge_screen::Supported() && kvsim::merge_screen::int16::Supported()) {
-      // The int16 screen's kernel and candidate scan over the whole e x k (rows normalised first).
-      std::vector<float> qn(q), tn(t);
-      for (std::vector<float>* m : {&qn, &tn})
-        for (size_t r = 0; r < m->size() / d; ++r) {
-          double s2 = 0;
-          for (int k2 = 0; k2 < d; ++k2) s2 += static_cast<double>((*m)[r * d + k2]) * (*m)[r * d + k2];
-          const float f = static_cast<float>(1.0 / std::sqrt(s2));
-          for (int k2 = 0; k2 < d; ++k2) (*m)[r * d + k2] *= f;
-        }
-      namespace i16 = kvsim::merge_screen::int16;
-      std::vector<int16_t> qp(static_cast<size_t>(e) * d), tp(i16::PackedTargetsSize(k, d));
-      std::vector<double> rq(e);
-      i16::PackQueries(qn.data(), e, d, qp.data(), rq.data());
-      const double rt = i16::PackTargets(tn.data(), k, d, tp.data());
-      std::vector<int64_t> slack(e);
-      for (int r = 0; r < e; ++r) slack[r] = i16::Slack(d, rq[r], rt);
-      std::vector<int> rows, idx;
-      i16::SetInt8ForTesting(false);
-      bf16_s = Best(reps, [&] {
-        rows.clear(), idx.clear();
-        i16::Candidates(qp.data(), e, tp.data(), k, d, slack.data(), &rows, &idx);
-      });
-      i16::SetInt8ForTesting(true);
-      // Round 16: the same with the int8 first stage (the same candidates, checked).
-      if (kvsim::merge_screen::int8::Applies(d)) {
-        std::vector<int8_t> t8(kvsim::merge_screen::int8::PackedTargetsSize(k, d));
-        i16::Narrowed nw;
-        nw.norms = kvsim::merge_screen::int8::NarrowTargets(tp.data(), k, d, t8.data());
-        nw.words = t8.data();
-        std::vector<int> rows8, idx8;
-        const double s8 = Best(reps, [&] {
-          rows8.clear(), idx8.clear();
-          i16::Candidates(qp.data(), e, tp.data(), k, d, slack.data(), &rows8, &idx8, nullptr, &nw);
-        });
-        std::vector<uint8_t> q8(static_cast<size_t>(e) * d);
-        std::vector<double> qn2(e), qe2(e);
-        std::vector<int32_t> qsc(e);
-        const long ld8 = i16::PaddedTargets(k);
-        std::vector<int32_t> p8(static_cast<size_t>(e) * ld8);
-        kvsim::merge_screen::int8::NarrowQueries(qp.data(), e, d, nw.norms, q8.data(), qsc.data(), qn2.data(),
-                                                 qe2.data());
-        const double d8 = Best(
-            reps, [&] { kvsim::merge_screen::int8::Dots(q8.data(), e, t8.data(), k, d, p8.data(), ld8); });
-        std::printf(
-            "%-11s int16 kernel only %.4f, with the int8 stage %.4f (%.2fx; its int8 products alone %.4f, "
-            "%.2fx), same candidates: %s\n",
-            shape.c_str(), bf16_s, s8, s8 / bf16_s, d8, d8 / bf16_s,
-            rows8 == rows && idx8 == idx ? "yes" : "NO");
-      }
-    }
+    if (!kvsim::merge_screen::Supported() && kvsim::merge_screen::int16::Supported())
+      bf16_s = Int16Screen(shape, q, e, t, k, reps, d);
     std::vector<float> c(static_cast<size_t>(e) * k);
     const double gemm_s = Best(reps, [&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, e, k, d, 1.0f, q.data(), d, t.data(), d, 0.0f,

@@ -224,6 +224,79 @@ TEST_CASE("int8 stage: the kernel's products are exact up to the Cauchy-Schwarz 
   }
 }
 
+// Round 21: the fused kernel (Dots16) against the definition: min(Dots' product saturated to int16, cap[j])
+// with cap from TargetCaps, for query rows read through pointers (stored last row first), every row count
+// 1..13 (blocks of 6 and their tails), ragged target counts (a last lone group of 8), d 16 / 48 / 128, bytes
+// at the extremes (query words ±127, target words ±64 and clamped ones: unusable), zero rows, and rows
+// NarrowQueries cannot scale (scale 0: their products are still Dots' bits, capped); row_max[r] = the row's
+// largest value; and, for usable targets of scaled rows, the exact Σ q t.
+TEST_CASE("int8 stage: Dots16 is Dots saturated to int16 and capped, with each row's maximum",
+          "[merge][screen]") {
+  if (!i8::Applies(128)) return;
+  std::mt19937 g(21);
+  for (int d : {16, 48, 128}) {
+    for (int nq = 1; nq <= 13; ++nq)
+      for (int nt : {1, 7, 8, 9, 16, 17, 64, 100}) {
+        std::vector<float> qf = UnitRows(nq, d, 3 * d + nq), tf = UnitRows(nt, d, 5 * d + nt);
+        // Extremes: target 0 a coordinate axis (its word clamps: unusable), target 2 = −query 0, a zero
+        // target and query, query 1 an axis (words ±127 after clamping), query 2 huge relative to others.
+        if (nt > 0)
+          for (int k = 0; k < d; ++k) tf[k] = k == 3 ? 1.0f : 0.0f;
+        if (nt > 2)
+          for (int k = 0; k < d; ++k) tf[2 * d + k] = -qf[k];
+        if (nt > 5)
+          for (int k = 0; k < d; ++k) tf[5 * d + k] = 0.0f;
+        if (nq > 1)
+          for (int k = 0; k < d; ++k) qf[d + k] = k == 0 ? -1.0f : 0.0f;
+        if (nq > 3)
+          for (int k = 0; k < d; ++k) qf[3 * d + k] = 0.0f;
+        Packed p = Pack(qf, nq, tf, nt, d);
+        if (nq > 4)  // a row too long for the int16 sums (scale 0) with words at ±16384
+          for (int k = 0; k < d; ++k) p.q[4 * d + k] = static_cast<int16_t>(k % 2 ? 16384 : -16384);
+        const Narrow w = NarrowAll(p.q, nq, p.t, nt, d);
+        const long ld = (nt + 7) / 8 * 8;
+        std::vector<int32_t> want(static_cast<size_t>(nq) * ld);
+        i8::Dots(w.q.data(), nq, w.t.data(), nt, d, want.data(), ld);
+        std::vector<int16_t> cap(ld, 7);
+        i8::TargetCaps(w.t.data(), nt, d, cap.data());
+        const uint8_t* bad = i8::Unusable(w.t.data(), nt, d);
+        for (int j = 0; j < ld; ++j)
+          REQUIRE(cap[j] == (j < nt && !((bad[j / 8] >> (j % 8)) & 1) ? INT16_MAX : INT16_MIN));
+        if (nt > 0) CHECK(cap[0] == INT16_MIN);  // the axis target: a clamped word
+        // Rows through pointers, stored last first; the output with a stride and a tail left alone.
+        std::vector<uint8_t> rev(w.q.size());
+        std::vector<const uint8_t*> at(nq);
+        for (int r = 0; r < nq; ++r) {
+          std::copy_n(&w.q[static_cast<size_t>(r) * d], d, &rev[static_cast<size_t>(nq - 1 - r) * d]);
+          at[r] = &rev[static_cast<size_t>(nq - 1 - r) * d];
+        }
+        const long ld16 = ld + 5;
+        std::vector<int16_t> out(static_cast<size_t>(nq) * ld16, 4321), mx(nq, 4321);
+        i8::Dots16(at.data(), nq, w.t.data(), nt, d, cap.data(), out.data(), ld16, mx.data());
+        for (int r = 0; r < nq; ++r) {
+          int16_t m = INT16_MIN;
+          for (int j = 0; j < ld; ++j) {
+            const int32_t sat = std::clamp<int32_t>(want[r * ld + j], INT16_MIN, INT16_MAX);
+            const int16_t v = static_cast<int16_t>(std::min<int32_t>(sat, cap[j]));
+            CAPTURE(d, nq, nt, r, j);
+            REQUIRE(out[r * ld16 + j] == v);
+            m = std::max(m, v);
+            if (w.scale[r] > 0 && cap[j] == INT16_MAX) {
+              int32_t exact = 0;
+              for (int k = 0; k < d; ++k)
+                exact += Word(w.scale[r], p.q[r * d + k]) * TWord(T16(p.t, d, j, k));
+              REQUIRE(out[r * ld16 + j] == exact);
+            }
+          }
+          CAPTURE(d, nq, nt, r);
+          REQUIRE(mx[r] == m);
+          for (long j = ld; j < ld16; ++j) REQUIRE(out[r * ld16 + j] == 4321);
+        }
+        if (nq > 4 && w.tn.norm2 > 0) CHECK(w.scale[4] == 0);  // no usable target: every row scales
+      }
+  }
+}
+
 // |c C S − 2^28 P| for one query row (scale c) and one target row of int16 words, and the bound E.
 double Gap(int c, const int16_t* a, const int16_t* b, int d, double* e) {
   int64_t s = 0, p = 0;
