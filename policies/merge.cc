@@ -160,21 +160,18 @@ void ScreenBlock(const float* q, int rows, const float* t, const ScreenTargets& 
   thread_local std::vector<const float*> ca, cb;
   thread_local std::vector<int> crow, cidx;
   thread_local std::vector<int16_t> qp16_buf;
-  thread_local std::vector<const int16_t*> qrow16;
   thread_local std::vector<int64_t> slack, floor_s;
   double* qe = Scratch(q_err, rows);
   ca.clear(), cb.clear(), crow.clear(), cidx.clear();
   if (tp.int16 != nullptr) {
-    // The rows' words: in place (round 21: no copy), or packed here.
-    const int16_t* const* qw = in_place != nullptr ? in_place->words : nullptr;
+    int16_t* qp = Scratch(qp16_buf, static_cast<size_t>(rows) * d);
     if (in_place != nullptr) {
-      for (int r = 0; r < rows; ++r) qe[r] = in_place->err[r];
+      for (int r = 0; r < rows; ++r) {
+        std::memcpy(qp + static_cast<size_t>(r) * d, in_place->words[r], d * sizeof(int16_t));
+        qe[r] = in_place->err[r];
+      }
     } else {
-      int16_t* qp = Scratch(qp16_buf, static_cast<size_t>(rows) * d);
       merge_screen::int16::PackQueries(q, rows, d, qp, qe);
-      qrow16.resize(rows);
-      for (int r = 0; r < rows; ++r) qrow16[r] = qp + static_cast<size_t>(r) * d;
-      qw = qrow16.data();
     }
     int64_t* sl = Scratch(slack, rows);
     for (int r = 0; r < rows; ++r) sl[r] = merge_screen::int16::Slack(d, qe[r], tp.err);
@@ -189,7 +186,7 @@ void ScreenBlock(const float* q, int rows, const float* t, const ScreenTargets& 
       }
     }
     const bool pre = in_place != nullptr && in_place->narrowed.bytes != nullptr;
-    merge_screen::int16::Candidates(qw, rows, tp.int16, num_targets, d, sl, &crow, &cidx, fl, &tp.int8,
+    merge_screen::int16::Candidates(qp, rows, tp.int16, num_targets, d, sl, &crow, &cidx, fl, &tp.int8,
                                     pre ? &in_place->narrowed : nullptr);
     for (size_t i = 0; i < crow.size(); ++i) {
       if (in_place != nullptr) {

@@ -62,10 +62,9 @@ inline double Err2(float x, int16_t q) {
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVSIM_INT16_TARGET __attribute__((target("avx2")))
 
-// R query rows (row r's words at q[r]) x V groups of 8 targets of int32 accumulators, the dimension pairs
-// in order.
+// R query rows x V groups of 8 targets of int32 accumulators, the dimension pairs in order.
 template <int R, int V>
-KVSIM_INT16_TARGET inline __attribute__((always_inline)) void Block(const int16_t* const* q, int pairs,
+KVSIM_INT16_TARGET inline __attribute__((always_inline)) void Block(const int16_t* q, int pairs,
                                                                     const int32_t* t, int32_t* out, long ld) {
   __m256i acc[R][V];
   for (int r = 0; r < R; ++r)
@@ -77,7 +76,7 @@ KVSIM_INT16_TARGET inline __attribute__((always_inline)) void Block(const int16_
       tv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + v * group + p * 8));
     for (int r = 0; r < R; ++r) {
       int32_t word;  // the query's pair p (memcpy: the buffer holds int16)
-      std::memcpy(&word, q[r] + 2 * p, sizeof word);
+      std::memcpy(&word, q + 2 * (static_cast<long>(r) * pairs + p), sizeof word);
       const __m256i qb = _mm256_set1_epi32(word);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(qb, tv[v]));
     }
@@ -88,7 +87,7 @@ KVSIM_INT16_TARGET inline __attribute__((always_inline)) void Block(const int16_
 }
 
 template <int R>
-KVSIM_INT16_TARGET void Rows(const int16_t* const* q, int pairs, const int32_t* t, int groups, int32_t* out,
+KVSIM_INT16_TARGET void Rows(const int16_t* q, int pairs, const int32_t* t, int groups, int32_t* out,
                              long ld) {
   const long group = static_cast<long>(pairs) * 8;
   int g = 0;
@@ -96,10 +95,10 @@ KVSIM_INT16_TARGET void Rows(const int16_t* const* q, int pairs, const int32_t* 
   if (g < groups) Block<R, 1>(q, pairs, t + g * group, out + g * 8, ld);
 }
 
-// Up to kRows query rows (row r at q[r]) against every group: out row r at out + r ld.
+// Up to kRows query rows (row r at q + r d) against every group: out row r at out + r ld.
 constexpr int kRows = 6;  // 6 rows x 2 groups = 12 accumulators (+ 2 targets + 1 query word: 15 registers)
-KVSIM_INT16_TARGET void RowsN(int rows, const int16_t* const* q, int d, const int32_t* t, int groups,
-                              int32_t* out, long ld) {
+KVSIM_INT16_TARGET void RowsN(int rows, const int16_t* q, int d, const int32_t* t, int groups, int32_t* out,
+                              long ld) {
   const int pairs = d / 2;
   switch (rows) {
     case 6:
@@ -123,12 +122,8 @@ KVSIM_INT16_TARGET void DotsAvx2(const int16_t* queries, int nq, const int16_t* 
                                  int32_t* out, long ld) {
   const int groups = PaddedTargets(nt) / 8;
   const int32_t* t = reinterpret_cast<const int32_t*>(targets);
-  for (int r = 0; r < nq; r += kRows) {
-    const int16_t* q[kRows];
-    const int rows = std::min(kRows, nq - r);
-    for (int i = 0; i < rows; ++i) q[i] = queries + static_cast<long>(r + i) * d;
-    RowsN(rows, q, d, t, groups, out + r * ld, ld);
-  }
+  for (int r = 0; r < nq; r += kRows)
+    RowsN(std::min(kRows, nq - r), queries + static_cast<long>(r) * d, d, t, groups, out + r * ld, ld);
 }
 
 // The candidates of `rows` (≤ kRows) query rows whose products are in buf (row stride ld, padding set to
@@ -234,9 +229,8 @@ KVSIM_INT16_TARGET void RowTargets(const int16_t* q, int d, const int16_t* rows,
 }
 
 // The int8 stage for `rows` (≤ kRows) query rows from r0 (merge_screen_int8.cc (3)): their int8 products
-// p as int16, capped (int8::Dots16, row stride ld8; round 21: with each row's maximum, no second pass, and
-// half the bytes of int32 products); then per row the list of targets that can be candidates (and the
-// unusable ones), their int16 products (compact: the i-th listed target's at buf + i), and
+// p (row stride ld); then per row the list of groups that can hold a candidate (and those with an unusable
+// target), their int16 products (compact: the i-th listed group's 8 at buf + 8 i; padding INT32_MIN), and
 // the row's candidates by Collect's rule over them — the same list as Collect over every product, since
 // the groups left out hold none and do not hold the row maximum (unless no target reaches the floor).
 // Left-packing: kPack[m] lists the set bits of m (ascending), padded with zeros.
@@ -252,58 +246,59 @@ struct PackTable {
 };
 constexpr PackTable kPack;
 
-KVSIM_INT16_TARGET void Int8Stage(const int16_t* const* queries, int r0, int rows, int d,
-                                  const uint8_t* const* q8, const int32_t* qs, const double* qn,
-                                  const double* qe, int nt, const Narrowed& narrow, const int16_t* cap,
-                                  const int* bad, int num_bad, const int64_t* slack, const int64_t* floor,
-                                  int16_t* p, int32_t* buf, long ld8, int* list, std::vector<int>* out_rows,
-                                  std::vector<int>* out_idx) {
+KVSIM_INT16_TARGET void Int8Stage(const int16_t* queries, int r0, int rows, int d, const uint8_t* q8,
+                                  const int32_t* qs, const double* qn, const double* qe, int nt,
+                                  const Narrowed& narrow, const int* bad, int num_bad, const int64_t* slack,
+                                  const int64_t* floor, int32_t* p, int32_t* buf, long ld4, int* list,
+                                  std::vector<int>* out_rows, std::vector<int>* out_idx) {
+  const int groups4 = static_cast<int>(ld4 / 8);  // groups4 % 4 == 0
   const uint8_t* unusable = int8::Unusable(narrow.words, nt, d);
   const int16_t* rows16 = int8::Rows16(narrow.words, nt, d);
-  int16_t row_max[kRows];
-  // The capped int16 products and each row's maximum in one pass (round 21): padding and unusable targets
-  // are INT16_MIN, below every usable P (|P| ≤ 32767), so never the maximum (as INT32_MIN before).
-  int8::Dots16(q8 + r0, rows, narrow.words, nt, d, cap, p, ld8, row_max);
+  int8::Dots(q8 + static_cast<long>(r0) * d, rows, narrow.words, nt, d, p, ld4);
   for (int i = 0; i < rows; ++i) {
     const int r = r0 + i;
-    const int16_t* pr = p + i * ld8;
-    const int32_t m = row_max[i];
+    int32_t* pr = p + i * ld4;
+    std::fill(pr + nt, pr + ld4, INT32_MIN);  // padding and unusable targets are never the maximum
+    for (int b = 0; b < num_bad; ++b)
+      for (unsigned m = unusable[bad[b]]; m != 0; m &= m - 1)
+        pr[bad[b] * 8 + std::countr_zero(m)] = INT32_MIN;
+    __m256i mx0 = _mm256_set1_epi32(INT32_MIN), mx1 = mx0;
+    for (long j = 0; j < ld4; j += 16) {
+      mx0 = _mm256_max_epi32(mx0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pr + j)));
+      mx1 = _mm256_max_epi32(mx1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pr + j + 8)));
+    }
+    __m256i mx = _mm256_max_epi32(mx0, mx1);
+    mx = _mm256_max_epi32(mx, _mm256_shuffle_epi32(mx, 0x4E));
+    mx = _mm256_max_epi32(mx, _mm256_shuffle_epi32(mx, 0xB1));
+    const int32_t m = std::max(_mm256_extract_epi32(mx, 0), _mm256_extract_epi32(mx, 4));
     const int64_t sl = std::min<int64_t>(slack[r], int64_t{1} << 30);
     const int64_t f =
         floor != nullptr ? std::clamp<int64_t>(floor[r], -(int64_t{1} << 30), int64_t{1} << 30) : INT64_MIN;
-    // m ≥ INT16_MIN, W ≤ 2^40 + 1, |FloorP| ≤ 2^40 + 1: no overflow in int64.
+    // m ≥ INT32_MIN, W ≤ 2^40 + 1, |FloorP| ≤ 2^40 + 1: no overflow in int64.
     int64_t lo = int64_t{m} - int8::Window(qs[r], qn[r], qe[r], narrow.norms, sl);
     if (floor != nullptr) lo = std::max(lo, int8::FloorP(qs[r], qn[r], qe[r], narrow.norms, f));
-    // P ≥ lo ⟺ P > lo − 1; clamped to int16: a usable P is in [−32767, 32767], so a threshold below
-    // −32768 passes all of them as −32768 does, one above 32767 none as 32767 does; INT16_MIN entries
-    // (padding, unusable) never pass.
+    // P ≥ lo ⟺ P > lo − 1; INT32_MIN entries never pass.
     const __m256i th =
-        _mm256_set1_epi16(static_cast<int16_t>(std::clamp<int64_t>(lo - 1, INT16_MIN, INT16_MAX)));
+        _mm256_set1_epi32(static_cast<int32_t>(std::clamp<int64_t>(lo - 1, INT32_MIN, INT32_MAX)));
     // The surviving targets, ascending (left-packed 8 at a time), and every unusable one
     // (merge_screen_int8.cc (3)).
     int n = 0;
     int b = 0;                              // next unusable group
-    for (int g = 0; g < ld8 / 8; g += 8) {  // most groups fail: test eight (64 targets) at once
+    for (int g = 0; g < groups4; g += 4) {  // most groups fail: test four at once
       const __m256i* v = reinterpret_cast<const __m256i*>(pr + g * 8);
-      const __m256i c0 = _mm256_cmpgt_epi16(_mm256_loadu_si256(v), th);
-      const __m256i c1 = _mm256_cmpgt_epi16(_mm256_loadu_si256(v + 1), th);
-      const __m256i c2 = _mm256_cmpgt_epi16(_mm256_loadu_si256(v + 2), th);
-      const __m256i c3 = _mm256_cmpgt_epi16(_mm256_loadu_si256(v + 3), th);
-      const __m256i any = _mm256_or_si256(_mm256_or_si256(c0, c1), _mm256_or_si256(c2, c3));
-      const bool has_bad = b < num_bad && bad[b] < g + 8;
+      const __m256i g0 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v), th);
+      const __m256i g1 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 1), th);
+      const __m256i g2 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 2), th);
+      const __m256i g3 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 3), th);
+      const __m256i any = _mm256_or_si256(_mm256_or_si256(g0, g1), _mm256_or_si256(g2, g3));
+      const bool has_bad = b < num_bad && bad[b] < g + 4;
       if (_mm256_testz_si256(any, any) && !has_bad) continue;
-      // packs: [c0 lo, c1 lo | c0 hi, c1 hi] as bytes; the quarter swap puts the 32 targets in order.
-      const uint64_t mask =
-          static_cast<uint32_t>(
-              _mm256_movemask_epi8(_mm256_permute4x64_epi64(_mm256_packs_epi16(c0, c1), 0xD8))) |
-          static_cast<uint64_t>(static_cast<uint32_t>(
-              _mm256_movemask_epi8(_mm256_permute4x64_epi64(_mm256_packs_epi16(c2, c3), 0xD8))))
-              << 32;
-      unsigned mk[8];
-      for (int k = 0; k < 8; ++k) mk[k] = static_cast<unsigned>(mask >> (8 * k)) & 0xFFu;
-      for (; b < num_bad && bad[b] < g + 8; ++b) mk[bad[b] - g] |= unusable[bad[b]];
-      for (int k = 0; k < 8; ++k) {
-        if (mk[k] == 0) continue;
+      unsigned mk[4] = {static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g0))),
+                        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g1))),
+                        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g2))),
+                        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g3)))};
+      for (; b < num_bad && bad[b] < g + 4; ++b) mk[bad[b] - g] |= unusable[bad[b]];
+      for (int k = 0; k < 4; ++k) {
         const __m256i at =
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPack.idx[mk[k]])));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(list + n),
@@ -312,8 +307,8 @@ KVSIM_INT16_TARGET void Int8Stage(const int16_t* const* queries, int r0, int row
       }
     }
     if (n == 0) continue;
-    RowTargets(queries[r], d, rows16, list, n, buf);
-    // Collect's rule for this row over these targets (padding is never among them: its P is INT16_MIN).
+    RowTargets(queries + static_cast<long>(r) * d, d, rows16, list, n, buf);
+    // Collect's rule for this row over these targets (padding is never among them: its P is INT32_MIN).
     int32_t sm = buf[0];
     for (int c = 1; c < n; ++c) sm = std::max(sm, buf[c]);
     int64_t slo = sm - sl;
@@ -323,46 +318,34 @@ KVSIM_INT16_TARGET void Int8Stage(const int16_t* const* queries, int r0, int row
   }
 }
 
-KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* const* queries, int nq, const int16_t* targets, int nt,
-                                       int d, const int64_t* slack, const int64_t* floor,
-                                       const Narrowed* narrow, const int8::NarrowedRows* pre,
-                                       std::vector<int>* out_rows, std::vector<int>* out_idx) {
-  thread_local std::vector<int32_t> buf, qs;
-  thread_local std::vector<int16_t> pbuf, cap;
+KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int16_t* targets, int nt, int d,
+                                       const int64_t* slack, const int64_t* floor, const Narrowed* narrow,
+                                       const int8::NarrowedRows* pre, std::vector<int>* out_rows,
+                                       std::vector<int>* out_idx) {
+  thread_local std::vector<int32_t> buf, pbuf, qs;
   thread_local std::vector<uint8_t> q8;
-  thread_local std::vector<const uint8_t*> q8row;
   thread_local std::vector<double> qn, qe;
   thread_local std::vector<int> list, bad;
   const int groups = PaddedTargets(nt) / 8;
   const long ld = PaddedTargets(nt);
-  const long ld8 = (ld + 63) / 64 * 64;  // the int8 products' row stride: whole runs of eight groups
+  const long ld4 = (ld + 31) / 32 * 32;  // the int8 products' row stride: whole runs of four groups
   if (buf.size() < static_cast<size_t>(kRows * ld)) buf.resize(kRows * ld);
   const int32_t* t = reinterpret_cast<const int32_t*>(targets);
   const bool use8 = narrow != nullptr && narrow->words != nullptr && int8::Applies(d) && Int8Enabled();
   if (use8) {
-    if (pbuf.size() < static_cast<size_t>(kRows * ld8)) pbuf.resize(kRows * ld8);
-    // Past the padded targets the kernel writes nothing: INT16_MIN, never a survivor.
-    for (int i = 0; i < kRows; ++i)
-      std::fill(pbuf.data() + i * ld8 + ld, pbuf.data() + (i + 1) * ld8, INT16_MIN);
-    if (cap.size() < static_cast<size_t>(ld)) cap.resize(ld);
-    int8::TargetCaps(narrow->words, nt, d, cap.data());
-    if (qn.size() < static_cast<size_t>(nq)) qn.resize(nq), qe.resize(nq), qs.resize(nq), q8row.resize(nq);
-    if (list.size() < static_cast<size_t>(ld8 + 8)) list.resize(ld8 + 8);
-    if (buf.size() < static_cast<size_t>(ld8 + 8)) buf.resize(ld8 + 8);
-    if (pre != nullptr) {  // narrowed already: NarrowQueries' bytes (read in place) and values, the targets'
-                           // check here
+    if (pbuf.size() < static_cast<size_t>(kRows * ld4)) pbuf.resize(kRows * ld4);
+    if (q8.size() < static_cast<size_t>(nq) * d) q8.resize(static_cast<size_t>(nq) * d);
+    if (qn.size() < static_cast<size_t>(nq)) qn.resize(nq), qe.resize(nq), qs.resize(nq);
+    if (list.size() < static_cast<size_t>(ld4 + 8)) list.resize(ld4 + 8);
+    if (buf.size() < static_cast<size_t>(ld4 + 8)) buf.resize(ld4 + 8);
+    if (pre != nullptr) {  // narrowed already: NarrowQueries' bytes and values, the targets' check here
       for (int r = 0; r < nq; ++r) {
-        q8row[r] = pre->bytes[r];
+        std::memcpy(q8.data() + static_cast<size_t>(r) * d, pre->bytes[r], d);
         qs[r] = int8::RowScale(d, pre->norm2[r], narrow->norms);
         qn[r] = qs[r] > 0 ? pre->norm[r] : 0, qe[r] = qs[r] > 0 ? pre->err[r] : 0;
       }
     } else {
-      if (q8.size() < static_cast<size_t>(nq) * d) q8.resize(static_cast<size_t>(nq) * d);
-      for (int r = 0; r < nq; ++r) {
-        q8row[r] = q8.data() + static_cast<size_t>(r) * d;
-        int8::NarrowQueries(queries[r], 1, d, narrow->norms, q8.data() + static_cast<size_t>(r) * d, &qs[r],
-                            &qn[r], &qe[r]);
-      }
+      int8::NarrowQueries(queries, nq, d, narrow->norms, q8.data(), qs.data(), qn.data(), qe.data());
     }
     const uint8_t* unusable = int8::Unusable(narrow->words, nt, d);
     bad.clear();
@@ -374,12 +357,12 @@ KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* const* queries, int nq, co
     bool ok = use8;
     for (int i = 0; ok && i < rows; ++i) ok = qs[r + i] > 0;
     if (ok) {
-      Int8Stage(queries, r, rows, d, q8row.data(), qs.data(), qn.data(), qe.data(), nt, *narrow, cap.data(),
-                bad.data(), static_cast<int>(bad.size()), slack, floor, pbuf.data(), buf.data(), ld8,
-                list.data(), out_rows, out_idx);
+      Int8Stage(queries, r, rows, d, q8.data(), qs.data(), qn.data(), qe.data(), nt, *narrow, bad.data(),
+                static_cast<int>(bad.size()), slack, floor, pbuf.data(), buf.data(), ld4, list.data(),
+                out_rows, out_idx);
       continue;
     }
-    RowsN(rows, queries + r, d, t, groups, buf.data(), ld);
+    RowsN(rows, queries + static_cast<long>(r) * d, d, t, groups, buf.data(), ld);
     for (int i = 0; i < rows; ++i) std::fill(buf.data() + i * ld + nt, buf.data() + (i + 1) * ld, INT32_MIN);
     Collect(buf.data(), ld, rows, r, slack, floor, out_rows, out_idx);
   }
@@ -452,27 +435,17 @@ void Dots(const int16_t* queries, int num_queries, const int16_t* targets, int n
 void SetInt8ForTesting(bool enabled) { g_int8.store(enabled, std::memory_order_relaxed); }
 bool Int8Enabled() { return kInt8EnvAllows && g_int8.load(std::memory_order_relaxed); }
 
-void Candidates(const int16_t* const* query_rows, int num_queries, const int16_t* targets, int num_targets,
-                int d, const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx,
-                const int64_t* floor, const Narrowed* narrow, const int8::NarrowedRows* narrowed_queries) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  CandidatesAvx2(query_rows, num_queries, targets, num_targets, d, slack, floor, narrow, narrowed_queries,
-                 rows, idx);
-#else
-  (void)query_rows, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)slack, (void)rows,
-      (void)idx, (void)floor, (void)narrow, (void)narrowed_queries;
-  std::abort();  // callers check Supported()
-#endif
-}
-
 void Candidates(const int16_t* queries, int num_queries, const int16_t* targets, int num_targets, int d,
                 const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx, const int64_t* floor,
                 const Narrowed* narrow, const int8::NarrowedRows* narrowed_queries) {
-  thread_local std::vector<const int16_t*> q;
-  q.resize(num_queries);
-  for (int r = 0; r < num_queries; ++r) q[r] = queries + static_cast<long>(r) * d;
-  Candidates(q.data(), num_queries, targets, num_targets, d, slack, rows, idx, floor, narrow,
-             narrowed_queries);
+#if defined(__x86_64__) && defined(__GNUC__)
+  CandidatesAvx2(queries, num_queries, targets, num_targets, d, slack, floor, narrow, narrowed_queries, rows,
+                 idx);
+#else
+  (void)queries, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)slack, (void)rows,
+      (void)idx, (void)floor, (void)narrow, (void)narrowed_queries;
+  std::abort();  // callers check Supported()
+#endif
 }
 
 int64_t Slack(int d, double rq, double rt) {

@@ -65,12 +65,6 @@ void Candidates(const int16_t* queries, int num_queries, const int16_t* targets,
                 const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx,
                 const int64_t* floor = nullptr, const Narrowed* narrow = nullptr,
                 const int8::NarrowedRows* narrowed_queries = nullptr);
-// The same with query row r's words at query_rows[r] (read in place: ScreenBlock's rows from the unit's
-// keys; round 21).
-void Candidates(const int16_t* const* query_rows, int num_queries, const int16_t* targets, int num_targets,
-                int d, const int64_t* slack, std::vector<int>* rows, std::vector<int>* idx,
-                const int64_t* floor = nullptr, const Narrowed* narrow = nullptr,
-                const int8::NarrowedRows* narrowed_queries = nullptr);
 // Test and A/B hook: the int8 stage off (false) or on again (true). Also off with KVSIM_MERGE_INT8=0.
 void SetInt8ForTesting(bool enabled);
 bool Int8Enabled();

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -40,9 +39,7 @@
 //      S_m < F, when no target reaches the floor and the list is empty either way — and every target of
 //      S ≥ M − Slack, S ≥ F is computed: the candidate list is the same, target for target, in the same
 //      (ascending) order. Padding and unusable targets are set below every real P (INT32_MIN) before the
-//      maximum, and padding is never computed. (Round 21, Dots16: the same in int16 — a usable target's P
-//      of a scaled row is in [−32767, 32767] by (1), so saturating the int32 sum to int16 keeps it exact,
-//      and padding and unusable targets are capped to INT16_MIN, below every such P.)
+//      maximum, and padding is never computed.
 //  (4) Rounding of the window. ‖q‖², ‖t‖² are exact integers; ‖α‖², ‖β‖² are summed in float: each α_k,
 //      β_k is an integer below 2^24 (|c A_k| ≤ 511 · 2^15), exact; each square and each of the ≤ d + 8
 //      additions rounds to nearest with relative error ≤ u = 2^-24 on nonnegative terms, so the exact sum
@@ -231,11 +228,13 @@ KVSIM_INT8_TARGET void NarrowRowsAvx2(const int16_t* q16, int n, int d, uint8_t*
 }
 
 // R query rows x V groups of 8 targets: int16 accumulators from the groups' starts (the bias), lane 2i /
-// 2i + 1 = target i's sums over the quads' first / second dimension pairs (query row r's bytes at q[r]).
+// 2i + 1 = target i's sums over the quads' first / second dimension pairs; combined into int32 (vpmaddwd
+// by 1) at the end.
 template <int R, int V>
-KVSIM_INT8_TARGET inline __attribute__((always_inline)) void Accumulate(const uint8_t* const* q, int d,
-                                                                        const int8_t* t, const int16_t* start,
-                                                                        __m256i (&acc)[R][V]) {
+KVSIM_INT8_TARGET inline __attribute__((always_inline)) void Block(const uint8_t* q, int d, const int8_t* t,
+                                                                   const int16_t* start, int32_t* out,
+                                                                   long ld) {
+  __m256i acc[R][V];
   for (int v = 0; v < V; ++v) {
     const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(start + 16 * v));
     for (int r = 0; r < R; ++r) acc[r][v] = s;
@@ -248,20 +247,11 @@ KVSIM_INT8_TARGET inline __attribute__((always_inline)) void Accumulate(const ui
       tv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + v * group + p * 32));
     for (int r = 0; r < R; ++r) {
       int32_t word;
-      std::memcpy(&word, q[r] + 4 * p, sizeof word);
+      std::memcpy(&word, q + static_cast<long>(r) * d + 4 * p, sizeof word);
       const __m256i qb = _mm256_set1_epi32(word);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi16(acc[r][v], _mm256_maddubs_epi16(qb, tv[v]));
     }
   }
-}
-
-// Dots' block: the two lanes of a target combined into int32 (vpmaddwd by 1).
-template <int R, int V>
-KVSIM_INT8_TARGET inline __attribute__((always_inline)) void Block(const uint8_t* const* q, int d,
-                                                                   const int8_t* t, const int16_t* start,
-                                                                   int32_t* out, long ld) {
-  __m256i acc[R][V];
-  Accumulate<R, V>(q, d, t, start, acc);
   const __m256i one = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v)
@@ -269,66 +259,15 @@ KVSIM_INT8_TARGET inline __attribute__((always_inline)) void Block(const uint8_t
                           _mm256_madd_epi16(acc[r][v], one));
 }
 
-// Dots16's block: the int32 sums packed to int16 with saturation (exact where |P| ≤ 32767), in target order,
-// each capped by its target's cap, stored, and folded into the rows' running maxima mx.
-template <int R, int V>
-KVSIM_INT8_TARGET inline __attribute__((always_inline)) void Block16(const uint8_t* const* q, int d,
-                                                                     const int8_t* t, const int16_t* start,
-                                                                     const int16_t* cap, int16_t* out,
-                                                                     long ld, __m256i* mx) {
-  __m256i acc[R][V];
-  Accumulate<R, V>(q, d, t, start, acc);
-  const __m256i one = _mm256_set1_epi16(1);
-  if constexpr (V == 2) {
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cap));
-    for (int r = 0; r < R; ++r) {
-      const __m256i p = _mm256_min_epi16(
-          c, _mm256_permute4x64_epi64(
-                 _mm256_packs_epi32(_mm256_madd_epi16(acc[r][0], one), _mm256_madd_epi16(acc[r][1], one)),
-                 0xD8));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld), p);
-      mx[r] = _mm256_max_epi16(mx[r], p);
-    }
-  } else {
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cap));
-    for (int r = 0; r < R; ++r) {
-      const __m256i w = _mm256_madd_epi16(acc[r][0], one);
-      const __m128i p =
-          _mm_min_epi16(c, _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * ld), p);
-      mx[r] = _mm256_max_epi16(mx[r], _mm256_broadcastsi128_si256(p));  // both halves: the same maximum
-    }
-  }
-}
-
 constexpr int kRows = 6;  // query rows per block (as the int16 kernel's)
 
 template <int R>
-KVSIM_INT8_TARGET void Rows(const uint8_t* const* q, int d, const int8_t* t, const int16_t* start, int groups,
+KVSIM_INT8_TARGET void Rows(const uint8_t* q, int d, const int8_t* t, const int16_t* start, int groups,
                             int32_t* out, long ld) {
   const long group = static_cast<long>(d) * 8;
   int g = 0;
   for (; g + 2 <= groups; g += 2) Block<R, 2>(q, d, t + g * group, start + 16 * g, out + g * 8, ld);
   if (g < groups) Block<R, 1>(q, d, t + g * group, start + 16 * g, out + g * 8, ld);
-}
-
-template <int R>
-KVSIM_INT8_TARGET void Rows16(const uint8_t* const* q, int d, const int8_t* t, const int16_t* start,
-                              int groups, const int16_t* cap, int16_t* out, long ld, int16_t* row_max) {
-  const long group = static_cast<long>(d) * 8;
-  __m256i mx[R];
-  for (int r = 0; r < R; ++r) mx[r] = _mm256_set1_epi16(INT16_MIN);
-  int g = 0;
-  for (; g + 2 <= groups; g += 2)
-    Block16<R, 2>(q, d, t + g * group, start + 16 * g, cap + g * 8, out + g * 8, ld, mx);
-  if (g < groups) Block16<R, 1>(q, d, t + g * group, start + 16 * g, cap + g * 8, out + g * 8, ld, mx);
-  for (int r = 0; r < R; ++r) {
-    __m128i m = _mm_max_epi16(_mm256_castsi256_si128(mx[r]), _mm256_extracti128_si256(mx[r], 1));
-    m = _mm_max_epi16(m, _mm_shuffle_epi32(m, 0x4E));
-    m = _mm_max_epi16(m, _mm_shuffle_epi32(m, 0xB1));
-    m = _mm_max_epi16(m, _mm_shufflelo_epi16(m, 0xB1));
-    row_max[r] = static_cast<int16_t>(_mm_extract_epi16(m, 0));
-  }
 }
 #endif
 
@@ -380,11 +319,9 @@ void Dots(const uint8_t* queries, int num_queries, const int8_t* targets, int nu
   const int groups = (num_targets + 7) / 8;
   const int16_t* start = reinterpret_cast<const int16_t*>(targets + static_cast<long>(groups) * 8 * d);
   for (int r = 0; r < num_queries; r += kRows) {
-    const uint8_t* q[kRows];
-    const int rows = std::min(kRows, num_queries - r);
-    for (int i = 0; i < rows; ++i) q[i] = queries + static_cast<long>(r + i) * d;
+    const uint8_t* q = queries + static_cast<long>(r) * d;
     int32_t* o = out + r * ld;
-    switch (rows) {
+    switch (std::min(kRows, num_queries - r)) {
       case 6:
         Rows<6>(q, d, targets, start, groups, o, ld);
         break;
@@ -407,50 +344,6 @@ void Dots(const uint8_t* queries, int num_queries, const int8_t* targets, int nu
   }
 #else
   (void)queries, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)out, (void)ld;
-  std::abort();
-#endif
-}
-
-void TargetCaps(const int8_t* targets, int num_targets, int d, int16_t* cap) {
-  const int groups = (num_targets + 7) / 8;
-  const uint8_t* unusable = Unusable(targets, num_targets, d);
-  for (int j = 0; j < groups * 8; ++j)
-    cap[j] = j < num_targets && (unusable[j / 8] >> (j % 8) & 1) == 0 ? INT16_MAX : INT16_MIN;
-}
-
-void Dots16(const uint8_t* const* queries, int num_queries, const int8_t* targets, int num_targets, int d,
-            const int16_t* cap, int16_t* out, long ld, int16_t* row_max) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  const int groups = (num_targets + 7) / 8;
-  const int16_t* start = reinterpret_cast<const int16_t*>(targets + static_cast<long>(groups) * 8 * d);
-  for (int r = 0; r < num_queries; r += kRows) {
-    const uint8_t* const* q = queries + r;
-    int16_t* o = out + r * ld;
-    int16_t* m = row_max + r;
-    switch (std::min(kRows, num_queries - r)) {
-      case 6:
-        Rows16<6>(q, d, targets, start, groups, cap, o, ld, m);
-        break;
-      case 5:
-        Rows16<5>(q, d, targets, start, groups, cap, o, ld, m);
-        break;
-      case 4:
-        Rows16<4>(q, d, targets, start, groups, cap, o, ld, m);
-        break;
-      case 3:
-        Rows16<3>(q, d, targets, start, groups, cap, o, ld, m);
-        break;
-      case 2:
-        Rows16<2>(q, d, targets, start, groups, cap, o, ld, m);
-        break;
-      default:
-        Rows16<1>(q, d, targets, start, groups, cap, o, ld, m);
-        break;
-    }
-  }
-#else
-  (void)queries, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)cap, (void)out, (void)ld,
-      (void)row_max;
   std::abort();
 #endif
 }

@@ -83,16 +83,6 @@ struct NarrowedRows {
 void Dots(const uint8_t* queries, int num_queries, const int8_t* targets, int num_targets, int d,
           int32_t* out, long ld);
 
-// Round 21 (the stage's kernel and filter fused): per target j < the padded count, cap[j] = INT16_MAX if
-// target j is usable, INT16_MIN if it is unusable or padding (NarrowTargets' output `targets`).
-void TargetCaps(const int8_t* targets, int num_targets, int d, int16_t* cap);
-// The int8 products as int16, capped: out[r * ld + j] = min(P_rj, cap[j]) for j < padded targets, where
-// P_rj is Dots' product saturated to int16 — exact for usable targets and rows with scale > 0 (there
-// |P| ≤ 32767, merge_screen_int8.cc (1)) — and row_max[r] = the largest of row r's values. Query row r's
-// bytes at queries[r]. Requires Applies(d).
-void Dots16(const uint8_t* const* queries, int num_queries, const int8_t* targets, int num_targets, int d,
-            const int16_t* cap, int16_t* out, long ld, int16_t* row_max);
-
 // The window in P of a query row (scale, norm, err from NarrowQueries) against targets with summary t:
 // W ≥ (2 E + scale kTargetScale slack) / 2^28, rounded up, plus one; E bounds |scale kTargetScale S − 2^28
 // P| (merge_screen_int8.cc). Saturated at 2^40.

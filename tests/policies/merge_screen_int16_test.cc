@@ -266,49 +266,4 @@ TEST_CASE("int16 screen: the first maximum of the exact values is always a candi
 }
 
 }  // namespace
-// Round 21: Candidates through query row pointers (ScreenBlock reads the unit's rows in place) gives the
-// contiguous rows' list, with and without floors and the int8 stage, rows stored in any order.
-TEST_CASE("int16 screen: candidates of rows read through pointers are the contiguous rows' list",
-          "[merge][screen]") {
-  if (!i16::Supported()) return;
-  for (int d : {16, 48, 128})
-    for (int nq : {1, 6, 7, 20})
-      for (int nt : {1, 9, 70}) {
-        std::vector<float> q = UnitRows(nq, d, 31 + nq + d), t = UnitRows(nt, d, 47 + nt + d);
-        for (int j = 0; j < nt; j += 2) std::copy_n(&q[(j % nq) * d], d, &t[j * d]);  // exact ties
-        std::vector<int16_t> qp(static_cast<size_t>(nq) * d), tp(i16::PackedTargetsSize(nt, d));
-        std::vector<double> rq(nq);
-        i16::PackQueries(q.data(), nq, d, qp.data(), rq.data());
-        const double rt = i16::PackTargets(t.data(), nt, d, tp.data());
-        std::vector<int64_t> slack(nq), floor(nq);
-        for (int r = 0; r < nq; ++r)
-          slack[r] = i16::Slack(d, rq[r], rt), floor[r] = r % 3 == 0 ? 1 << 27 : -(1 << 27);
-        std::vector<int16_t> rev(qp.size());
-        std::vector<const int16_t*> at(nq);
-        for (int r = 0; r < nq; ++r) {
-          std::copy_n(&qp[static_cast<size_t>(r) * d], d, &rev[static_cast<size_t>(nq - 1 - r) * d]);
-          at[r] = &rev[static_cast<size_t>(nq - 1 - r) * d];
-        }
-        std::vector<int8_t> t8;
-        i16::Narrowed nw;
-        if (merge_screen::int8::Applies(d)) {
-          t8.resize(merge_screen::int8::PackedTargetsSize(nt, d));
-          nw.norms = merge_screen::int8::NarrowTargets(tp.data(), nt, d, t8.data());
-          nw.words = t8.data();
-        }
-        for (const int64_t* fl :
-             {static_cast<const int64_t*>(nullptr), static_cast<const int64_t*>(floor.data())})
-          for (const i16::Narrowed* n8 :
-               {static_cast<const i16::Narrowed*>(nullptr), static_cast<const i16::Narrowed*>(&nw)}) {
-            std::vector<int> rows, idx, prow, pidx;
-            i16::Candidates(qp.data(), nq, tp.data(), nt, d, slack.data(), &rows, &idx, fl, n8);
-            i16::Candidates(at.data(), nq, tp.data(), nt, d, slack.data(), &prow, &pidx, fl, n8);
-            CAPTURE(d, nq, nt, fl != nullptr, n8 != nullptr);
-            REQUIRE(!rows.empty());
-            REQUIRE(prow == rows);
-            REQUIRE(pidx == idx);
-          }
-      }
-}
-
 }  // namespace kvsim
