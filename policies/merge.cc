@@ -873,43 +873,45 @@ void Merger::KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> k
   thread_local std::vector<int> join_slot;
   thread_local std::vector<float> join_coef;
   if (!Join(ctx, evicted, *cache, &join_slot, &join_coef, /*memo=*/true)) return;
-  // The same sums as MergeTokens' (per slot, in token order, from zero, the same float operations), kept in
-  // the merged slots' own key and value instead of the running sums' map: a policy that merges once never
-  // reads them again (issue 14, round 6). Each slot's storage is set first (HeadCache::SetMergesInPlace: no
-  // allocation once the cache has held as many merges), then every joined token adds its key and value to
-  // its slot's and appends itself to the slot's members, and the slot's last member turns the sums into the
-  // merged key and value in place (Merged) while they are in cache: no flat buffer of sums, no copy of the
-  // members, no second pass over the sums (issue 14, round 21).
+  // The same sums as MergeTokens' (per slot, in token order, from zero, the same float operations), kept
+  // flat by slot instead of in the running sums' map: a policy that merges once never reads them again, so
+  // they need not outlive this call (one allocation per merged slot's key, value and members instead of
+  // the map's nodes, vectors and their copies; issue 14, round 6).
   const int d = ctx.head_dim(), slots = cache->size(), e = static_cast<int>(evicted.size());
-  thread_local std::vector<int> left;  // per slot: members not added yet
-  left.assign(slots, 0);
+  thread_local std::vector<float> k_buf, v_buf;
+  thread_local std::vector<int> count;
+  count.assign(slots, 0);
   for (int i = 0; i < e; ++i)
-    if (join_slot[i] >= 0) ++left[join_slot[i]];
-  thread_local std::vector<int> joined;
-  joined.clear();
+    if (join_slot[i] >= 0) ++count[join_slot[i]];
+  thread_local std::vector<int> first;  // row of each joined slot in the flat sums
+  first.assign(slots, -1);
+  int rows = 0;
   for (int s = 0; s < slots; ++s)
-    if (left[s] > 0) joined.push_back(s);
-  thread_local std::vector<MergedSlot*> storage;  // per joined slot, in slot order
-  storage.resize(joined.size());
-  cache->SetMergesInPlace(joined, storage.data());
-  thread_local std::vector<MergedSlot*> slot_merge;  // per slot (joined ones only)
-  slot_merge.resize(slots);
-  for (size_t j = 0; j < joined.size(); ++j) {
-    slot_merge[joined[j]] = storage[j];
-    storage[j]->members.reserve(left[joined[j]]);
-  }
+    if (count[s] > 0) first[s] = rows++;
+  // A row's first member writes 0.0f + c k (the sum's first addition, from +0: no zero fill first; the
+  // addition stays, as -0 + +0 is +0), later members add to it.
+  float* sk = Scratch(k_buf, static_cast<size_t>(rows) * d);
+  float* sv = Scratch(v_buf, static_cast<size_t>(rows) * d);
+  // Row r's members, in token order, at members[at[r], at[r + 1]) (filled up to end[r]); they are copied
+  // into the merges' own storage below, which the cache reuses (HeadCache::SetMergeInPlace: no allocation
+  // per merged slot once the cache has held as many merges).
+  thread_local std::vector<std::pair<int32_t, float>> members;
+  thread_local std::vector<int> at, end;
+  at.resize(rows + 1);
+  at[0] = 0;
+  for (int s = 0; s < slots; ++s)
+    if (count[s] > 0) at[first[s] + 1] = at[first[s]] + count[s];
+  end.assign(at.begin(), at.end() - 1);
+  members.resize(at[rows]);
   for (int i = 0; i < e; ++i) {
-    const int s = join_slot[i];
-    if (s < 0) continue;
-    MergedSlot& merge = *slot_merge[s];
+    if (join_slot[i] < 0) continue;
+    const int r = first[join_slot[i]];
     const float c = join_coef[i];
-    float* rk = merge.key.data();
-    float* rv = merge.value.data();
+    float* rk = sk + static_cast<size_t>(r) * d;
+    float* rv = sv + static_cast<size_t>(r) * d;
     const float* k = OriginalKey(ctx, evicted[i]);
     const float* v = OriginalValue(ctx, evicted[i]);
-    // A slot's first member writes 0.0f + c k (the sum's first addition, from +0: the storage's old
-    // contents are never read; the addition stays, as -0 + +0 is +0), later members add to it.
-    if (merge.members.empty()) {
+    if (end[r] == at[r]) {
       for (int j = 0; j < d; ++j) {
         rk[j] = 0.0f + c * k[j];
         rv[j] = 0.0f + c * v[j];
@@ -920,9 +922,15 @@ void Merger::KeepAndMergeOnce(const HeadContext& ctx, std::span<const int32_t> k
         rv[j] += c * v[j];
       }
     }
-    merge.members.emplace_back(evicted[i], c);
-    if (--left[s] == 0) Merged(ctx, cache->token(s), rk, rv, &merge);
+    members[end[r]++] = {evicted[i], c};
   }
+  for (int s = 0; s < slots; ++s)
+    if (count[s] > 0) {
+      const int r = first[s];
+      MergedSlot& merge = cache->SetMergeInPlace(s);
+      merge.members.assign(members.begin() + at[r], members.begin() + at[r + 1]);
+      Merged(ctx, cache->token(s), sk + static_cast<size_t>(r) * d, sv + static_cast<size_t>(r) * d, &merge);
+    }
 }
 
 bool Merger::Join(const HeadContext& ctx, std::span<const int32_t> tokens, const HeadCache& cache,

@@ -96,8 +96,7 @@ class Merger {
     std::vector<std::pair<int32_t, float>> members;
   };
   // The merge of `anchor` with its members (out->members, already set) whose weighted key / value sums are
-  // sk / sv: writes out->key and out->value (head_dim floats each). sk / sv may be out->key / out->value
-  // themselves (each element is read before it is written).
+  // sk / sv: writes out->key and out->value (head_dim floats each).
   void Merged(const HeadContext& ctx, int32_t anchor, const float* sk, const float* sv,
               MergedSlot* out) const;
   void Apply(const HeadContext& ctx, int slot, Sums& s, HeadCache* cache) const;

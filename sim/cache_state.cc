@@ -114,11 +114,6 @@ MergedSlot& HeadCache::SetMergeInPlace(int slot) {
   return m;
 }
 
-void HeadCache::SetMergesInPlace(std::span<const int> slots, MergedSlot** out) {
-  for (int s : slots) SetMergeInPlace(s);
-  for (size_t i = 0; i < slots.size(); ++i) out[i] = &merges_[merge_of_[begin_ + slots[i]]];
-}
-
 std::vector<MergedSlot> HeadCache::TakeMergeStorage() {
   ++version_;
   ++rewrites_;

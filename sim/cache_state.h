@@ -65,10 +65,6 @@ class HeadCache {
   // the next merges, so a policy that rebuilds its merges every step (MEDA) allocates nothing once the cache
   // has held as many merges (issue 14, round 18: the allocator was ≈ 4% of the 45-run sweep).
   MergedSlot& SetMergeInPlace(int slot);
-  // SetMergeInPlace of each of `slots` (distinct, in this order); out[i] is slots[i]'s storage. Every slot is
-  // set before a pointer is taken (a later slot's SetMergeInPlace may move the entries), so the pointers are
-  // valid together, until the next call that makes a slot a merge.
-  void SetMergesInPlace(std::span<const int> slots, MergedSlot** out);
   // The merges' storage, for a cache made later (AdoptMergeStorage): this cache's slots are left plain.
   std::vector<MergedSlot> TakeMergeStorage();
   // Gives a cache with no merges another's storage (TakeMergeStorage): its merges reuse that memory.

@@ -289,23 +289,6 @@ TEST_CASE("merge: many tokens into many slots, every strategy x filter, match th
         CHECK(once.merged(s).value == cache.merged(s).value);
         CHECK(once.merged(s).members == cache.merged(s).members);
       }
-      // Again on a cache whose merges' storage holds another merge's keys, values and members (the
-      // replay's caches reuse it, HeadCache::SetMergesInPlace): the old contents are never read.
-      HeadCache reused(d);
-      Merger m2(strategy, filter);
-      std::vector<int32_t> kept2, evicted2;
-      for (int32_t j = 0; j < n; ++j) (j % 3 == 0 ? kept2 : evicted2).push_back(j);
-      m2.KeepAndMergeOnce(ctx, kept2, evicted2, &reused);
-      REQUIRE(reused.num_merged_slots() > kKept / 2);
-      m2.KeepAndMergeOnce(ctx, kept, evicted, &reused);
-      REQUIRE(reused.size() == kKept);
-      for (int s = 0; s < kKept; ++s) {
-        REQUIRE(reused.is_merged(s) == cache.is_merged(s));
-        if (!reused.is_merged(s)) continue;
-        CHECK(reused.merged(s).key == cache.merged(s).key);
-        CHECK(reused.merged(s).value == cache.merged(s).value);
-        CHECK(reused.merged(s).members == cache.merged(s).members);
-      }
       m.Release();
       const std::vector<int32_t> late{evicted[0]};
       m.MergeTokens(ctx, late, &cache);

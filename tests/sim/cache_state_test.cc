@@ -171,38 +171,6 @@ TEST_CASE("HeadCache: merges dropped by Assign lend their memory to the next mer
   CHECK(next.CoveredTokens() == std::vector<int32_t>{0, 1, 2, 3, 40});
 }
 
-TEST_CASE("HeadCache::SetMergesInPlace sets every slot, then gives pointers valid together",
-          "[cache_state]") {
-  // Slots 1, 4, 5, ... (100 of them): the merges' entries are added while the slots are set, so an entry's
-  // address taken before the last slot was set could move; the pointers are taken after.
-  HeadCache c(4);
-  c.AssignRange(0, 300);
-  std::vector<int> slots;
-  for (int s = 1; s < 300; s += 3) slots.push_back(s);
-  c.SetMerge(0, MergedSlot{{1, 1, 1, 1}, {2, 2, 2, 2}, {{400, 1.0f}}});
-  const uint64_t version = c.version(), rewrites = c.rewrites();
-  std::vector<MergedSlot*> out(slots.size(), nullptr);
-  c.SetMergesInPlace(slots, out.data());
-  CHECK(c.version() > version);
-  CHECK(c.rewrites() > rewrites);
-  CHECK(c.num_merged_slots() == 1 + static_cast<int>(slots.size()));
-  for (size_t i = 0; i < slots.size(); ++i) {
-    REQUIRE(c.is_merged(slots[i]));
-    CHECK(out[i] == &c.merged(slots[i]));
-    CHECK(out[i]->key.size() == 4);
-    CHECK(out[i]->value.size() == 4);
-    CHECK(out[i]->members.empty());
-    out[i]->key[0] = static_cast<float>(i);
-    out[i]->members = {{1000 + static_cast<int32_t>(i), 0.5f}};
-  }
-  for (size_t i = 0; i < slots.size(); ++i) {
-    CHECK(c.merged(slots[i]).key[0] == static_cast<float>(i));
-    CHECK(c.merged(slots[i]).members[0].first == 1000 + static_cast<int32_t>(i));
-  }
-  CHECK(c.merged(0).members.size() == 1);  // a slot not listed keeps its merge
-  CHECK_FALSE(c.is_merged(2));
-}
-
 TEST_CASE("HeadCache: rewrites() counts what can bring a token in other than Append; appends() the appends",
           "[cache_state]") {
   HeadCache c(1);
