@@ -175,8 +175,8 @@ double Int16Screen(const std::string& label, const std::vector<float>& q, int e,
   const double d8 = Best(reps, [&] { i8::Dots(q8.data(), e, t8.data(), k, d, p8.data(), ld8); });
   const double products = static_cast<double>(e) * k;
   std::printf(
-      "%-11s int16 only %.5f s; int8 stage %.5f s (%.2fx, %.2f G products/s, %.1f MAC/cycle); int8::Dots "
-      "alone %.5f s (%.2f G products/s, %.1f MAC/cycle); candidates/q %.2f; same candidates: %s\n",
+      "%-11s int16 only %.5f s; int8 stage %.5f s (%.2fx, %.2f G products/s, %.1f MAC/cycle*); int8::Dots "
+      "alone %.5f s (%.2f G products/s, %.1f MAC/cycle*); candidates/q %.2f; same candidates: %s\n",
       label.c_str(), s16, s8, s8 / s16, products / s8 * 1e-9, products * d / s8 / (g_ghz * 1e9), d8,
       products / d8 * 1e-9, products * d / d8 / (g_ghz * 1e9), static_cast<double>(rows8.size()) / e,
       rows8 == rows && idx8 == idx ? "yes" : "NO");
@@ -199,6 +199,13 @@ void RealKeys(const std::string& file, const std::string& shapes, int tokens, in
     all.insert(all.end(), buf.begin(), buf.end());
   std::fclose(f);
   const int heads = static_cast<int>(all.size() / buf.size());
+  if (heads == 0) {
+    std::fprintf(stderr,
+                 "kvsim: error: --keys %s holds less than one head of --tokens %d x %d float32 values; dump "
+                 "whole heads (heads x tokens x %d, raw little-endian float32) or set --tokens\n",
+                 file.c_str(), tokens, d, d);
+    std::exit(2);
+  }
   std::printf("real keys: %d heads x %d tokens from %s\n", heads, tokens, file.c_str());
   size_t pos = 0;
   while (pos < shapes.size()) {
@@ -260,6 +267,8 @@ int main(int argc, char** argv) {
               "int16::Candidates\n"
             : "note: no AVX512-BF16 or AVX2 on this CPU: both paths are the exact search\n");
   kvsim::EnsureSingleThreadedBlas();
+  std::printf("* MAC/cycle is modelled: measured products/s x d over an assumed clock of %.3f GHz (--ghz)\n",
+              g_ghz);
   if (!keys.empty()) {
     RealKeys(keys, shapes, tokens, reps);
     return 0;
