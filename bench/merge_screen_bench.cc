@@ -21,6 +21,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "policies/merge.h"
@@ -125,6 +126,19 @@ void NestedBudgets(int n, int reps, double mean) {
               same ? "yes" : "NO");
 }
 
+// The --shapes list "ExK,ExK,...": each entry's text and its e (queries) and k (targets).
+std::vector<std::tuple<std::string, int, int>> ParseShapes(const std::string& shapes) {
+  std::vector<std::tuple<std::string, int, int>> out;
+  size_t pos = 0;
+  while (pos < shapes.size()) {
+    const size_t comma = std::min(shapes.find(',', pos), shapes.size());
+    const std::string shape = shapes.substr(pos, comma - pos);
+    pos = comma + 1;
+    out.emplace_back(shape, std::atoi(shape.c_str()), std::atoi(shape.c_str() + shape.find('x') + 1));
+  }
+  return out;
+}
+
 // The int16 screen's times for queries q (e x d) against targets t (k x d), rows normalised here: the int16
 // kernel and candidate scan alone (int16::Candidates without the int8 stage), with the int8 first stage
 // (round 16), and the int8 products alone (int8::Dots over all e rows). Round 21: also products per second
@@ -207,12 +221,7 @@ void RealKeys(const std::string& file, const std::string& shapes, int tokens, in
     std::exit(2);
   }
   std::printf("real keys: %d heads x %d tokens from %s\n", heads, tokens, file.c_str());
-  size_t pos = 0;
-  while (pos < shapes.size()) {
-    const size_t comma = std::min(shapes.find(',', pos), shapes.size());
-    const std::string shape = shapes.substr(pos, comma - pos);
-    pos = comma + 1;
-    const int e = std::atoi(shape.c_str()), k = std::atoi(shape.c_str() + shape.find('x') + 1);
+  for (const auto& [shape, e, k] : ParseShapes(shapes)) {
     if (e + k > tokens) continue;
     for (int h = 0; h < heads; ++h) {
       std::mt19937 rng(h);
@@ -278,12 +287,7 @@ int main(int argc, char** argv) {
               mean);
   std::printf("%-11s %10s %10s %7s %10s %10s %8s %9s\n", "e x k", "exact path", "screened", "ratio",
               "kernel only", "one sgemm", "cand/q", "identical");
-  size_t pos = 0;
-  while (pos < shapes.size()) {
-    const size_t comma = std::min(shapes.find(',', pos), shapes.size());
-    const std::string shape = shapes.substr(pos, comma - pos);
-    pos = comma + 1;
-    const int e = std::atoi(shape.c_str()), k = std::atoi(shape.c_str() + shape.find('x') + 1);
+  for (const auto& [shape, e, k] : ParseShapes(shapes)) {
     std::mt19937 rng(7);
     std::normal_distribution<float> g;
     std::vector<float> dir(d), q(static_cast<size_t>(e) * d), t(static_cast<size_t>(k) * d);
