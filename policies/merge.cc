@@ -492,7 +492,7 @@ void NearestWithMemo(const float* const* queries, int num_queries, const float* 
     }
     return st;
   };
-  ScreenTargets screen_t, screen_b;
+  ScreenTargets screen_t;
   auto pack = [&] {
     if (packed) return;
     screen_t = pack_screen(t, num_targets, tp_buf, tp16_buf, tp8_buf, [](int i) { return i; });
