@@ -308,7 +308,7 @@ struct WorkerScratch {
   // The chunk of steps [ms0, ms0 + kMemberChunk) Step asked MemberSums for last; ms0 = -1: none. The
   // block's member sums of steps [mb0, mb0 + mbrows) (see MemberSums); mb0 = -1: none.
   int ms0 = -1, mb0 = -1, mbrows = 0;
-  std::vector<double> msum;   // [g][M][mbrows]: a slot's steps contiguous
+  std::vector<double> msum;   // [g][mbrows][M]
   std::vector<float> macc;    // [4][mbrows]: MemberSums' float lanes of one slot
   std::vector<size_t> mmem0;  // [M + 1]: merged slot c's members are mmem[mmem0[c] .. mmem0[c + 1])
   std::vector<int32_t> mmem;  // the block's merged slots' members (tokens), slot by slot
@@ -782,15 +782,14 @@ void MergedSlotSumsSteps(const int32_t* tk, int slots, const float* pt, size_t s
       // has few plain slots to do it).
       __builtin_prefetch(p0 + static_cast<size_t>(tk[std::min(sm + kAhead, slots - 1)]) * stride);
       const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(p0 + static_cast<size_t>(tk[sm]) * stride));
-      // The steps' weights: lanes built in registers (a vector load of four scalar stores would wait for
-      // them: no store forwarding); a short last group repeats its last step (unused). The slot's member sums
-      // of the four steps are adjacent: one load (a short group's from its own steps only).
+      // The steps' weights and member sums: lanes built in registers (a vector load of four scalar stores
+      // would wait for them: no store forwarding); a short last group repeats its last step (unused).
       auto at = [&](int b) { return static_cast<size_t>(i0 + std::min(b, nb - 1)); };
       const __m256d w = _mm256_setr_pd(mw[at(0) * mw_stride + j], mw[at(1) * mw_stride + j],
                                        mw[at(2) * mw_stride + j], mw[at(3) * mw_stride + j]);
-      const double* mj = members + static_cast<size_t>(j) * members_stride;
       const __m256d m =
-          nb == 4 ? _mm256_loadu_pd(mj + i0) : _mm256_setr_pd(mj[at(0)], mj[at(1)], mj[at(2)], mj[at(3)]);
+          _mm256_setr_pd(members[at(0) * members_stride + j], members[at(1) * members_stride + j],
+                         members[at(2) * members_stride + j], members[at(3) * members_stride + j]);
       anchor = _mm256_add_pd(anchor, v);
       covered = _mm256_add_pd(covered, v);
       covered = _mm256_add_pd(covered, m);
@@ -823,16 +822,14 @@ void MergedSlotSumsSteps(const int32_t* tk, int slots, const float* pt, size_t s
     }
 #else
     std::vector<float> row;
-    std::vector<double> m(num_merged);
     for (int b = 0; b < nb; ++b) {
       // A step's row of p over the tokens the slots hold (others stay 0: never read).
       int32_t hi = 0;
       for (int s = 0; s < slots; ++s) hi = std::max(hi, tk[s]);
       row.assign(static_cast<size_t>(hi) + 1, 0.0f);
       for (int s = 0; s < slots; ++s) row[tk[s]] = p0[static_cast<size_t>(tk[s]) * stride + b];
-      for (int j = 0; j < num_merged; ++j) m[j] = members[static_cast<size_t>(j) * members_stride + i0 + b];
       out[i0 + b] = MergedSlotSums(tk, slots, row.data(), mod, 0, merged, num_merged,
-                                   mw + (i0 + b) * mw_stride, m.data(), nullptr);
+                                   mw + (i0 + b) * mw_stride, members + (i0 + b) * members_stride, nullptr);
     }
 #endif
   }
@@ -1716,7 +1713,7 @@ class LayerPass {
     float* acc3 = acc2 + rows;
     for (int g = 0; g < group; ++g) {
       const float* pt = w.probs_t.data() + g * ts + t;
-      double* out = ws.msum.data() + static_cast<size_t>(g) * rows * mm;  // slot c's steps at out + c * rows
+      double* out = ws.msum.data() + static_cast<size_t>(g) * rows * mm;
       // The members' rows lie scattered over the transposed probabilities: each group of members added
       // prefetches the rows kAhead members further in the block's member order (across slots), so their
       // loads are in flight before the adds wait on them.
@@ -1769,23 +1766,23 @@ class LayerPass {
 #endif
           for (; k < rows; ++k) acc0[k] += p0[k];
         }
-        double* oc = out + static_cast<size_t>(c) * rows;
         if (four)
           for (int k = 0; k < rows; ++k)
-            oc[k] = (static_cast<double>(acc0[k]) + acc1[k]) + (static_cast<double>(acc2[k]) + acc3[k]);
+            out[static_cast<size_t>(k) * mm + c] =
+                (static_cast<double>(acc0[k]) + acc1[k]) + (static_cast<double>(acc2[k]) + acc3[k]);
         else
-          for (int k = 0; k < rows; ++k) oc[k] = (static_cast<double>(acc0[k]) + 0.0f) + (0.0 + 0.0f);
+          for (int k = 0; k < rows; ++k)
+            out[static_cast<size_t>(k) * mm + c] = (static_cast<double>(acc0[k]) + 0.0f) + (0.0 + 0.0f);
       }
     }
     ws.mb0 = t;
     ws.mbrows = rows;
   }
 
-  // The member sums of the block's step t, group member g (ws.msum, see MemberSums): merged slot j's at
-  // [j * ws.mbrows].
+  // The member sums of the block's step t, group member g (ws.msum, see MemberSums).
   static const double* StepMemberSums(const WorkerScratch& ws, int g, int t) {
     const int mm = static_cast<int>(ws.mslot.size());
-    return ws.msum.data() + static_cast<size_t>(g) * ws.mbrows * mm + (t - ws.mb0);
+    return ws.msum.data() + (static_cast<size_t>(g) * ws.mbrows + (t - ws.mb0)) * mm;
   }
 
   // For the steps [t, t + kMemberChunk) of the block (those it covers), when every slot is visible at each
@@ -1814,7 +1811,7 @@ class LayerPass {
                       w.refs[g].log_z[t1], mw + static_cast<size_t>(t1 - t) * mm);
       MergedSlotSumsSteps(cache.tokens().data(), slots, probs_t + g * ts + t, steps,
                           meta_.tokens.modality.data(), ws.mslot.data(), mm, mw, mm, StepMemberSums(ws, g, t),
-                          ws.mbrows, end - t, ws.csums.data() + static_cast<size_t>(g) * kMemberChunk);
+                          mm, end - t, ws.csums.data() + static_cast<size_t>(g) * kMemberChunk);
     }
     ws.cs0 = t;
     ws.cs_end = end;
@@ -2171,10 +2168,7 @@ class LayerPass {
           }
           if (masked < num_merged) MarkExtra(ws, t);
           weights = mw;
-          // The step's member sums, one per slot (ws.msum holds a slot's steps together).
-          const double* ms = StepMemberSums(ws, g, t);
-          for (int j = 0; j < num_merged; ++j) ws.step_members[j] = ms[static_cast<size_t>(j) * ws.mbrows];
-          member_sums = ws.step_members.data();
+          member_sums = StepMemberSums(ws, g, t);
         } else {
           // Per step (the cache changed since the previous step): first the merged slots alone (their dots,
           // weights, member sums and output contributions: every call of the step), then the sums over all

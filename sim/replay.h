@@ -184,10 +184,9 @@ MergedSlotSumsResult MergedSlotSums(const int32_t* tk, int slots, const float* p
 // MergedSlotSums of `nsteps` steps of one cache at once, for steps whose slots are all visible (first 0) and
 // that hold the same slots tk[0..slots) with the same merged ones merged[0..num_merged): step i's p[tok] is
 // pt[tok * stride + i] (transposed probabilities: a token's steps contiguous; pt + tok * stride + i is
-// readable up to i = 4 * ceil(nsteps / 4) - 1), its weights mw + i * mw_stride, and merged slot j's member
-// sums slot by slot: step i's is members[j * members_stride + i] (a slot's steps contiguous, as `pt`'s).
-// out[i] is MergedSlotSums(tk, slots, p_i, mod, 0, merged, num_merged, mw + i * mw_stride, m_i, nullptr)
-// with m_i[j] = members[j * members_stride + i], bit for bit: with AVX2 four steps share each
+// readable up to i = 4 * ceil(nsteps / 4) - 1), its weights mw + i * mw_stride, its member sums members +
+// i * members_stride. out[i] is MergedSlotSums(tk, slots, p_i, mod, 0, merged, num_merged, mw + i *
+// mw_stride, members + i * members_stride, nullptr), bit for bit: with AVX2 four steps share each
 // instruction (lane i: step i's sums, each added in slot order as there). MergedSlotSumsAppend then continues
 // one step's sums over plain slots after these (appended since), as MergedSlotSums would (for a policy that
 // reads no attention: neither writes MergedSlotSums' `cp`).

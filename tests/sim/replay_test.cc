@@ -3185,25 +3185,22 @@ TEST_CASE("replay: merged-slot sums of several steps at once equal each step's",
             if (every == 1 || (every > 1 && s % every == offset)) merged.push_back(s);
           const int mm = static_cast<int>(merged.size());
           std::vector<float> mw(static_cast<size_t>(nsteps) * mm);
-          for (float& x : mw) x = binades(30);
-          // The member sums slot by slot ([slot][mstride], steps past nsteps never read), each value
-          // distinct.
-          const int mstride = nsteps + 3;
-          std::vector<double> members(static_cast<size_t>(mm) * mstride);
-          for (double& x : members)
-            x = static_cast<double>(binades(30)) * (1 + std::ldexp(static_cast<double>(rng()), -60));
+          std::vector<double> members(mw.size());
+          for (size_t j = 0; j < mw.size(); ++j) {
+            mw[j] = binades(30);
+            members[j] = static_cast<double>(binades(30)) * (1 + std::ldexp(static_cast<double>(rng()), -60));
+          }
           std::vector<MergedSlotSumsResult> got(nsteps);
           MergedSlotSumsSteps(tk.data(), slots, pt.data(), stride, mod.data(), merged.data(), mm, mw.data(),
-                              mm, members.data(), mstride, nsteps, got.data());
+                              mm, members.data(), mm, nsteps, got.data());
           for (int i = 0; i < nsteps; ++i) {
             std::vector<float> p(n);
             for (int tok = 0; tok < n; ++tok) p[tok] = pt[static_cast<size_t>(tok) * stride + i];
-            std::vector<double> mi(mm);  // step i's member sums, one per merged slot
-            for (int j = 0; j < mm; ++j) mi[j] = members[static_cast<size_t>(j) * mstride + i];
             MergedSlotSumsAppend(tk.data() + slots, appended, p.data(), mod.data(), &got[i]);
             const MergedSlotSumsResult want =
                 MergedSlotSums(tk.data(), slots + appended, p.data(), mod.data(), 0, merged.data(), mm,
-                               mw.data() + static_cast<size_t>(i) * mm, mi.data(), nullptr);
+                               mw.data() + static_cast<size_t>(i) * mm,
+                               members.data() + static_cast<size_t>(i) * mm, nullptr);
             INFO("slots " << slots << ", merged every " << every << ", steps " << nsteps << ", step " << i
                           << ", appended " << appended);
             CHECK(got[i].visible == want.visible);
