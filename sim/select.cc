@@ -1206,6 +1206,124 @@ std::optional<float> RowBuckets::Kth(int r, std::span<const float> values, int k
   return sv[k - cc[j] - 1];
 }
 
+namespace {
+std::atomic<bool> g_bucket_topk_avx2{true};  // SetBucketTopKAvx2ForTesting
+
+// RowBuckets::TopK's pass over the row: the indices and values at or above the bit pattern `from` (without
+// the sign; > 0) to idx / cv, those of bucket `bucket` (within them) to bv, each in index order; returns
+// how many went to idx. Each output has 8 spare places after its values (whole-block stores).
+size_t CompressFrom(const float* v, size_t n, uint32_t from, uint32_t bucket, int32_t* idx, float* cv,
+                    float* bv) {
+  size_t i = 0, m = 0, mb = 0;
+#if defined(__AVX2__)
+  if (g_bucket_topk_avx2.load(std::memory_order_relaxed)) {
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff), lim = _mm256_set1_epi32(static_cast<int>(from - 1)),
+                  bk = _mm256_set1_epi32(static_cast<int>(bucket)), step = _mm256_set1_epi32(8);
+    __m256i j = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; i + 8 <= n; i += 8, j = _mm256_add_epi32(j, step)) {
+      const __m256 f = _mm256_loadu_ps(v + i);
+      const __m256i u = _mm256_and_si256(_mm256_castps_si256(f), absm);
+      const unsigned ge =
+          static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(u, lim))));
+      const unsigned eq = static_cast<unsigned>(_mm256_movemask_ps(
+          _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_srli_epi32(u, kBucketShift), bk))));
+      const __m256i at = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kSetBits.at[ge])));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + m), _mm256_permutevar8x32_epi32(j, at));
+      _mm256_storeu_ps(cv + m, _mm256_permutevar8x32_ps(f, at));
+      m += __builtin_popcount(ge);
+      const __m256i bat = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kSetBits.at[eq])));
+      _mm256_storeu_ps(bv + mb, _mm256_permutevar8x32_ps(f, bat));
+      mb += __builtin_popcount(eq);
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &v[i], 4);
+    u &= 0x7fffffffu;
+    if (u >= from) {
+      idx[m] = static_cast<int32_t>(i);
+      cv[m++] = v[i];
+    }
+    if ((u >> kBucketShift) == bucket) bv[mb++] = v[i];
+  }
+  return m;
+}
+
+// TopKIndicesWithThreshold's take over the candidates (indices idx, values cv, both c long, in index
+// order): every value above tau and the first `ties` equal to it, until `most` are taken; the taken indices
+// are compacted to the front of idx (in place: each block is loaded before its store, at or before its
+// place). Returns their count.
+size_t TakeCandidates(int32_t* idx, const float* cv, size_t c, float tau, int ties, size_t most) {
+  size_t i = 0, m = 0;
+#if defined(__AVX2__)
+  if (g_bucket_topk_avx2.load(std::memory_order_relaxed)) {
+    const __m256 t = _mm256_set1_ps(tau);
+    for (; i + 8 <= c && m < most; i += 8) {
+      const __m256 s = _mm256_loadu_ps(cv + i);
+      const __m256i j = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
+      const unsigned gt = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(s, t, _CMP_GT_OQ)));
+      unsigned eq = 0;
+      if (ties > 0) {
+        eq = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(s, t, _CMP_EQ_OQ)));
+        int e = __builtin_popcount(eq);
+        while (e > ties) {  // keep the lowest `ties` equal values
+          eq &= ~(1u << (31 - __builtin_clz(eq)));
+          --e;
+        }
+        ties -= e;
+      }
+      const unsigned take = gt | eq;
+      const __m256i at = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kSetBits.at[take])));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + m), _mm256_permutevar8x32_epi32(j, at));
+      m += __builtin_popcount(take);
+    }
+  }
+#endif
+  for (; i < c && m < most; ++i) {
+    const float s = cv[i];
+    const bool tie = s == tau && ties > 0;
+    if (s > tau || tie) idx[m++] = idx[i];
+    ties -= tie;
+  }
+  return m;
+}
+}  // namespace
+
+void SetBucketTopKAvx2ForTesting(bool allowed) {
+  g_bucket_topk_avx2.store(allowed, std::memory_order_relaxed);
+}
+
+bool RowBuckets::TopK(int r, std::span<const float> values, int k, std::vector<float>* scratch,
+                      std::vector<int32_t>* out) const {
+  const Row& row = rows_[r];
+  KVSIM_CHECK_MSG(k >= 1, "RowBuckets::TopK: k must be at least 1");
+  if (row.nb < 0 || k > row.n) return false;
+  const int32_t* cc = cc_.data() + row.bucket;
+  if (k > cc[row.nb]) return false;  // the k-th largest value is 0
+  // The bucket j with cc[j] < k <= cc[j + 1] holds the k-th largest value (as Kth); the candidates are the
+  // cc[j + 1] values of buckets j and above (bucket numbers hi - j and up: bit patterns from (hi - j) << 19).
+  const int j = static_cast<int>(std::upper_bound(cc, cc + row.nb + 1, k - 1) - cc) - 1;
+  const uint32_t bucket = row.hi - static_cast<uint32_t>(j);
+  if (bucket == 0) return false;  // it may be a zero (bucket 0 holds the zeros): not the rule read here
+  const size_t nc = static_cast<size_t>(cc[j + 1]), nbk = static_cast<size_t>(cc[j + 1] - cc[j]);
+  if (out->size() < nc + 8) out->resize(nc + 8);
+  if (scratch->size() < nc + nbk + 16) scratch->resize(nc + nbk + 16);
+  float* cv = scratch->data();
+  float* bv = cv + nc + 8;
+  const size_t got =
+      CompressFrom(values.data(), values.size(), bucket << kBucketShift, bucket, out->data(), cv, bv);
+  KVSIM_CHECK_MSG(got == nc, "RowBuckets::TopK: the row is not the one counted");
+  // The threshold: Kth's selection in the same bucket values, in the same order.
+  const int need = k - cc[j];
+  std::nth_element(bv, bv + (need - 1), bv + nbk, std::greater<float>());
+  const float tau = bv[need - 1];
+  int above = cc[j];  // every value of the buckets above is above tau; then the bucket's
+  for (size_t i = 0; i < nbk; ++i) above += bv[i] > tau;
+  out->resize(TakeCandidates(out->data(), cv, nc, tau, k - above, static_cast<size_t>(k)));
+  return true;
+}
+
 void RowBuckets::Sums(int r, std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,
                       double* out) const {
   const Row& row = rows_[r];
