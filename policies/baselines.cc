@@ -117,9 +117,7 @@ class OracleHead final : public HeadPolicy {
     if (ctx.group_size == 1) {  // MHA: the engine gives the threshold without a selection
       const std::span<const float> row(att.full_probs[0], pos + 1);
       const int k = std::min(cap, pos + 1);
-      if (k > 0 && att.full_topk != nullptr)
-        (*att.full_topk)(0, k, &keep);
-      else if (k > 0)
+      if (k > 0)
         TopKIndicesWithThreshold(row, k, (*att.full_kth)(0, k), &keep);
       else
         keep.clear();

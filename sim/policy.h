@@ -103,11 +103,6 @@ struct StepAttention {
   // (1 <= k <= prefill_length + step + 1), the value a descending sort puts at place k - 1, so a policy
   // gets its top-k threshold without a selection of its own.
   const std::function<float(int g, int k)>* full_kth = nullptr;
-  // Alongside full_kth (may be null where full_kth is not): (*full_topk)(g, k, out) writes into *out the
-  // indices TopKIndicesWithThreshold(full_probs[g] over [0, prefill_length + step], k, (*full_kth)(g, k))
-  // gives (1 <= k <= prefill_length + step + 1; sim/select.h), where the engine can in one pass over the
-  // row instead of three (RowBuckets::TopK).
-  const std::function<void(int g, int k, std::vector<int32_t>* out)>* full_topk = nullptr;
 };
 
 class HeadPolicy {

@@ -392,7 +392,6 @@ void GrowTo(std::vector<T>& v, size_t n) {
 }
 
 std::atomic<bool> g_kth_from_sums{true};   // SetFullKthFromSumsForTesting
-std::atomic<bool> g_topk_fused{true};      // SetFullTopKFusedForTesting
 std::atomic<bool> g_defer_sums{true};      // SetDeferredTopKSumsForTesting
 std::atomic<bool> g_defer_kth{true};       // SetDeferredKthUnitsForTesting
 std::atomic<bool> g_exact_row_sums{true};  // SetExactRowSumsForTesting
@@ -1907,20 +1906,6 @@ class LayerPass {
     return *at;
   }
 
-  // TopKIndicesWithThreshold(step t's full row of member g over [0, pos], k, FullKth(g, k)) into *out: from
-  // the regret's buckets in one pass (RowBuckets::TopK) when they hold the whole row (no sliding window) and
-  // can answer, else the threshold and the scan.
-  void FullTopK(const UnitWork& w, WorkerScratch& ws, int g, int t, int k, std::vector<int32_t>* out) const {
-    const DecodeReference& ref = w.refs[g];
-    const int pos = meta_.prefill_length + t;
-    if (w.kth_buckets && ref.first[t] == 0 && ref.last(t) == pos && k <= pos + 1 &&
-        g_kth_from_sums.load(std::memory_order_relaxed) && g_topk_fused.load(std::memory_order_relaxed) &&
-        w.buckets.TopK(g * meta_.num_decode_steps + t, {ref.row(t), static_cast<size_t>(pos) + 1}, k,
-                       &ws.sorted, out))
-      return;
-    TopKIndicesWithThreshold({ref.row(t), static_cast<size_t>(pos) + 1}, k, FullKth(w, ws, g, t, k), out);
-  }
-
   // What step t of a run records from its sums for group member g: the step's wsum and retained mass (for
   // FinishRun), its samples' retained / anchor / covered mass and regret, and the run's modality sums.
   void RecordSums(UnitWork& w, RunAccum& a, WorkerScratch& ws, int u, int r, int g, int t, double wsum,
@@ -2009,13 +1994,8 @@ class LayerPass {
     for (int g = 0; g < group; ++g) full[g] = w.refs[g].row(t);
     const RunPlan& plan = plans_[r];
     const auto kth_of = [&](int g, int k) { return FullKth(w, ws, g, t, k); };
-    const auto topk_of = [&](int g, int k, std::vector<int32_t>* out) { FullTopK(w, ws, g, t, k, out); };
     std::function<float(int, int)> kth;
-    std::function<void(int, int, std::vector<int32_t>*)> topk;
-    if (plan.req.future_attention) {  // by reference: no allocation per step
-      kth = std::cref(kth_of);
-      topk = std::cref(topk_of);
-    }
+    if (plan.req.future_attention) kth = std::cref(kth_of);  // by reference: no allocation per step
     HeadCache& cache = w.caches[r];
     HeadPolicy& hp = *w.policies[r];
     HeadContext ctx = w.ctx;
@@ -2025,12 +2005,8 @@ class LayerPass {
     ctx.run_budget = plan.budget;
     const int appended = n - plan.compress_end;
     const int cap = plan.head_budgets[UnitIndex(u)] + appended;
-    StepAttention before{t,
-                         cache.size(),
-                         nullptr,
-                         plan.req.future_attention ? full.data() : nullptr,
-                         plan.req.future_attention ? &kth : nullptr,
-                         plan.req.future_attention ? &topk : nullptr};
+    StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr,
+                         plan.req.future_attention ? &kth : nullptr};
     hp.BeforeStep(ctx, before, cap, &cache);
     if (hp.AppendNewToken()) cache.Append(pos);
     CheckCache(w, ws, cache, pos, r);
@@ -2265,12 +2241,9 @@ class LayerPass {
         for (int s = 0; s < slots; ++s) cp[s] = static_cast<float>(cp[s] * inv);
       }
     }
-    StepAttention after{t,
-                        slots,
-                        want_cp ? ws.cache_probs.data() : nullptr,
+    StepAttention after{t, slots, want_cp ? ws.cache_probs.data() : nullptr,
                         plan.req.future_attention ? full.data() : nullptr,
-                        plan.req.future_attention ? &kth : nullptr,
-                        plan.req.future_attention ? &topk : nullptr};
+                        plan.req.future_attention ? &kth : nullptr};
     hp.AfterStep(ctx, after, &cache);
     if (recorder_) recorder_->AfterStep(plan.index, layer_.layer, u, t, cache);
     if (t == 0 && plan.compression_step == 0) {
@@ -3019,7 +2992,6 @@ Status CheckRuns(const TraceMeta& meta, std::span<const RunSpec> runs) {
 }
 
 void SetFullKthFromSumsForTesting(bool allowed) { g_kth_from_sums.store(allowed, std::memory_order_relaxed); }
-void SetFullTopKFusedForTesting(bool allowed) { g_topk_fused.store(allowed, std::memory_order_relaxed); }
 void SetDeferredTopKSumsForTesting(bool allowed) { g_defer_sums.store(allowed, std::memory_order_relaxed); }
 void SetDeferredKthUnitsForTesting(bool allowed) { g_defer_kth.store(allowed, std::memory_order_relaxed); }
 void SetExactRowSumsForTesting(bool allowed) { g_exact_row_sums.store(allowed, std::memory_order_relaxed); }

@@ -117,9 +117,6 @@ void MaxVisibleNorms(const float* values, int n, int steps, int d, const int32_t
 // Tests only: false makes the oracle's k-th largest value come from a selection in a copy of the row
 // instead of the regret's buckets (TopKSums::Kth), so a test can compare the two.
 void SetFullKthFromSumsForTesting(bool allowed);
-// Tests only: false makes the oracle's top-k indices (StepAttention::full_topk) come from the k-th value and
-// the threshold scan instead of one pass over the row's buckets (RowBuckets::TopK), so a test can compare.
-void SetFullTopKFusedForTesting(bool allowed);
 // Tests only: false makes a unit whose runs ask no k-th largest value build the regret's TopKSums at Prefill
 // and answer each run's k at its step, instead of deferring every row's k to the unit's last run
 // (DescendingSums), so a test can compare the two.

@@ -21,8 +21,6 @@ void TopKIndicesWithThreshold(std::span<const float> scores, int k, float kth, s
 void SetSelectAvx512ForTesting(bool allowed);
 // Tests only: false makes it skip its AVX2 scan too (taken on a CPU with AVX2 but not AVX-512).
 void SetSelectAvx2ForTesting(bool allowed);
-// Tests only: false makes RowBuckets::TopK take its portable loops on a CPU with AVX2 too.
-void SetBucketTopKAvx2ForTesting(bool allowed);
 
 // Sorts non-negative values in descending order into `out` (radix sort, O(n)); `out` is resized.
 void SortDescendingNonNegative(std::span<const float> values, std::vector<float>* out);
@@ -168,18 +166,6 @@ class RowBuckets {
   // descending sort puts at place k - 1, as TopKSums::Kth: one gather of the bucket holding it from the
   // row, then a selection in it. Empty for a row that keeps no counts. `scratch` is grown, not shrunk.
   std::optional<float> Kth(int row, std::span<const float> values, int k, std::vector<float>* scratch) const;
-  // TopKIndicesWithThreshold(values, k, *Kth(row, values, k), out) in one pass over the row instead of
-  // three (Kth's gather, the threshold scan's count and its take): the indices and values of the buckets
-  // down to the one holding the k-th largest value (a superset of the taken ones: every value above the
-  // threshold lies in those buckets, and so does every value equal to it when it is nonzero) and that
-  // bucket's values are compressed from the row at once, the threshold selected in the bucket as Kth
-  // does, and the candidates then filtered in index order by the scan's rule (every value above it, then
-  // the lowest-indexed equal ones while fewer than k are taken): the same indices. Returns false, and
-  // leaves *out unspecified, where that rule cannot be read from the counts (a row that keeps no counts,
-  // k > n, or a k-th largest value in the lowest bucket, which holds the zeros); the caller then takes Kth
-  // and the scan. k >= 1. `scratch` and *out are grown, not shrunk (no allocation once grown).
-  bool TopK(int row, std::span<const float> values, int k, std::vector<float>* scratch,
-            std::vector<int32_t>* out) const;
   // DescendingSums(values, ks, known, out) with row `row`'s counts instead of its own row pass and count
   // pass (the same bits).
   void Sums(int row, std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,

@@ -1039,21 +1039,16 @@ TEST_CASE("replay: the oracle's k-th largest from the regret's buckets equals a 
     for (int threads : {1, 3}) {
       SetDeferredKthUnitsForTesting(deferred);
       auto from_sums = Replay(trace, runs, ReplayOptions{.threads = threads});
-      SetFullTopKFusedForTesting(false);  // the k-th value, then the threshold scan (no RowBuckets::TopK)
-      auto scanned = Replay(trace, runs, ReplayOptions{.threads = threads});
-      SetFullTopKFusedForTesting(true);
       SetFullKthFromSumsForTesting(false);
       auto selected = Replay(trace, runs, ReplayOptions{.threads = threads});
       SetFullKthFromSumsForTesting(true);
       SetDeferredKthUnitsForTesting(true);
       REQUIRE(from_sums.ok());
-      REQUIRE(scanned.ok());
       REQUIRE(selected.ok());
       for (size_t i = 0; i < runs.size(); ++i) {
         INFO(runs[i].label << " budget " << runs[i].budget_fraction << " threads " << threads
                            << (deferred ? " deferred" : ""));
         CHECK((*from_sums)[i].SerializeAsString() == (*selected)[i].SerializeAsString());
-        CHECK((*scanned)[i].SerializeAsString() == (*selected)[i].SerializeAsString());
       }
     }
 }

@@ -290,21 +290,6 @@ int CheckDescendingSumsOfRows(const std::vector<std::vector<float>>& rows) {
         const std::optional<float> got = b->Kth(static_cast<int>(r), v, k, &scratch);
         if (exact) REQUIRE(got.has_value());
         if (got) REQUIRE(*got == (k <= n ? sorted[k - 1] : 0.0f));
-        // TopK: the threshold scan's indices at that k-th value, on the AVX2 and the portable loops, into a
-        // buffer holding a previous answer; answered whenever the k-th value lies above the lowest bucket.
-        if (k > n) continue;
-        const std::vector<int32_t> want = TopKIndicesWithThreshold(v, k, sorted[k - 1]);
-        uint32_t uk;
-        std::memcpy(&uk, &sorted[k - 1], 4);
-        for (bool avx2 : {true, false}) {
-          SetBucketTopKAvx2ForTesting(avx2);
-          std::vector<int32_t> idx{7, 7, 7};
-          const bool answered = b->TopK(static_cast<int>(r), v, k, &scratch, &idx);
-          SetBucketTopKAvx2ForTesting(true);
-          INFO("TopK, avx2 " << avx2);
-          if (exact && (uk & 0x7fffffffu) >> 19 > 0) REQUIRE(answered);
-          if (answered) REQUIRE(idx == want);
-        }
       }
   }
   return small;
