@@ -282,11 +282,12 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
   // system) are measured; "cost" is the difference to `full` alone, so it is the policy's own work: its
   // first pass, prompt scores, selection, merges, per-step hooks, and its runs' per-step metrics and
   // output products. On a loaded machine compare the CPU columns. "cost / floor" divides the cost's CPU
-  // seconds by the measured floor of four runs' own output products (half of the 8-run floor above: the
-  // same four budgets), the issue's "each run's cost within 2x of its own products' floor" for the policy's
-  // four runs together. A policy that keeps more than its budget (MEDA's official code keeps all text), or
-  // that also computes merged slots' logits, has more products than this floor counts.
-  const double floor4_cpu = runs_floor.cpu_seconds / 2;
+  // seconds by the measured floor of four runs' own output products (the 8-run floor above, whose runs are
+  // the same four budgets twice, per budget set), the issue's "each run's cost within 2x of its own products'
+  // floor" for the policy's four runs together. A policy that keeps more than its budget (MEDA's official
+  // code keeps all text), or that also computes merged slots' logits, has more products than this floor
+  // counts.
+  const double floor4_cpu = runs_floor.cpu_seconds * static_cast<double>(budgets.size()) / kept.size();
   std::printf(
       "\nper policy (4 runs: budgets 5/10/20/50%%, each line its own child process; cost = that process - "
       "full alone; floor = 4 runs' own output products, CPU %.2f s)\n\n| policy x 4 budgets | wall s | CPU "
@@ -294,11 +295,11 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
       "|\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
       floor4_cpu);
   auto policy_row = [&](const std::string& what, const Measure& m) {
-    const double cost_cpu = m.cpu_seconds - full.cpu_seconds;
+    const double own_cpu = m.cpu_seconds - full.cpu_seconds;
     char ratio[32] = "-";  // full alone is the reference, not a policy's cost
-    if (&m != &full && floor4_cpu > 0) std::snprintf(ratio, sizeof ratio, "%.2fx", cost_cpu / floor4_cpu);
+    if (&m != &full && floor4_cpu > 0) std::snprintf(ratio, sizeof ratio, "%.2fx", own_cpu / floor4_cpu);
     std::printf("| %s | %.2f | %.2f | %.0f | %.2f | %.2f | %s | %.0f | %.3f |\n", what.c_str(), m.seconds,
-                m.cpu_seconds, m.cpu_percent(), m.seconds - full.seconds, cost_cpu, ratio, m.peak_rss_mb,
+                m.cpu_seconds, m.cpu_percent(), m.seconds - full.seconds, own_cpu, ratio, m.peak_rss_mb,
                 m.peak_rss_mb * 1048576.0 / trace_bytes);
     std::fflush(stdout);
   };
