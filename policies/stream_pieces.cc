@@ -1,9 +1,13 @@
 #include "policies/stream_pieces.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <numeric>
 
+#include "sim/attention.h"
 #include "sim/select.h"
 
 namespace kvsim {
@@ -17,36 +21,48 @@ void MinMaxNormalize(std::span<float> x) {
 
 std::vector<float> FrequencySignalFFT(const float* keys, int n, int dim) {
   std::vector<float> f(n, 0.0f);
-  if (n <= 0) return f;
-  const int bins = n / 2 + 1, cut = bins / 2;
+  if (n <= 0 || dim <= 0) return f;
+  EnsureSingleThreadedBlas();
+  const int bins = n / 2 + 1, cut = bins / 2, nk = bins - cut;
   // High-passed signal x_hp(t) = (1/n) Σ_{k in kept bins} w_k Re(X_k e^{2πi k t / n}), w_k = 1 for the DC
-  // and Nyquist bins, 2 otherwise (irfft of a one-sided spectrum). Computed in double for exactness.
-  std::vector<double> xhp(static_cast<size_t>(n) * dim, 0.0);
-  std::vector<double> re(dim), im(dim);
-  for (int k = cut; k < bins; ++k) {
-    std::fill(re.begin(), re.end(), 0.0);
-    std::fill(im.begin(), im.end(), 0.0);
-    for (int t = 0; t < n; ++t) {
-      const double a = -2.0 * M_PI * static_cast<double>(k) * t / n;
-      const double c = std::cos(a), s = std::sin(a);
-      const float* row = keys + static_cast<size_t>(t) * dim;
-      for (int j = 0; j < dim; ++j) {
-        re[j] += row[j] * c;
-        im[j] += row[j] * s;
+  // and Nyquist bins, 2 otherwise (irfft of a one-sided spectrum), X_k = Σ_t x_t e^{-2πi k t / n}: a direct
+  // transform of the kept half of the bins, in double, as two matrix products with T = [C; S], the kept
+  // bins' twiddles C[k][t] = cos θ_kt and S[k][t] = -sin θ_kt, θ_kt = 2π (k t mod n) / n (the exact integer
+  // reduction keeps every angle below 2π):
+  //   [Re X; Im X] = T x,   x_hp = (1/n) Tᵀ [w Re X; w Im X]   (Re(X e^{iθ}) = Re X cos θ - Im X sin θ).
+  // T depends on n alone; it is built once per thread for each block size in a row.
+  thread_local int table_n = -1;
+  thread_local std::vector<double> twiddles, x, y, hp;
+  const size_t rows = static_cast<size_t>(2) * nk;
+  if (table_n != n) {
+    twiddles.resize(rows * n);
+    for (int kk = 0; kk < nk; ++kk) {
+      const int64_t k = cut + kk;
+      for (int t = 0; t < n; ++t) {
+        const double a = 2.0 * M_PI * static_cast<double>(k * t % n) / n;
+        twiddles[kk * static_cast<size_t>(n) + t] = std::cos(a);
+        twiddles[(nk + kk) * static_cast<size_t>(n) + t] = -std::sin(a);
       }
     }
-    const double w = (k == 0 || (n % 2 == 0 && k == n / 2)) ? 1.0 : 2.0;
-    for (int t = 0; t < n; ++t) {
-      const double a = 2.0 * M_PI * static_cast<double>(k) * t / n;
-      const double c = std::cos(a), s = std::sin(a);
-      double* out = xhp.data() + static_cast<size_t>(t) * dim;
-      for (int j = 0; j < dim; ++j) out[j] += w * (re[j] * c - im[j] * s) / n;
-    }
+    table_n = n;
   }
+  x.assign(keys, keys + static_cast<size_t>(n) * dim);
+  y.resize(rows * dim);
+  hp.resize(static_cast<size_t>(n) * dim);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), dim, n, 1.0, twiddles.data(),
+              n, x.data(), dim, 0.0, y.data(), dim);
+  for (int kk = 0; kk < nk; ++kk) {
+    const int k = cut + kk;
+    if (k == 0 || (n % 2 == 0 && k == n / 2)) continue;  // w_k = 1
+    for (size_t r : {static_cast<size_t>(kk), static_cast<size_t>(nk + kk)})
+      for (int j = 0; j < dim; ++j) y[r * dim + j] *= 2.0;
+  }
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, dim, static_cast<int>(rows), 1.0, twiddles.data(),
+              n, y.data(), dim, 0.0, hp.data(), dim);
   for (int t = 0; t < n; ++t) {
     double acc = 0;
-    for (int j = 0; j < dim; ++j) acc += std::fabs(xhp[static_cast<size_t>(t) * dim + j]);
-    f[t] = static_cast<float>(acc / dim);
+    for (int j = 0; j < dim; ++j) acc += std::fabs(hp[static_cast<size_t>(t) * dim + j]);
+    f[t] = static_cast<float>(acc / n / dim);
   }
   return f;
 }

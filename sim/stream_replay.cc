@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <future>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -143,7 +144,7 @@ class Access : public StreamLayerAccess {
       out.info = stored;
       auto it = blocks_.find(key);
       if (it == blocks_.end()) {
-        BlockLayerData data;
+        BlockLayerData data = TakeSpareBlocks(g);
         KVSIM_RETURN_IF_ERROR(trace_->ReadBlockLayer(g, layer, &data));
         it = blocks_.emplace(key, std::move(data)).first;
       }
@@ -167,7 +168,7 @@ class Access : public StreamLayerAccess {
     if (it == blocks_.end()) {
       auto layer_data = StreamLocked(layer);
       if (!layer_data.ok()) return layer_data.status();
-      BlockLayerData data;
+      BlockLayerData data = TakeSpareBlocks(g);
       const bool attention = needs_attention_ && layer == meta.model.num_layers - 1;
       KVSIM_RETURN_IF_ERROR(DeriveBlockLayer(meta, **layer_data, info_it->second, attention, &data));
       it = blocks_.emplace(key, std::move(data)).first;
@@ -175,21 +176,69 @@ class Access : public StreamLayerAccess {
     out.data = &it->second;
     return out;
   }
-  // Keeps only `layer`'s stream data and block encodings (the per-layer pass).
+  // Reads `layer`'s stream data, then reads or derives its block encodings of granularities `grans`. The
+  // stream read holds no lock, so the engine can read layer l + 1 in the background while layer l's already
+  // loaded data is used; the source is never read by two threads at once as long as only one Load runs and
+  // nothing else reads meanwhile (Stream and Blocks of a loaded layer do not read).
+  Status Load(int layer, const std::set<int>& grans) {
+    bool have;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      have = stream_.count(layer) > 0;
+    }
+    if (!have) {
+      LayerData data;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        data = TakeSpareStream();
+      }
+      KVSIM_RETURN_IF_ERROR(trace_->ReadLayer(layer, &data));
+      std::lock_guard<std::mutex> lock(mu_);
+      stream_.emplace(layer, std::move(data));
+    }
+    for (int g : grans) KVSIM_RETURN_IF_ERROR(Blocks(g, layer).status());
+    return Status::Ok();
+  }
+  // Keeps only `layer`'s stream data and block encodings (the per-layer pass). What is dropped is kept
+  // aside (one layer's worth) so that the next read reuses its buffers instead of allocating anew.
   void KeepOnly(int layer) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = stream_.begin(); it != stream_.end();)
-      it = it->first == layer ? std::next(it) : stream_.erase(it);
-    for (auto it = blocks_.begin(); it != blocks_.end();)
-      it = it->first.second == layer ? std::next(it) : blocks_.erase(it);
+    for (auto it = stream_.begin(); it != stream_.end();) {
+      if (it->first == layer) {
+        ++it;
+        continue;
+      }
+      spare_stream_ = std::move(it->second);
+      it = stream_.erase(it);
+    }
+    for (auto it = blocks_.begin(); it != blocks_.end();) {
+      if (it->first.second == layer) {
+        ++it;
+        continue;
+      }
+      spare_blocks_[it->first.first] = std::move(it->second);
+      it = blocks_.erase(it);
+    }
   }
   bool derived_any() const { return !derived_info_.empty(); }
 
  private:
+  LayerData TakeSpareStream() {  // with mu_ held
+    LayerData data = std::move(spare_stream_);
+    spare_stream_ = LayerData();
+    return data;
+  }
+  BlockLayerData TakeSpareBlocks(int g) {  // with mu_ held
+    auto it = spare_blocks_.find(g);
+    if (it == spare_blocks_.end()) return {};
+    BlockLayerData data = std::move(it->second);
+    spare_blocks_.erase(it);
+    return data;
+  }
   StatusOr<const LayerData*> StreamLocked(int layer) {
     auto it = stream_.find(layer);
     if (it == stream_.end()) {
-      LayerData data;
+      LayerData data = TakeSpareStream();
       KVSIM_RETURN_IF_ERROR(trace_->ReadLayer(layer, &data));
       it = stream_.emplace(layer, std::move(data)).first;
     }
@@ -200,6 +249,8 @@ class Access : public StreamLayerAccess {
   std::mutex mu_;
   std::map<int, LayerData> stream_;
   std::map<std::pair<int, int>, BlockLayerData> blocks_;
+  LayerData spare_stream_;                      // a dropped layer's buffers, for the next read
+  std::map<int, BlockLayerData> spare_blocks_;  // by granularity
   std::map<int, BlockEncodingInfo> derived_info_;
 };
 
@@ -682,8 +733,12 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
   });
   for (const Status& st : plan_status) KVSIM_RETURN_IF_ERROR(st);
 
-  // 2. The per-layer pass.
+  // 2. The per-layer pass. Layer l + 1 is read (and its block encodings read or derived) in the background
+  // while layer l is replayed: at most two layers resident.
+  access.KeepOnly(0);
+  Status read_status = access.Load(0, grans);
   for (int l = 0; l < L; ++l) {
+    KVSIM_RETURN_IF_ERROR(read_status);
     access.KeepOnly(l);
     auto layer_or = access.Stream(l);
     if (!layer_or.ok()) return layer_or.status();
@@ -697,6 +752,10 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
       if (!bl.ok()) return bl.status();
       base.blocks[g] = *bl;
     }
+    // An early return below waits for the read too (a std::async future's destructor joins it).
+    std::future<Status> next;
+    if (l + 1 < L)
+      next = std::async(std::launch::async, [&access, &grans, l] { return access.Load(l + 1, grans); });
     for (int qi = 0; qi < nq; ++qi) {
       const StreamQuestion& q = s.questions[qi];
       QuestionRef ref;
@@ -723,6 +782,7 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
       });
       for (const Status& st : status) KVSIM_RETURN_IF_ERROR(st);
     }
+    if (next.valid()) read_status = next.get();
     if (options.progress) options.progress->Update("layer", l + 1, L);
   }
 

@@ -1,8 +1,12 @@
 // The streaming engine: event order, memory tiers, timeline, the full-history reference, position handling.
 #include "sim/stream_replay.h"
 
+#include <atomic>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cmath>
+#include <mutex>
+#include <thread>
 
 #include "policies/rekv.h"
 #include "policies/stream_baselines.h"
@@ -286,6 +290,84 @@ TEST_CASE("streaming results are identical at any thread count", "[stream_replay
   const auto a = RunPolicies(ts.trace, runs, 1);
   const auto b = RunPolicies(ts.trace, runs, 3);
   for (size_t i = 0; i < a.size(); ++i) CHECK(a[i].SerializeAsString() == b[i].SerializeAsString());
+}
+
+// A source that records its reads (which layers; how many reads were in flight at once) and fails at
+// layer `fail_at`. Each read lingers a little, so that two overlapping reads would be seen.
+class RecordingSource : public TraceSource {
+ public:
+  RecordingSource(MemoryTrace* inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
+  const TraceMeta& meta() const override { return inner_->meta(); }
+  std::string Describe() const override { return "<recording>"; }
+  using TraceSource::ReadLayer;
+  Status ReadLayer(int layer, LayerData* out, const LayerReadOptions& options) override {
+    const InFlight f(this);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      layers_read.push_back(layer);
+    }
+    if (layer == fail_at_) return Status::DataLoss("layer " + std::to_string(layer) + " is damaged");
+    return inner_->ReadLayer(layer, out, options);
+  }
+  Status ReadBlockLayer(int g, int layer, BlockLayerData* out) override {
+    const InFlight f(this);
+    return inner_->ReadBlockLayer(g, layer, out);
+  }
+  std::vector<int> layers_read;
+  std::atomic<int> max_in_flight{0};
+
+ private:
+  struct InFlight {
+    explicit InFlight(RecordingSource* s) : s(s) {
+      const int n = ++s->in_flight_;
+      int m = s->max_in_flight.load();
+      while (n > m && !s->max_in_flight.compare_exchange_weak(m, n)) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    }
+    ~InFlight() { --s->in_flight_; }
+    RecordingSource* s;
+  };
+  MemoryTrace* inner_;
+  int fail_at_;
+  std::mutex mu_;
+  std::atomic<int> in_flight_{0};
+};
+
+TEST_CASE("the next layer is read in the background: once, in order, one read at a time; errors surface",
+          "[stream_replay]") {
+  TinyStreamSpec spec;
+  spec.num_layers = 4;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 2;
+  auto ts = MakeTinyStreamTrace(spec);
+  std::vector<StreamRunSpec> specs;
+  for (const char* name : {"stream_full", "rekv", "mukv"}) {
+    auto p = StreamPolicyRegistry::Default().Create(name);
+    REQUIRE(p.ok());
+    specs.push_back({*p, name, 12});
+  }
+  StreamReplayOptions o;
+  o.threads = 3;
+  auto direct = ReplayStream(ts.trace, specs, o);
+  REQUIRE(direct.ok());
+  RecordingSource src(&ts.trace, /*fail_at=*/-1);
+  auto r = ReplayStream(src, specs, o);
+  REQUIRE(r.ok());
+  CHECK(src.max_in_flight.load() == 1);
+  // mukv's plan reads the last layer first (it compresses there); then the pass reads 0, 1, 2, 3.
+  CHECK(src.layers_read == std::vector<int>{3, 0, 1, 2, 3});
+  for (size_t i = 0; i < r->size(); ++i)
+    CHECK((*r)[i].SerializeAsString() == (*direct)[i].SerializeAsString());
+  for (int fail_at : {0, 2, 3}) {
+    RecordingSource bad(&ts.trace, fail_at);
+    std::vector<StreamRunSpec> plain(specs.begin(), specs.begin() + 2);  // no plan reads
+    auto e = ReplayStream(bad, plain, o);
+    INFO("fail_at " << fail_at);
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.status().message().find("layer " + std::to_string(fail_at) + " is damaged") != std::string::npos);
+    CHECK(bad.max_in_flight.load() == 1);
+  }
 }
 
 TEST_CASE("CheckStreamRuns: non-streaming traces and missing video queries give one-line errors",
