@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <set>
 
 #include "sim/attention.h"
@@ -181,20 +182,15 @@ class Access : public StreamLayerAccess {
   // loaded data is used; the source is never read by two threads at once as long as only one Load runs and
   // nothing else reads meanwhile (Stream and Blocks of a loaded layer do not read).
   Status Load(int layer, const std::set<int>& grans) {
-    bool have;
+    std::optional<LayerData> data;  // set when the layer is not loaded yet
     {
       std::lock_guard<std::mutex> lock(mu_);
-      have = stream_.count(layer) > 0;
+      if (!stream_.count(layer)) data = TakeSpareStream();
     }
-    if (!have) {
-      LayerData data;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        data = TakeSpareStream();
-      }
-      KVSIM_RETURN_IF_ERROR(trace_->ReadLayer(layer, &data));
+    if (data) {
+      KVSIM_RETURN_IF_ERROR(trace_->ReadLayer(layer, &*data));
       std::lock_guard<std::mutex> lock(mu_);
-      stream_.emplace(layer, std::move(data));
+      stream_.emplace(layer, std::move(*data));
     }
     for (int g : grans) KVSIM_RETURN_IF_ERROR(Blocks(g, layer).status());
     return Status::Ok();
