@@ -456,6 +456,7 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
   for (int c = 0; c < ncols_ref; ++c)
     if (covered[c]) covered_cols.push_back(c);
   std::vector<std::vector<float>> ret(h), err(h);
+  std::vector<double> kept_mass;
   auto &k = sc->k, &v = sc->v, &qs = sc->qs, &probs = sc->probs, &out = sc->out, &qall = sc->qall;
   for (int kh = 0; kh < hkv; ++kh) {
     k.resize(static_cast<size_t>(n) * d);
@@ -490,10 +491,9 @@ void EvaluateContext(const TraceMeta& meta, const LayerData& layer, const Stream
     AttendRows(m, qall.data(), g * na, k.data(), v.data(), n, vis.data(), &probs, &out);
     for (int gi = 0; gi < g; ++gi) {
       const int qh = kh * g + gi;
+      RetainedMass(ref.probs[qh].data(), na, ncols_ref, covered_cols, &kept_mass);
       for (int r = 0; r < na; ++r) {
-        const float* pf = ref.probs[qh].data() + static_cast<size_t>(r) * ncols_ref;
-        double kept = 0;
-        for (int c : covered_cols) kept += pf[c];
+        const double kept = kept_mass[r];
         const float* of = ref.out[qh].data() + static_cast<size_t>(r) * d;
         const float* oc = out.data() + (static_cast<size_t>(gi) * na + r) * d;
         double num = 0, den = 0;
@@ -915,6 +915,26 @@ StatusOr<std::vector<StreamRunResult>> ReplayStream(TraceSource& trace, std::spa
     results.push_back(std::move(r));
   }
   return results;
+}
+
+void RetainedMass(const float* p, int rows, int stride, std::span<const int> cols, std::vector<double>* out) {
+  out->assign(rows, 0.0);
+  constexpr int kRows = 8;
+  int r0 = 0;
+  for (; r0 + kRows <= rows; r0 += kRows) {
+    const float* q[kRows];
+    for (int i = 0; i < kRows; ++i) q[i] = p + static_cast<size_t>(r0 + i) * stride;
+    double s[kRows] = {};
+    for (int c : cols)
+      for (int i = 0; i < kRows; ++i) s[i] += q[i][c];
+    for (int i = 0; i < kRows; ++i) (*out)[r0 + i] = s[i];
+  }
+  for (; r0 < rows; ++r0) {
+    const float* q = p + static_cast<size_t>(r0) * stride;
+    double s = 0;
+    for (int c : cols) s += q[c];
+    (*out)[r0] = s;
+  }
 }
 
 }  // namespace kvsim

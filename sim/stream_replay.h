@@ -59,6 +59,13 @@ struct VideoBlock {
 };
 std::vector<VideoBlock> CutVideoBlocks(const StreamInfo& stream, int granularity);
 
+// The retained mass of `rows` reference rows over the covered columns: out[r] = Σ_{c ∈ cols}
+// p[r * stride + c], each row added in double in the order of `cols` from 0. Eight rows at a time, so eight
+// independent chains of additions are in flight (one row at a time waited on the adder's latency at every
+// column: 11% of the streaming demo sweep; issue 14, round 24); each row's additions and their order are a
+// plain loop's.
+void RetainedMass(const float* p, int rows, int stride, std::span<const int> cols, std::vector<double>* out);
+
 // The timeline of one run, independent of layers.
 struct StreamTimeline {
   std::vector<double> job_end_s;                     // per encoding job
