@@ -21,6 +21,7 @@
 #include "sim/progress.h"
 #include "sim/results.pb.h"
 #include "sim/trace.h"
+#include "traces/hash_cache.h"
 #include "traces/hdf5_trace.h"
 
 namespace kvsim {
@@ -71,7 +72,8 @@ std::string DatasetMarkdown(const std::vector<Aggregate>& aggregates,
                             const std::vector<AggregateColumn>& columns);
 
 // The unit loop, for a unit message `Unit` with the fields sample_id, trace_path, trace_hash,
-// definition_hash and repeated runs (SweepUnit, StreamSweepUnit). For each sample in order: hash its trace;
+// definition_hash and repeated runs (SweepUnit, StreamSweepUnit). For each sample in order: hash its trace
+// (CachedHashFile: the hash remembered from an earlier read of the unchanged file, docs/cli.md);
 // with units->resume, reuse units_dir/ID-DEFHASH.json when its definition hash, sample id, trace path,
 // trace hash and run count match; else `replay(i, trace_hash)` (returns the unit's runs, tagged with the
 // sample) and write the unit atomically. The hash comes first, not beside the replay: `replay` opens the
@@ -99,7 +101,7 @@ Status RunUnits(const std::vector<config::Sample>& samples, const std::string& d
         keep ? (fs::path(units->units_dir) / (s.id() + "-" + def_hash + ".json")).string() : "";
     if (keep) unit_files.insert(fs::path(unit_path).filename().string());
     auto compute = [&]() -> StatusOr<Unit> {
-      KVSIM_ASSIGN_OR_RETURN(std::string hash, HashFile(s.path()));
+      KVSIM_ASSIGN_OR_RETURN(std::string hash, CachedHashFile(s.path()));
       if (keep && units->resume && fs::exists(unit_path)) {
         Unit old;
         std::ifstream in(unit_path, std::ios::binary);

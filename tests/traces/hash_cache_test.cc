@@ -12,7 +12,9 @@
 #include <optional>
 #include <thread>
 
+#include "analysis/dataset.h"
 #include "analysis/sweep.h"
+#include "sim/stream_results.pb.h"
 #include "tests/test_util.h"
 #include "traces/hdf5_trace.h"
 
@@ -269,6 +271,37 @@ TEST_CASE("HashBesideReplay takes a remembered hash and reads nothing beside the
   // With the cache off, the file is read (the true hash).
   ScopedEnv off("KVSIM_HASH_CACHE", "off");
   CHECK(*HashBesideReplay(path, 1, [](const std::string&) { return Status::Ok(); }) == *HashFile(path));
+}
+
+TEST_CASE("RunUnits (the streaming sweep's unit loop) takes a remembered hash", "[hdf5][hash_cache]") {
+  const std::string dir = testing::ScratchDir("hash_cache_units");
+  const HashCacheOptions cache{dir + "/cache", milliseconds(0)};
+  ScopedEnv env("KVSIM_HASH_CACHE", cache.dir.c_str());
+  const std::string path = MakeFile(dir + "/t.h5", 6);
+  Tick();
+  REQUIRE(HashFileAndRemember(path, cache).ok());
+  ForgeEntryHash(cache.dir, kForged);
+  std::vector<config::Sample> samples(1);
+  samples[0].set_id("s");
+  samples[0].set_path(path);
+  auto units = [&] {
+    Progress progress("test", ProgressStyle::kOff);
+    std::vector<std::string> given;
+    std::vector<StreamSweepUnit> done;
+    google::protobuf::RepeatedPtrField<FailedUnit> failed;
+    auto replay = [&](size_t, const std::string& hash) -> StatusOr<std::vector<StreamRunResult>> {
+      given.push_back(hash);
+      return std::vector<StreamRunResult>{};
+    };
+    REQUIRE(RunUnits(samples, "def", 0, nullptr, progress, replay, &done, &failed).ok());
+    REQUIRE(done.size() == 1);
+    CHECK(done[0].trace_hash() == given.at(0));
+    return done[0].trace_hash();
+  };
+  CHECK(units() == kForged);  // answered from the entry: the file is not read
+  // With the cache off, the file is read (the true hash).
+  ScopedEnv off("KVSIM_HASH_CACHE", "off");
+  CHECK(units() == *HashFile(path));
 }
 
 }  // namespace kvsim
