@@ -74,6 +74,21 @@ struct ScopedEnv {
 
 constexpr char kForged[] = "0123456789abcdef";
 
+// A file in a fresh scratch folder `name`, its entry remembered in `cache` (min age 0), then forged to
+// kForged: a command that takes the remembered hash answers kForged, one that reads the file does not.
+struct Remembered {
+  HashCacheOptions cache;
+  std::string path;
+};
+Remembered RememberForgedHash(const std::string& name, char fill) {
+  const std::string dir = testing::ScratchDir(name);
+  Remembered r{{dir + "/cache", milliseconds(0)}, MakeFile(dir + "/t.h5", fill)};
+  Tick();
+  REQUIRE(HashFileAndRemember(r.path, r.cache).ok());
+  ForgeEntryHash(r.cache.dir, kForged);
+  return r;
+}
+
 }  // namespace
 
 TEST_CASE("hash cache: an entry is written, then answers without reading the file", "[hdf5][hash_cache]") {
@@ -251,13 +266,8 @@ TEST_CASE("hash cache: the folder is pruned beyond max_entries, stale entries an
 
 TEST_CASE("HashBesideReplay takes a remembered hash and reads nothing beside the replay",
           "[hdf5][hash_cache]") {
-  const std::string dir = testing::ScratchDir("hash_cache_beside");
-  const HashCacheOptions cache{dir + "/cache", milliseconds(0)};
+  const auto [cache, path] = RememberForgedHash("hash_cache_beside", 5);
   ScopedEnv env("KVSIM_HASH_CACHE", cache.dir.c_str());
-  const std::string path = MakeFile(dir + "/t.h5", 5);
-  Tick();
-  REQUIRE(HashFileAndRemember(path, cache).ok());
-  ForgeEntryHash(cache.dir, kForged);
   for (bool concurrent : {false, true}) {
     std::string given = "unset";
     auto h = HashBesideReplay(path, concurrent ? 2 : 1, [&](const std::string& g) {
@@ -274,13 +284,8 @@ TEST_CASE("HashBesideReplay takes a remembered hash and reads nothing beside the
 }
 
 TEST_CASE("RunUnits (the streaming sweep's unit loop) takes a remembered hash", "[hdf5][hash_cache]") {
-  const std::string dir = testing::ScratchDir("hash_cache_units");
-  const HashCacheOptions cache{dir + "/cache", milliseconds(0)};
+  const auto [cache, path] = RememberForgedHash("hash_cache_units", 6);
   ScopedEnv env("KVSIM_HASH_CACHE", cache.dir.c_str());
-  const std::string path = MakeFile(dir + "/t.h5", 6);
-  Tick();
-  REQUIRE(HashFileAndRemember(path, cache).ok());
-  ForgeEntryHash(cache.dir, kForged);
   std::vector<config::Sample> samples(1);
   samples[0].set_id("s");
   samples[0].set_path(path);
