@@ -28,6 +28,7 @@
 #include "policies/merge_screen.h"
 #include "policies/merge_screen_int16.h"
 #include "sim/attention.h"
+#include "sim/blas.h"
 #include "sim/policy.h"
 
 namespace {
@@ -242,6 +243,7 @@ void RealKeys(const std::string& file, const std::string& shapes, int tokens, in
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvsim::RestartForBlasKernels(argv);  // its sgemm reference on the kernels kvsim runs (sim/blas.h)
   std::string shapes = "3078x162,2600x640,1640x1600";
   int reps = 5;
   double mean = 0.0;

@@ -32,6 +32,7 @@
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
 #include "sim/attention.h"
+#include "sim/blas.h"
 #include "sim/parallel.h"
 #include "sim/stream_replay.h"
 #include "traces/hdf5_trace.h"
@@ -260,7 +261,9 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
     std::cerr << "kvsim_bench: a measurement failed\n";
     return 1;
   }
-  std::printf("issue 14: %d threads; floors are measured on this machine in this run\n\n", threads);
+  std::printf(
+      "issue 14: %d threads, OpenBLAS %s kernels; floors are measured on this machine in this run\n\n",
+      threads, BlasCoreName().c_str());
   std::printf(
       "| what | wall s | CPU s | CPU %% | peak RSS MB | RSS / trace |\n|---|---:|---:|---:|---:|---:|\n");
   auto row = [&](const std::string& what, const Measure& m) {
@@ -407,6 +410,7 @@ int StreamingSuite(const std::string& trace_path, const TraceMeta& meta, int thr
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvsim::RestartForBlasKernels(argv);  // as kvsim does: OpenBLAS's fast kernels on a CPU it does not know
   std::string trace_path, suite;
   int threads = 0;
   po::options_description opts("kvsim_bench options");

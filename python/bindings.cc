@@ -31,6 +31,7 @@
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
 #include "sim/attention.h"
+#include "sim/blas.h"
 #include "sim/parallel.h"
 #include "sim/replay.h"
 #include "sim/version.h"
@@ -724,6 +725,11 @@ NB_MODULE(_core, m) {
         nb::arg("threads"), nb::arg("latency_model"), nb::arg("device"), nb::arg("model"),
         nb::arg("prefill_chunk"), nb::arg("progress"), nb::arg("out_dir"), nb::arg("resume") = false);
   m.def("policies", &Policies);
+  // The OpenBLAS kernels this process runs, and the set kvsim's rule asks for (sim/blas.h; kvsim._native).
+  m.def("blas_core", &BlasCoreName);
+  m.def("blas_core_to_request", [] {
+    return BlasCoreToRequest(std::getenv("OPENBLAS_CORETYPE"), BlasCoreName(), ThisCpuVectorSupport());
+  });
   m.def("prompt_entropy_regions", &PromptEntropyRegionsOfRoles, nb::arg("role"));
   m.def("prompt_entropies", &PromptEntropies, nb::arg("queries"), nb::arg("keys"), nb::arg("modality"),
         nb::arg("regions"), nb::arg("softmax_scale"), nb::arg("sliding_window"), nb::arg("logit_softcap"),

@@ -404,6 +404,7 @@ std::atomic<bool> g_decode_part{true};     // SetSharedDecodePartForTesting
 std::atomic<bool> g_rank_bands{true};      // SetOutputBandsForTesting
 std::atomic<bool> g_band_memo{true};       // SetRankBandMemoForTesting
 std::atomic<bool> g_step0_split{true};     // SetStepZeroSplitForTesting
+std::atomic<int64_t> g_step0_splits{0};    // StepZeroSplitsForTesting
 std::atomic<bool> g_held_by_runs{true};    // SetHeldByRunsForTesting
 std::atomic<bool> g_step_runs{true};       // SetStepRunsForTesting
 std::atomic<bool> g_in_place_a{true};      // SetInPlaceProbRowsForTesting
@@ -2329,6 +2330,7 @@ class LayerPass {
     }
     const bool prefix_path = pre_n > 0 && pre_n * static_cast<size_t>(steps - split0) <= 4 * pre_gathered;
     split0 = split0 && prefix_path;  // else the token-by-token branch below, every step as before
+    if (split0) g_step0_splits.fetch_add(1, std::memory_order_relaxed);
     if (everything) {
       for (int g = 0; g < group; ++g)
         std::copy(w.refs[g].output.begin(), w.refs[g].output.end(),
@@ -3004,6 +3006,7 @@ void SetSharedDecodePartForTesting(bool allowed) { g_decode_part.store(allowed, 
 void SetOutputBandsForTesting(bool allowed) { g_rank_bands.store(allowed, std::memory_order_relaxed); }
 void SetRankBandMemoForTesting(bool allowed) { g_band_memo.store(allowed, std::memory_order_relaxed); }
 void SetStepZeroSplitForTesting(bool allowed) { g_step0_split.store(allowed, std::memory_order_relaxed); }
+int64_t StepZeroSplitsForTesting() { return g_step0_splits.load(std::memory_order_relaxed); }
 void SetHeldByRunsForTesting(bool allowed) { g_held_by_runs.store(allowed, std::memory_order_relaxed); }
 void SetStepRunsForTesting(bool allowed) { g_step_runs.store(allowed, std::memory_order_relaxed); }
 void SetInPlaceProbRowsForTesting(bool allowed) { g_in_place_a.store(allowed, std::memory_order_relaxed); }

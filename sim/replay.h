@@ -155,6 +155,8 @@ void SetRankBandMemoForTesting(bool allowed);
 // Test hook: false keeps FinishRun from taking step 0 on its own (a step 0 that holds every visible token as
 // itself, then prefix-closed steps: its row from the reference, the others' product over their own union).
 void SetStepZeroSplitForTesting(bool allowed);
+// How many (unit, run) outputs took that split since the process started (tests: the path was taken).
+int64_t StepZeroSplitsForTesting();
 // Test hook: false makes FinishRun count each step's held decode tokens token by token even when the steps'
 // lists are runs of consecutive tokens (it counts them run by run: the same counts).
 void SetHeldByRunsForTesting(bool allowed);

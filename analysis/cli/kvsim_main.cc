@@ -31,6 +31,7 @@
 #include "gpu_replay/plan.h"
 #include "policies/registry.h"
 #include "policies/stream_registry.h"
+#include "sim/blas.h"
 #include "sim/perf_model.h"
 #include "sim/progress.h"
 #include "sim/version.h"
@@ -912,13 +913,14 @@ const char kTopUsage[] =
     "  hash           print a trace's content hash (the trace_hash of results and plans)\n"
     "  latency        modelled decode / prefill latency of a shape on a GPU (docs/latency.md)\n"
     "  plot           draw a results folder's plots (RESULTS_DIR/plots/*.png, *.svg; matplotlib)\n"
-    "  version        print version and git commit\n";
+    "  version        print version, git commit and the BLAS kernels in use\n";
 
 }  // namespace
 }  // namespace kvsim
 
 int main(int argc, char** argv) {
   using namespace kvsim;
+  RestartForBlasKernels(argv);  // OpenBLAS's fast kernels on a CPU it does not know (sim/blas.h)
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
       std::string(argv[1]) == "help") {
     std::cout << kTopUsage;
@@ -928,7 +930,8 @@ int main(int argc, char** argv) {
   google::protobuf::SetLogHandler(nullptr);
   const std::string cmd = argv[1];
   if (cmd == "version" || cmd == "--version") {
-    std::cout << "kvsim " << kVersion << " (" << kGitCommit << ")\n";
+    std::cout << "kvsim " << kVersion << " (" << kGitCommit << ")\n"
+              << "BLAS: OpenBLAS, " << BlasCoreName() << " kernels\n";
     return kExitOk;
   }
   if (!ProgressIntervalFromEnv()) {

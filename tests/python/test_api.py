@@ -523,3 +523,28 @@ def test_kvsim_command_runs_the_binary(kvsim_bin):
     res = subprocess.run([sys.executable, "-m", "kvsim", "run", "--budget", "2"], capture_output=True, text=True,
                          env=env)
     assert res.returncode == 2 and "usage" in res.stderr  # the binary's own exit codes and messages
+
+
+def _cpu_flags():
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.parametrize("coretype", [None, "Prescott"])
+def test_extension_runs_openblas_vector_kernels(coretype):
+    # As the binary does (sim/blas.h): OpenBLAS's vector kernels on a CPU with AVX2 + FMA, even one OpenBLAS does not
+    # know; the user's OPENBLAS_CORETYPE stands.
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    if coretype:
+        env["OPENBLAS_CORETYPE"] = coretype
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    code = "from kvsim._native import core; print(core().blas_core())"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    core_name = res.stdout.strip()
+    if coretype:
+        assert core_name == coretype
+    elif {"avx2", "fma"} <= _cpu_flags():
+        assert core_name and core_name != "Prescott"

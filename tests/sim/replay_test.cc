@@ -3535,9 +3535,10 @@ TEST_CASE("replay: a NaN rank falls back to token order", "[replay]") {
 
 // A run whose step 0 holds every visible token as itself and whose later steps are prefix-closed (a cache
 // compressed after step 0, then appended to) takes step 0's row from the reference and the other steps'
-// product over their own union: its output errors agree with the per-step sums to float rounding and differ
-// somewhere (the split was taken); the runs whose later steps are not prefix-closed keep their bits. Each
-// run's results are its own: the same alone as beside the others.
+// product over their own union: its output errors agree with the per-step sums to float rounding, and the
+// split is counted as taken (whether the bits differ depends on the BLAS kernels: with OpenBLAS's SkylakeX
+// set they happened not to); the runs whose later steps are not prefix-closed keep their bits. Each run's
+// results are its own: the same alone as beside the others.
 TEST_CASE("replay: a whole step 0 is taken on its own, the prefix-closed steps after it as one product",
           "[replay]") {
   for (int hkv : {2, 4}) {  // GQA (group of 2) and MHA
@@ -3546,10 +3547,14 @@ TEST_CASE("replay: a whole step 0 is taken on its own, the prefix-closed steps a
                                     Spec(std::make_shared<StepZeroPolicy>(1), 100),
                                     Spec(std::make_shared<StepZeroPolicy>(2), 100),
                                     Spec(Registered("meda", {"variant=OFFICIAL_CODE"}), 100)};
+    const int64_t splits0 = StepZeroSplitsForTesting();
     auto split = Replay(tr, runs, Options());
+    const int64_t splits1 = StepZeroSplitsForTesting();
     SetStepZeroSplitForTesting(false);
     auto whole = Replay(tr, runs, Options());
     SetStepZeroSplitForTesting(true);
+    CHECK(splits1 > splits0);                      // the split was taken ...
+    CHECK(StepZeroSplitsForTesting() == splits1);  // ... and not with the hook off
     REQUIRE(split.ok());
     REQUIRE(whole.ok());
     for (size_t i = 0; i < runs.size(); ++i) {
@@ -3564,7 +3569,6 @@ TEST_CASE("replay: a whole step 0 is taken on its own, the prefix-closed steps a
       REQUIRE(alone.ok());
       CHECK((*alone)[0].SerializeAsString() == (*split)[i].SerializeAsString());
     }
-    CHECK((*split)[0].metrics().output_rel_error_mean() != (*whole)[0].metrics().output_rel_error_mean());
   }
 }
 
