@@ -5,17 +5,18 @@
 
 #include <cstdlib>
 
+#include "sim/cpu.h"
+
 namespace kvsim {
 
 CpuVectorSupport ThisCpuVectorSupport() {
-  __builtin_cpu_init();
   CpuVectorSupport c;
-  c.avx2 = __builtin_cpu_supports("avx2");
-  c.fma = __builtin_cpu_supports("fma");
-  c.avx512f = __builtin_cpu_supports("avx512f");
-  c.avx512bw = __builtin_cpu_supports("avx512bw");
-  c.avx512dq = __builtin_cpu_supports("avx512dq");
-  c.avx512vl = __builtin_cpu_supports("avx512vl");
+  c.avx2 = CpuHas(CpuFeature::kAvx2);
+  c.fma = CpuHas(CpuFeature::kFma);
+  c.avx512f = CpuHas(CpuFeature::kAvx512f);
+  c.avx512bw = CpuHas(CpuFeature::kAvx512bw);
+  c.avx512dq = CpuHas(CpuFeature::kAvx512dq);
+  c.avx512vl = CpuHas(CpuFeature::kAvx512vl);
   return c;
 }
 

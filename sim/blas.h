@@ -18,7 +18,7 @@ struct CpuVectorSupport {
   bool avx2 = false, fma = false;
   bool avx512f = false, avx512bw = false, avx512dq = false, avx512vl = false;
 };
-// This CPU's, as the CPU and the operating system report them (__builtin_cpu_supports).
+// This CPU's, as the CPU and the operating system report them (CpuHas, sim/cpu.h; all false off x86-64).
 CpuVectorSupport ThisCpuVectorSupport();
 
 // The OpenBLAS kernel set this process runs ("Haswell", "SkylakeX", "Zen", ...; "Prescott" = generic).

@@ -4,7 +4,7 @@
 
 namespace kvsim {
 
-enum class CpuFeature { kAvx2, kFma, kAvx512f, kAvx512bw, kAvx512vl, kAvx512bf16 };
+enum class CpuFeature { kAvx2, kFma, kAvx512f, kAvx512bw, kAvx512dq, kAvx512vl, kAvx512bf16 };
 
 // Whether the CPU has `feature` (always false off x86-64 or without GCC/Clang's CPU detection).
 inline bool CpuHas(CpuFeature feature) {
@@ -19,6 +19,8 @@ inline bool CpuHas(CpuFeature feature) {
       return __builtin_cpu_supports("avx512f") != 0;
     case CpuFeature::kAvx512bw:
       return __builtin_cpu_supports("avx512bw") != 0;
+    case CpuFeature::kAvx512dq:
+      return __builtin_cpu_supports("avx512dq") != 0;
     case CpuFeature::kAvx512vl:
       return __builtin_cpu_supports("avx512vl") != 0;
     case CpuFeature::kAvx512bf16:

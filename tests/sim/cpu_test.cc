@@ -30,6 +30,7 @@ TEST_CASE("CpuHas agrees with the kernel's /proc/cpuinfo flags", "[cpu]") {
   CHECK(CpuHas(CpuFeature::kFma) == listed("fma"));
   CHECK(CpuHas(CpuFeature::kAvx512f) == listed("avx512f"));
   CHECK(CpuHas(CpuFeature::kAvx512bw) == listed("avx512bw"));
+  CHECK(CpuHas(CpuFeature::kAvx512dq) == listed("avx512dq"));
   CHECK(CpuHas(CpuFeature::kAvx512vl) == listed("avx512vl"));
   CHECK(CpuHas(CpuFeature::kAvx512bf16) == listed("avx512_bf16"));
 }
