@@ -4,7 +4,7 @@
 // OpenBLAS picks its kernels when it is loaded, from the CPU's model number. A CPU newer than the library
 // (Debian 12's OpenBLAS 0.3.21 on an Emerald Rapids Xeon, family 6 model 207, for one) gets its generic
 // "Prescott" kernels (SSE3), several times slower than the AVX2 or AVX-512 kernels the CPU can run: the
-// 45-run demo sweep took 58 s instead of 39 s (docs/performance.md, "Round 25"). OpenBLAS's own knob,
+// 45-run demo sweep took 60–68 s instead of 39–41 s (docs/performance.md, "Round 25"). OpenBLAS's own knob,
 // the environment variable OPENBLAS_CORETYPE, is read only at load time, so kvsim's programs restart
 // themselves once with it set (RestartForBlasKernels) before doing anything else.
 
@@ -32,7 +32,8 @@ std::string BlasCoreToRequest(const char* env_coretype, std::string_view chosen,
 
 // Called first in main(): when BlasCoreToRequest asks for a kernel set, sets OPENBLAS_CORETYPE and
 // re-executes this program (/proc/self/exe) with the same arguments. Returns when nothing is to be done, or
-// when the restart failed (then the generic kernels run: the same results' definitions, only slower).
+// when the restart failed (then the generic kernels run: the same metrics, slower, their last bits their
+// own).
 void RestartForBlasKernels(char** argv);
 
 }  // namespace kvsim
