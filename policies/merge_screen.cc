@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace kvsim::merge_screen {
@@ -27,13 +28,24 @@ bool CpuSupports() {
          CpuHas(CpuFeature::kAvx512bf16);
 }
 
-bool EnvAllows() {
+const bool kSupported = CpuSupports();
+// int16::Supported(), read here without another file's static initialiser (their order is unspecified).
+const bool kInt16Supported = CpuHas(CpuFeature::kAvx2);
+
+// KVSIM_MERGE_SCREEN (read once): 0 = no screen; bf16 / int16 = that screen where the CPU runs it, else none;
+// unset, empty or 1 = the default: int16 where the CPU has AVX2 (round 25: faster than bf16 on an AVX512-BF16
+// CPU, docs/performance.md), else bf16 where it has AVX512-BF16, else none.
+Screen ScreenFromEnv() {
   const char* v = std::getenv("KVSIM_MERGE_SCREEN");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  const std::string s = v != nullptr ? v : "";
+  if (s == "0") return Screen::kNone;
+  if (s == "bf16") return kSupported ? Screen::kBf16 : Screen::kNone;
+  if (s == "int16") return kInt16Supported ? Screen::kInt16 : Screen::kNone;
+  return kInt16Supported ? Screen::kInt16 : kSupported ? Screen::kBf16 : Screen::kNone;
 }
 
-const bool kSupported = CpuSupports();
-const bool kEnvAllows = EnvAllows();
+const Screen kFromEnv = ScreenFromEnv();
+std::atomic<Screen> g_screen{kFromEnv};
 std::atomic<bool> g_test_enabled{true};
 const bool kAvx2Fma = CpuHas(CpuFeature::kAvx2) && CpuHas(CpuFeature::kFma);
 std::atomic<bool> g_test_avx2{true};
@@ -109,11 +121,21 @@ Stats& ThreadStats() {
 }
 
 bool Supported() { return kSupported; }
-bool Enabled() { return kSupported && kEnvAllows && g_test_enabled.load(std::memory_order_relaxed); }
-bool Int16Enabled() {
-  return !kSupported && int16::Supported() && kEnvAllows && g_test_enabled.load(std::memory_order_relaxed);
+bool Enabled() {
+  return g_screen.load(std::memory_order_relaxed) == Screen::kBf16 &&
+         g_test_enabled.load(std::memory_order_relaxed);
 }
+bool Int16Enabled() {
+  return g_screen.load(std::memory_order_relaxed) == Screen::kInt16 &&
+         g_test_enabled.load(std::memory_order_relaxed);
+}
+Screen ChosenScreen() { return kFromEnv; }
 void SetEnabledForTesting(bool enabled) { g_test_enabled.store(enabled, std::memory_order_relaxed); }
+void SetScreenForTesting(Screen screen) {
+  const bool runs = screen == Screen::kNone || (screen == Screen::kBf16 && kSupported) ||
+                    (screen == Screen::kInt16 && kInt16Supported);
+  g_screen.store(runs ? screen : Screen::kNone, std::memory_order_relaxed);
+}
 
 // The bound. a = q̂ and b = t̂ are rows NearestByCosine normalised (policies/merge.cc NormalizeRows): finite,
 // and every row with a nonzero norm was scaled by a normal, finite float inv (the screen is not used

@@ -7,29 +7,38 @@
 //  - The bf16 screen (round 7): approximate cosine similarities of unit-length rows with AVX512-BF16
 //    `vdpbf16ps` (both operands rounded to bf16, fp32 accumulation), a rigorous bound on their distance
 //    from the fmaf chain, and candidates re-checked with ExactDots. NearestByCosine (policies/merge.cc) uses
-//    it where the CPU has AVX512-BF16 to find the same slot and similarity as the exact search, bit for
-//    bit, with about half the multiply-adds; the proof is there and in docs/performance.md ("Round 7: merge
-//    similarities screened in bf16").
+//    it to find the same slot and similarity as the exact search, bit for bit, with about half the
+//    multiply-adds; the proof is there and in docs/performance.md ("Round 7: merge similarities screened in
+//    bf16"). Since round 25 only where the CPU has AVX512-BF16 but not AVX2, or when asked for
+//    (ChosenScreen).
 //  - The int16 screen (round 10; merge_screen_int16.h): the same with 15-bit fixed point summed exactly by
-//    AVX2 `vpmaddwd`, where the CPU has AVX2 but not AVX512-BF16 (Int16Enabled below); since round 16 with
-//    an int8 first stage (merge_screen_int8.h) that leaves it the same candidates at about half the cost.
+//    AVX2 `vpmaddwd` (Int16Enabled below); since round 16 with an int8 first stage (merge_screen_int8.h)
+//    that leaves it the same candidates at about half the cost. The default wherever the CPU has AVX2:
+//    on an AVX512-BF16 CPU (an Emerald Rapids Xeon) the 12 merging runs took 0.70–0.77× the bf16 screen's
+//    CPU time (docs/performance.md, "Round 25").
 // Exposed for tests and bench/.
 
 #include <cstdint>
 
 namespace kvsim::merge_screen {
 
-// True if this CPU has AVX512-BF16 (and AVX512F/BW/VL) and the screen is not switched off: by the
-// environment variable KVSIM_MERGE_SCREEN=0 (read once; for A/B measurements of one binary) or by
-// SetEnabledForTesting(false). Without it NearestByCosine uses the exact search (ExactNearest) only.
+// Which screen NearestByCosine uses, chosen once from the CPU and the environment variable KVSIM_MERGE_SCREEN
+// (for A/B measurements of one binary; results are the same bits with any screen or none): unset, empty or
+// 1 = int16 where the CPU has AVX2 (since round 25: on an AVX512-BF16 CPU it was faster than bf16), else bf16
+// where it has AVX512-BF16 (and AVX512F/BW/VL), else none; 0 = none; bf16 / int16 = that one where the CPU
+// runs it, else none. Without a screen NearestByCosine uses the exact search (ExactNearest) only.
+enum class Screen { kNone, kBf16, kInt16 };
+Screen ChosenScreen();
+// True if the bf16 screen is the chosen one and SetEnabledForTesting has not switched screening off.
 bool Enabled();
-// The int16 screen (merge_screen_int16.h; round 10) for CPUs with AVX2 but without AVX512-BF16: true if
-// this CPU has AVX2, not AVX512-BF16 (which gets the bf16 screen), and the same switches are on.
+// The same for the int16 screen (merge_screen_int16.h; round 10).
 bool Int16Enabled();
-// Whether the CPU supports the kernel at all (Enabled() also needs the switches on).
+// Whether the CPU supports the bf16 kernel at all (Enabled() also needs it chosen).
 bool Supported();
-// Test hook: forces the fallback (false) or allows the screen again (true; still needs Supported()).
+// Test hooks: SetEnabledForTesting(false) forces the exact search, true allows the chosen screen again;
+// SetScreenForTesting chooses a screen (one the CPU cannot run: none) until called again with ChosenScreen().
 void SetEnabledForTesting(bool enabled);
+void SetScreenForTesting(Screen screen);
 
 // What NearestByCosine did on this thread (counts since the thread started; tests and bench read them).
 struct Stats {

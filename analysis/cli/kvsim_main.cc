@@ -946,12 +946,15 @@ int main(int argc, char** argv) {
                  std::getenv("KVSIM_PROGRESS"));
     return kExitInput;
   }
-  // The A/B switches of the merging policies' similarity search (same results either way): 0 or 1.
+  // The A/B switches of the merging policies' similarity search (same results either way): 0 or 1, and for
+  // the screen also which one (policies/merge_screen.h).
   for (const char* name : {"KVSIM_MERGE_SCREEN", "KVSIM_MERGE_MEMO", "KVSIM_MERGE_INT8"}) {
     const char* v = std::getenv(name);
-    if (v && *v && std::string(v) != "0" && std::string(v) != "1") {
-      std::fprintf(stderr, "kvsim: error: environment variable %s='%s': expected 0 (off) or 1 (on)\n", name,
-                   v);
+    const bool screen = std::string(name) == "KVSIM_MERGE_SCREEN";
+    if (v && *v && std::string(v) != "0" && std::string(v) != "1" &&
+        !(screen && (std::string(v) == "bf16" || std::string(v) == "int16"))) {
+      std::fprintf(stderr, "kvsim: error: environment variable %s='%s': expected 0 (off) or 1 (on)%s\n", name,
+                   v, screen ? ", or bf16 / int16 (that screen)" : "");
       return kExitInput;
     }
   }

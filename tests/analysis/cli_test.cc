@@ -654,6 +654,13 @@ TEST_CASE("cli: progress is plain lines without carriage returns off a terminal;
     CHECK(testing::RunCommand("KVSIM_PROGRESS=off " + std::string(name) + "=0 " + Kvsim() + cmds[0].first,
                               &out) == 0);
   }
+  // The screen's switch also names a screen (the same results with either; policies/merge_screen.h).
+  for (const char* screen : {"bf16", "int16"})
+    CHECK(testing::RunCommand(
+              std::string("KVSIM_PROGRESS=off KVSIM_MERGE_SCREEN=") + screen + " " + Kvsim() + cmds[0].first,
+              &out) == 0);
+  CHECK(testing::RunCommand("KVSIM_MERGE_MEMO=int16 " + Kvsim() + cmds[0].first, &out) == 1);
+  CHECK(Has(out, "KVSIM_MERGE_MEMO='int16': expected 0 (off) or 1 (on)\n"));
   // A failing command prints its error alone: no "done" line before it.
   CHECK(testing::RunCommand("KVSIM_PROGRESS_INTERVAL=0 " + Kvsim() + " sweep --config " + exp + " --trace " +
                                 trace + " --out " + dir + "/into_a_file/x --trace " + dir + "/missing.h5",

@@ -7,15 +7,18 @@
 #include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <set>
+#include <string>
 #include <thread>
 
 #include "policies/merge_screen.h"
 #include "policies/merge_screen_int16.h"
 #include "policies/registry.h"
+#include "sim/cpu.h"
 #include "sim/replay.h"
 #include "tests/test_util.h"
 
@@ -543,8 +546,7 @@ ScreenResult Search(const std::vector<float>& q, int nq, const std::vector<float
   return r;
 }
 
-// Whether NearestByCosine screens here (the CPU has AVX512-BF16, or AVX2 for the int16 screen, and
-// KVSIM_MERGE_SCREEN is not 0).
+// Whether NearestByCosine screens here (the chosen screen, or the one a test chose, runs on this CPU).
 bool ScreenOn() {
   merge_screen::SetEnabledForTesting(true);
   return merge_screen::Enabled() || merge_screen::Int16Enabled();
@@ -580,11 +582,47 @@ std::vector<float> Gaussian(int rows, int d, uint32_t seed, float shared = 0.0f)
   return x;
 }
 
+// Chooses a screen for one test (SetScreenForTesting; a screen this CPU cannot run: none), and gives the
+// process's own choice back at the end of the scope.
+struct ScreenChoice {
+  explicit ScreenChoice(merge_screen::Screen s) { merge_screen::SetScreenForTesting(s); }
+  ~ScreenChoice() { merge_screen::SetScreenForTesting(merge_screen::ChosenScreen()); }
+};
+
 }  // namespace
 
-TEST_CASE("merge screen: bf16 screen + exact re-check equals the exact search bit for bit",
+TEST_CASE("merge screen: int16 is the default screen where the CPU has AVX2, else bf16 (round 25)",
+          "[merge][screen]") {
+  using merge_screen::Screen;
+  const char* env = std::getenv("KVSIM_MERGE_SCREEN");
+  if (env == nullptr || std::string(env).empty() || std::string(env) == "1")
+    CHECK(merge_screen::ChosenScreen() == (CpuHas(CpuFeature::kAvx2)   ? Screen::kInt16
+                                           : merge_screen::Supported() ? Screen::kBf16
+                                                                       : Screen::kNone));
+  {
+    ScreenChoice c(Screen::kBf16);
+    CHECK(merge_screen::Enabled() == merge_screen::Supported());
+    CHECK_FALSE(merge_screen::Int16Enabled());
+  }
+  {
+    ScreenChoice c(Screen::kInt16);
+    CHECK_FALSE(merge_screen::Enabled());
+    CHECK(merge_screen::Int16Enabled() == merge_screen::int16::Supported());
+  }
+  {
+    ScreenChoice c(Screen::kNone);
+    CHECK_FALSE(ScreenOn());
+  }
+}
+
+TEST_CASE("merge screen: each screen + exact re-check equals the exact search bit for bit",
           "[merge][screen]") {
   constexpr int d = 128;
+  // Every screen this CPU runs (bf16 where it has AVX512-BF16, int16 where it has AVX2); one it cannot run
+  // is the exact search, and the checks below say so (ScreenOn() false).
+  const merge_screen::Screen screen = GENERATE(merge_screen::Screen::kBf16, merge_screen::Screen::kInt16);
+  const ScreenChoice choice(screen);
+  CAPTURE(static_cast<int>(screen));
   SECTION("random and clustered keys, query counts around the 4-query and 256-query blocks") {
     for (int nq : {1, 3, 4, 5, 7, 255, 256, 257, 259, 515})
       for (int nt : {17, 162, 300}) {
@@ -1157,7 +1195,7 @@ TEST_CASE("merge memo: the rest searches' floor gives the same answers with fewe
           "[merge][memo]") {
   constexpr int d = 128, n = 1500;
   merge_memo::SetEnabledForTesting(true);
-  const bool int16 = merge_screen::int16::Supported() && !merge_screen::Supported();
+  const bool int16 = merge_screen::Int16Enabled();
   auto run = [&](bool floor, auto&& scenario) {
     merge_memo::SetRestFloorForTesting(floor);
     const long c0 = merge_screen::ThreadStats().candidates;
