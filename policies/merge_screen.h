@@ -14,8 +14,8 @@
 //  - The int16 screen (round 10; merge_screen_int16.h): the same with 15-bit fixed point summed exactly by
 //    AVX2 `vpmaddwd` (Int16Enabled below); since round 16 with an int8 first stage (merge_screen_int8.h)
 //    that leaves it the same candidates at about half the cost. The default wherever the CPU has AVX2:
-//    on an AVX512-BF16 CPU (an Emerald Rapids Xeon) the 12 merging runs took 0.70–0.77× the bf16 screen's
-//    CPU time (docs/performance.md, "Round 25").
+//    on an AVX512-BF16 CPU (an Emerald Rapids Xeon) the 12 merging runs took 0.65–0.82× the bf16 screen's
+//    CPU-s (docs/performance.md, "Round 25").
 // Exposed for tests and bench/.
 
 #include <cstdint>
