@@ -276,13 +276,13 @@ int main(int argc, char** argv) {
   if (kvsim::merge_screen::Supported()) {
     kvsim::merge_screen::SetScreenForTesting(kvsim::merge_screen::Screen::kBf16);
     std::printf("note: the screen measured here is the bf16 one (kvsim's default on this CPU: int16)\n");
-  }
-  if (!kvsim::merge_screen::Supported())
+  } else {
     std::printf(
         kvsim::merge_screen::int16::Supported()
             ? "note: no AVX512-BF16 on this CPU: the screen is the int16 one (AVX2); \"kernel only\" is "
               "int16::Candidates\n"
             : "note: no AVX512-BF16 or AVX2 on this CPU: both paths are the exact search\n");
+  }
   kvsim::EnsureSingleThreadedBlas();
   std::printf("* MAC/cycle is modelled: measured products/s x d over an assumed clock of %.3f GHz (--ghz)\n",
               g_ghz);
