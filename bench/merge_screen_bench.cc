@@ -7,8 +7,9 @@
 // (--mean, as real keys have) so that cosines are not centred on 0. Then (round 8) one unit's merge-once
 // compressions at nested budgets 5/10/20/50% of --tokens keys (half random "important" tokens, half a recent
 // window, as the policies keep), without and with the similarity memo (merge_memo): CPU time, screened
-// products and whether the merged slots are the same bits. On AVX2 CPUs without AVX512-BF16 also (round 16)
-// the int16 kernel alone with and without its int8 first stage, and its int8 products alone. Usage:
+// products and whether the merged slots are the same bits. On AVX2 CPUs also (round 16; round 26: with
+// AVX512-BF16 too) the int16 kernel alone with and without its int8 first stage, and its int8 products
+// alone; where the CPU has AVX-512 VNNI (round 26) the same with the AVX2 int8 kernel beside it. Usage:
 // kvsim_merge_screen_bench [--shapes 3078x162,2600x640,1640x1600] [--reps 5] [--mean 0.0]
 //        [--tokens 3280] [--keys FILE] [--ghz 2.445]
 #include <cblas.h>
@@ -195,6 +196,22 @@ double Int16Screen(const std::string& label, const std::vector<float>& q, int e,
       label.c_str(), s16, s8, s8 / s16, products / s8 * 1e-9, products * d / s8 / (g_ghz * 1e9), d8,
       products / d8 * 1e-9, products * d / d8 / (g_ghz * 1e9), static_cast<double>(rows8.size()) / e,
       rows8 == rows && idx8 == idx ? "yes" : "NO");
+  if (i8::ChosenKernel() == i8::Kernel::kVnni) {
+    // Round 26: the AVX2 kernel beside the VNNI one, the same products checked.
+    std::vector<int32_t> pa(p8.size());
+    i8::SetKernelForTesting(i8::Kernel::kAvx2);
+    const double a8 = Best(reps, [&] { i8::Dots(q8.data(), e, t8.data(), k, d, pa.data(), ld8); });
+    rows8.clear(), idx8.clear();
+    const double sa = Best(reps, [&] {
+      rows8.clear(), idx8.clear();
+      i16::Candidates(qp.data(), e, tp.data(), k, d, slack.data(), &rows8, &idx8, nullptr, &nw);
+    });
+    i8::SetKernelForTesting(i8::Kernel::kVnni);
+    std::printf(
+        "%-11s   the same with the AVX2 int8 kernel: int8 stage %.5f s (VNNI %.2fx of it); int8::Dots "
+        "alone %.5f s (VNNI %.2fx of it); same products: %s\n",
+        "", sa, s8 / sa, a8, d8 / a8, pa == p8 ? "yes" : "NO");
+  }
   return s16;
 }
 
@@ -328,8 +345,11 @@ int main(int argc, char** argv) {
                                         kvsim::merge_screen::PaddedTargets(k));
       });
     }
-    if (!kvsim::merge_screen::Supported() && kvsim::merge_screen::int16::Supported())
-      bf16_s = Int16Screen(shape, q, e, t, k, reps, d);
+    // The int16 screen's own line wherever the CPU runs it (kvsim's default screen there since round 25).
+    if (kvsim::merge_screen::int16::Supported()) {
+      const double int16_s = Int16Screen(shape, q, e, t, k, reps, d);
+      if (!kvsim::merge_screen::Supported()) bf16_s = int16_s;
+    }
     std::vector<float> c(static_cast<size_t>(e) * k);
     const double gemm_s = Best(reps, [&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, e, k, d, 1.0f, q.data(), d, t.data(), d, 0.0f,

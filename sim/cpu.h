@@ -4,7 +4,7 @@
 
 namespace kvsim {
 
-enum class CpuFeature { kAvx2, kFma, kAvx512f, kAvx512bw, kAvx512dq, kAvx512vl, kAvx512bf16 };
+enum class CpuFeature { kAvx2, kFma, kAvx512f, kAvx512bw, kAvx512dq, kAvx512vl, kAvx512bf16, kAvx512vnni };
 
 // Whether the CPU has `feature` (always false off x86-64 or without GCC/Clang's CPU detection).
 inline bool CpuHas(CpuFeature feature) {
@@ -25,6 +25,8 @@ inline bool CpuHas(CpuFeature feature) {
       return __builtin_cpu_supports("avx512vl") != 0;
     case CpuFeature::kAvx512bf16:
       return __builtin_cpu_supports("avx512bf16") != 0;
+    case CpuFeature::kAvx512vnni:
+      return __builtin_cpu_supports("avx512vnni") != 0;
   }
 #endif
   (void)feature;

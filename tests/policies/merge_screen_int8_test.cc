@@ -16,6 +16,7 @@
 
 #include "policies/merge_screen.h"
 #include "policies/merge_screen_int16.h"
+#include "sim/cpu.h"
 #include "tests/test_util.h"
 
 namespace kvsim {
@@ -173,13 +174,36 @@ TEST_CASE("int8 stage: NarrowRows then RowScale is NarrowQueries (round 19)", "[
   }
 }
 
+// Runs a test with the int8 kernel `kernel` (round 26: AVX2 or VNNI), the CPU's own choice restored after.
+// False, with nothing changed, if the CPU does not run it.
+struct KernelScope {
+  i8::Kernel saved = i8::ChosenKernel();
+  bool runs = false;
+  explicit KernelScope(i8::Kernel kernel) {
+    i8::SetKernelForTesting(kernel);
+    runs = i8::ChosenKernel() == kernel;
+  }
+  ~KernelScope() { i8::SetKernelForTesting(saved); }
+};
+
+TEST_CASE("int8 stage: the VNNI kernel is the default wherever the CPU runs it (round 26)",
+          "[merge][screen]") {
+  if (!i8::Applies(128)) return;
+  const bool vnni = CpuHas(CpuFeature::kAvx512f) && CpuHas(CpuFeature::kAvx512vnni);
+  CHECK((i8::ChosenKernel() == i8::Kernel::kVnni) == vnni);
+  const KernelScope avx2(i8::Kernel::kAvx2);
+  CHECK(avx2.runs);
+}
+
 TEST_CASE("int8 stage: the kernel's products are exact up to the Cauchy-Schwarz edge, every tail",
           "[merge][screen]") {
   if (!i8::Applies(128)) return;
+  const KernelScope kernel(GENERATE(i8::Kernel::kAvx2, i8::Kernel::kVnni));
+  if (!kernel.runs) return;
   for (int d : {16, 64, 128}) {
     const int c = i8::QueryScale(d);
-    for (int nq : {1, 3, 5, 6, 7, 13})
-      for (int nt : {1, 7, 8, 9, 17, 40}) {
+    for (int nq : {1, 2, 3, 4, 5, 6, 7, 13})
+      for (int nt : {1, 7, 8, 9, 17, 25, 32, 40, 57}) {
         std::vector<float> qf = UnitRows(nq, d, d + nq), tf = UnitRows(nt, d, 50 + d + nt);
         for (float& x : tf) x *= 0.5f;  // ‖t‖ ≈ 64: the edge query below stays within Cauchy-Schwarz
         Packed p = Pack(qf, nq, tf, nt, d);
@@ -213,7 +237,7 @@ TEST_CASE("int8 stage: the kernel's products are exact up to the Cauchy-Schwarz 
             if ((bad[j / 8] >> (j % 8)) & 1) continue;
             int32_t want = 0;
             for (int k = 0; k < d; ++k) want += Word(c, p.q[r * d + k]) * TWord(rows[j * d + k]);
-            CAPTURE(d, nq, nt, r, j);
+            CAPTURE(i8::ChosenKernel() == i8::Kernel::kVnni, d, nq, nt, r, j);
             REQUIRE(out[r * ld + j] == want);
           }
         }
@@ -317,6 +341,8 @@ void SameCandidates(const Packed& p, int nq, int nt, int d, const std::vector<in
 
 TEST_CASE("int8 stage: the int16 candidates are the same, target for target", "[merge][screen]") {
   if (!i8::Applies(128) || !i16::Supported()) return;
+  const KernelScope kernel(GENERATE(i8::Kernel::kAvx2, i8::Kernel::kVnni));
+  if (!kernel.runs) return;
   for (int d : {16, 64, 128}) {
     for (int nq : {1, 5, 6, 7, 13, 40})
       for (int nt : {1, 8, 9, 31, 64, 130, 300}) {
