@@ -33,6 +33,7 @@ TEST_CASE("CpuHas agrees with the kernel's /proc/cpuinfo flags", "[cpu]") {
   CHECK(CpuHas(CpuFeature::kAvx512dq) == listed("avx512dq"));
   CHECK(CpuHas(CpuFeature::kAvx512vl) == listed("avx512vl"));
   CHECK(CpuHas(CpuFeature::kAvx512bf16) == listed("avx512_bf16"));
+  CHECK(CpuHas(CpuFeature::kAvx512vnni) == listed("avx512_vnni"));
 }
 
 }  // namespace kvsim
