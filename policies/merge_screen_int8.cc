@@ -289,11 +289,26 @@ KVSIM_INT8_TARGET void Rows(const uint8_t* q, int d, const int8_t* t, const int1
 // 8 copies of row r's word, then 8 of row r + 1's (a missing row r + 1: row r again, never stored). Lane i
 // of a half = target i, from the sum of its two int16 starts; the low 16 bits, sign-extended, at the end.
 #define KVSIM_INT8_VNNI_TARGET __attribute__((target("avx2,avx512f,avx512vnni")))
-// acc += vpdpbusd(u, t), in place. GCC 12 compiles _mm512_dpbusd_epi32 in such a loop with a register copy
-// of every accumulator per use (measured on the ymm form: no faster than the AVX2 kernel).
-KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void Dpbusd(__m512i& acc, __m512i u, __m512i t) {
-  acc = _mm512_dpbusd_epi32(acc, u, t);
+
+// A group's accumulator start (both halves), its 32 bytes of quad p's words (t: the group's quad p), and the
+// store of row pair r's accumulator: the low 16 bits sign-extended, row 2r's half, then row 2r + 1's if
+// there is one.
+KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) __m512i VnniStart(const int16_t* start) {
+  return _mm512_broadcast_i64x4(
+      _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(start)), _mm256_set1_epi16(1)));
 }
+KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) __m512i VnniQuad(const int8_t* t) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+}
+KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void VnniStore(__m512i acc, int r, int rows,
+                                                                            int32_t* out, long ld) {
+  const __m512i x = _mm512_srai_epi32(_mm512_slli_epi32(acc, 16), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * r * ld), _mm512_castsi512_si256(x));
+  if (2 * r + 1 < rows)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (2 * r + 1) * ld), _mm512_extracti64x4_epi64(x, 1));
+}
+
+// P row pairs x V groups (the tails; the bulk is BlockVnni34).
 
 template <int P, int V>
 KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni(const int32_t* pairs, int rows,
@@ -302,44 +317,33 @@ KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni(cons
                                                                             int32_t* out, long ld) {
   __m512i acc[P][V];
   for (int v = 0; v < V; ++v) {
-    const __m256i s = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(start + 16 * v)),
-                                        _mm256_set1_epi16(1));
-    const __m512i s2 = _mm512_broadcast_i64x4(s);
-    for (int r = 0; r < P; ++r) acc[r][v] = s2;
+    const __m512i s = VnniStart(start + 16 * v);
+    for (int r = 0; r < P; ++r) acc[r][v] = s;
   }
   const long group = static_cast<long>(d) * 8;  // bytes per group
   const int quads = d / 4;
   for (int p = 0; p < quads; ++p) {
     __m512i tv[V];
-    for (int v = 0; v < V; ++v)
-      tv[v] = _mm512_broadcast_i64x4(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + v * group + p * 32)));
+    for (int v = 0; v < V; ++v) tv[v] = VnniQuad(t + v * group + p * 32);
     for (int r = 0; r < P; ++r) {
       const __m512i qb = _mm512_loadu_si512(pairs + (static_cast<long>(r) * quads + p) * 16);
-      for (int v = 0; v < V; ++v) Dpbusd(acc[r][v], qb, tv[v]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], qb, tv[v]);
     }
   }
   for (int r = 0; r < P; ++r)
-    for (int v = 0; v < V; ++v) {
-      const __m512i x = _mm512_srai_epi32(_mm512_slli_epi32(acc[r][v], 16), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * r * ld + v * 8), _mm512_castsi512_si256(x));
-      if (2 * r + 1 < rows)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (2 * r + 1) * ld + v * 8),
-                            _mm512_extracti64x4_epi64(x, 1));
-    }
+    for (int v = 0; v < V; ++v) VnniStore(acc[r][v], r, rows, out + v * 8, ld);
 }
 
 // BlockVnni<3, 4> (the bulk of the work) with its 12 accumulators as named variables and the instruction as
 // inline assembly: GCC 12 compiles the intrinsic over an accumulator array with two register copies per
-// `vpdpbusd` (measured: the loop then runs at about half the instruction's rate).
+// `vpdpbusd` (measured: products at 0.55-0.61x the AVX2 kernel's time instead of 0.40-0.58x), and `asm` on
+// the array's elements spilled them to the stack.
 KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni34(const int32_t* pairs, int rows,
                                                                               int d, const int8_t* t,
                                                                               const int16_t* start,
                                                                               int32_t* out, long ld) {
-  __m512i s[4];
-  for (int v = 0; v < 4; ++v)
-    s[v] = _mm512_broadcast_i64x4(_mm256_madd_epi16(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(start + 16 * v)), _mm256_set1_epi16(1)));
+  const __m512i s[4] = {VnniStart(start), VnniStart(start + 16), VnniStart(start + 32),
+                        VnniStart(start + 48)};
   __m512i a00 = s[0], a01 = s[1], a02 = s[2], a03 = s[3], a10 = s[0], a11 = s[1], a12 = s[2], a13 = s[3],
           a20 = s[0], a21 = s[1], a22 = s[2], a23 = s[3];
   const long group = static_cast<long>(d) * 8;  // bytes per group
@@ -347,14 +351,8 @@ KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni34(co
   const int32_t* q1 = pairs + static_cast<long>(quads) * 16;
   const int32_t* q2 = q1 + static_cast<long>(quads) * 16;
   for (int p = 0; p < quads; ++p) {
-    const __m512i t0 =
-        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + p * 32)));
-    const __m512i t1 =
-        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + group + p * 32)));
-    const __m512i t2 =
-        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 2 * group + p * 32)));
-    const __m512i t3 =
-        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 3 * group + p * 32)));
+    const __m512i t0 = VnniQuad(t + p * 32), t1 = VnniQuad(t + group + p * 32),
+                  t2 = VnniQuad(t + 2 * group + p * 32), t3 = VnniQuad(t + 3 * group + p * 32);
     const __m512i u0 = _mm512_loadu_si512(pairs + p * 16), u1 = _mm512_loadu_si512(q1 + p * 16),
                   u2 = _mm512_loadu_si512(q2 + p * 16);
 // Row pair u against the 4 groups: accumulators %0-%3, targets %4-%7, the pair's words %8.
@@ -369,13 +367,7 @@ KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni34(co
   }
   const __m512i acc[3][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
   for (int r = 0; r < 3; ++r)
-    for (int v = 0; v < 4; ++v) {
-      const __m512i x = _mm512_srai_epi32(_mm512_slli_epi32(acc[r][v], 16), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * r * ld + v * 8), _mm512_castsi512_si256(x));
-      if (2 * r + 1 < rows)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (2 * r + 1) * ld + v * 8),
-                            _mm512_extracti64x4_epi64(x, 1));
-    }
+    for (int v = 0; v < 4; ++v) VnniStore(acc[r][v], r, rows, out + v * 8, ld);
 }
 
 // `rows` (≤ kRows) query rows against every group, 4 groups at a time.
