@@ -408,6 +408,8 @@ std::atomic<int64_t> g_step0_splits{0};    // StepZeroSplitsForTesting
 std::atomic<bool> g_held_by_runs{true};    // SetHeldByRunsForTesting
 std::atomic<bool> g_step_runs{true};       // SetStepRunsForTesting
 std::atomic<bool> g_in_place_a{true};      // SetInPlaceProbRowsForTesting
+std::atomic<bool> g_whole_rows{true};      // SetWholeRowSumsForTesting
+std::atomic<int64_t> g_whole_row_runs{0};  // WholeRowSumsForTesting
 // A ranked run's output product is added in bands of this many columns (FinishRun).
 constexpr size_t kRankBand = 64;
 
@@ -1946,6 +1948,27 @@ class LayerPass {
     }
   }
 
+  // Whether steps [0, tp) of a prefix-closed run each held every visible token as itself (a cache never
+  // holds a token twice or one from the future, CheckCache: so all its slots visible and as many as the
+  // visible tokens is the whole visible set) and every group member's rows [0, tp) have exact sums.
+  bool WholeRows(const UnitWork& w, const WorkerScratch& ws, int tp) const {
+    if (!g_whole_rows.load(std::memory_order_relaxed) || !g_exact_row_sums.load(std::memory_order_relaxed))
+      return false;
+    const DecodeReference& ref = w.refs[0];
+    for (int t = 0; t < tp; ++t) {
+      const int first = ref.first[t], slots = ws.pcount[t];
+      if (slots != ref.last(t) - first + 1) return false;
+      for (int s = 0; first > 0 && s < slots; ++s)
+        if (ws.ptok[s] < first) return false;
+    }
+    for (const DecodeReference& r : w.refs) {
+      if (r.exact.empty()) return false;
+      for (int t = 0; t < tp; ++t)
+        if (r.exact[t] == 0) return false;
+    }
+    return true;
+  }
+
   // The deferred steps [0, ws.deferred) of a prefix-closed run (WorkerScratch::deferred): their plain-slot
   // sums at once from the unit's transposed probabilities (PrefixSlotSums, bit-identical to PlainSlotSums
   // per step), then what Step records from them, step after step in step order per group member (so the
@@ -1961,10 +1984,25 @@ class LayerPass {
     ws.deferred = 0;
     ws.pcount.resize(tp);
     for (int t = 0; t < tp; ++t) ws.pcount[t] = static_cast<int>(ws.step_begin[t + 1] - ws.step_begin[t]);
+    RunAccum& a = acc_[r];
+    if (WholeRows(w, ws, tp)) {
+      // Every deferred step held every visible token as itself (e.g. `full`) and every row's sums are exact
+      // in any order (DecodeReference::exact): PrefixSlotSums' sums, combined, are the row's own kind sums
+      // and total (w.full_mod, from its softmax), bit for bit, so neither they nor the transposed
+      // probabilities are computed. The same records in the same order as below.
+      g_whole_row_runs.fetch_add(1, std::memory_order_relaxed);
+      for (int g = 0; g < group; ++g)
+        for (int t = 0; t < tp; ++t) {
+          double ret_mod[4];
+          std::copy_n(&w.full_mod[(static_cast<size_t>(g) * steps + t) * 4], 4, ret_mod);
+          const double retained = (ret_mod[0] + ret_mod[1]) + (ret_mod[2] + ret_mod[3]);
+          RecordSums(w, a, ws, u, r, g, t, retained, retained, 0.0, retained, ret_mod, ws.pcount[t]);
+        }
+      return;
+    }
     ws.psums.resize(static_cast<size_t>(tp) * 16);
     auto* rmt = reinterpret_cast<double(*)[4][4]>(ws.psums.data());
     const float* probs_t = ProbsT(w);
-    RunAccum& a = acc_[r];
     for (int g = 0; g < group; ++g) {
       PrefixSlotSums(ws.ptok.data(), ws.pcount.data(), tp, probs_t + g * ts, steps,
                      meta_.tokens.modality.data(), rmt);
@@ -3008,6 +3046,8 @@ void SetRankBandMemoForTesting(bool allowed) { g_band_memo.store(allowed, std::m
 void SetStepZeroSplitForTesting(bool allowed) { g_step0_split.store(allowed, std::memory_order_relaxed); }
 int64_t StepZeroSplitsForTesting() { return g_step0_splits.load(std::memory_order_relaxed); }
 void SetHeldByRunsForTesting(bool allowed) { g_held_by_runs.store(allowed, std::memory_order_relaxed); }
+void SetWholeRowSumsForTesting(bool allowed) { g_whole_rows.store(allowed, std::memory_order_relaxed); }
+int64_t WholeRowSumsForTesting() { return g_whole_row_runs.load(std::memory_order_relaxed); }
 void SetStepRunsForTesting(bool allowed) { g_step_runs.store(allowed, std::memory_order_relaxed); }
 void SetInPlaceProbRowsForTesting(bool allowed) { g_in_place_a.store(allowed, std::memory_order_relaxed); }
 

@@ -166,6 +166,12 @@ void SetStepRunsForTesting(bool allowed);
 // Test hook: false makes FinishRun copy a sliding window's full columns into A even where it can read them in
 // place in the reference probabilities' rows (one query head per KV head: the same operand).
 void SetInPlaceProbRowsForTesting(bool allowed);
+// Test hook: false makes a prefix-closed run whose deferred steps held every visible token (e.g. `full`) sum
+// its retained mass from the transposed probabilities even when every row's sums are exact (it takes them
+// from the rows' own sums: the same bits).
+void SetWholeRowSumsForTesting(bool allowed);
+// How many (unit, run) flushes took the rows' own sums since the process started (tests: the path was taken).
+int64_t WholeRowSumsForTesting();
 
 // A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
 // its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in

@@ -2117,6 +2117,26 @@ TEST_CASE("replay: held decode tokens counted by runs equal the token-by-token c
   CheckSameWithout(tr, runs, &SetHeldByRunsForTesting);
 }
 
+// A prefix-closed run whose steps held every visible token as itself (`full`, and a policy that keeps
+// everything) takes its retained mass from the rows' own exact sums instead of the transposed probabilities
+// (issue 14, round 26): every result the same bits as without, beside runs that are not whole. With a sliding
+// window `full` also holds the tokens before the window's first key, which are not visible: no run is whole
+// there, and the results are the same too.
+TEST_CASE("replay: whole-row runs' retained mass from the rows' own sums equals the slot sums", "[replay]") {
+  auto keep_all = std::make_shared<ActPolicy>([](int, HeadCache*) {});
+  for (int window : {0, 200}) {
+    MemoryTrace tr = RunListTrace();
+    if (window > 0) SetSlidingWindow(tr, window);
+    std::vector<RunSpec> runs{Spec(Registered("full"), kRunListPrompt), Spec(keep_all, kRunListPrompt),
+                              Spec(Registered("streaming_llm"), 150),
+                              Spec(WindowSinksBlock(), kRunListPrompt)};
+    const int64_t before = WholeRowSumsForTesting();
+    CAPTURE(window);
+    CheckSameWithout(tr, runs, &SetWholeRowSumsForTesting);
+    CHECK((WholeRowSumsForTesting() > before) == (window == 0));  // the path was taken without the window
+  }
+}
+
 // Step finds each step's runs of consecutive tokens as it writes the step's list (and ExpandPrefix those of
 // the prefix-closed steps it writes out), instead of FinishRun's pass over all lists: the same runs, so every
 // result the same, bit for bit. A window with sinks after it and a fixed block; a cache appended to for four
