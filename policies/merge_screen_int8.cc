@@ -336,8 +336,8 @@ KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni(cons
 
 // BlockVnni<3, 4> (the bulk of the work) with its 12 accumulators as named variables and the instruction as
 // inline assembly: GCC 12 compiles the intrinsic over an accumulator array with two register copies per
-// `vpdpbusd` (measured: products at 0.55-0.61x the AVX2 kernel's time instead of 0.40-0.58x), and `asm` on
-// the array's elements spilled them to the stack.
+// `vpdpbusd` (measured in kvsim_merge_screen_bench: the products took 0.51-0.61x the AVX2 kernel's time that
+// way, 0.40-0.58x this way), and `asm` on the array's elements spilled them to the stack.
 KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni34(const int32_t* pairs, int rows,
                                                                               int d, const int8_t* t,
                                                                               const int16_t* start,
