@@ -81,7 +81,8 @@ struct NarrowedRows {
 // The int8 products P_rj = Σ_k q_rk t_jk, out[r * ld + j] for j < padded targets: exact for usable targets
 // and rows with scale > 0 (others: any value). Requires Applies(d). Two kernels give the same values
 // (merge_screen_int8.cc (1)): `vpmaddubsw` + `vpaddw` into int16 lanes (AVX2), or, where the CPU has
-// AVX-512 VNNI (and VL), one `vpdpbusd` per 4 dimensions of 8 targets into int32 lanes (issue 14, round 26).
+// AVX-512 F and VNNI, one `vpdpbusd` per 4 dimensions of 16 (row, target) pairs into int32 lanes (issue 14,
+// round 26).
 enum class Kernel { kAvx2, kVnni };
 Kernel ChosenKernel();                    // kVnni where the CPU runs it, else kAvx2
 void SetKernelForTesting(Kernel kernel);  // kVnni only where the CPU runs it
