@@ -309,7 +309,6 @@ KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void VnniStore(__m5
 }
 
 // P row pairs x V groups (the tails; the bulk is BlockVnni34).
-
 template <int P, int V>
 KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni(const int32_t* pairs, int rows,
                                                                             int d, const int8_t* t,
