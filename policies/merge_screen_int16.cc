@@ -1,6 +1,11 @@
 #include "policies/merge_screen_int16.h"
 
+// GCC 12 warns "may be used uninitialized" inside its own AVX-512 intrinsics (the _mm512_undefined_*
+// pass-through operands of the unmasked forms): a known false positive, silenced for this header only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 
 #include <algorithm>
 #include <atomic>
@@ -228,12 +233,49 @@ KVSIM_INT16_TARGET void RowTargets(const int16_t* q, int d, const int16_t* rows,
   }
 }
 
+// RowTargets with AVX-512 VNNI (issue 14, round 27), where the int8 stage runs its VNNI kernel and d % 32 ==
+// 0: `vpdpwssd` adds 32 word products into 16 int32 lanes per instruction, modulo 2^32 as vpmaddwd + vpaddd
+// do, so the sums are the same exact integers (the range argument above).
+#define KVSIM_INT16_VNNI_TARGET __attribute__((target("avx2,avx512f,avx512vnni")))
+
+template <int V>
+KVSIM_INT16_VNNI_TARGET inline __attribute__((always_inline)) void TargetsOfVnni(const int16_t* q, int d,
+                                                                                 const int16_t* rows,
+                                                                                 const int* idx,
+                                                                                 int32_t* out) {
+  const int16_t* t[V];
+  __m512i acc[V];
+  for (int v = 0; v < V; ++v) t[v] = rows + static_cast<long>(idx[v]) * d, acc[v] = _mm512_setzero_si512();
+  for (int k = 0; k < d; k += 32) {
+    const __m512i qv = _mm512_loadu_si512(q + k);
+    for (int v = 0; v < V; ++v) acc[v] = _mm512_dpwssd_epi32(acc[v], qv, _mm512_loadu_si512(t[v] + k));
+  }
+  for (int v = 0; v < V; ++v) out[v] = _mm512_reduce_add_epi32(acc[v]);
+}
+
+KVSIM_INT16_VNNI_TARGET void RowTargetsVnni(const int16_t* q, int d, const int16_t* rows, const int* idx,
+                                            int n, int32_t* out) {
+  int i = 0;
+  for (; i + 4 <= n; i += 4) TargetsOfVnni<4>(q, d, rows, idx + i, out + i);
+  switch (n - i) {
+    case 3:
+      return TargetsOfVnni<3>(q, d, rows, idx + i, out + i);
+    case 2:
+      return TargetsOfVnni<2>(q, d, rows, idx + i, out + i);
+    case 1:
+      return TargetsOfVnni<1>(q, d, rows, idx + i, out + i);
+    default:
+      return;
+  }
+}
+
 // The int8 stage for `rows` (≤ kRows) query rows from r0 (merge_screen_int8.cc (3)): their int8 products
-// p (row stride ld); then per row the list of groups that can hold a candidate (and those with an unusable
-// target), their int16 products (compact: the i-th listed group's 8 at buf + 8 i; padding INT32_MIN), and
-// the row's candidates by Collect's rule over them — the same list as Collect over every product, since
-// the groups left out hold none and do not hold the row maximum (unless no target reaches the floor).
-// Left-packing: kPack[m] lists the set bits of m (ascending), padded with zeros.
+// p (row stride ld4) and block maxima bmax (int8::Dots; a block of four groups whose maxima all fall below
+// the row's threshold is skipped unread); then per row the list of groups that can hold a candidate (and
+// those with an unusable target), their int16 products (compact: the i-th listed group's 8 at buf + 8 i;
+// padding INT32_MIN), and the row's candidates by Collect's rule over them — the same list as Collect over
+// every product, since the groups left out hold none and do not hold the row maximum (unless no target
+// reaches the floor). Left-packing: kPack[m] lists the set bits of m (ascending), padded with zeros.
 struct PackTable {
   alignas(8) uint8_t idx[256][8];
   constexpr PackTable() : idx{} {
@@ -249,24 +291,33 @@ constexpr PackTable kPack;
 KVSIM_INT16_TARGET void Int8Stage(const int16_t* queries, int r0, int rows, int d, const uint8_t* q8,
                                   const int32_t* qs, const double* qn, const double* qe, int nt,
                                   const Narrowed& narrow, const int* bad, int num_bad, const int64_t* slack,
-                                  const int64_t* floor, int32_t* p, int32_t* buf, long ld4, int* list,
-                                  std::vector<int>* out_rows, std::vector<int>* out_idx) {
+                                  const int64_t* floor, int32_t* p, int32_t* bmax, int32_t* buf, long ld4,
+                                  int* list, std::vector<int>* out_rows, std::vector<int>* out_idx) {
   const int groups4 = static_cast<int>(ld4 / 8);  // groups4 % 4 == 0
+  const long bld = int8::BlockMaxStride(nt);      // = groups4 * 2: 8 lanes per block of 4 groups
   const uint8_t* unusable = int8::Unusable(narrow.words, nt, d);
   const int16_t* rows16 = int8::Rows16(narrow.words, nt, d);
-  int8::Dots(q8 + static_cast<long>(r0) * d, rows, narrow.words, nt, d, p, ld4);
+  int8::Dots(q8 + static_cast<long>(r0) * d, rows, narrow.words, nt, d, p, ld4, bmax);
+  const bool vnni = d % 32 == 0 && int8::ChosenKernel() == int8::Kernel::kVnni;
+  // The blocks of four groups that hold an unusable target, as bits: always expanded.
+  const int blocks = groups4 / 4, words = (blocks + 63) / 64;
+  thread_local std::vector<uint64_t> bad_blocks;
+  bad_blocks.assign(words, 0);
+  for (int k = 0; k < num_bad; ++k) bad_blocks[bad[k] / 256] |= uint64_t{1} << (bad[k] / 4 % 64);
   for (int i = 0; i < rows; ++i) {
     const int r = r0 + i;
     int32_t* pr = p + i * ld4;
-    std::fill(pr + nt, pr + ld4, INT32_MIN);  // padding and unusable targets are never the maximum
-    for (int b = 0; b < num_bad; ++b)
-      for (unsigned m = unusable[bad[b]]; m != 0; m &= m - 1)
-        pr[bad[b] * 8 + std::countr_zero(m)] = INT32_MIN;
+    const int32_t* br = bmax + i * bld;
+    // Padding never passes below. The row maximum leaves padding and unusable targets out (Dots' block
+    // maxima), and every unusable target is listed whatever its P.
+    std::fill(pr + nt, pr + ld4, INT32_MIN);
     __m256i mx0 = _mm256_set1_epi32(INT32_MIN), mx1 = mx0;
-    for (long j = 0; j < ld4; j += 16) {
-      mx0 = _mm256_max_epi32(mx0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pr + j)));
-      mx1 = _mm256_max_epi32(mx1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pr + j + 8)));
+    long j = 0;
+    for (; j + 16 <= bld; j += 16) {
+      mx0 = _mm256_max_epi32(mx0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(br + j)));
+      mx1 = _mm256_max_epi32(mx1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(br + j + 8)));
     }
+    if (j < bld) mx0 = _mm256_max_epi32(mx0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(br + j)));
     __m256i mx = _mm256_max_epi32(mx0, mx1);
     mx = _mm256_max_epi32(mx, _mm256_shuffle_epi32(mx, 0x4E));
     mx = _mm256_max_epi32(mx, _mm256_shuffle_epi32(mx, 0xB1));
@@ -283,38 +334,59 @@ KVSIM_INT16_TARGET void Int8Stage(const int16_t* queries, int r0, int rows, int 
     // The surviving targets, ascending (left-packed 8 at a time), and every unusable one
     // (merge_screen_int8.cc (3)).
     int n = 0;
-    int b = 0;                              // next unusable group
-    for (int g = 0; g < groups4; g += 4) {  // most groups fail: test four at once
-      const __m256i* v = reinterpret_cast<const __m256i*>(pr + g * 8);
-      const __m256i g0 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v), th);
-      const __m256i g1 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 1), th);
-      const __m256i g2 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 2), th);
-      const __m256i g3 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 3), th);
-      const __m256i any = _mm256_or_si256(_mm256_or_si256(g0, g1), _mm256_or_si256(g2, g3));
-      const bool has_bad = b < num_bad && bad[b] < g + 4;
-      if (_mm256_testz_si256(any, any) && !has_bad) continue;
-      unsigned mk[4] = {static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g0))),
-                        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g1))),
-                        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g2))),
-                        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g3)))};
-      for (; b < num_bad && bad[b] < g + 4; ++b) mk[bad[b] - g] |= unusable[bad[b]];
-      for (int k = 0; k < 4; ++k) {
-        const __m256i at =
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPack.idx[mk[k]])));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(list + n),
-                            _mm256_add_epi32(at, _mm256_set1_epi32((g + k) * 8)));
-        n += std::popcount(mk[k]);
+    int b = 0;  // next unusable group
+    for (int w = 0; w < words; ++w) {
+      // Most blocks fail: their maxima tested without a branch, 64 blocks to a word of bits.
+      uint64_t hit = bad_blocks[w];
+      const int32_t* bw = br + 64 * 8 * w;
+      const int end = std::min(64, blocks - 64 * w);
+      for (int k = 0; k < end; ++k) {
+        const __m256i any =
+            _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bw + 8 * k)), th);
+        hit |= uint64_t{_mm256_movemask_ps(_mm256_castsi256_ps(any)) != 0} << k;
+      }
+      for (; hit != 0; hit &= hit - 1) {
+        const int g = 4 * (64 * w + std::countr_zero(hit));
+        const __m256i* v = reinterpret_cast<const __m256i*>(pr + g * 8);
+        const __m256i g0 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v), th);
+        const __m256i g1 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 1), th);
+        const __m256i g2 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 2), th);
+        const __m256i g3 = _mm256_cmpgt_epi32(_mm256_loadu_si256(v + 3), th);
+        unsigned mk[4] = {static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g0))),
+                          static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g1))),
+                          static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g2))),
+                          static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(g3)))};
+        for (; b < num_bad && bad[b] < g + 4; ++b) mk[bad[b] - g] |= unusable[bad[b]];
+        for (int k = 0; k < 4; ++k) {
+          const __m256i at =
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPack.idx[mk[k]])));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(list + n),
+                              _mm256_add_epi32(at, _mm256_set1_epi32((g + k) * 8)));
+          n += std::popcount(mk[k]);
+        }
       }
     }
     if (n == 0) continue;
-    RowTargets(queries + static_cast<long>(r) * d, d, rows16, list, n, buf);
+    if (vnni)
+      RowTargetsVnni(queries + static_cast<long>(r) * d, d, rows16, list, n, buf);
+    else
+      RowTargets(queries + static_cast<long>(r) * d, d, rows16, list, n, buf);
     // Collect's rule for this row over these targets (padding is never among them: its P is INT32_MIN).
     int32_t sm = buf[0];
     for (int c = 1; c < n; ++c) sm = std::max(sm, buf[c]);
     int64_t slo = sm - sl;
     if (floor != nullptr) slo = std::max(slo, f);
-    for (int c = 0; c < n; ++c)
-      if (buf[c] >= slo) out_rows->push_back(r), out_idx->push_back(list[c]);
+    // Appended without a branch (about one of the row's n targets is kept).
+    const size_t at = out_rows->size();
+    out_rows->resize(at + n), out_idx->resize(at + n);
+    int* const keep_row = out_rows->data() + at;
+    int* const keep_idx = out_idx->data() + at;
+    int kept = 0;
+    for (int c = 0; c < n; ++c) {
+      keep_row[kept] = r, keep_idx[kept] = list[c];
+      kept += buf[c] >= slo;
+    }
+    out_rows->resize(at + kept), out_idx->resize(at + kept);
   }
 }
 
@@ -322,7 +394,7 @@ KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int
                                        const int64_t* slack, const int64_t* floor, const Narrowed* narrow,
                                        const int8::NarrowedRows* pre, std::vector<int>* out_rows,
                                        std::vector<int>* out_idx) {
-  thread_local std::vector<int32_t> buf, pbuf, qs;
+  thread_local std::vector<int32_t> buf, pbuf, bmax, qs;
   thread_local std::vector<uint8_t> q8;
   thread_local std::vector<double> qn, qe;
   thread_local std::vector<int> list, bad;
@@ -334,6 +406,7 @@ KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int
   const bool use8 = narrow != nullptr && narrow->words != nullptr && int8::Applies(d) && Int8Enabled();
   if (use8) {
     if (pbuf.size() < static_cast<size_t>(kRows * ld4)) pbuf.resize(kRows * ld4);
+    if (bmax.size() < static_cast<size_t>(kRows * ld4 / 4)) bmax.resize(kRows * ld4 / 4);
     if (q8.size() < static_cast<size_t>(nq) * d) q8.resize(static_cast<size_t>(nq) * d);
     if (qn.size() < static_cast<size_t>(nq)) qn.resize(nq), qe.resize(nq), qs.resize(nq);
     if (list.size() < static_cast<size_t>(ld4 + 8)) list.resize(ld4 + 8);
@@ -358,8 +431,8 @@ KVSIM_INT16_TARGET void CandidatesAvx2(const int16_t* queries, int nq, const int
     for (int i = 0; ok && i < rows; ++i) ok = qs[r + i] > 0;
     if (ok) {
       Int8Stage(queries, r, rows, d, q8.data(), qs.data(), qn.data(), qe.data(), nt, *narrow, bad.data(),
-                static_cast<int>(bad.size()), slack, floor, pbuf.data(), buf.data(), ld4, list.data(),
-                out_rows, out_idx);
+                static_cast<int>(bad.size()), slack, floor, pbuf.data(), bmax.data(), buf.data(), ld4,
+                list.data(), out_rows, out_idx);
       continue;
     }
     RowsN(rows, queries + static_cast<long>(r) * d, d, t, groups, buf.data(), ld);

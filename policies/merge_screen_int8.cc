@@ -49,8 +49,8 @@
 //      to the computed ones, then sees the same row maximum M when m is computed — which it is unless
 //      S_m < F, when no target reaches the floor and the list is empty either way — and every target of
 //      S ≥ M − Slack, S ≥ F is computed: the candidate list is the same, target for target, in the same
-//      (ascending) order. Padding and unusable targets are set below every real P (INT32_MIN) before the
-//      maximum, and padding is never computed.
+//      (ascending) order. Padding and unusable targets are left out of the maximum (Dots' block maxima,
+//      round 27), and padding is never computed.
 //  (4) Rounding of the window. ‖q‖², ‖t‖² are exact integers; ‖α‖², ‖β‖² are summed in float: each α_k,
 //      β_k is an integer below 2^24 (|c A_k| ≤ 511 · 2^15), exact; each square and each of the ≤ d + 8
 //      additions rounds to nearest with relative error ≤ u = 2^-24 on nonnegative terms, so the exact sum
@@ -274,13 +274,31 @@ KVSIM_INT8_TARGET inline __attribute__((always_inline)) void Block(const uint8_t
 
 constexpr int kRows = 6;  // query rows per block (as the int16 kernel's)
 
+// Dots' block maxima from R rows' stored products (the AVX2 kernel): keep[g] bit i set if target 8 g + i
+// is usable and real (BlockMaxStride's rule); the others count as INT32_MIN.
+KVSIM_INT8_TARGET void BlockMaxima(const int32_t* out, int rows, long ld, int groups, const uint8_t* keep,
+                                   int32_t* bm, long bld) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), low = _mm256_set1_epi32(INT32_MIN);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < groups; g += 4) {
+      __m256i mx = low;
+      for (int v = g; v < std::min(groups, g + 4); ++v) {
+        const __m256i k = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(keep[v]), bit), bit);
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + r * ld + 8 * v));
+        mx = _mm256_max_epi32(mx, _mm256_blendv_epi8(low, x, k));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bm + r * bld + 2 * g), mx);
+    }
+}
+
 template <int R>
 KVSIM_INT8_TARGET void Rows(const uint8_t* q, int d, const int8_t* t, const int16_t* start, int groups,
-                            int32_t* out, long ld) {
+                            int32_t* out, long ld, const uint8_t* keep, int32_t* bm, long bld) {
   const long group = static_cast<long>(d) * 8;
   int g = 0;
   for (; g + 2 <= groups; g += 2) Block<R, 2>(q, d, t + g * group, start + 16 * g, out + g * 8, ld);
   if (g < groups) Block<R, 1>(q, d, t + g * group, start + 16 * g, out + g * 8, ld);
+  if (bm != nullptr) BlockMaxima(out, R, ld, groups, keep, bm, bld);
 }
 
 // The VNNI kernel (merge_screen_int8.cc (1)): zmm lanes 0-7 are row r's products with a group's 8
@@ -290,9 +308,9 @@ KVSIM_INT8_TARGET void Rows(const uint8_t* q, int d, const int8_t* t, const int1
 // of a half = target i, from the sum of its two int16 starts; the low 16 bits, sign-extended, at the end.
 #define KVSIM_INT8_VNNI_TARGET __attribute__((target("avx2,avx512f,avx512vnni")))
 
-// A group's accumulator start (both halves), its 32 bytes of quad p's words (t: the group's quad p), and the
-// store of row pair r's accumulator: the low 16 bits sign-extended, row 2r's half, then row 2r + 1's if
-// there is one.
+// A group's accumulator start (both halves), its 32 bytes of quad p's words (t: the group's quad p), an
+// accumulator's values (the low 16 bits sign-extended), and the store of row pair r's values: row 2r's
+// half, then row 2r + 1's if there is one.
 KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) __m512i VnniStart(const int16_t* start) {
   return _mm512_broadcast_i64x4(
       _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(start)), _mm256_set1_epi16(1)));
@@ -300,20 +318,46 @@ KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) __m512i VnniStart(c
 KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) __m512i VnniQuad(const int8_t* t) {
   return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
 }
-KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void VnniStore(__m512i acc, int r, int rows,
+KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) __m512i VnniValues(__m512i acc) {
+  return _mm512_srai_epi32(_mm512_slli_epi32(acc, 16), 16);
+}
+// Row pair r of P: the values' row 2r half, then row 2r + 1's if there is one (the last pair's may not).
+template <int P>
+KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void VnniStore(__m512i x, int r, int rows,
                                                                             int32_t* out, long ld) {
-  const __m512i x = _mm512_srai_epi32(_mm512_slli_epi32(acc, 16), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * r * ld), _mm512_castsi512_si256(x));
-  if (2 * r + 1 < rows)
+  if (r + 1 < P || 2 * r + 1 < rows)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (2 * r + 1) * ld), _mm512_extracti64x4_epi64(x, 1));
+}
+// A block's P x V accumulators stored, and with kMax the row pairs' block maxima (Dots): each group's values
+// masked by its keep byte (in both halves), lane by lane. Unrolled: the epilogue runs once per 32
+// quads of products at d = 128, and a loop over the pairs spilled the accumulators.
+template <int P, int V, bool kMax>
+KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void VnniStoreBlock(const __m512i (&acc)[P][V],
+                                                                                 int rows, int32_t* out,
+                                                                                 long ld, const uint8_t* keep,
+                                                                                 int32_t* bm, long bld) {
+  __mmask16 k[V];
+  if constexpr (kMax)
+    for (int v = 0; v < V; ++v) k[v] = static_cast<__mmask16>(keep[v] * 0x0101u);
+#pragma GCC unroll 4
+  for (int r = 0; r < P; ++r) {
+    __m512i mx = _mm512_set1_epi32(INT32_MIN);
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      const __m512i x = VnniValues(acc[r][v]);
+      VnniStore<P>(x, r, rows, out + v * 8, ld);
+      if constexpr (kMax) mx = _mm512_mask_max_epi32(mx, k[v], mx, x);
+    }
+    if constexpr (kMax) VnniStore<P>(mx, r, rows, bm, bld);
+  }
 }
 
 // P row pairs x V groups (the tails; the bulk is BlockVnni34).
-template <int P, int V>
-KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni(const int32_t* pairs, int rows,
-                                                                            int d, const int8_t* t,
-                                                                            const int16_t* start,
-                                                                            int32_t* out, long ld) {
+template <int P, int V, bool kMax>
+KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni(
+    const int32_t* pairs, int rows, int d, const int8_t* t, const int16_t* start, int32_t* out, long ld,
+    const uint8_t* keep, int32_t* bm, long bld) {
   __m512i acc[P][V];
   for (int v = 0; v < V; ++v) {
     const __m512i s = VnniStart(start + 16 * v);
@@ -329,18 +373,17 @@ KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni(cons
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], qb, tv[v]);
     }
   }
-  for (int r = 0; r < P; ++r)
-    for (int v = 0; v < V; ++v) VnniStore(acc[r][v], r, rows, out + v * 8, ld);
+  VnniStoreBlock<P, V, kMax>(acc, rows, out, ld, keep, bm, bld);
 }
 
 // BlockVnni<3, 4> (the bulk of the work) with its 12 accumulators as named variables and the instruction as
 // inline assembly: GCC 12 compiles the intrinsic over an accumulator array with two register copies per
 // `vpdpbusd` (measured in kvsim_merge_screen_bench: the products took 0.51-0.61x the AVX2 kernel's time that
 // way, 0.40-0.58x this way), and `asm` on the array's elements spilled them to the stack.
-KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni34(const int32_t* pairs, int rows,
-                                                                              int d, const int8_t* t,
-                                                                              const int16_t* start,
-                                                                              int32_t* out, long ld) {
+template <bool kMax>
+KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni34(
+    const int32_t* pairs, int rows, int d, const int8_t* t, const int16_t* start, int32_t* out, long ld,
+    const uint8_t* keep, int32_t* bm, long bld) {
   const __m512i s[4] = {VnniStart(start), VnniStart(start + 16), VnniStart(start + 32),
                         VnniStart(start + 48)};
   __m512i a00 = s[0], a01 = s[1], a02 = s[2], a03 = s[3], a10 = s[0], a11 = s[1], a12 = s[2], a13 = s[3],
@@ -365,14 +408,20 @@ KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) void BlockVnni34(co
 #undef KVSIM_VNNI_ROW
   }
   const __m512i acc[3][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
-  for (int r = 0; r < 3; ++r)
-    for (int v = 0; v < 4; ++v) VnniStore(acc[r][v], r, rows, out + v * 8, ld);
+  VnniStoreBlock<3, 4, kMax>(acc, rows, out, ld, keep, bm, bld);
 }
 
-// `rows` (≤ kRows) query rows against every group, 4 groups at a time.
-template <int P>
+// Group g's block maxima (none without kMax: bm is then null).
+template <bool kMax>
+inline int32_t* BlockMaxAt(int32_t* bm, int g) {
+  return kMax ? bm + 2 * g : nullptr;
+}
+
+// `rows` (≤ kRows) query rows against every group, 4 groups (one block of maxima) at a time.
+template <int P, bool kMax>
 KVSIM_INT8_VNNI_TARGET void RowsVnni(const uint8_t* q, int rows, int d, const int8_t* t, const int16_t* start,
-                                     int groups, int32_t* out, long ld) {
+                                     int groups, int32_t* out, long ld, const uint8_t* keep, int32_t* bm,
+                                     long bld) {
   const int quads = d / 4;
   thread_local std::vector<int32_t> pairs;
   if (pairs.size() < static_cast<size_t>(P) * quads * 16) pairs.resize(static_cast<size_t>(P) * quads * 16);
@@ -391,18 +440,23 @@ KVSIM_INT8_VNNI_TARGET void RowsVnni(const uint8_t* q, int rows, int d, const in
   int g = 0;
   for (; g + 4 <= groups; g += 4)
     if constexpr (P == 3)
-      BlockVnni34(pairs.data(), rows, d, t + g * group, start + 16 * g, out + g * 8, ld);
+      BlockVnni34<kMax>(pairs.data(), rows, d, t + g * group, start + 16 * g, out + g * 8, ld, keep + g,
+                        BlockMaxAt<kMax>(bm, g), bld);
     else
-      BlockVnni<P, 4>(pairs.data(), rows, d, t + g * group, start + 16 * g, out + g * 8, ld);
+      BlockVnni<P, 4, kMax>(pairs.data(), rows, d, t + g * group, start + 16 * g, out + g * 8, ld, keep + g,
+                            BlockMaxAt<kMax>(bm, g), bld);
   switch (groups - g) {
     case 3:
-      BlockVnni<P, 3>(pairs.data(), rows, d, t + g * group, start + 16 * g, out + g * 8, ld);
+      BlockVnni<P, 3, kMax>(pairs.data(), rows, d, t + g * group, start + 16 * g, out + g * 8, ld, keep + g,
+                            BlockMaxAt<kMax>(bm, g), bld);
       break;
     case 2:
-      BlockVnni<P, 2>(pairs.data(), rows, d, t + g * group, start + 16 * g, out + g * 8, ld);
+      BlockVnni<P, 2, kMax>(pairs.data(), rows, d, t + g * group, start + 16 * g, out + g * 8, ld, keep + g,
+                            BlockMaxAt<kMax>(bm, g), bld);
       break;
     case 1:
-      BlockVnni<P, 1>(pairs.data(), rows, d, t + g * group, start + 16 * g, out + g * 8, ld);
+      BlockVnni<P, 1, kMax>(pairs.data(), rows, d, t + g * group, start + 16 * g, out + g * 8, ld, keep + g,
+                            BlockMaxAt<kMax>(bm, g), bld);
       break;
     default:
       break;
@@ -412,11 +466,13 @@ KVSIM_INT8_VNNI_TARGET void RowsVnni(const uint8_t* q, int rows, int d, const in
 // Rows<R>, or RowsVnni over (R + 1) / 2 row pairs.
 template <int R>
 void RowsOf(bool vnni, const uint8_t* q, int d, const int8_t* t, const int16_t* start, int groups,
-            int32_t* out, long ld) {
-  if (vnni)
-    RowsVnni<(R + 1) / 2>(q, R, d, t, start, groups, out, ld);
+            int32_t* out, long ld, const uint8_t* keep, int32_t* bm, long bld) {
+  if (vnni && bm != nullptr)
+    RowsVnni<(R + 1) / 2, true>(q, R, d, t, start, groups, out, ld, keep, bm, bld);
+  else if (vnni)
+    RowsVnni<(R + 1) / 2, false>(q, R, d, t, start, groups, out, ld, keep, bm, bld);
   else
-    Rows<R>(q, d, t, start, groups, out, ld);
+    Rows<R>(q, d, t, start, groups, out, ld, keep, bm, bld);
 }
 #endif
 
@@ -468,37 +524,48 @@ void NarrowQueries(const int16_t* rows16, int n, int d, const Norms& t, uint8_t*
 }
 
 void Dots(const uint8_t* queries, int num_queries, const int8_t* targets, int num_targets, int d,
-          int32_t* out, long ld) {
+          int32_t* out, long ld, int32_t* block_max) {
 #if defined(__x86_64__) && defined(__GNUC__)
   const int groups = (num_targets + 7) / 8;
   const int16_t* start = reinterpret_cast<const int16_t*>(targets + static_cast<long>(groups) * 8 * d);
   const bool vnni = g_vnni.load(std::memory_order_relaxed);
+  // The block maxima's masks: target 8 g + i counts if usable and below num_targets.
+  thread_local std::vector<uint8_t> keep;
+  const long bld = BlockMaxStride(num_targets);
+  if (block_max != nullptr) {
+    const uint8_t* unusable = Unusable(targets, num_targets, d);
+    keep.resize(groups);
+    for (int g = 0; g < groups; ++g) keep[g] = static_cast<uint8_t>(~unusable[g]);
+    if (num_targets % 8 != 0) keep[groups - 1] &= static_cast<uint8_t>((1u << num_targets % 8) - 1);
+  }
   for (int r = 0; r < num_queries; r += kRows) {
     const uint8_t* q = queries + static_cast<long>(r) * d;
     int32_t* o = out + r * ld;
+    int32_t* bm = block_max != nullptr ? block_max + r * bld : nullptr;
     switch (std::min(kRows, num_queries - r)) {
       case 6:
-        RowsOf<6>(vnni, q, d, targets, start, groups, o, ld);
+        RowsOf<6>(vnni, q, d, targets, start, groups, o, ld, keep.data(), bm, bld);
         break;
       case 5:
-        RowsOf<5>(vnni, q, d, targets, start, groups, o, ld);
+        RowsOf<5>(vnni, q, d, targets, start, groups, o, ld, keep.data(), bm, bld);
         break;
       case 4:
-        RowsOf<4>(vnni, q, d, targets, start, groups, o, ld);
+        RowsOf<4>(vnni, q, d, targets, start, groups, o, ld, keep.data(), bm, bld);
         break;
       case 3:
-        RowsOf<3>(vnni, q, d, targets, start, groups, o, ld);
+        RowsOf<3>(vnni, q, d, targets, start, groups, o, ld, keep.data(), bm, bld);
         break;
       case 2:
-        RowsOf<2>(vnni, q, d, targets, start, groups, o, ld);
+        RowsOf<2>(vnni, q, d, targets, start, groups, o, ld, keep.data(), bm, bld);
         break;
       default:
-        RowsOf<1>(vnni, q, d, targets, start, groups, o, ld);
+        RowsOf<1>(vnni, q, d, targets, start, groups, o, ld, keep.data(), bm, bld);
         break;
     }
   }
 #else
-  (void)queries, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)out, (void)ld;
+  (void)queries, (void)num_queries, (void)targets, (void)num_targets, (void)d, (void)out, (void)ld,
+      (void)block_max;
   std::abort();
 #endif
 }

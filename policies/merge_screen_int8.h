@@ -83,11 +83,16 @@ struct NarrowedRows {
 // (merge_screen_int8.cc (1)): `vpmaddubsw` + `vpaddw` into int16 lanes (AVX2), or, where the CPU has
 // AVX-512 F and VNNI, one `vpdpbusd` per 4 dimensions of 16 (row, target) pairs into int32 lanes (issue 14,
 // round 26).
+// With `block_max` (issue 14, round 27), also each row's largest P per block of 4 groups, lane by lane:
+// block_max[r * BlockMaxStride(n) + 8 b + i] = max over v < 4 of P_r,j, j = 32 b + 8 v + i, over the usable
+// targets j < num_targets only (INT32_MIN if there is none); the int16 stage takes a row's maximum and
+// skips whole blocks from these. The VNNI kernel takes them from its registers.
 enum class Kernel { kAvx2, kVnni };
 Kernel ChosenKernel();                    // kVnni where the CPU runs it, else kAvx2
 void SetKernelForTesting(Kernel kernel);  // kVnni only where the CPU runs it
+inline long BlockMaxStride(int n) { return ((n + 7) / 8 + 3) / 4 * 8; }
 void Dots(const uint8_t* queries, int num_queries, const int8_t* targets, int num_targets, int d,
-          int32_t* out, long ld);
+          int32_t* out, long ld, int32_t* block_max = nullptr);
 
 // The window in P of a query row (scale, norm, err from NarrowQueries) against targets with summary t:
 // W ≥ (2 E + scale kTargetScale slack) / 2^28, rounded up, plus one; E bounds |scale kTargetScale S − 2^28

@@ -195,7 +195,8 @@ TEST_CASE("int8 stage: the VNNI kernel is the default wherever the CPU runs it (
   CHECK(avx2.runs);
 }
 
-TEST_CASE("int8 stage: the kernel's products are exact up to the Cauchy-Schwarz edge, every tail",
+TEST_CASE("int8 stage: the kernel's products are exact up to the Cauchy-Schwarz edge, every tail, and its "
+          "block maxima leave out unusable and padding targets",
           "[merge][screen]") {
   if (!i8::Applies(128)) return;
   const KernelScope kernel(GENERATE(i8::Kernel::kAvx2, i8::Kernel::kVnni));
@@ -222,15 +223,36 @@ TEST_CASE("int8 stage: the kernel's products are exact up to the Cauchy-Schwarz 
             const bool on = k == 0 || k == 1 || k == 4 || k == 5;
             rows[j * d + k] = on ? static_cast<int16_t>(j == 0 ? 8192 : -8192) : 0;
           }
+        // The last target unusable (every word clamped), with a large P: the block maxima must leave it out.
+        if (nt >= 3)
+          for (int k = 0; k < d; ++k) rows[(nt - 1) * d + k] = 16384;
         std::vector<const int16_t*> ptr(nt);
         std::vector<double> err(nt, 0.0);
         for (int j = 0; j < nt; ++j) ptr[j] = &rows[j * d];
         i16::SpreadTargets(ptr.data(), err.data(), nt, d, p.t.data());
         const Narrow w = NarrowAll(p.q, nq, p.t, nt, d);
         const uint8_t* bad = i8::Unusable(w.t.data(), nt, d);
-        const long ld = (nt + 7) / 8 * 8 + 3;
-        std::vector<int32_t> out(static_cast<size_t>(nq) * ld, 12345);
-        i8::Dots(w.q.data(), nq, w.t.data(), nt, d, out.data(), ld);
+        if (nt >= 3) REQUIRE(((bad[(nt - 1) / 8] >> ((nt - 1) % 8)) & 1) == 1);
+        const long ld = (nt + 7) / 8 * 8 + 3, bld = i8::BlockMaxStride(nt);
+        std::vector<int32_t> out(static_cast<size_t>(nq) * ld, 12345), plain(out);
+        std::vector<int32_t> bm(static_cast<size_t>(nq) * bld, 12345);
+        i8::Dots(w.q.data(), nq, w.t.data(), nt, d, out.data(), ld, bm.data());
+        i8::Dots(w.q.data(), nq, w.t.data(), nt, d, plain.data(), ld);
+        CHECK(plain == out);
+        bool unusable_above = false;  // the unusable target's P above its block's maximum (it matters)
+        for (int r = 0; r < nq; ++r)
+          for (int b = 0; b < bld / 8; ++b)
+            for (int i = 0; i < 8; ++i) {
+              int32_t want = INT32_MIN;
+              for (int v = 0; v < 4; ++v) {
+                const int j = 32 * b + 8 * v + i;
+                if (j < nt && ((bad[j / 8] >> (j % 8)) & 1) == 0) want = std::max(want, out[r * ld + j]);
+                if (j == nt - 1 && nt >= 3) unusable_above = unusable_above || out[r * ld + j] > want;
+              }
+              CAPTURE(i8::ChosenKernel() == i8::Kernel::kVnni, d, nq, nt, r, b, i);
+              REQUIRE(bm[r * bld + 8 * b + i] == want);
+            }
+        if (nt > 32) CHECK(unusable_above);  // row 0's P with it is 32512, far above its block's others
         for (int r = 0; r < nq; ++r) {
           REQUIRE(w.scale[r] == c);
           for (int j = 0; j < nt; ++j) {
