@@ -191,11 +191,17 @@ KVSIM_INT8_TARGET Norms NarrowTargetsAvx2(const int16_t* t16, int n, int d, int8
 // √TargetNorm2Cap(d) ≤ 32767, so a row of norm ≤ 1 + 2^-20 meets Cauchy-Schwarz against every usable target
 // (checked exactly per row all the same). A coordinate above 127 / c (≈ 0.54 at d = 128) is clamped: its
 // error counts in α, widening that row's window only.
-int QueryScaleFor(int d) {
+int QueryScaleOf(int d) {
   const double sd = std::sqrt(static_cast<double>(d));
   const double c =
       (32767.0 / std::sqrt(static_cast<double>(TargetNorm2Cap(d))) - sd / 2) / (1 + 0x1p-20 + sd * 0x1p-15);
   return std::min(kMaxQueryScale, static_cast<int>(std::floor(c)));
+}
+// QueryScaleOf remembered for the last d (RowScale asks it once per query row).
+int QueryScaleFor(int d) {
+  thread_local int last_d = 0, last_c = 0;
+  if (d != last_d) last_c = QueryScaleOf(d), last_d = d;
+  return last_c;
 }
 
 KVSIM_INT8_TARGET void NarrowRowsAvx2(const int16_t* q16, int n, int d, uint8_t* out, int32_t* norm2,

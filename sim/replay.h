@@ -210,8 +210,11 @@ void MergedSlotSumsAppend(const int32_t* tk, int n, const float* p, const Modali
 // rounding of every value within 64 ulp of it, glibc's exp among them (it is within 1 ulp of e^x), except
 // when it lies within 64 ulp of a float rounding boundary or x is outside [-87, 80]: those (about one in
 // 4 million on random inputs) call std::exp. The proof is at the function (replay.cc).
+// On a CPU with AVX-512, eight at a time (the same operations; round 27);
+// SetMergedWeightsAvx512ForTesting(false) keeps the AVX2 loop.
 struct LogitTransform;
 void MergedWeights(const float* dots, int n, const LogitTransform& tf, float lse, float* out);
+void SetMergedWeightsAvx512ForTesting(bool allowed);
 
 // Replays all runs; one RunResult per run, in order.
 StatusOr<std::vector<RunResult>> Replay(TraceSource& trace, std::span<const RunSpec> runs,

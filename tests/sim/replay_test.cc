@@ -3244,6 +3244,11 @@ TEST_CASE("replay: merged-slot sums of several steps at once equal each step's",
 // range, values outside it (NaN, infinities, subnormal and overflowing weights) and weights within a few
 // ulp of a midpoint between two floats (where the vector path must hand the lane to std::exp).
 TEST_CASE("MergedWeights: the float of std::exp, bit for bit", "[replay]") {
+  const bool avx512 = GENERATE(true, false);  // where the CPU has AVX-512: its loop, then the AVX2 one
+  SetMergedWeightsAvx512ForTesting(avx512);
+  struct Restore {
+    ~Restore() { SetMergedWeightsAvx512ForTesting(true); }
+  } restore;
   auto check = [](const std::vector<float>& dots, const LogitTransform& tf, float lse) {
     std::vector<float> got(dots.size());
     MergedWeights(dots.data(), static_cast<int>(dots.size()), tf, lse, got.data());
@@ -3296,8 +3301,8 @@ TEST_CASE("MergedWeights: the float of std::exp, bit for bit", "[replay]") {
     }
     // One lse per call: group the dots by theirs.
     for (int i = 0; i < 1000; ++i) {
-      std::vector<float> d4(4, dots[i]);  // a whole vector lane group
-      n += check(d4, one, lses[i]);
+      std::vector<float> group(8, dots[i]);  // whole vector lane groups (8 lanes on AVX-512, 2 x 4 on AVX2)
+      n += check(group, one, lses[i]);
     }
   }
   REQUIRE(n == 0);
