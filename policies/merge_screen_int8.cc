@@ -314,9 +314,8 @@ KVSIM_INT8_TARGET void Rows(const uint8_t* q, int d, const int8_t* t, const int1
 // of a half = target i, from the sum of its two int16 starts; the low 16 bits, sign-extended, at the end.
 #define KVSIM_INT8_VNNI_TARGET __attribute__((target("avx2,avx512f,avx512vnni")))
 
-// A group's accumulator start (both halves), its 32 bytes of quad p's words (t: the group's quad p), an
-// accumulator's values (the low 16 bits sign-extended), and the store of row pair r's values: row 2r's
-// half, then row 2r + 1's if there is one.
+// A group's accumulator start (both halves), its 32 bytes of quad p's words (t: the group's quad p), and an
+// accumulator's values (the low 16 bits sign-extended).
 KVSIM_INT8_VNNI_TARGET inline __attribute__((always_inline)) __m512i VnniStart(const int16_t* start) {
   return _mm512_broadcast_i64x4(
       _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(start)), _mm256_set1_epi16(1)));
