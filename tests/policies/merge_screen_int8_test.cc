@@ -195,9 +195,10 @@ TEST_CASE("int8 stage: the VNNI kernel is the default wherever the CPU runs it (
   CHECK(avx2.runs);
 }
 
-TEST_CASE("int8 stage: the kernel's products are exact up to the Cauchy-Schwarz edge, every tail, and its "
-          "block maxima leave out unusable and padding targets",
-          "[merge][screen]") {
+TEST_CASE(
+    "int8 stage: the kernel's products are exact up to the Cauchy-Schwarz edge, every tail, and its "
+    "block maxima leave out unusable and padding targets",
+    "[merge][screen]") {
   if (!i8::Applies(128)) return;
   const KernelScope kernel(GENERATE(i8::Kernel::kAvx2, i8::Kernel::kVnni));
   if (!kernel.runs) return;
