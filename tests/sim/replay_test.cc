@@ -1300,6 +1300,44 @@ TEST_CASE("replay: merging runs together equal each run alone, at any thread cou
   }
 }
 
+// One policy x budgets: MEDA's official code (compresses in its decode item) has its decode items handed out
+// budget-major over a chunk's units (LayerPass::Run), the others unit-major. Either way every run equals the
+// run alone, at any thread count.
+TEST_CASE("replay: one policy x budgets (budget-major items) equals each run alone, at any thread count",
+          "[replay]") {
+  testing::TinyTraceSpec spec;
+  spec.num_heads = 8;
+  spec.num_kv_heads = 4;
+  spec.prefill_length = 230;
+  spec.decode_steps = 6;
+  spec.image_end = 210;
+  spec.seed = 43;
+  MemoryTrace trace = testing::MakeTinyTrace(spec);
+  const std::vector<std::pair<const char*, std::vector<std::string>>> policies{
+      {"meda", {"variant=OFFICIAL_CODE"}}, {"look_m", {}}, {"h2o", {}}};
+  for (const auto& [name, sets] : policies) {
+    auto p = PolicyRegistry::Default().Create(name, sets);
+    REQUIRE(p.ok());
+    std::vector<RunSpec> runs;
+    for (double b : {0.6, 0.1, 0.3, 0.2}) runs.push_back(RunSpec{*p, name, b, 0, QuestionMode::kQueryAware});
+    std::vector<std::string> alone;
+    for (const RunSpec& r : runs) {
+      auto one = Replay(trace, std::vector<RunSpec>{r}, ReplayOptions{.threads = 1});
+      REQUIRE(one.ok());
+      alone.push_back((*one)[0].SerializeAsString());
+    }
+    for (int threads : {1, 2, 3, 8}) {
+      auto together = Replay(trace, runs, ReplayOptions{.threads = threads});
+      REQUIRE(together.ok());
+      for (size_t i = 0; i < runs.size(); ++i) {
+        INFO(name << " budget " << runs[i].budget_fraction << " threads " << threads);
+        CHECK((*together)[i].metrics().samples() > 0);
+        CHECK((*together)[i].SerializeAsString() == alone[i]);
+      }
+    }
+  }
+}
+
 // No runs: every layer's Prefill items and no decode item. One KV head: one unit per layer, fewer units than
 // workers. Both at 1, 2 and 3 threads.
 TEST_CASE("replay: no runs, and one KV head, at any thread count", "[replay]") {
