@@ -9,22 +9,31 @@
 //               thread and on all threads, as ratios to stream_full.
 //   issue14:    fixed per-trace and per-run cost against their floors (read-only pass, BLAS of the reference
 //               and of the runs' own products), CPU use, every text policy x 4 budgets (docs/performance.md).
+//   policies:   every text policy's cost (issue14's per-policy table) measured in pairs robust to the
+//               machine's drift: each policy x 4 budgets repeating on one core while `full` alone repeats on
+//               the other for 20 s, one thread each, then the cores swapped; the floor (4 runs' own output
+//               products) likewise.
 //   read:       the issue14 suite's three reads alone: every query row (direct chunk reads), only the rows a
 //               9-run sweep reads, every row through H5Dread on 1 thread (the reader before round 5); and the
 //               trace's content hash (HashFile), which kvsim run / sweep compute before the replay (beside
 //               it when the page cache holds the trace).
 
 #include <cblas.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <boost/program_options.hpp>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "analysis/stream_sweep.h"
@@ -105,6 +114,90 @@ Measure InChild(Body body) {
   return Measure{msg[0], msg[1], msg[2], got && WIFEXITED(status) && WEXITSTATUS(status) == 0, msg[3]};
 }
 
+// CPU seconds (user + system) of this process so far.
+double SelfCpuSeconds() {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 + ru.ru_stime.tv_sec + ru.ru_stime.tv_usec * 1e-6;
+}
+
+// The first two CPUs this process may run on, or {-1, -1} when it may run on fewer.
+std::pair<int, int> TwoCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return {-1, -1};
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus.size() == 2 ? std::pair{cpus[0], cpus[1]} : std::pair{-1, -1};
+}
+
+void PinTo(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  if (sched_setaffinity(0, sizeof set, &set) != 0) _exit(3);
+}
+
+// One pair: `a`'s and `b`'s mean CPU seconds per run, over the runs each finished in the same window.
+struct Pair {
+  double a_cpu = 0, b_cpu = 0;
+  int a_runs = 0, b_runs = 0;
+  bool ok = false;
+};
+
+// A child process pinned to `cpu` that runs `body` over and over, writing each run's CPU seconds (-1: it
+// failed) to `fd` until it is killed; `other_fd` is the other child's write end, closed here.
+template <typename Body>
+pid_t Repeating(Body body, int cpu, int fd, int other_fd) {
+  const pid_t pid = fork();
+  if (pid != 0) return pid;
+  close(other_fd);
+  PinTo(cpu);
+  for (;;) {
+    const double c0 = SelfCpuSeconds();
+    const double msg = body() < 0 ? -1.0 : SelfCpuSeconds() - c0;
+    if (write(fd, &msg, sizeof msg) != sizeof msg || msg < 0) _exit(msg < 0 ? 1 : 2);
+  }
+}
+
+// Runs `a` and `b` at the same time, each over and over in its own child process pinned to its own core
+// (ca, cb), for `window` seconds or until each has finished a run, whichever is later. Drift in the
+// machine's speed (on the project's VM, 15% between runs minutes apart) hits both alike, so the ratio of
+// their CPU seconds per run resolves a few percent where runs one after the other do not (issue 14, round
+// 28; bench/ab_simultaneous.sh does the same for two binaries). Each run is timed alone; the runs cut off
+// at the end are not counted, and each side's first run (cold: page faults) is averaged in with its others.
+template <typename A, typename B>
+Pair InPair(A a, B b, int ca, int cb, double window) {
+  int fa[2], fb[2];
+  if (pipe(fa) != 0 || pipe(fb) != 0) std::abort();
+  const auto t0 = std::chrono::steady_clock::now();
+  const pid_t pa = Repeating(a, ca, fa[1], fb[1]);
+  const pid_t pb = Repeating(b, cb, fb[1], fa[1]);
+  close(fa[1]), close(fb[1]);
+  Pair r;
+  double sa = 0, sb = 0, m = 0;
+  // The first run of each (waits for it), then the rest of the window.
+  bool ok = read(fa[0], &m, sizeof m) == sizeof m && m >= 0;
+  if (ok) sa += m, ++r.a_runs;
+  ok = ok && read(fb[0], &m, sizeof m) == sizeof m && m >= 0;
+  if (ok) sb += m, ++r.b_runs;
+  const double left = window - std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (ok && left > 0) usleep(static_cast<useconds_t>(left * 1e6));
+  kill(pa, SIGKILL), kill(pb, SIGKILL);
+  waitpid(pa, nullptr, 0), waitpid(pb, nullptr, 0);
+  for (auto [fd, sum, runs] : {std::tuple{fa[0], &sa, &r.a_runs}, std::tuple{fb[0], &sb, &r.b_runs}})
+    while (ok && read(fd, &m, sizeof m) == sizeof m) {  // the runs finished before the stop
+      ok = m >= 0;
+      if (ok) *sum += m, ++*runs;
+    }
+  close(fa[0]), close(fb[0]);
+  r.ok = ok;
+  r.a_cpu = r.a_runs > 0 ? sa / r.a_runs : 0;
+  r.b_cpu = r.b_runs > 0 ? sb / r.b_runs : 0;
+  return r;
+}
+
 // A body for InChild: opens the trace and reads every layer with `options` (a read-only pass).
 auto ReadOnlyPass(const std::string& trace_path, const TraceMeta& meta, LayerReadOptions options) {
   return [&trace_path, &meta, options]() -> double {
@@ -168,8 +261,62 @@ double ProductsFloor(const TraceMeta& meta, int threads, const std::vector<int>&
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// --suite policies: every text policy x 4 budgets beside `full` alone (InPair, both core orders), and the
+// floor of 4 runs' own output products likewise; one thread each. cost = policy - full (CPU s per run, each
+// order's own pair); cost / floor = (policy / full - 1) / (floor / full): ratios of runs that ran at the
+// same time, so the machine's drift between pairs cancels.
+int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>>>& per_policy,
+                   const std::function<double(const std::vector<RunSpec>&)>& replay1,
+                   const std::vector<RunSpec>& full_only, const TraceMeta& meta,
+                   const std::vector<int>& kept4) {
+  const auto [c0, c1] = TwoCpus();
+  if (c0 < 0) {
+    std::cerr << "kvsim_bench: --suite policies needs two CPUs this process may use (see taskset -p)\n";
+    return 2;
+  }
+  constexpr double kWindow = 20;  // seconds per pair (bench/ab_simultaneous.sh: 30 s runs agreed within 3%)
+  auto full = [&] { return replay1(full_only); };
+  auto both_orders = [&](auto a) {
+    return std::array<Pair, 2>{InPair(a, full, c0, c1, kWindow), InPair(a, full, c1, c0, kWindow)};
+  };
+  const auto floor = both_orders([&] { return ProductsFloor(meta, 1, kept4) >= 0 ? 0.0 : -1.0; });
+  if (!floor[0].ok || !floor[1].ok) {
+    std::cerr << "kvsim_bench: the floor's pair failed\n";
+    return 1;
+  }
+  const double floor_ratio = (floor[0].a_cpu / floor[0].b_cpu + floor[1].a_cpu / floor[1].b_cpu) / 2;
+  std::printf(
+      "per policy, paired: each row on cpu %d while `full` alone repeats on cpu %d for %.0f s, then the "
+      "cores "
+      "swapped; 1 thread each; CPU s per run (runs in the window), core order 1 / 2; 4 runs = budgets "
+      "5/10/20/50%%\n\n| policy x 4 budgets | CPU s (runs) | `full` alone beside it | cost CPU s (policy - "
+      "full) | cost / floor |\n|---|---:|---:|---:|---:|\n",
+      c0, c1, kWindow);
+  auto cells = [](const std::array<Pair, 2>& p) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%.2f (%d) / %.2f (%d) | %.2f (%d) / %.2f (%d)", p[0].a_cpu, p[0].a_runs,
+                  p[1].a_cpu, p[1].a_runs, p[0].b_cpu, p[0].b_runs, p[1].b_cpu, p[1].b_runs);
+    return std::string(buf);
+  };
+  std::printf("| floor: 4 runs' own output products (BLAS) | %s | - | floor / full %.3f |\n",
+              cells(floor).c_str(), floor_ratio);
+  std::fflush(stdout);
+  for (const auto& [label, rs] : per_policy) {
+    const auto p = both_orders([&] { return replay1(rs); });
+    if (!p[0].ok || !p[1].ok) {
+      std::cerr << "kvsim_bench: " << label << "'s pair failed\n";
+      return 1;
+    }
+    auto over = [&](const Pair& q) { return (q.a_cpu / q.b_cpu - 1) / floor_ratio; };
+    std::printf("| %s | %s | %.2f / %.2f | %.2fx / %.2fx |\n", label.c_str(), cells(p).c_str(),
+                p[0].a_cpu - p[0].b_cpu, p[1].a_cpu - p[1].b_cpu, over(p[0]), over(p[1]));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double trace_bytes, int threads,
-                 bool reads_only) {
+                 bool reads_only, bool paired) {
   auto make = [](const char* name, std::vector<std::string> sets = {}) {
     auto p = PolicyRegistry::Default().Create(name, sets);
     if (!p.ok()) std::abort();
@@ -229,6 +376,16 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
   // The first pass brings the trace into the page cache (its time is shown, not used as a floor): a trace
   // partly evicted since the last run made the floor cold once and the fixed-cost ratio meaningless.
   const Measure first_read = InChild(read_only(LayerReadOptions{.threads = threads}));
+  if (paired) {
+    if (!first_read.ok) return 1;
+    auto replay1 = [&](const std::vector<RunSpec>& rs) -> double {
+      auto t = OpenTrace(trace_path);
+      if (!t.ok()) return -1;
+      return Replay(**t, rs, ReplayOptions{.threads = 1}).ok() ? 0 : -1;
+    };
+    const std::vector<int> kept4(kept.begin(), kept.begin() + static_cast<long>(budgets.size()));
+    return PairedPolicies(per_policy, replay1, full_only, meta, kept4);
+  }
   const Measure io = InChild(read_only(LayerReadOptions{.threads = threads}));
   const Measure io9 = InChild(
       read_only(LayerReadOptions{.query_rows = ReplayQueryRows(meta, nine, false), .threads = threads}));
@@ -417,7 +574,7 @@ int main(int argc, char** argv) {
   opts.add_options()("help,h", "help")("trace", po::value(&trace_path)->required(), "trace (.h5)")(
       "threads", po::value(&threads)->default_value(0), "threads for the parallel variant (0 = all cores)")(
       "suite", po::value(&suite)->default_value("all"),
-      "baseline | multimodal | streaming | issue14 | read | all (streaming traces: streaming)");
+      "baseline | multimodal | streaming | issue14 | policies | read | all (streaming traces: streaming)");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, opts), vm);
@@ -465,17 +622,18 @@ int main(int argc, char** argv) {
       return samples;
     };
   };
-  if (suite == "issue14" || suite == "read") {
+  if (suite == "issue14" || suite == "read" || suite == "policies") {
     std::printf("trace: %s (%s, %d layers, %d/%d heads, d %d, prompt %d, %d decode steps, %.2f GB)\n\n",
                 trace_path.c_str(), meta.model.name.c_str(), meta.model.num_layers, meta.model.num_heads,
                 meta.model.num_kv_heads, meta.model.head_dim, meta.prefill_length, meta.num_decode_steps,
                 st.st_size / 1e9);
     std::fflush(stdout);  // the measurements fork: an unflushed buffer would be written by every child
-    return Issue14Suite(trace_path, meta, static_cast<double>(st.st_size), threads, suite == "read");
+    return Issue14Suite(trace_path, meta, static_cast<double>(st.st_size), threads, suite == "read",
+                        suite == "policies");
   }
   if (suite != "all" && suite != "baseline" && suite != "multimodal") {
     std::cerr << "kvsim_bench: --suite '" << suite
-              << "': expected baseline, multimodal, issue14, read or all\n";
+              << "': expected baseline, multimodal, issue14, policies, read or all\n";
     return 2;
   }
   std::printf("trace: %s (%s, %d layers, %d/%d heads, d %d, prompt %d, %d decode steps, %.2f GB)\n\n",
