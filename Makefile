@@ -129,6 +129,7 @@ bench: cli $(DEMO_TRACE) $(STREAM_TRACE)
 	$(BUILD)/kvsim_bench --trace $(DEMO_TRACE)
 	.venv/bin/python bench/numpy_replay.py $(DEMO_TRACE) --kvsim $(KVSIM) --repeats 3
 	$(BUILD)/kvsim_bench --trace $(DEMO_TRACE) --suite issue14
+	$(BUILD)/kvsim_bench --trace $(DEMO_TRACE) --suite policies
 	$(BUILD)/kvsim_bench --trace $(STREAM_TRACE)
 	.venv/bin/python bench/capture_bench.py
 

@@ -8,10 +8,13 @@
 #      process beside `full` alone (its cost = the difference; wall, CPU-s, peak RSS);
 #   3. the cost-growth study: synthetic traces (2 layers, 8/2 heads, d 64, window-only queries, no recorded
 #      aggregates) with prompts of 1K/4K/16K/64K tokens x 32/128/512 decode steps; full + streaming_llm +
-#      snapkv x 4 budgets, wall and peak RSS per trace.
+#      snapkv x 4 budgets, wall and peak RSS per trace;
+#   4. kvsim_bench --suite policies: each text policy x 4 budgets beside `full` alone at the same time (one
+#      core each, one thread, both core orders): its cost and cost / floor without the machine's drift
+#      between processes (part 2's per-policy rows include it; round 28). About 9 minutes.
 # Usage: bench/issue14.sh [BUILD_DIR] [OUT_DIR]   (defaults: build, /tmp/kvsim-issue14)
 # GROWTH_PROMPTS / GROWTH_STEPS override the study's sizes; REPEATS the side-by-side repeats (3); PARTS which
-# parts to run (default "1 2 3").
+# parts to run (default "1 2 3 4").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -21,7 +24,7 @@ PY=${PY:-.venv/bin/python}
 REPEATS=${REPEATS:-3}
 GROWTH_PROMPTS=${GROWTH_PROMPTS:-"1024 4096 16384 65536"}
 GROWTH_STEPS=${GROWTH_STEPS:-"32 128 512"}
-PARTS=${PARTS:-"1 2 3"}
+PARTS=${PARTS:-"1 2 3 4"}
 mkdir -p "$OUT"
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "date: $(date -u +%FT%TZ); commit: $(git rev-parse --short HEAD)"
@@ -38,6 +41,11 @@ if [[ " $PARTS " == *" 2 "* ]]; then
   echo
   echo "## 2. floors, fixed and per-run cost, all text policies"
   "$BUILD/kvsim_bench" --trace "$TRACE" --suite issue14
+fi
+if [[ " $PARTS " == *" 4 "* ]]; then
+  echo
+  echo "## 4. each text policy's cost beside full alone, at the same time"
+  "$BUILD/kvsim_bench" --trace "$TRACE" --suite policies
 fi
 [[ " $PARTS " == *" 3 "* ]] || exit 0
 echo
