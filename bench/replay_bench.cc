@@ -33,6 +33,7 @@
 #include <functional>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -183,7 +184,7 @@ Pair InPair(A a, B b, int ca, int cb, double window) {
   ok = ok && read(fb[0], &m, sizeof m) == sizeof m && m >= 0;
   if (ok) sb += m, ++r.b_runs;
   const double left = window - std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (ok && left > 0) usleep(static_cast<useconds_t>(left * 1e6));
+  if (ok && left > 0) std::this_thread::sleep_for(std::chrono::duration<double>(left));
   kill(pa, SIGKILL), kill(pb, SIGKILL);
   waitpid(pa, nullptr, 0), waitpid(pb, nullptr, 0);
   for (auto [fd, sum, runs] : {std::tuple{fa[0], &sa, &r.a_runs}, std::tuple{fb[0], &sb, &r.b_runs}})
