@@ -11,8 +11,8 @@
 //               and of the runs' own products), CPU use, every text policy x 4 budgets (docs/performance.md).
 //   policies:   every text policy's cost (issue14's per-policy table) measured in pairs robust to the
 //               machine's drift: each policy x 4 budgets repeating on one core while `full` alone repeats on
-//               the other for 20 s, one thread each, then the cores swapped; the floor (4 runs' own output
-//               products) likewise.
+//               the other for --window seconds (20), one thread each, then the cores swapped; the floor (4
+//               runs' own output products) likewise.
 //   read:       the issue14 suite's three reads alone: every query row (direct chunk reads), only the rows a
 //               9-run sweep reads, every row through H5Dread on 1 thread (the reader before round 5); and the
 //               trace's content hash (HashFile), which kvsim run / sweep compute before the replay (beside
@@ -269,38 +269,45 @@ double ProductsFloor(const TraceMeta& meta, int threads, const std::vector<int>&
 int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>>>& per_policy,
                    const std::function<double(const std::vector<RunSpec>&)>& replay1,
                    const std::vector<RunSpec>& full_only, const TraceMeta& meta,
-                   const std::vector<int>& kept4) {
+                   const std::vector<int>& kept4, double window) {
   const auto [c0, c1] = TwoCpus();
   if (c0 < 0) {
     std::cerr << "kvsim_bench: --suite policies needs two CPUs this process may use (see taskset -p)\n";
     return 2;
   }
-  constexpr double kWindow = 20;  // seconds per pair (bench/ab_simultaneous.sh: 30 s runs agreed within 3%)
   auto full = [&] { return replay1(full_only); };
   auto both_orders = [&](auto a) {
-    return std::array<Pair, 2>{InPair(a, full, c0, c1, kWindow), InPair(a, full, c1, c0, kWindow)};
+    return std::array<Pair, 2>{InPair(a, full, c0, c1, window), InPair(a, full, c1, c0, window)};
   };
   const auto floor = both_orders([&] { return ProductsFloor(meta, 1, kept4) >= 0 ? 0.0 : -1.0; });
   if (!floor[0].ok || !floor[1].ok) {
     std::cerr << "kvsim_bench: the floor's pair failed\n";
     return 1;
   }
-  const double floor_ratio = (floor[0].a_cpu / floor[0].b_cpu + floor[1].a_cpu / floor[1].b_cpu) / 2;
+  // Ratios need `full`'s CPU time: on a trace small enough that a run takes less than the clock's tick it
+  // can read 0, and the ratios are then shown as "-" rather than as a division by zero.
+  const bool timed = floor[0].b_cpu > 0 && floor[1].b_cpu > 0;
+  const double floor_ratio =
+      timed ? (floor[0].a_cpu / floor[0].b_cpu + floor[1].a_cpu / floor[1].b_cpu) / 2 : 0;
   std::printf(
-      "per policy, paired: each row on cpu %d while `full` alone repeats on cpu %d for %.0f s, then the "
+      "per policy, paired: each row on cpu %d while `full` alone repeats on cpu %d for %g s (at least one "
+      "run each), then the "
       "cores "
       "swapped; 1 thread each; CPU s per run (runs in the window), core order 1 / 2; 4 runs = budgets "
       "5/10/20/50%%\n\n| policy x 4 budgets | CPU s (runs) | `full` alone beside it | cost CPU s (policy - "
       "full) | cost / floor |\n|---|---:|---:|---:|---:|\n",
-      c0, c1, kWindow);
+      c0, c1, window);
   auto cells = [](const std::array<Pair, 2>& p) {
     char buf[160];
     std::snprintf(buf, sizeof buf, "%.2f (%d) / %.2f (%d) | %.2f (%d) / %.2f (%d)", p[0].a_cpu, p[0].a_runs,
                   p[1].a_cpu, p[1].a_runs, p[0].b_cpu, p[0].b_runs, p[1].b_cpu, p[1].b_runs);
     return std::string(buf);
   };
-  std::printf("| floor: 4 runs' own output products (BLAS) | %s | - | floor / full %.3f |\n",
-              cells(floor).c_str(), floor_ratio);
+  if (timed)
+    std::printf("| floor: 4 runs' own output products (BLAS) | %s | - | floor / full %.3f |\n",
+                cells(floor).c_str(), floor_ratio);
+  else
+    std::printf("| floor: 4 runs' own output products (BLAS) | %s | - | - |\n", cells(floor).c_str());
   std::fflush(stdout);
   for (const auto& [label, rs] : per_policy) {
     const auto p = both_orders([&] { return replay1(rs); });
@@ -308,16 +315,21 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
       std::cerr << "kvsim_bench: " << label << "'s pair failed\n";
       return 1;
     }
-    auto over = [&](const Pair& q) { return (q.a_cpu / q.b_cpu - 1) / floor_ratio; };
-    std::printf("| %s | %s | %.2f / %.2f | %.2fx / %.2fx |\n", label.c_str(), cells(p).c_str(),
-                p[0].a_cpu - p[0].b_cpu, p[1].a_cpu - p[1].b_cpu, over(p[0]), over(p[1]));
+    auto over = [&](const Pair& q) {
+      char buf[32] = "-";
+      if (q.b_cpu > 0 && floor_ratio > 0)
+        std::snprintf(buf, sizeof buf, "%.2fx", (q.a_cpu / q.b_cpu - 1) / floor_ratio);
+      return std::string(buf);
+    };
+    std::printf("| %s | %s | %.2f / %.2f | %s / %s |\n", label.c_str(), cells(p).c_str(),
+                p[0].a_cpu - p[0].b_cpu, p[1].a_cpu - p[1].b_cpu, over(p[0]).c_str(), over(p[1]).c_str());
     std::fflush(stdout);
   }
   return 0;
 }
 
 int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double trace_bytes, int threads,
-                 bool reads_only, bool paired) {
+                 bool reads_only, bool paired, double window) {
   auto make = [](const char* name, std::vector<std::string> sets = {}) {
     auto p = PolicyRegistry::Default().Create(name, sets);
     if (!p.ok()) std::abort();
@@ -385,7 +397,7 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
       return Replay(**t, rs, ReplayOptions{.threads = 1}).ok() ? 0 : -1;
     };
     const std::vector<int> kept4(kept.begin(), kept.begin() + static_cast<long>(budgets.size()));
-    return PairedPolicies(per_policy, replay1, full_only, meta, kept4);
+    return PairedPolicies(per_policy, replay1, full_only, meta, kept4, window);
   }
   const Measure io = InChild(read_only(LayerReadOptions{.threads = threads}));
   const Measure io9 = InChild(
@@ -571,11 +583,15 @@ int main(int argc, char** argv) {
   kvsim::RestartForBlasKernels(argv);  // as kvsim does: OpenBLAS's fast kernels on a CPU it does not know
   std::string trace_path, suite;
   int threads = 0;
+  double window = 20;
   po::options_description opts("kvsim_bench options");
   opts.add_options()("help,h", "help")("trace", po::value(&trace_path)->required(), "trace (.h5)")(
       "threads", po::value(&threads)->default_value(0), "threads for the parallel variant (0 = all cores)")(
       "suite", po::value(&suite)->default_value("all"),
-      "baseline | multimodal | streaming | issue14 | policies | read | all (streaming traces: streaming)");
+      "baseline | multimodal | streaming | issue14 | policies | read | all (streaming traces: streaming)")(
+      "window", po::value(&window)->default_value(20),
+      "--suite policies: seconds each pair repeats its runs (each side runs at least once; runs of 30 s and "
+      "more agreed within 3% in bench/ab_simultaneous.sh)");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, opts), vm);
@@ -589,6 +605,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (threads <= 0) threads = DefaultThreads();
+  if (!(window >= 0)) {
+    std::cerr << "kvsim_bench: --window " << window << ": must be 0 or more seconds\n";
+    return 2;
+  }
   auto probe = OpenTrace(trace_path);
   if (!probe.ok()) {
     std::cerr << "kvsim_bench: " << probe.status().message() << "\n";
@@ -630,7 +650,7 @@ int main(int argc, char** argv) {
                 st.st_size / 1e9);
     std::fflush(stdout);  // the measurements fork: an unflushed buffer would be written by every child
     return Issue14Suite(trace_path, meta, static_cast<double>(st.st_size), threads, suite == "read",
-                        suite == "policies");
+                        suite == "policies", window);
   }
   if (suite != "all" && suite != "baseline" && suite != "multimodal") {
     std::cerr << "kvsim_bench: --suite '" << suite
