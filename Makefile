@@ -47,7 +47,7 @@ test: build
 
 asan-test: setup
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVSIM_SANITIZE=ON
-	cmake --build $(ASAN_BUILD) -j $(JOBS) --target kvsim_tests kvsim kvsim_latency_bench
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target kvsim_tests kvsim kvsim_latency_bench kvsim_bench
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS) -E '$(PY_ONLY_TESTS)'
 
