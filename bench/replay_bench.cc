@@ -87,6 +87,13 @@ std::vector<RunSpec> BaselineRuns() {
   return runs;
 }
 
+// CPU seconds (user + system) of this process so far.
+double SelfCpuSeconds() {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 + ru.ru_stime.tv_sec + ru.ru_stime.tv_usec * 1e-6;
+}
+
 // Runs `body` in a child process; the child reports (seconds, samples) through a pipe.
 template <typename Body>
 Measure InChild(Body body) {
@@ -100,9 +107,7 @@ Measure InChild(Body body) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    const double cpu =
-        ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 + ru.ru_stime.tv_sec + ru.ru_stime.tv_usec * 1e-6;
-    double msg[4] = {s, ru.ru_maxrss / 1024.0, samples, cpu};
+    double msg[4] = {s, ru.ru_maxrss / 1024.0, samples, SelfCpuSeconds()};
     if (write(fd[1], msg, sizeof msg) != sizeof msg) _exit(2);
     _exit(samples < 0 ? 1 : 0);
   }
@@ -113,13 +118,6 @@ Measure InChild(Body body) {
   int status = 0;
   waitpid(pid, &status, 0);
   return Measure{msg[0], msg[1], msg[2], got && WIFEXITED(status) && WEXITSTATUS(status) == 0, msg[3]};
-}
-
-// CPU seconds (user + system) of this process so far.
-double SelfCpuSeconds() {
-  struct rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 + ru.ru_stime.tv_sec + ru.ru_stime.tv_usec * 1e-6;
 }
 
 // The first two CPUs this process may run on, or {-1, -1} when it may run on fewer.
