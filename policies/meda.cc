@@ -249,6 +249,18 @@ Status MedaPolicy::Validate(const policy::MedaParams& in) {
               "text_prior NO_TEXT_PRIOR is LOOK-M's non-text family; MEDA uses ADD_MAX or KEEP_ALL_TEXT");
 }
 
+PolicyGpuWork MedaPolicy::gpu_work() const {
+  PolicyGpuWork w = Policy::gpu_work();
+  w.merge = params_.merge() != policy::NO_MERGE;
+  return w;
+}
+
+PolicyGpuWork LookMPolicy::gpu_work() const {
+  PolicyGpuWork w = Policy::gpu_work();
+  w.merge = params_.merge() != policy::NO_MERGE;
+  return w;
+}
+
 PolicyRequirements MedaPolicy::requirements() const {
   return {.prompt_column_sums = true,
           .decode_attention = params_.compress_at() == policy::MedaParams::FIRST_DECODE_STEP,

@@ -49,6 +49,8 @@ class MedaPolicy final : public TypedPolicy<policy::MedaParams> {
   static Status Validate(const policy::MedaParams& p);
   std::string name() const override { return "meda"; }
   PolicyRequirements requirements() const override;
+  // Its evicted tokens merged into their nearest kept slot (unless merge: NO_MERGE), for the latency model.
+  PolicyGpuWork gpu_work() const override;
   bool evicts_during_decode() const override { return false; }
   bool may_exceed_budget() const override;
   int compression_step() const override;
@@ -68,6 +70,7 @@ class LookMPolicy final : public TypedPolicy<policy::LookMParams> {
   static Status Validate(const policy::LookMParams& p);
   std::string name() const override { return "look_m"; }
   PolicyRequirements requirements() const override { return {.prompt_column_sums = true}; }
+  PolicyGpuWork gpu_work() const override;  // as MedaPolicy's
   bool evicts_during_decode() const override { return false; }
   bool may_exceed_budget() const override { return params_.text_prior() == policy::KEEP_ALL_TEXT; }
   std::unique_ptr<HeadPolicy> NewHeadPolicy(const HeadContext& ctx) const override;

@@ -138,6 +138,30 @@ TEST_CASE("contract: every policy, MHA, query-aware and query-agnostic", "[contr
   }
 }
 
+// The GPU work a policy declares for the latency model (Policy::gpu_work) includes the nearest-slot merge
+// exactly when its runs merge evicted tokens (issue 14, round 29: MEDA and LOOK-M merged without declaring
+// it). (A run that evicted no prompt token, e.g. MEDA's official code on this trace, has nothing to merge.)
+TEST_CASE("contract: a policy declares the merge work exactly when its runs merge", "[contract]") {
+  MemoryTrace trace = testing::MakeTinyTrace();
+  for (const auto& [name, sets] : AllConfigs()) {
+    auto p = PolicyRegistry::Default().Create(name, sets);
+    REQUIRE(p.ok());
+    const bool declared = (*p)->gpu_work().merge;
+    INFO(name << " " << (sets.empty() ? "" : sets.front()));
+    for (double budget : {0.0, 0.1, 0.25}) {  // 0: an absolute budget of 2 tokens
+      const RunSpec spec{*p, name, budget, budget > 0 ? 0 : 2, QuestionMode::kQueryAware};
+      auto res = Replay(trace, std::vector<RunSpec>{spec}, ReplayOptions{.threads = 1});
+      REQUIRE(res.ok());
+      const RunResult& r = (*res)[0];
+      const bool merged = r.metrics().merged_tokens_mean() > 0;
+      const bool evicted = r.metrics().prompt_kept_tokens_mean() < r.compressed_prompt_tokens();
+      CAPTURE(budget);
+      CHECK((!merged || declared));            // a run that merged declares it
+      if (evicted) CHECK(declared == merged);  // a run that evicted merged iff it declares it
+    }
+  }
+}
+
 TEST_CASE("contract: every policy on a GQA trace", "[contract]") {
   testing::TinyTraceSpec spec;
   spec.num_heads = 4;
