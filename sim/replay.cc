@@ -416,6 +416,11 @@ std::atomic<bool> g_step_runs{true};       // SetStepRunsForTesting
 std::atomic<bool> g_in_place_a{true};      // SetInPlaceProbRowsForTesting
 std::atomic<bool> g_whole_rows{true};      // SetWholeRowSumsForTesting
 std::atomic<int64_t> g_whole_row_runs{0};  // WholeRowSumsForTesting
+std::atomic<bool> g_row_flush{true};       // SetRowFlushForTesting
+std::atomic<int64_t> g_row_flushes{0};     // RowFlushesForTesting
+// A prefix-closed run's deferred steps are summed from their own rows when they are at most this many
+// (FlushPrefixSums), not from the unit's transposed probabilities.
+constexpr int kRowFlushSteps = 8;
 // A ranked run's output product is added in bands of this many columns (FinishRun).
 constexpr size_t kRankBand = 64;
 
@@ -2088,6 +2093,21 @@ class LayerPass {
         }
       return;
     }
+    if (tp <= kRowFlushSteps && g_row_flush.load(std::memory_order_relaxed)) {
+      // A few steps (a cache that stopped being prefix-closed after them, e.g. a sliding window's step 0):
+      // each from its own row, as Step sums a step that is not deferred (PlainSlotSums, the same bits as
+      // PrefixSlotSums), so that no run builds the unit's transposed probabilities for them alone.
+      g_row_flushes.fetch_add(1, std::memory_order_relaxed);
+      for (int g = 0; g < group; ++g)
+        for (int t = 0; t < tp; ++t) {
+          double rm[4][4] = {}, ret_mod[4];
+          const int visible = PlainSlotSums(ws.ptok.data(), ws.pcount[t], w.refs[g].row(t),
+                                            meta_.tokens.modality.data(), w.refs[g].first[t], nullptr, rm);
+          const double retained = CombineSlotSums(rm, ret_mod);
+          RecordSums(w, a, ws, u, r, g, t, retained, retained, 0.0, retained, ret_mod, visible);
+        }
+      return;
+    }
     ws.psums.resize(static_cast<size_t>(tp) * 16);
     auto* rmt = reinterpret_cast<double(*)[4][4]>(ws.psums.data());
     const float* probs_t = ProbsT(w);
@@ -3136,6 +3156,8 @@ int64_t StepZeroSplitsForTesting() { return g_step0_splits.load(std::memory_orde
 void SetHeldByRunsForTesting(bool allowed) { g_held_by_runs.store(allowed, std::memory_order_relaxed); }
 void SetWholeRowSumsForTesting(bool allowed) { g_whole_rows.store(allowed, std::memory_order_relaxed); }
 int64_t WholeRowSumsForTesting() { return g_whole_row_runs.load(std::memory_order_relaxed); }
+void SetRowFlushForTesting(bool allowed) { g_row_flush.store(allowed, std::memory_order_relaxed); }
+int64_t RowFlushesForTesting() { return g_row_flushes.load(std::memory_order_relaxed); }
 void SetStepRunsForTesting(bool allowed) { g_step_runs.store(allowed, std::memory_order_relaxed); }
 void SetInPlaceProbRowsForTesting(bool allowed) { g_in_place_a.store(allowed, std::memory_order_relaxed); }
 

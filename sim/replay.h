@@ -172,6 +172,12 @@ void SetInPlaceProbRowsForTesting(bool allowed);
 void SetWholeRowSumsForTesting(bool allowed);
 // How many (unit, run) flushes took the rows' own sums since the process started (tests: the path was taken).
 int64_t WholeRowSumsForTesting();
+// Test hook: false makes a prefix-closed run's few deferred steps (at most 8, e.g. a sliding window's step 0)
+// take their sums from the unit's transposed probabilities, as its longer prefixes do, instead of from their
+// own rows (the same bits).
+void SetRowFlushForTesting(bool allowed);
+// How many (unit, run) flushes summed their steps from their own rows since the process started.
+int64_t RowFlushesForTesting();
 
 // A decode step's sums over a cache with merged slots (the replay's inner loop for such caches, exposed for
 // its tests). Slots s = 0..slots-1 hold anchor tokens tk[s]; the merged ones are merged[0..num_merged), in

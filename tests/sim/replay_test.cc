@@ -2175,6 +2175,34 @@ TEST_CASE("replay: whole-row runs' retained mass from the rows' own sums equals 
   }
 }
 
+// A prefix-closed run's first steps are summed from their own rows when they are few (at most 8: a cache
+// that stopped being prefix-closed after them, e.g. streaming_llm's step 0), not from the unit's transposed
+// probabilities (issue 14, round 29): every result the same bits as without. Caches appended to for 1, 4, 8
+// and 9 steps, then re-selected, one appended to throughout (all 12 steps), and streaming_llm; the rows' path
+// is taken up to 8 steps only.
+TEST_CASE("replay: a prefix-closed run's few first steps summed from their rows equal the transposed sums",
+          "[replay]") {
+  MemoryTrace tr = RunListTrace();
+  auto appended_for = [](int steps) {
+    return std::make_shared<ActPolicy>([steps](int step, HeadCache* c) {
+      if (step == 0) c->AssignRange(20, 560);
+      if (step < steps) return;  // appended to: prefix-closed
+      std::vector<int32_t> keep;
+      for (int32_t t = 100 + 9 * step; t < 400 + 9 * step; ++t) keep.push_back(t);
+      c->Assign(keep);
+    });
+  };
+  std::vector<RunSpec> runs{Spec(Registered("streaming_llm"), 150)};
+  for (int steps : {1, 4, 8, 9, 99}) runs.push_back(Spec(appended_for(steps), kRunListPrompt));
+  CheckSameWithout(tr, runs, &SetRowFlushForTesting);
+  for (int steps : {1, 4, 8, 9, 99}) {
+    const int64_t before = RowFlushesForTesting();
+    REQUIRE(Replay(tr, std::vector<RunSpec>{Spec(appended_for(steps), kRunListPrompt)}, Options()).ok());
+    CAPTURE(steps);
+    CHECK((RowFlushesForTesting() > before) == (steps <= 8));
+  }
+}
+
 // Step finds each step's runs of consecutive tokens as it writes the step's list (and ExpandPrefix those of
 // the prefix-closed steps it writes out), instead of FinishRun's pass over all lists: the same runs, so every
 // result the same, bit for bit. A window with sinks after it and a fixed block; a cache appended to for four
