@@ -12,7 +12,8 @@
 //   policies:   every text policy's cost (issue14's per-policy table) measured in pairs robust to the
 //               machine's drift: each policy x 4 budgets repeating on one core while `full` alone repeats on
 //               the other for --window seconds (20), one thread each, then the cores swapped; the floor (4
-//               runs' own output products) likewise.
+//               runs' own output products) likewise. Then each policy against the products its own runs
+//               need (round 29: OwnProducts, from one replay of its runs), paired with `full` likewise.
 //   read:       the issue14 suite's three reads alone: every query row (direct chunk reads), only the rows a
 //               9-run sweep reads, every row through H5Dread on 1 thread (the reader before round 5); and the
 //               trace's content hash (HashFile), which kvsim run / sweep compute before the replay (beside
@@ -260,6 +261,85 @@ double ProductsFloor(const TraceMeta& meta, int threads, const std::vector<int>&
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The products a policy's four runs need on this trace beyond what the trace records (--suite policies'
+// second floor, round 29), taken from the runs' own results: each run's output product over its own cache
+// (S x kept x d per query head, kept its mean slots per KV head) and its merged slots' logits (S x merged x
+// d: a merged key is no key of the trace, so the reference holds no logit for it), the observation window's
+// logits (W x n x d per query head and layer, once: the same for every budget), and for a merging policy each
+// run's search of every evicted prompt key's nearest kept slot ((n - K) x K x d per KV head and layer, K the
+// layer's prompt slots kept). Not counted: products the trace records (prompt column sums, MEDA's prompt
+// entropies), which a trace without them would add.
+struct OwnProducts {
+  std::vector<int> widths;             // per run
+  std::vector<int> merged;             // per run: merged slots per KV head at the end (0: none)
+  int window = 0;                      // rows (0: no window scoring)
+  int prompt = 0;                      // n: the compressible prompt tokens
+  std::vector<std::vector<int>> kept;  // merging runs: per layer, the prompt slots kept per KV head
+};
+
+OwnProducts OwnProductsOf(const Policy& policy, const std::vector<RunResult>& results) {
+  OwnProducts own;
+  for (const RunResult& r : results) {
+    own.prompt = r.compressed_prompt_tokens();
+    own.widths.push_back(static_cast<int>(std::lround(r.metrics().kept_tokens_mean())));
+    own.merged.push_back(static_cast<int>(std::lround(r.metrics().merged_slots_mean())));
+    if (!policy.gpu_work().merge) continue;
+    own.kept.emplace_back();
+    for (const LayerResult& l : r.layers())
+      own.kept.back().push_back(static_cast<int>(std::lround(l.metrics().prompt_kept_tokens_mean())));
+  }
+  own.window = std::min(policy.requirements().window, own.prompt);
+  return own;
+}
+
+// OwnProducts' floating-point operations (GFLOP): the output products, the window's logits, the search.
+std::array<double, 3> OwnGflop(const TraceMeta& meta, const OwnProducts& own) {
+  const ModelInfo& m = meta.model;
+  const double d = m.head_dim, units = static_cast<double>(m.num_layers) * m.num_kv_heads;
+  std::array<double, 3> f{};
+  for (int w : own.widths) f[0] += 2.0 * m.GroupSize() * meta.num_decode_steps * w * d * units;
+  for (int w : own.merged) f[0] += 2.0 * m.GroupSize() * meta.num_decode_steps * w * d * units;
+  f[1] = 2.0 * own.window * own.prompt * d * m.num_heads * m.num_layers;
+  for (const auto& run : own.kept)
+    for (int kept : run) f[2] += 2.0 * std::max(0, own.prompt - kept) * kept * d * m.num_kv_heads;
+  for (double& x : f) x /= 1e9;
+  return f;
+}
+
+// BLAS time (one thread) of OwnProducts' products, on the trace's shapes with constant data.
+double OwnProductsFloor(const TraceMeta& meta, const OwnProducts& own) {
+  const ModelInfo& m = meta.model;
+  const int d = m.head_dim, g = m.GroupSize(), n = own.prompt;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (ProductsFloor(meta, 1, own.widths) < 0) return -1;
+  std::vector<float> q(static_cast<size_t>(std::max({1, n, meta.num_decode_steps})) * d, 0.01f),
+      k(q.size(), 0.02f), out;
+  size_t most = static_cast<size_t>(own.window) * n;
+  for (int merged : own.merged) most = std::max(most, static_cast<size_t>(meta.num_decode_steps) * merged);
+  for (const auto& run : own.kept)
+    for (int kept : run) most = std::max(most, static_cast<size_t>(std::max(0, n - kept)) * kept);
+  out.resize(std::max<size_t>(1, most));
+  EnsureSingleThreadedBlas();
+  for (int u = 0; u < m.num_layers * m.num_kv_heads && own.window > 0; ++u)
+    for (int h = 0; h < g; ++h)  // the window's queries x the prompt's keys
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, own.window, n, d, 1.0f, q.data(), d, k.data(), d,
+                  0.0f, out.data(), n);
+  for (int merged : own.merged)  // the decode queries x the merged keys
+    for (int u = 0; u < m.num_layers * m.num_kv_heads && merged > 0; ++u)
+      for (int h = 0; h < g; ++h)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, meta.num_decode_steps, merged, d, 1.0f, q.data(),
+                    d, k.data(), d, 0.0f, out.data(), merged);
+  for (const auto& run : own.kept)
+    for (int kept : run) {
+      const int e = n - kept;  // evicted keys x kept slots, per KV head of the layer
+      if (e <= 0 || kept <= 0) continue;
+      for (int u = 0; u < m.num_kv_heads; ++u)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, e, kept, d, 1.0f, q.data(), d, k.data(), d, 0.0f,
+                    out.data(), kept);
+    }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // --suite policies: every text policy x 4 budgets beside `full` alone (InPair, both core orders), and the
 // floor of 4 runs' own output products likewise; one thread each. cost = policy - full (CPU s per run, each
 // order's own pair); cost / floor = (policy / full - 1) / (floor / full): ratios of runs that ran at the
@@ -267,7 +347,7 @@ double ProductsFloor(const TraceMeta& meta, int threads, const std::vector<int>&
 int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>>>& per_policy,
                    const std::function<double(const std::vector<RunSpec>&)>& replay1,
                    const std::vector<RunSpec>& full_only, const TraceMeta& meta,
-                   const std::vector<int>& kept4, double window) {
+                   const std::vector<int>& kept4, const std::vector<OwnProducts>& own, double window) {
   const auto [c0, c1] = TwoCpus();
   if (c0 < 0) {
     std::cerr << "kvsim_bench: --suite policies needs two CPUs this process may use (see taskset -p)\n";
@@ -307,12 +387,14 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
   else
     std::printf("| floor: 4 runs' own output products (BLAS) | %s | - | - |\n", cells(floor).c_str());
   std::fflush(stdout);
+  std::vector<std::array<Pair, 2>> pairs;
   for (const auto& [label, rs] : per_policy) {
     const auto p = both_orders([&] { return replay1(rs); });
     if (!p[0].ok || !p[1].ok) {
       std::cerr << "kvsim_bench: " << label << "'s pair failed\n";
       return 1;
     }
+    pairs.push_back(p);
     auto over = [&](const Pair& q) {
       char buf[32] = "-";
       if (q.b_cpu > 0 && floor_ratio > 0)
@@ -321,6 +403,37 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
     };
     std::printf("| %s | %s | %.2f / %.2f | %s / %s |\n", label.c_str(), cells(p).c_str(),
                 p[0].a_cpu - p[0].b_cpu, p[1].a_cpu - p[1].b_cpu, over(p[0]).c_str(), over(p[1]).c_str());
+    std::fflush(stdout);
+  }
+  // Each policy against its own products (OwnProducts), paired with `full` the same way: cost / own floor =
+  // (policy / full - 1) / (own floor / full), each core order from its own two pairs.
+  std::printf(
+      "\nper policy against the products its own runs need (OwnProducts: each run's output product over its "
+      "own mean cache and its merged slots' logits, the observation window's logits once, a merging run's "
+      "nearest-slot search), paired "
+      "with `full` alone likewise\n\n| policy x 4 budgets | GFLOP: output + window + search | own floor: CPU "
+      "s (runs) | `full` alone beside it | cost / own floor |\n|---|---:|---:|---:|---:|\n");
+  for (size_t i = 0; i < per_policy.size(); ++i) {
+    const auto f = OwnGflop(meta, own[i]);
+    const auto q = both_orders([&] { return OwnProductsFloor(meta, own[i]) >= 0 ? 0.0 : -1.0; });
+    if (!q[0].ok || !q[1].ok) {
+      std::cerr << "kvsim_bench: " << per_policy[i].first << "'s own floor's pair failed\n";
+      return 1;
+    }
+    std::string ratio[2];
+    for (int o = 0; o < 2; ++o) {
+      const Pair &p = pairs[i][o], &fl = q[o];
+      char buf[32] = "-";
+      if (p.b_cpu > 0 && fl.b_cpu > 0 && fl.a_cpu > 0)
+        std::snprintf(buf, sizeof buf, "%.2fx", (p.a_cpu / p.b_cpu - 1) / (fl.a_cpu / fl.b_cpu));
+      ratio[o] = buf;
+    }
+    char what[96];
+    std::snprintf(what, sizeof what, "%.4g + %.4g + %.4g", f[0], f[1], f[2]);
+    const std::string c = cells(q);
+    const size_t bar = c.find(" | ");
+    std::printf("| %s | %s | %s | %s | %s / %s |\n", per_policy[i].first.c_str(), what,
+                c.substr(0, bar).c_str(), c.substr(bar + 3).c_str(), ratio[0].c_str(), ratio[1].c_str());
     std::fflush(stdout);
   }
   return 0;
@@ -395,7 +508,19 @@ int Issue14Suite(const std::string& trace_path, const TraceMeta& meta, double tr
       return Replay(**t, rs, ReplayOptions{.threads = 1}).ok() ? 0 : -1;
     };
     const std::vector<int> kept4(kept.begin(), kept.begin() + static_cast<long>(budgets.size()));
-    return PairedPolicies(per_policy, replay1, full_only, meta, kept4, window);
+    // Each policy's own products, from one replay of its runs (any thread count gives the same results).
+    std::vector<OwnProducts> own;
+    for (const auto& [label, rs] : per_policy) {
+      auto t = OpenTrace(trace_path);
+      if (!t.ok()) return 1;
+      auto res = Replay(**t, rs, ReplayOptions{.threads = threads});
+      if (!res.ok()) {
+        std::cerr << "kvsim_bench: " << label << ": " << res.status().message() << "\n";
+        return 1;
+      }
+      own.push_back(OwnProductsOf(*rs.front().policy, *res));
+    }
+    return PairedPolicies(per_policy, replay1, full_only, meta, kept4, own, window);
   }
   const Measure io = InChild(read_only(LayerReadOptions{.threads = threads}));
   const Measure io9 = InChild(

@@ -1,7 +1,10 @@
-"""kvsim_bench --suite policies (issue 14, round 28): each text policy x 4 budgets beside `full` alone at the
+"""kvsim_bench --suite policies (issue 14, rounds 28-29): each text policy x 4 budgets beside `full` alone at the
 same time, pinned to two cores. On a small synthetic trace with --window 0 (one run per side): a row per
-policy with both core orders, and one-line errors for a bad window and for a process that may use one CPU."""
+policy with both core orders, one-line errors for a bad window and for a process that may use one CPU, and
+(round 29) each policy's own products, checked against `kvsim sweep`'s results of the same runs."""
 
+import csv
+import math
 import os
 import re
 import shutil
@@ -86,3 +89,65 @@ def test_one_cpu_is_refused_in_one_line(trace):
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
         "kvsim_bench: --suite policies needs two CPUs this process may use (see taskset -p)")
+
+
+WINDOWED = {"snapkv", "pyramidkv", "adakv", "madakv"}  # an observation window of 32 prompt queries (default)
+MERGING = {"meda", "meda variant=OFFICIAL_CODE", "look_m"}
+
+
+@pytest.mark.skipif(not two_cpus(), reason="--suite policies pins two runs to two CPUs")
+def test_own_products_follow_each_runs_results(trace, tmp_path):
+    """The second table's products (round 29), recomputed here from `kvsim sweep`'s own results of the same
+    runs: each run's output product over its mean cache and its merged slots' logits, the window's logits
+    once, a merging run's search."""
+    r = subprocess.run([BENCH, "--trace", str(trace), "--suite", "policies", "--window", "0"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    printed = {}
+    for line in r.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        m = re.match(r"^([\d.e+-]+) \+ ([\d.e+-]+) \+ ([\d.e+-]+)$", cells[1]) if len(cells) == 5 else None
+        if m:
+            printed[cells[0]] = ([float(x) for x in m.groups()], cells)
+    assert sorted(printed) == sorted(POLICIES), r.stdout
+    for label, (_, cells) in printed.items():
+        assert re.match(r"^[\d.]+ \(\d+\) / [\d.]+ \(\d+\)$", cells[2]), label
+        assert re.match(r"^(-?[\d.]+x|-) / (-?[\d.]+x|-)$", cells[4]), label
+        assert "nan" not in cells[4] and "inf" not in cells[4], label
+
+    # The same runs through `kvsim sweep`: their kept slots per run and prompt slots kept per layer.
+    cfg = tmp_path / "sweep.textproto"
+    lines = [f'traces: "{trace}"']
+    for label in POLICIES:
+        name, *sets = label.split()
+        lines.append("policies { name: \"%s\" %s label: \"%s\" }"
+                     % (name, " ".join(f'set: "{s}"' for s in sets), label))
+    lines += [f"budgets: {b}" for b in (0.05, 0.10, 0.20, 0.50)] + ["question_mode: QUERY_AWARE"]
+    cfg.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    subprocess.run([KVSIM, "sweep", "--config", str(cfg), "--out", str(out)], check=True, capture_output=True)
+    runs = list(csv.DictReader(open(out / "runs.csv")))
+    layers = list(csv.DictReader(open(out / "layers.csv")))
+    L, H, HKV, D, S = 2, 4, 2, 32, 8  # the fixture's model and decode steps
+
+    def lround(x):  # C's lround (halves away from zero), as the bench rounds; Python's round() halves to even
+        return int(math.floor(float(x) + 0.5))
+
+    for label, (flops, _) in printed.items():
+        mine = [row for row in runs if row["label"] == label]
+        assert len(mine) == 4, label
+        n = int(mine[0]["compressed_prompt_tokens"])
+        # each run's output product over its mean cache, and its merged slots' logits
+        output = sum(2 * (H // HKV) * S * (lround(row["kept_tokens_mean"]) + lround(row["merged_slots_mean"]))
+                     * D * L * HKV for row in mine)
+        window = 2 * min(32, n) * n * D * H * L if label.split()[0] in WINDOWED else 0
+        search = 0
+        if label in MERGING:
+            for row in mine:
+                for lr in layers:
+                    if lr["run"] == row["run"]:
+                        k = lround(lr["prompt_kept_tokens_mean"])
+                        search += 2 * max(0, n - k) * k * D * HKV
+            assert search > 0, label
+        for got, want in zip(flops, (output, window, search)):
+            assert got == pytest.approx(want / 1e9, rel=1e-3, abs=1e-12), (label, flops, output, window, search)
