@@ -316,8 +316,9 @@ double OwnProductsFloor(const TraceMeta& meta, const OwnProducts& own) {
       k(q.size(), 0.02f), out;
   size_t most = static_cast<size_t>(own.window) * n;
   for (int merged : own.merged) most = std::max(most, static_cast<size_t>(meta.num_decode_steps) * merged);
+  constexpr int kSearchRows = 512;  // the search's evicted keys in blocks: a bounded output on long prompts
   for (const auto& run : own.kept)
-    for (int kept : run) most = std::max(most, static_cast<size_t>(std::max(0, n - kept)) * kept);
+    for (int kept : run) most = std::max(most, static_cast<size_t>(std::min(kSearchRows, n)) * kept);
   out.resize(std::max<size_t>(1, most));
   EnsureSingleThreadedBlas();
   for (int u = 0; u < m.num_layers * m.num_kv_heads && own.window > 0; ++u)
@@ -334,8 +335,9 @@ double OwnProductsFloor(const TraceMeta& meta, const OwnProducts& own) {
       const int e = n - kept;  // evicted keys x kept slots, per KV head of the layer
       if (e <= 0 || kept <= 0) continue;
       for (int u = 0; u < m.num_kv_heads; ++u)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, e, kept, d, 1.0f, q.data(), d, k.data(), d, 0.0f,
-                    out.data(), kept);
+        for (int i = 0; i < e; i += kSearchRows)
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, std::min(kSearchRows, e - i), kept, d, 1.0f,
+                      q.data() + static_cast<size_t>(i) * d, d, k.data(), d, 0.0f, out.data(), kept);
     }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
