@@ -41,17 +41,30 @@ def two_cpus():
     return len(os.sched_getaffinity(0)) >= 2
 
 
-@pytest.mark.skipif(not two_cpus(), reason="--suite policies pins two runs to two CPUs")
-def test_every_policy_gets_a_paired_row(trace):
+@pytest.fixture(scope="module")
+def suite(trace):
+    """`--suite policies --window 0` on the fixture's trace, run once for the tests that read its tables."""
+    if not two_cpus():
+        pytest.skip("--suite policies pins two runs to two CPUs")
     r = subprocess.run([BENCH, "--trace", str(trace), "--suite", "policies", "--window", "0"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def table_rows(stdout, first_cell):
+    """The 5-cell table rows whose second cell matches `first_cell`, by their first cell."""
     rows = {}
-    for line in r.stdout.splitlines():
+    for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and re.match(r"^[\d.]+ \(\d+\) / [\d.]+ \(\d+\)$", cells[1]):
+        if len(cells) == 5 and re.match(first_cell, cells[1]):
             rows[cells[0]] = cells
-    assert sorted(rows) == sorted(POLICIES + ["floor: 4 runs' own output products (BLAS)"]), r.stdout
+    return rows
+
+
+def test_every_policy_gets_a_paired_row(suite):
+    rows = table_rows(suite, r"^[\d.]+ \(\d+\) / [\d.]+ \(\d+\)$")
+    assert sorted(rows) == sorted(POLICIES + ["floor: 4 runs' own output products (BLAS)"]), suite
     floor = rows.pop("floor: 4 runs' own output products (BLAS)")
     # The ratios need `full`'s CPU time, which a run of this tiny trace may finish within a clock tick: then
     # "-", never a division by zero.
@@ -95,21 +108,15 @@ WINDOWED = {"snapkv", "pyramidkv", "adakv", "madakv"}  # an observation window o
 MERGING = {"meda", "meda variant=OFFICIAL_CODE", "look_m"}
 
 
-@pytest.mark.skipif(not two_cpus(), reason="--suite policies pins two runs to two CPUs")
-def test_own_products_follow_each_runs_results(trace, tmp_path):
+def test_own_products_follow_each_runs_results(suite, trace, tmp_path):
     """The second table's products (round 29), recomputed here from `kvsim sweep`'s own results of the same
     runs: each run's output product over its mean cache and its merged slots' logits, the window's logits
     once, a merging run's search."""
-    r = subprocess.run([BENCH, "--trace", str(trace), "--suite", "policies", "--window", "0"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    printed = {}
-    for line in r.stdout.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        m = re.match(r"^([\d.e+-]+) \+ ([\d.e+-]+) \+ ([\d.e+-]+)$", cells[1]) if len(cells) == 5 else None
-        if m:
-            printed[cells[0]] = ([float(x) for x in m.groups()], cells)
-    assert sorted(printed) == sorted(POLICIES), r.stdout
+    number = r"([\d.e+-]+)"
+    printed = {label: ([float(x) for x in re.match(rf"^{number} \+ {number} \+ {number}$", cells[1]).groups()],
+                       cells)
+               for label, cells in table_rows(suite, r"^[\d.e+-]+ \+ [\d.e+-]+ \+ [\d.e+-]+$").items()}
+    assert sorted(printed) == sorted(POLICIES), suite
     for label, (_, cells) in printed.items():
         assert re.match(r"^[\d.]+ \(\d+\) / [\d.]+ \(\d+\)$", cells[2]), label
         assert re.match(r"^(-?[\d.]+x|-) / (-?[\d.]+x|-)$", cells[4]), label
