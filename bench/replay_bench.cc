@@ -377,10 +377,19 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
       "5/10/20/50%%\n\n| policy x 4 budgets | CPU s (runs) | `full` alone beside it | cost CPU s (policy - "
       "full) | cost / floor |\n|---|---:|---:|---:|---:|\n",
       c0, c1, window);
-  auto cells = [](const std::array<Pair, 2>& p) {
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "%.2f (%d) / %.2f (%d) | %.2f (%d) / %.2f (%d)", p[0].a_cpu, p[0].a_runs,
-                  p[1].a_cpu, p[1].a_runs, p[0].b_cpu, p[0].b_runs, p[1].b_cpu, p[1].b_runs);
+  // One side of a pair in both core orders: "CPU s (runs) / CPU s (runs)".
+  auto side = [](const std::array<Pair, 2>& p, bool a) {
+    char buf[80];
+    std::snprintf(buf, sizeof buf, "%.2f (%d) / %.2f (%d)", a ? p[0].a_cpu : p[0].b_cpu,
+                  a ? p[0].a_runs : p[0].b_runs, a ? p[1].a_cpu : p[1].b_cpu, a ? p[1].a_runs : p[1].b_runs);
+    return std::string(buf);
+  };
+  auto cells = [&](const std::array<Pair, 2>& p) { return side(p, true) + " | " + side(p, false); };
+  // cost / floor of one core order: (policy / full - 1) / (floor / full); "-" without the times it needs.
+  auto over = [](const Pair& q, double floor_over_full) {
+    char buf[32] = "-";
+    if (q.b_cpu > 0 && floor_over_full > 0)
+      std::snprintf(buf, sizeof buf, "%.2fx", (q.a_cpu / q.b_cpu - 1) / floor_over_full);
     return std::string(buf);
   };
   if (timed)
@@ -397,14 +406,9 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
       return 1;
     }
     pairs.push_back(p);
-    auto over = [&](const Pair& q) {
-      char buf[32] = "-";
-      if (q.b_cpu > 0 && floor_ratio > 0)
-        std::snprintf(buf, sizeof buf, "%.2fx", (q.a_cpu / q.b_cpu - 1) / floor_ratio);
-      return std::string(buf);
-    };
     std::printf("| %s | %s | %.2f / %.2f | %s / %s |\n", label.c_str(), cells(p).c_str(),
-                p[0].a_cpu - p[0].b_cpu, p[1].a_cpu - p[1].b_cpu, over(p[0]).c_str(), over(p[1]).c_str());
+                p[0].a_cpu - p[0].b_cpu, p[1].a_cpu - p[1].b_cpu, over(p[0], floor_ratio).c_str(),
+                over(p[1], floor_ratio).c_str());
     std::fflush(stdout);
   }
   // Each policy against its own products (OwnProducts), paired with `full` the same way: cost / own floor =
@@ -423,19 +427,11 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
       return 1;
     }
     std::string ratio[2];
-    for (int o = 0; o < 2; ++o) {
-      const Pair &p = pairs[i][o], &fl = q[o];
-      char buf[32] = "-";
-      if (p.b_cpu > 0 && fl.b_cpu > 0 && fl.a_cpu > 0)
-        std::snprintf(buf, sizeof buf, "%.2fx", (p.a_cpu / p.b_cpu - 1) / (fl.a_cpu / fl.b_cpu));
-      ratio[o] = buf;
-    }
+    for (int o = 0; o < 2; ++o) ratio[o] = over(pairs[i][o], q[o].b_cpu > 0 ? q[o].a_cpu / q[o].b_cpu : 0);
     char what[96];
     std::snprintf(what, sizeof what, "%.4g + %.4g + %.4g", f[0], f[1], f[2]);
-    const std::string c = cells(q);
-    const size_t bar = c.find(" | ");
-    std::printf("| %s | %s | %s | %s | %s / %s |\n", per_policy[i].first.c_str(), what,
-                c.substr(0, bar).c_str(), c.substr(bar + 3).c_str(), ratio[0].c_str(), ratio[1].c_str());
+    std::printf("| %s | %s | %s | %s | %s / %s |\n", per_policy[i].first.c_str(), what, side(q, true).c_str(),
+                side(q, false).c_str(), ratio[0].c_str(), ratio[1].c_str());
     std::fflush(stdout);
   }
   return 0;

@@ -249,17 +249,16 @@ Status MedaPolicy::Validate(const policy::MedaParams& in) {
               "text_prior NO_TEXT_PRIOR is LOOK-M's non-text family; MEDA uses ADD_MAX or KEEP_ALL_TEXT");
 }
 
-PolicyGpuWork MedaPolicy::gpu_work() const {
-  PolicyGpuWork w = Policy::gpu_work();
-  w.merge = params_.merge() != policy::NO_MERGE;
+namespace {
+// A policy's default GPU work plus its nearest-slot merge (unless NO_MERGE).
+PolicyGpuWork WithMerge(PolicyGpuWork w, policy::MergeStrategy merge) {
+  w.merge = merge != policy::NO_MERGE;
   return w;
 }
+}  // namespace
 
-PolicyGpuWork LookMPolicy::gpu_work() const {
-  PolicyGpuWork w = Policy::gpu_work();
-  w.merge = params_.merge() != policy::NO_MERGE;
-  return w;
-}
+PolicyGpuWork MedaPolicy::gpu_work() const { return WithMerge(Policy::gpu_work(), params_.merge()); }
+PolicyGpuWork LookMPolicy::gpu_work() const { return WithMerge(Policy::gpu_work(), params_.merge()); }
 
 PolicyRequirements MedaPolicy::requirements() const {
   return {.prompt_column_sums = true,
