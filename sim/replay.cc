@@ -2958,7 +2958,7 @@ void FillMemory(const TraceMeta& meta, const EventTokens& ev, int num_layers, co
 }
 
 // The (layer, KV head) cache lengths at event e of a.tokens (0: after the prefill hook; e >= 1: decode step
-// e - 1).
+// e - 1, before its AfterStep).
 std::vector<int> EventLengths(const TraceMeta& meta, const RunAccum& a, int e) {
   const int hkv = meta.model.num_kv_heads, s = meta.num_decode_steps;
   std::vector<int> len(static_cast<size_t>(meta.model.num_layers) * hkv);
@@ -2984,10 +2984,13 @@ std::vector<double> EventDurations(const TraceMeta& meta, const RunAccum& a, con
     cached += ev.chunk_len[c];
   }
   const double full_prefill_us = std::accumulate(dur.begin(), dur.begin() + chunks, 0.0);
-  const std::vector<int> after_prefill = EventLengths(meta, a, 0);
+  // The compression's work is sized by the compressible-prompt slots it keeps (RecordCompression, taken
+  // right after it at either event): not the cache at decode step 0, which is recorded before that step's
+  // AfterStep compresses, and without the question or generated tokens appended after the prompt.
+  const std::vector<int> compressed(a.prompt_kept.begin(), a.prompt_kept.end());
+  const CacheLengths compressed_cache{compressed, nl, hkv};
   if (compression_step < 0) {
-    const double w =
-        latency.PolicyWorkDuration(work, compress_end, CacheLengths{after_prefill, nl, hkv}, false);
+    const double w = latency.PolicyWorkDuration(work, compress_end, compressed_cache, false);
     dur[chunks - 1] += w;
     work_us += w;
   }
@@ -3002,7 +3005,8 @@ std::vector<double> EventDurations(const TraceMeta& meta, const RunAccum& a, con
     const DecodeStepCost step = perf ? perf->DecodeStep(*shape, 1, len) : DecodeStepCost{};
     const double d = perf ? step.total_us : latency.DecodeStepDuration(cache);
     double w = latency.PolicyWorkDuration(work, compress_end, cache, true);
-    if (compression_step == e - 1) w += latency.PolicyWorkDuration(work, compress_end, cache, false);
+    if (compression_step == e - 1)
+      w += latency.PolicyWorkDuration(work, compress_end, compressed_cache, false);
     dur[chunks - 1 + e] = d + w;
     work_us += w;
     if (!perf) continue;

@@ -222,6 +222,21 @@ TEST_CASE("perf model: bad profiles and shapes give one-line errors naming the f
   CHECK(loaded.status().message().find(path + ": field 'hbm_bandwidth_gbps'") == 0);
 }
 
+// A model shape with the tiny trace's dimensions.
+ModelShape TinyShape(const testing::TinyTraceSpec& spec) {
+  ModelShape shape;
+  shape.set_name("tiny-shape");
+  shape.set_num_layers(spec.num_layers);
+  shape.set_num_heads(spec.num_heads);
+  shape.set_num_kv_heads(spec.num_kv_heads);
+  shape.set_head_dim(spec.head_dim);
+  shape.set_hidden_size(spec.num_heads * spec.head_dim);
+  shape.set_intermediate_size(2 * spec.num_heads * spec.head_dim);
+  shape.set_vocab_size(100);
+  REQUIRE(CheckModelShape(shape, "tiny").ok());
+  return shape;
+}
+
 TEST_CASE("replay with a device model: the clock, latency metrics, full-cache reference",
           "[perf_model][replay]") {
   testing::TinyTraceSpec spec;
@@ -233,16 +248,7 @@ TEST_CASE("replay with a device model: the clock, latency metrics, full-cache re
   spec.image_end = 30;
   spec.decode_steps = 5;
   MemoryTrace tr = testing::MakeTinyTrace(spec);
-  ModelShape shape;
-  shape.set_name("tiny-shape");
-  shape.set_num_layers(2);
-  shape.set_num_heads(4);
-  shape.set_num_kv_heads(2);
-  shape.set_head_dim(8);
-  shape.set_hidden_size(32);
-  shape.set_intermediate_size(64);
-  shape.set_vocab_size(100);
-  REQUIRE(CheckModelShape(shape, "tiny").ok());
+  const ModelShape shape = TinyShape(spec);
   auto dev = FindDevice("a100-sxm");
   REQUIRE(dev.ok());
   auto lat = MakeDeviceLatencyModel(*dev, shape);
@@ -290,6 +296,51 @@ TEST_CASE("replay with a device model: the clock, latency metrics, full-cache re
   auto again = Replay(tr, runs, o);
   REQUIRE(again.ok());
   CHECK((*again)[1].SerializeAsString() == (*res)[1].SerializeAsString());
+}
+
+TEST_CASE("replay with a device model: compression at decode step 0 is charged for what it evicts and merges",
+          "[perf_model][replay]") {
+  const testing::TinyTraceSpec spec;  // 2 layers, 2 KV heads, n 24, 6 steps
+  MemoryTrace tr = testing::MakeTinyTrace(spec);
+  const ModelShape shape = TinyShape(spec);
+  auto dev = FindDevice("h100-sxm");
+  REQUIRE(dev.ok());
+  auto lat = MakeDeviceLatencyModel(*dev, shape);
+  auto make = [](const std::vector<std::string>& sets) {
+    auto p = PolicyRegistry::Default().Create("meda", sets);
+    REQUIRE(p.ok());
+    return *p;
+  };
+  // The same selection rule at the end of prefill and after decode step 0: both keep 6 prompt tokens per
+  // head, so both evict 18 and merge them (MEDA's Eqs. 11-12), and the same work is charged at their events.
+  std::vector<RunSpec> runs{RunSpec{make({"compress_at=FIRST_DECODE_STEP"}), "deferred", 0, 6},
+                            RunSpec{make({"compress_at=PREFILL"}), "prefill", 0, 6}};
+  ReplayOptions o;
+  o.threads = 1;
+  o.latency = lat.get();
+  auto res = Replay(tr, runs, o);
+  REQUIRE(res.ok());
+  const RunResult &d = (*res)[0], &p = (*res)[1];
+  REQUIRE(d.metrics().prompt_kept_tokens_mean() == 6);
+  REQUIRE(p.metrics().prompt_kept_tokens_mean() == 6);
+  const PerfModel perf(*dev);
+  const PolicyGpuWork work = runs[0].policy->gpu_work();
+  REQUIRE(work.merge);
+  REQUIRE_FALSE(work.decode_scores);  // no per-step work: the compression is all of it
+  const std::vector<int> kept(4, 6), all(4, 24);
+  const double charged = perf.PolicyWork(shape, work, 24, kept, false).us;
+  // Before, step 0 was sized with its cache before the compression (25 slots a head): nothing evicted.
+  const double unsized = perf.PolicyWork(shape, work, 24, all, false).us;
+  CHECK(charged > unsized);
+  CHECK(d.latency().policy_work_ms() * 1e3 == Approx(charged));
+  CHECK(p.latency().policy_work_ms() * 1e3 == Approx(charged));
+  // Where it is charged: the deferred run's step 0 (which attends over the whole prompt + 1), the other's
+  // prefill.
+  const int first_decode = d.prefill_chunks();
+  const std::vector<int> step0(4, 25);
+  CHECK(d.timeline(first_decode).time() - d.timeline(first_decode - 1).time() ==
+        Approx(perf.DecodeStep(shape, 1, step0).total_us + charged));
+  CHECK(p.latency().ttft_ms() * 1e3 == Approx(d.latency().ttft_ms() * 1e3 + charged));
 }
 
 TEST_CASE("ModelShapeForTrace: presets by trace name, explicit shapes, mismatches refused", "[perf_model]") {
