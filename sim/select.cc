@@ -536,6 +536,20 @@ void KeepGroups(const float* v, size_t n, int ng, const uint32_t* from, const in
 }  // namespace
 
 namespace {
+std::atomic<int> g_bucket_sums_mode{
+    0};  // SetBucketSumsForTesting: 0 by the estimate, 1 by levels, 2 by buckets
+std::atomic<int64_t> g_bucket_sums_rows{0};
+// DescendingSums puts the values in their buckets when splitting at every level would read more than this
+// many times as many values (a scalar pass against vector passes). Chosen on 526 regret rows dumped from
+// the demo trace's sweeps (docs/performance.md, round 30): any threshold from 3 to 5 came within 0.2% of
+// taking the faster way for every row.
+constexpr double kBucketPassCost = 3.5;
+}  // namespace
+
+void SetBucketSumsForTesting(int mode) { g_bucket_sums_mode.store(mode, std::memory_order_relaxed); }
+int64_t BucketSumsRowsForTesting() { return g_bucket_sums_rows.load(std::memory_order_relaxed); }
+
+namespace {
 std::atomic<bool> g_kind_sums_avx2_allowed{true};
 }  // namespace
 
@@ -1015,20 +1029,20 @@ void SumsFromCounts(std::span<const float> values, std::span<const int32_t> ks, 
                     uint32_t hi, int nb, double* out) {
   const size_t n = values.size();
   const int nbig = cc[nb];
-  // Each k inside the big values: the bucket b holding its k-th largest value, and how many of b's values
-  // it takes (need; 0 when it takes them all). Its sum is that of every value from bucket b + 1 up (from b
-  // up when need is 0), plus the need largest of bucket b. Levels: those lower boundaries (b + 1's, b's),
-  // and the lowest bucket any k needs.
+  // Each k inside the big values: the bucket j (numbered from the top: bucket hi - j) holding its k-th
+  // largest value, and how many of j's values it takes (need; 0 when it takes them all). Its sum is that of
+  // every value in the buckets above j (j included when need is 0), plus the need largest of bucket j.
+  // Levels: those lower boundaries as bucket numbers (the values at or above bucket b: cc[hi - b + 1] of
+  // them), and the lowest bucket any k needs.
   struct Query {
     size_t i;
-    uint32_t b;
-    int need;
+    int j, need;
   };
   thread_local std::vector<Query> qs;
   thread_local std::vector<uint32_t> levels;
   qs.clear();
   levels.clear();
-  uint32_t lowest = hi;
+  int lowest = 0;
   for (size_t i = 0; i < ks.size(); ++i) {
     const int k = ks[i];
     if (k <= 0) {
@@ -1038,48 +1052,120 @@ void SumsFromCounts(std::span<const float> values, std::span<const int32_t> ks, 
     } else {
       const int j =
           static_cast<int>(std::upper_bound(cc, cc + nb + 1, k - 1) - cc) - 1;  // cc[j] < k <= cc[j+1]
-      const uint32_t b = hi - static_cast<uint32_t>(j);
       const int need = cc[j + 1] == k ? 0 : k - cc[j];
-      qs.push_back({i, b, need});
-      levels.push_back(need > 0 ? b + 1 : b);
-      lowest = std::min(lowest, b);
+      qs.push_back({i, j, need});
+      levels.push_back(hi - static_cast<uint32_t>(need > 0 ? j - 1 : j));
+      lowest = std::max(lowest, j);
     }
   }
   if (qs.empty()) return;
-  levels.push_back(lowest);
+  levels.push_back(hi - static_cast<uint32_t>(lowest));
   std::sort(levels.begin(), levels.end());
   levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
-  // From the lowest level up: the values at or above it (compressed from the row once, then split in place
-  // at each next level), their exact sum per level, and at level b + 1 of a k ending inside bucket b, that
-  // bucket's values (below the level, at or above the one below: bucket b lies between them) for the
-  // selections.
   thread_local std::vector<float> buf, part, sel;
-  thread_local std::vector<double> at_level;
   if (buf.size() < n + 8) buf.resize(n + 8);
-  at_level.resize(levels.size());
+  // Both ways below first compress the values at or above the lowest level from the row (one vector pass).
+  // Then either they are split again at every next level (vector passes over what remains above the
+  // previous level: few levels) or each is put in its bucket once (one scalar pass: many levels), by the
+  // values each would read (kBucketPassCost). The same bits either way: every sum here is an exact sum of
+  // values >= 2^L.
+  size_t split_reads = 0;
+  for (size_t l = 0; l + 1 < levels.size(); ++l) split_reads += static_cast<size_t>(cc[hi - levels[l] + 1]);
+  const size_t len0 = static_cast<size_t>(cc[hi - levels[0] + 1]);
+  const int mode = g_bucket_sums_mode.load(std::memory_order_relaxed);
+  const bool by_buckets = mode == 0 ? static_cast<double>(split_reads) > kBucketPassCost * len0 : mode == 2;
+  if (by_buckets) g_bucket_sums_rows.fetch_add(1, std::memory_order_relaxed);
   size_t len = 0;
-  at_level[0] = SplitAt(values.data(), n, levels[0] << kBucketShift, buf.data(), nullptr, 0, &len);
-  for (size_t l = 1; l < levels.size(); ++l) {
-    const uint32_t b = levels[l] - 1;  // the bucket just below the level
-    bool partial = false;              // some k ends inside bucket b
-    for (const Query& q : qs) partial = partial || (q.need > 0 && q.b == b);
-    const int size = cc[hi - b + 1] - cc[hi - b];  // bucket b's values
-    if (partial && part.size() < static_cast<size_t>(size) + 8) part.resize(size + 8);
-    size_t next = 0;
-    at_level[l] = SplitAt(buf.data(), len, levels[l] << kBucketShift, buf.data(),
-                          partial ? part.data() : nullptr, b, &next);
-    if (partial)
-      for (const Query& q : qs) {
-        if (q.need == 0 || q.b != b) continue;
-        if (sel.size() < static_cast<size_t>(size)) sel.resize(size);
-        std::copy_n(part.data(), size, sel.data());
-        out[q.i] = at_level[l] + TopOfBucket(sel.data(), size, q.need);
-      }
-    len = next;
+  const double at_lowest = SplitAt(values.data(), n, levels[0] << kBucketShift, buf.data(), nullptr, 0, &len);
+  if (!by_buckets) {
+    // From the lowest level up: the values at or above it split in place at each next level, their exact sum
+    // per level, and at level b + 1 of a k ending inside bucket b, that bucket's values (below the level, at
+    // or above the one below: bucket b lies between them) for the selections.
+    thread_local std::vector<double> at_level;
+    at_level.resize(levels.size());
+    at_level[0] = at_lowest;
+    for (size_t l = 1; l < levels.size(); ++l) {
+      const uint32_t b = levels[l] - 1;  // the bucket just below the level
+      const int j = static_cast<int>(hi - b);
+      bool partial = false;  // some k ends inside bucket b
+      for (const Query& q : qs) partial = partial || (q.need > 0 && q.j == j);
+      const int size = cc[j + 1] - cc[j];  // bucket b's values
+      if (partial && part.size() < static_cast<size_t>(size) + 8) part.resize(size + 8);
+      size_t next = 0;
+      at_level[l] = SplitAt(buf.data(), len, levels[l] << kBucketShift, buf.data(),
+                            partial ? part.data() : nullptr, b, &next);
+      if (partial)
+        for (const Query& q : qs) {
+          if (q.need == 0 || q.j != j) continue;
+          if (sel.size() < static_cast<size_t>(size)) sel.resize(size);
+          std::copy_n(part.data(), size, sel.data());
+          out[q.i] = at_level[l] + TopOfBucket(sel.data(), size, q.need);
+        }
+      len = next;
+    }
+    for (const Query& q : qs)
+      if (q.need == 0)
+        out[q.i] = at_level[std::lower_bound(levels.begin(), levels.end(), hi - static_cast<uint32_t>(q.j)) -
+                            levels.begin()];
+    return;
   }
+  // Per bucket from the top down to the lowest: the exact sum of its values, and, for a bucket some k ends
+  // inside, its values (to `part`, from begin[j]) for the selections. Two independent halves of the values
+  // (two chains of dependent adds and stores per bucket instead of one): the first half's go into the
+  // bucket's region from its front, the second's from its back (step +1 / -1), so both end where they meet.
+  // The other buckets write to one spare place (step 0): no branch per value.
+  struct Bucket {
+    double sum;
+    int32_t at, step;
+  };
+  thread_local std::vector<Bucket> front, back;
+  thread_local std::vector<int32_t> begin;
+  front.assign(static_cast<size_t>(lowest) + 1, Bucket{0.0, 0, 0});
+  back.assign(front.size(), Bucket{0.0, 0, 0});
+  begin.resize(front.size());
+  int32_t size = 0;
   for (const Query& q : qs)
-    if (q.need == 0)
-      out[q.i] = at_level[std::lower_bound(levels.begin(), levels.end(), q.b) - levels.begin()];
+    if (q.need > 0 && front[q.j].step == 0) {
+      const int32_t count = cc[q.j + 1] - cc[q.j];
+      begin[q.j] = size;
+      front[q.j] = Bucket{0.0, size, 1};
+      back[q.j] = Bucket{0.0, size + count - 1, -1};
+      size += count;
+    }
+  for (size_t j = 0; j < front.size(); ++j)
+    if (front[j].step == 0) front[j].at = back[j].at = size;
+  if (part.size() < static_cast<size_t>(size) + 1) part.resize(size + 1);
+  const float* v = buf.data();
+  float* pv = part.data();
+  auto put = [&](Bucket* top, size_t t) {
+    uint32_t u;
+    std::memcpy(&u, v + t, 4);
+    Bucket& b = top[hi - ((u & 0x7fffffffu) >> kBucketShift)];
+    b.sum += v[t];
+    pv[b.at] = v[t];
+    b.at += b.step;
+  };
+  const size_t half = len / 2;
+  for (size_t t = 0; t < half; ++t) {
+    put(front.data(), t);
+    put(back.data(), half + t);
+  }
+  if (len % 2) put(back.data(), len - 1);
+  // The sums of the buckets above each (exact), then each k.
+  thread_local std::vector<double> above;
+  above.resize(front.size() + 1);
+  above[0] = 0;
+  for (size_t j = 0; j < front.size(); ++j) above[j + 1] = above[j] + (front[j].sum + back[j].sum);
+  for (const Query& q : qs) {
+    if (q.need == 0) {
+      out[q.i] = above[q.j + 1];
+      continue;
+    }
+    const int count = cc[q.j + 1] - cc[q.j];
+    if (sel.size() < static_cast<size_t>(count)) sel.resize(count);
+    std::copy_n(pv + begin[q.j], count, sel.data());
+    out[q.i] = above[q.j] + TopOfBucket(sel.data(), count, q.need);
+  }
 }
 }  // namespace
 

@@ -65,6 +65,11 @@ bool ExactKindSums(std::span<const float> values, std::span<const int32_t> run_e
                    std::span<const uint8_t> run_kind, RowSums* out);
 // Tests only: false makes ExactKindSums take its portable loops on a CPU with AVX2 too.
 void SetKindSumsAvx2ForTesting(bool allowed);
+// DescendingSums' (and RowBuckets::Sums') two ways to the sums above each k's bucket: 0 chooses by the row's
+// estimated cost (the default), 1 always splits at each level, 2 always puts the values in their buckets.
+// The same bits every way. BucketSumsRowsForTesting counts the rows that took the buckets' way.
+void SetBucketSumsForTesting(int mode);
+int64_t BucketSumsRowsForTesting();
 
 // The same descending prefix sums S[k] of many rows of non-negative finite values, answered one k at a time
 // without sorting the rows (the regret needs one S[k] per run, step and query head: RegretSums in

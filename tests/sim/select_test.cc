@@ -232,7 +232,7 @@ namespace {
 // Sums on the same sets, and Kth for every k from 1 to n + 2 against the sort (always answered when the
 // row has no nonzero value below 2^L). Returns how many rows took the rows-with-small-values path
 // (TopKSums itself).
-int CheckDescendingSumsOfRows(const std::vector<std::vector<float>>& rows) {
+int CheckDescendingSumsOfRowsOnce(const std::vector<std::vector<float>>& rows) {
   std::mt19937 rng(5);
   int small = 0;
   RowBuckets with_known, alone;
@@ -292,6 +292,23 @@ int CheckDescendingSumsOfRows(const std::vector<std::vector<float>>& rows) {
         if (got) REQUIRE(*got == (k <= n ? sorted[k - 1] : 0.0f));
       }
   }
+  return small;
+}
+
+// The same checks with the sums above each k's bucket taken both ways (split at each level; put in buckets)
+// and chosen by the estimate: each way is taken (a set of every k has many levels: the buckets' way).
+int CheckDescendingSumsOfRows(const std::vector<std::vector<float>>& rows) {
+  int small = 0;
+  for (int mode : {1, 2, 0}) {
+    INFO("SetBucketSumsForTesting(" << mode << ")");
+    SetBucketSumsForTesting(mode);
+    const int64_t before = BucketSumsRowsForTesting();
+    small = CheckDescendingSumsOfRowsOnce(rows);
+    const int64_t by_buckets = BucketSumsRowsForTesting() - before;
+    if (mode == 1) CHECK(by_buckets == 0);
+    if (mode != 1) CHECK(by_buckets > 0);
+  }
+  SetBucketSumsForTesting(0);
   return small;
 }
 
