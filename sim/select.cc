@@ -540,10 +540,11 @@ std::atomic<int> g_bucket_sums_mode{
     0};  // SetBucketSumsForTesting: 0 by the estimate, 1 by levels, 2 by buckets
 std::atomic<int64_t> g_bucket_sums_rows{0};
 // DescendingSums puts the values in their buckets when splitting at every level would read more than this
-// many times as many values (a scalar pass against vector passes). Chosen on 526 regret rows dumped from
-// the demo trace's sweeps (docs/performance.md, round 30): any threshold from 3 to 5 came within 0.2% of
-// taking the faster way for every row.
-constexpr double kBucketPassCost = 3.5;
+// many times as many values (a scalar pass against vector passes). Chosen on 789 regret rows dumped from
+// the demo trace's sweeps of 9, 45 and 5 runs (docs/performance.md, round 30): from 4.5 to 5 the rows took
+// 0.8% more time than with the faster way for each row, against 15% more always splitting and 7% more
+// always putting values in buckets.
+constexpr double kBucketPassCost = 4.75;
 }  // namespace
 
 void SetBucketSumsForTesting(int mode) { g_bucket_sums_mode.store(mode, std::memory_order_relaxed); }
