@@ -147,10 +147,12 @@ class TopKSums {
 // caller that knows all its k for a row at once (the regret's runs, when the unit's runs have all finished
 // their steps: RegretSums in sim/replay.cc) needs no groups of kept values and no second scan of them per
 // k. One bucket-count pass as AddRow's; then the values from the lowest bucket some k needs up are
-// compressed once, and split at each next bucket boundary a k needs (each split's exact sum: the sum of
-// the values above a k's bucket; the part below the split, when it is one bucket a k ends inside, is where
-// that k's largest values are selected, as Sum does). A row with nonzero values below 2^L (their order
-// matters) takes TopKSums itself. `known` as in AddRow.
+// compressed once, and either split at each next bucket boundary a k needs (each split's exact sum: the sum
+// of the values above a k's bucket; the part below the split, when it is one bucket a k ends inside, is
+// where that k's largest values are selected, as Sum does) or, when those splits would read many times the
+// compressed values (a row with many k's), put in their buckets in one pass (each bucket's exact sum, and
+// the values of the buckets a k ends inside). A row with nonzero values below 2^L (their order matters)
+// takes TopKSums itself. `known` as in AddRow.
 void DescendingSums(std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,
                     double* out);
 
