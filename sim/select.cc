@@ -536,8 +536,9 @@ void KeepGroups(const float* v, size_t n, int ng, const uint32_t* from, const in
 }  // namespace
 
 namespace {
-std::atomic<int> g_bucket_sums_mode{
-    0};  // SetBucketSumsForTesting: 0 by the estimate, 1 by levels, 2 by buckets
+// SetBucketSumsForTesting (0: by the estimate, 1: split at every level, 2: buckets) and the rows that took
+// the buckets' way (BucketSumsRowsForTesting).
+std::atomic<int> g_bucket_sums_mode{0};
 std::atomic<int64_t> g_bucket_sums_rows{0};
 // DescendingSums puts the values in their buckets when splitting at every level would read more than this
 // many times as many values (a scalar pass against vector passes). Chosen on 789 regret rows dumped from
