@@ -209,6 +209,29 @@ TEST_CASE("report: summary lists every run and the best causal policy per budget
   CHECK(md.find("not ranked") != std::string::npos);
 }
 
+TEST_CASE("report: the modelled latency table says where a decode-step-0 compression's work is", "[report]") {
+  std::vector<RunResult> runs(3);
+  const char* labels[] = {"snapkv", "meda (official code)", "meda (official code)"};
+  for (int i = 0; i < 3; ++i) {
+    runs[i].set_policy(i == 0 ? "snapkv" : "meda");
+    runs[i].set_label(labels[i]);
+    runs[i].set_trace_path("t.h5");
+    runs[i].set_budget_tokens(10 * (i + 1));
+    runs[i].set_compression_step(i == 0 ? -1 : 0);
+    runs[i].mutable_latency()->set_source("modelled: test");
+    runs[i].mutable_latency()->set_policy_work_ms(1.5);
+  }
+  std::string md = SummaryMarkdown(runs, "title");
+  CHECK(md.find("**Decode latency — MODELLED, not measured**: modelled: test. Time to first token includes "
+                "the policy's compression work at prefill; meda (official code) compresses at decode step 0 "
+                "instead: that work is in the step, so in ms/token") != std::string::npos);
+  // Only prefill compressions: the plain sentence.
+  runs.resize(1);
+  md = SummaryMarkdown(runs, "title");
+  CHECK(md.find("compression work at prefill.\n") != std::string::npos);
+  CHECK(md.find("decode step 0") == std::string::npos);
+}
+
 TEST_CASE("report: the summary says whether a trace is a real model run or synthetic", "[report]") {
   std::vector<RunResult> runs(2);
   for (int i = 0; i < 2; ++i) {
