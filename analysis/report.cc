@@ -333,18 +333,23 @@ std::string SummaryMarkdown(const std::vector<RunResult>& runs, const std::strin
       // Policies that compress at a decode step (MEDA's official code): their compression work is in that
       // step, so in ms/token, not in the time to first token.
       std::vector<std::string> at_decode;
+      std::vector<int> steps;  // the decode steps they compress at
       for (const RunResult* r : rows)
-        if (r->compression_step() >= 0 &&
-            std::find(at_decode.begin(), at_decode.end(), r->label()) == at_decode.end())
-          at_decode.push_back(r->label());
+        if (r->compression_step() >= 0) {
+          if (std::find(at_decode.begin(), at_decode.end(), r->label()) == at_decode.end())
+            at_decode.push_back(r->label());
+          if (std::find(steps.begin(), steps.end(), r->compression_step()) == steps.end())
+            steps.push_back(r->compression_step());
+        }
       os << "\n**Decode latency — MODELLED, not measured**: " << l0.source()
          << ". Time to first token includes the policy's compression work at prefill";
       for (size_t i = 0; i < at_decode.size(); ++i)
         os << (i == 0 ? "; " : i + 1 == at_decode.size() ? " and " : ", ") << at_decode[i];
       if (!at_decode.empty())
         os << (at_decode.size() == 1 ? " compresses" : " compress")
-           << " at decode step 0 instead: that work is in the step, so in ms/token (policy work ms counts it "
-              "either way)";
+           << (steps.size() == 1 ? " at decode step " + std::to_string(steps[0])
+                                 : std::string(" at a decode step"))
+           << " instead: that work is in the step, so in ms/token (policy work ms counts it either way)";
       os << ".\n\n"
          << "| policy | budget | ms/token | speed-up vs full | TTFT ms | attention ms/token | policy work ms "
             "| "

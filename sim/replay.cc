@@ -2987,8 +2987,7 @@ std::vector<double> EventDurations(const TraceMeta& meta, const RunAccum& a, con
   // The compression's work is sized by the compressible-prompt slots it keeps (RecordCompression, taken
   // right after it at either event): not the cache at decode step 0, which is recorded before that step's
   // AfterStep compresses, and without the question or generated tokens appended after the prompt.
-  const std::vector<int> compressed(a.prompt_kept.begin(), a.prompt_kept.end());
-  const CacheLengths compressed_cache{compressed, nl, hkv};
+  const CacheLengths compressed_cache{a.prompt_kept, nl, hkv};
   if (compression_step < 0) {
     const double w = latency.PolicyWorkDuration(work, compress_end, compressed_cache, false);
     dur[chunks - 1] += w;

@@ -1066,6 +1066,13 @@ void SumsFromCounts(std::span<const float> values, std::span<const int32_t> ks, 
   levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
   thread_local std::vector<float> buf, part, sel;
   if (buf.size() < n + 8) buf.resize(n + 8);
+  // The `need` largest of a partial bucket's `count` values (copied: TopOfBucket reorders them, and a bucket
+  // may serve several k's).
+  auto top_of = [](const float* bucket, int count, int need) {
+    if (sel.size() < static_cast<size_t>(count)) sel.resize(count);
+    std::copy_n(bucket, count, sel.data());
+    return TopOfBucket(sel.data(), count, need);
+  };
   // Both ways below first compress the values at or above the lowest level from the row (one vector pass).
   // Then either they are split again at every next level (vector passes over what remains above the
   // previous level: few levels) or each is put in its bucket once (one scalar pass: many levels), by the
@@ -1097,12 +1104,8 @@ void SumsFromCounts(std::span<const float> values, std::span<const int32_t> ks, 
       at_level[l] = SplitAt(buf.data(), len, levels[l] << kBucketShift, buf.data(),
                             partial ? part.data() : nullptr, b, &next);
       if (partial)
-        for (const Query& q : qs) {
-          if (q.need == 0 || q.j != j) continue;
-          if (sel.size() < static_cast<size_t>(size)) sel.resize(size);
-          std::copy_n(part.data(), size, sel.data());
-          out[q.i] = at_level[l] + TopOfBucket(sel.data(), size, q.need);
-        }
+        for (const Query& q : qs)
+          if (q.need > 0 && q.j == j) out[q.i] = at_level[l] + top_of(part.data(), size, q.need);
       len = next;
     }
     for (const Query& q : qs)
@@ -1163,10 +1166,7 @@ void SumsFromCounts(std::span<const float> values, std::span<const int32_t> ks, 
       out[q.i] = above[q.j + 1];
       continue;
     }
-    const int count = cc[q.j + 1] - cc[q.j];
-    if (sel.size() < static_cast<size_t>(count)) sel.resize(count);
-    std::copy_n(pv + begin[q.j], count, sel.data());
-    out[q.i] = above[q.j] + TopOfBucket(sel.data(), count, q.need);
+    out[q.i] = above[q.j] + top_of(pv + begin[q.j], cc[q.j + 1] - cc[q.j], q.need);
   }
 }
 }  // namespace

@@ -225,6 +225,15 @@ TEST_CASE("report: the modelled latency table says where a decode-step-0 compres
   CHECK(md.find("**Decode latency — MODELLED, not measured**: modelled: test. Time to first token includes "
                 "the policy's compression work at prefill; meda (official code) compresses at decode step 0 "
                 "instead: that work is in the step, so in ms/token") != std::string::npos);
+  // A policy compressing at a later step: that step is named; two different steps: neither.
+  runs[2].set_label("later");
+  runs[1].set_compression_step(3);
+  runs[2].set_compression_step(3);
+  md = SummaryMarkdown(runs, "title");
+  CHECK(md.find("meda (official code) and later compress at decode step 3 instead") != std::string::npos);
+  runs[2].set_compression_step(0);
+  md = SummaryMarkdown(runs, "title");
+  CHECK(md.find("meda (official code) and later compress at a decode step instead") != std::string::npos);
   // Only prefill compressions: the plain sentence.
   runs.resize(1);
   md = SummaryMarkdown(runs, "title");
