@@ -945,9 +945,46 @@ double TopOfBucket(float* sv, int size, int need) {
 // in index order (hi may be v: the AVX2 loop loads each block before it stores, at or before its place),
 // and when `lo` is given, those of bucket `lo_bucket` (below `from`) to lo. Returns the sum (in double) of
 // those written to hi and their count in *nhi. The caller sums only values >= 2^L (exact in any order, as
-// SumFromAndGather). hi and lo need 8 spare places after their values (whole-block stores).
+// SumFromAndGather). hi and lo need 16 spare places after their values (whole-register stores).
+#ifdef KVSIM_SELECT_AVX512
+// SplitAt 16 values at a time: one compare mask, a register compress per output and a whole-register store
+// (16 spare places), masked double sums; the last block masked. The same values in the same order and the
+// same exact sums.
+__attribute__((target("avx512f"))) double SplitAtAvx512(const float* v, size_t n, uint32_t from, float* hi,
+                                                        float* lo, uint32_t lo_bucket, size_t* nhi) {
+  const __m512i absm = _mm512_set1_epi32(0x7fffffff), lim = _mm512_set1_epi32(static_cast<int>(from - 1)),
+                lb = _mm512_set1_epi32(static_cast<int>(lo_bucket));
+  __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+  size_t m = 0, ml = 0;
+  for (size_t i = 0; i < n; i += 16) {
+    const __mmask16 in = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 f = _mm512_maskz_loadu_ps(in, v + i);
+    const __m512i u = _mm512_and_si512(_mm512_castps_si512(f), absm);
+    const __mmask16 ge = _mm512_mask_cmpgt_epi32_mask(in, u, lim);  // u < 2^31: signed; from 0: -1
+    acc0 =
+        _mm512_mask_add_pd(acc0, static_cast<__mmask8>(ge), acc0, _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+    acc1 =
+        _mm512_mask_add_pd(acc1, static_cast<__mmask8>(ge >> 8), acc1,
+                           _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
+    _mm512_storeu_ps(hi + m, _mm512_maskz_compress_ps(ge, f));
+    m += static_cast<size_t>(__builtin_popcount(ge));
+    if (lo) {
+      const __mmask16 rest = _mm512_mask_cmpeq_epi32_mask(in, _mm512_srli_epi32(u, kBucketShift), lb);
+      _mm512_storeu_ps(lo + ml, _mm512_maskz_compress_ps(rest, f));
+      ml += static_cast<size_t>(__builtin_popcount(rest));
+    }
+  }
+  *nhi = m;
+  return _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
+}
+#endif
+
 double SplitAt(const float* v, size_t n, uint32_t from, float* hi, float* lo, uint32_t lo_bucket,
                size_t* nhi) {
+#ifdef KVSIM_SELECT_AVX512
+  if (kSelectAvx512 && g_select_avx512_allowed.load(std::memory_order_relaxed))
+    return SplitAtAvx512(v, n, from, hi, lo, lo_bucket, nhi);
+#endif
   size_t i = 0, m = 0, ml = 0;
   double s[4] = {};
 #if defined(__AVX2__)
@@ -1065,7 +1102,7 @@ void SumsFromCounts(std::span<const float> values, std::span<const int32_t> ks, 
   std::sort(levels.begin(), levels.end());
   levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
   thread_local std::vector<float> buf, part, sel;
-  if (buf.size() < n + 8) buf.resize(n + 8);
+  if (buf.size() < n + 16) buf.resize(n + 16);
   // The `need` largest of a partial bucket's `count` values (copied: TopOfBucket reorders them, and a bucket
   // may serve several k's).
   auto top_of = [](const float* bucket, int count, int need) {
@@ -1099,7 +1136,7 @@ void SumsFromCounts(std::span<const float> values, std::span<const int32_t> ks, 
       bool partial = false;  // some k ends inside bucket b
       for (const Query& q : qs) partial = partial || (q.need > 0 && q.j == j);
       const int size = cc[j + 1] - cc[j];  // bucket b's values
-      if (partial && part.size() < static_cast<size_t>(size) + 8) part.resize(size + 8);
+      if (partial && part.size() < static_cast<size_t>(size) + 16) part.resize(size + 16);
       size_t next = 0;
       at_level[l] = SplitAt(buf.data(), len, levels[l] << kBucketShift, buf.data(),
                             partial ? part.data() : nullptr, b, &next);

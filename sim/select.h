@@ -17,7 +17,8 @@ std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int
 // The same indices written into *out (resized to their count; its capacity is reused, so a caller selecting
 // at every step allocates nothing once the buffer has grown).
 void TopKIndicesWithThreshold(std::span<const float> scores, int k, float kth, std::vector<int32_t>* out);
-// Tests only: false makes TopKIndicesWithThreshold take its portable scan on a CPU with AVX-512 too.
+// Tests only: false makes TopKIndicesWithThreshold take its portable scan, and DescendingSums / RowBuckets
+// their AVX2 splits, on a CPU with AVX-512 too.
 void SetSelectAvx512ForTesting(bool allowed);
 // Tests only: false makes it skip its AVX2 scan too (taken on a CPU with AVX2 but not AVX-512).
 void SetSelectAvx2ForTesting(bool allowed);

@@ -296,18 +296,23 @@ int CheckDescendingSumsOfRowsOnce(const std::vector<std::vector<float>>& rows) {
 }
 
 // The same checks with the sums above each k's bucket taken both ways (split at each level; put in buckets)
-// and chosen by the estimate: each way is taken (a set of every k has many levels: the buckets' way).
+// and chosen by the estimate: each way is taken (a set of every k has many levels: the buckets' way). Each
+// with the splits in AVX-512 (on a CPU that has it) and without.
 int CheckDescendingSumsOfRows(const std::vector<std::vector<float>>& rows) {
   int small = 0;
-  for (int mode : {1, 2, 0}) {
-    INFO("SetBucketSumsForTesting(" << mode << ")");
-    SetBucketSumsForTesting(mode);
-    const int64_t before = BucketSumsRowsForTesting();
-    small = CheckDescendingSumsOfRowsOnce(rows);
-    const int64_t by_buckets = BucketSumsRowsForTesting() - before;
-    if (mode == 1) CHECK(by_buckets == 0);
-    if (mode != 1) CHECK(by_buckets > 0);
+  for (bool avx512 : {true, false}) {
+    SetSelectAvx512ForTesting(avx512);
+    for (int mode : {1, 2, 0}) {
+      INFO("SetBucketSumsForTesting(" << mode << "), AVX-512 allowed " << avx512);
+      SetBucketSumsForTesting(mode);
+      const int64_t before = BucketSumsRowsForTesting();
+      small = CheckDescendingSumsOfRowsOnce(rows);
+      const int64_t by_buckets = BucketSumsRowsForTesting() - before;
+      if (mode == 1) CHECK(by_buckets == 0);
+      if (mode != 1) CHECK(by_buckets > 0);
+    }
   }
+  SetSelectAvx512ForTesting(true);
   SetBucketSumsForTesting(0);
   return small;
 }
