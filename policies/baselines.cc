@@ -10,16 +10,13 @@
 namespace kvsim {
 namespace {
 
-// Evicts the slot with the lowest score among slots [0, limit) (ties: the oldest), until size <= target.
-template <typename ScoreFn>
-void EvictLowest(HeadCache* cache, int target, int protected_tail, ScoreFn score) {
+// Evicts the slot with the lowest score[token] among slots [0, limit) (ties: the oldest), until size <=
+// target.
+void EvictLowest(HeadCache* cache, int target, int protected_tail, const float* score) {
   while (cache->size() > target) {
     const int limit = cache->size() - protected_tail;
     KVSIM_CHECK(limit > 0);
-    int victim = 0;
-    for (int s = 1; s < limit; ++s)
-      if (score(cache->token(s)) < score(cache->token(victim))) victim = s;
-    cache->EvictSlot(victim);
+    cache->EvictSlot(FirstLowestAt(score, cache->tokens().data(), limit));
   }
 }
 
@@ -74,7 +71,7 @@ class H2OHead final : public HeadPolicy {
   void BeforeStep(const HeadContext&, const StepAttention&, int cap, HeadCache* cache) override {
     if (p_.one_shot()) return;
     // The new token joins the recent window; the other recent_-1 most recent slots are protected.
-    EvictLowest(cache, cap - 1, std::min(recent_ - 1, cap - 1), [&](int32_t tok) { return acc_[tok]; });
+    EvictLowest(cache, cap - 1, std::min(recent_ - 1, cap - 1), acc_.data());
   }
   void AfterStep(const HeadContext& ctx, const StepAttention& att, HeadCache* cache) override {
     if (p_.one_shot()) return;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <numeric>
 
 #include "sim/cpu.h"
@@ -224,6 +225,67 @@ void TopKIndicesWithThreshold(std::span<const float> scores, int k, float tau, s
     ties -= tie;
   }
   idx.resize(m);
+}
+
+namespace {
+
+#ifdef KVSIM_SELECT_AVX512
+// FirstLowestAt 8 slots at a time: lane j keeps the lowest score of the slots i = j (mod 8) it has seen and
+// the first slot holding it (a strict comparison, from +inf with no slot), then the lanes are combined.
+// Returns -1 when no lane saw a score below +inf. A NaN never compares below (the caller returns slot 0
+// when slot 0's score is NaN, as the scan does).
+__attribute__((target("avx2"))) int FirstLowestAtAvx2(const float* scores, const int32_t* idx, int n) {
+  __m256 best = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256i at = _mm256_set1_epi32(-1), i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i eight = _mm256_set1_epi32(8);
+  int b = 0;
+  for (; b + 8 <= n; b += 8, i = _mm256_add_epi32(i, eight)) {
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + b));
+    const __m256 x = _mm256_i32gather_ps(scores, t, 4);
+    const __m256 lt = _mm256_cmp_ps(x, best, _CMP_LT_OQ);
+    best = _mm256_blendv_ps(best, x, lt);
+    at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(i), lt));
+  }
+  alignas(32) float bv[8];
+  alignas(32) int32_t ba[8];
+  _mm256_store_ps(bv, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ba), at);
+  int victim = -1;
+  float v = std::numeric_limits<float>::infinity();
+  for (int j = 0; j < 8; ++j)
+    if (ba[j] >= 0 && (bv[j] < v || (bv[j] == v && ba[j] < victim))) {
+      v = bv[j];
+      victim = ba[j];
+    }
+  for (; b < n; ++b)  // the tail: later slots, taken only when strictly lower
+    if (scores[idx[b]] < v) {
+      v = scores[idx[b]];
+      victim = b;
+    }
+  return victim;
+}
+#endif
+
+}  // namespace
+
+int FirstLowestAt(const float* scores, const int32_t* idx, int n) {
+  KVSIM_CHECK(n > 0);
+  if (std::isnan(scores[idx[0]])) return 0;  // never replaced
+#ifdef KVSIM_SELECT_AVX512
+  if (n >= 16 && kSelectAvx2 && g_select_avx2_allowed.load(std::memory_order_relaxed)) {
+    // The first slot holding the lowest score; -1: every score is +inf or NaN, and slot 0's is +inf.
+    const int victim = FirstLowestAtAvx2(scores, idx, n);
+    return victim < 0 ? 0 : victim;
+  }
+#endif
+  int victim = 0;
+  float low = scores[idx[0]];
+  for (int i = 1; i < n; ++i)
+    if (scores[idx[i]] < low) {
+      low = scores[idx[i]];
+      victim = i;
+    }
+  return victim;
 }
 
 namespace {

@@ -23,6 +23,12 @@ void SetSelectAvx512ForTesting(bool allowed);
 // Tests only: false makes it skip its AVX2 scan too (taken on a CPU with AVX2 but not AVX-512).
 void SetSelectAvx2ForTesting(bool allowed);
 
+// The first i in [0, n) with the lowest scores[idx[i]] (n > 0): what the scan `if (scores[idx[i]] <
+// scores[idx[best]]) best = i` over i = 1 .. n - 1 picks, so ties go to the lowest i (-0.0 equals +0.0), a
+// NaN is never picked after i = 0 and a NaN at i = 0 is kept. With AVX2, 8 gathered scores at a time (h2o's
+// eviction at every decode step). SetSelectAvx2ForTesting(false) takes the scan.
+int FirstLowestAt(const float* scores, const int32_t* idx, int n);
+
 // Sorts non-negative values in descending order into `out` (radix sort, O(n)); `out` is resized.
 void SortDescendingNonNegative(std::span<const float> values, std::vector<float>* out);
 

@@ -624,6 +624,43 @@ TEST_CASE("TopKIndicesWithThreshold: the AVX-512, AVX2 and portable scans agree 
   CHECK(compared > 1000);
 }
 
+TEST_CASE("FirstLowestAt picks the scan's slot on every path: ties, signed zeros, infinities, NaN",
+          "[select]") {
+  // The scan it replaces (h2o's eviction): the first slot whose score is strictly below every earlier pick.
+  auto scan = [](const std::vector<float>& scores, const std::vector<int32_t>& idx, int n) {
+    int best = 0;
+    for (int i = 1; i < n; ++i)
+      if (scores[idx[i]] < scores[idx[best]]) best = i;
+    return best;
+  };
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> levels = {0.25f, 0.5f, 0.5f, 1.0f, 3.0f, -0.0f, 0.0f, inf, nan, 1e-30f};
+  std::mt19937 rng(17);
+  int compared = 0, past_first_block = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 70), tokens = n + static_cast<int>(rng() % 40);
+    std::vector<float> scores(tokens);
+    const int spread = 1 + static_cast<int>(rng() % levels.size());  // few levels: many ties
+    for (float& x : scores) x = levels[rng() % spread];
+    if (trial % 5 == 0)
+      for (float& x : scores) x = std::ldexp(1.0f + static_cast<float>(rng() % 1000) / 1000.0f, -(rng() % 8));
+    if (trial % 11 == 0) scores[rng() % tokens] = nan;
+    std::vector<int32_t> idx(n);
+    for (int32_t& t : idx) t = static_cast<int32_t>(rng() % tokens);
+    if (trial % 13 == 0) scores[idx[0]] = nan;  // kept by the scan
+    const int want = scan(scores, idx, n);
+    INFO("trial " << trial << " n " << n);
+    SetSelectAvx2ForTesting(false);
+    CHECK(FirstLowestAt(scores.data(), idx.data(), n) == want);
+    SetSelectAvx2ForTesting(true);
+    CHECK(FirstLowestAt(scores.data(), idx.data(), n) == want);
+    past_first_block += want > 8;
+    ++compared;
+  }
+  CHECK(compared == 3000);
+  CHECK(past_first_block > 100);  // the lowest is often past the first block
+}
+
 TEST_CASE("TopKIndicesWithThreshold into a reused buffer equals a fresh selection, on every path",
           "[select]") {
   // The buffer one caller reuses at every step (oracle's): it arrives holding the previous selection, longer
