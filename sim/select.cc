@@ -1003,11 +1003,6 @@ double TopOfBucket(float* sv, int size, int need) {
   return bucket_sum - part;
 }
 
-// Splits v[0, n) at the bit pattern `from` (<= 2^31, without the sign): the values at or above it go to `hi`
-// in index order (hi may be v: the AVX2 loop loads each block before it stores, at or before its place),
-// and when `lo` is given, those of bucket `lo_bucket` (below `from`) to lo. Returns the sum (in double) of
-// those written to hi and their count in *nhi. The caller sums only values >= 2^L (exact in any order, as
-// SumFromAndGather). hi and lo need 16 spare places after their values (whole-register stores).
 #ifdef KVSIM_SELECT_AVX512
 // SplitAt 16 values at a time: one compare mask, a register compress per output and a whole-register store
 // (16 spare places), masked double sums; the last block masked. The same values in the same order and the
@@ -1041,6 +1036,11 @@ __attribute__((target("avx512f"))) double SplitAtAvx512(const float* v, size_t n
 }
 #endif
 
+// Splits v[0, n) at the bit pattern `from` (<= 2^31, without the sign): the values at or above it go to `hi`
+// in index order (hi may be v: the vector loops load each block before they store, at or before its place),
+// and when `lo` is given, those of bucket `lo_bucket` (below `from`) to lo. Returns the sum (in double) of
+// those written to hi and their count in *nhi. The caller sums only values >= 2^L (exact in any order, as
+// SumFromAndGather). hi and lo need 16 spare places after their values (whole-register stores).
 double SplitAt(const float* v, size_t n, uint32_t from, float* hi, float* lo, uint32_t lo_bucket,
                size_t* nhi) {
 #ifdef KVSIM_SELECT_AVX512
