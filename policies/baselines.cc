@@ -111,11 +111,10 @@ class OracleHead final : public HeadPolicy {
     if (growth_) cap += att.step + 1;  // as many slots as a prefill-compressing cache holds at this step
     // keep_: the head's buffer, reused at every step (no allocation once it has grown).
     std::vector<int32_t>& keep = keep_;
-    if (ctx.group_size == 1) {  // MHA: the engine gives the threshold without a selection
-      const std::span<const float> row(att.full_probs[0], pos + 1);
+    if (ctx.group_size == 1) {  // MHA: the engine gives the top-k without a selection here
       const int k = std::min(cap, pos + 1);
       if (k > 0)
-        TopKIndicesWithThreshold(row, k, (*att.full_kth)(0, k), &keep);
+        (*att.full_topk)(0, k, &keep);
       else
         keep.clear();
     } else {

@@ -99,10 +99,12 @@ struct StepAttention {
   // Only for policies with Requirements::future_attention: full-cache attention of this step's queries over
   // every token [0, prefill_length + step], [group][prefill_length + step + 1]. Null otherwise.
   const float* const* full_probs = nullptr;
-  // Alongside full_probs: (*full_kth)(g, k) is the k-th largest value of query head g's full_probs
-  // (1 <= k <= prefill_length + step + 1), the value a descending sort puts at place k - 1, so a policy
-  // gets its top-k threshold without a selection of its own.
-  const std::function<float(int g, int k)>* full_kth = nullptr;
+  // Alongside full_probs: (*full_topk)(g, k, out) writes into *out the indices of the k largest values of
+  // query head g's full_probs (1 <= k <= prefill_length + step + 1), ascending, ties to the lower index:
+  // TopKIndices(full_probs[g] over [0, prefill_length + step], k) (sim/select.h), so a policy gets its
+  // top-k without a selection of its own (the engine's answer reads its regret's bucket counts of the row:
+  // one pass over the row). *out is resized to k; its capacity is reused.
+  const std::function<void(int g, int k, std::vector<int32_t>* out)>* full_topk = nullptr;
 };
 
 class HeadPolicy {

@@ -2002,6 +2002,21 @@ class LayerPass {
     return *at;
   }
 
+  // The indices of the k largest of step t's full row of member g over [0, pos] (StepAttention::full_topk:
+  // TopKIndicesWithThreshold at FullKth's value) into *out: from the regret's bucket counts in one pass over
+  // the row (RowBuckets::TopK) when they count the whole row (no sliding window) and can answer, else the
+  // threshold and the scan.
+  void FullTopK(const UnitWork& w, WorkerScratch& ws, int g, int t, int k, std::vector<int32_t>* out) const {
+    const DecodeReference& ref = w.refs[g];
+    const int pos = meta_.prefill_length + t;
+    const std::span<const float> row(ref.row(t), static_cast<size_t>(pos) + 1);
+    if (w.kth_buckets && ref.first[t] == 0 && ref.last(t) == pos && k <= pos + 1 &&
+        g_kth_from_sums.load(std::memory_order_relaxed) &&
+        w.buckets.TopK(g * meta_.num_decode_steps + t, row, k, &ws.sorted, out))
+      return;
+    TopKIndicesWithThreshold(row, k, FullKth(w, ws, g, t, k), out);
+  }
+
   // What step t of a run records from its sums for group member g: the step's wsum and retained mass (for
   // FinishRun), its samples' retained / anchor / covered mass and regret, and the run's modality sums.
   void RecordSums(UnitWork& w, RunAccum& a, WorkerScratch& ws, int u, int r, int g, int t, double wsum,
@@ -2140,9 +2155,9 @@ class LayerPass {
     full.resize(group);
     for (int g = 0; g < group; ++g) full[g] = w.refs[g].row(t);
     const RunPlan& plan = plans_[r];
-    const auto kth_of = [&](int g, int k) { return FullKth(w, ws, g, t, k); };
-    std::function<float(int, int)> kth;
-    if (plan.req.future_attention) kth = std::cref(kth_of);  // by reference: no allocation per step
+    const auto topk_of = [&](int g, int k, std::vector<int32_t>* out) { FullTopK(w, ws, g, t, k, out); };
+    std::function<void(int, int, std::vector<int32_t>*)> topk;
+    if (plan.req.future_attention) topk = std::cref(topk_of);  // by reference: no allocation per step
     HeadCache& cache = w.caches[r];
     HeadPolicy& hp = *w.policies[r];
     HeadContext ctx = w.ctx;
@@ -2153,7 +2168,7 @@ class LayerPass {
     const int appended = n - plan.compress_end;
     const int cap = plan.head_budgets[UnitIndex(u)] + appended;
     StepAttention before{t, cache.size(), nullptr, plan.req.future_attention ? full.data() : nullptr,
-                         plan.req.future_attention ? &kth : nullptr};
+                         plan.req.future_attention ? &topk : nullptr};
     hp.BeforeStep(ctx, before, cap, &cache);
     if (hp.AppendNewToken()) cache.Append(pos);
     CheckCache(w, ws, cache, pos, r);
@@ -2390,7 +2405,7 @@ class LayerPass {
     }
     StepAttention after{t, slots, want_cp ? ws.cache_probs.data() : nullptr,
                         plan.req.future_attention ? full.data() : nullptr,
-                        plan.req.future_attention ? &kth : nullptr};
+                        plan.req.future_attention ? &topk : nullptr};
     hp.AfterStep(ctx, after, &cache);
     if (recorder_) recorder_->AfterStep(plan.index, layer_.layer, u, t, cache);
     if (t == 0 && plan.compression_step == 0) {

@@ -114,8 +114,9 @@ float MaxRowNorm(const float* x, int rows, int d);
 // t < steps (Prefill's max ‖v_j‖ over each decode step's visible keys), bit for bit.
 void MaxVisibleNorms(const float* values, int n, int steps, int d, const int32_t* first, float* out);
 
-// Tests only: false makes the oracle's k-th largest value come from a selection in a copy of the row
-// instead of the regret's buckets (TopKSums::Kth), so a test can compare the two.
+// Tests only: false makes the oracle's top-k (StepAttention::full_topk) come from a selection of the k-th
+// largest value in a copy of the row and the threshold scan, instead of the regret's buckets
+// (RowBuckets::TopK, or TopKSums::Kth and the scan), so a test can compare the two.
 void SetFullKthFromSumsForTesting(bool allowed);
 // Tests only: false makes a unit whose runs ask no k-th largest value build the regret's TopKSums at Prefill
 // and answer each run's k at its step, instead of deferring every row's k to the unit's last run

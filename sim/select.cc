@@ -41,10 +41,6 @@ namespace {
 const bool kSelectAvx512 = CpuHas(CpuFeature::kAvx512f);
 std::atomic<bool> g_select_avx512_allowed{true};
 
-// The portable scan's result, 16 scores at a time: a comparison mask per block (the same ordered
-// comparisons: a NaN is neither above nor equal), the block's ties limited to the lowest `ties` of them, and
-// the taken indices compressed in order into idx (which has 16 spare elements past `most`). Integer work
-// only, so the indices are the portable scan's on any build.
 // How many scores are above tau (the portable count's ordered comparison, 16 at a time).
 __attribute__((target("avx512f"))) int CountAboveAvx512(const float* scores, int n, float tau) {
   const __m512 t = _mm512_set1_ps(tau);
@@ -57,8 +53,14 @@ __attribute__((target("avx512f"))) int CountAboveAvx512(const float* scores, int
   return above;
 }
 
+// The portable scan's result, 16 scores at a time: a comparison mask per block (the same ordered
+// comparisons: a NaN is neither above nor equal), the block's ties limited to the lowest `ties` of them, and
+// the taken indices compressed in order into idx (which has 16 spare elements past `most`). Integer work
+// only, so the indices are the portable scan's on any build. The index of scores[i] is i, or from[i] when
+// `from` is given (RowBuckets::TopK's candidates; from may be idx: each block is loaded before its store,
+// which ends at or before the block's end).
 __attribute__((target("avx512f"))) int TakeAboveAvx512(const float* scores, int n, float tau, int ties,
-                                                       int most, int32_t* idx) {
+                                                       int most, const int32_t* from, int32_t* idx) {
   const __m512 t = _mm512_set1_ps(tau);
   const __m512i step = _mm512_set1_epi32(16);
   __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -78,7 +80,8 @@ __attribute__((target("avx512f"))) int TakeAboveAvx512(const float* scores, int 
       ties -= c;
     }
     const __mmask16 take = static_cast<__mmask16>(gt | eq);
-    _mm512_storeu_si512(idx + m, _mm512_maskz_compress_epi32(take, j));
+    _mm512_storeu_si512(idx + m,
+                        _mm512_maskz_compress_epi32(take, from ? _mm512_maskz_loadu_epi32(in, from + b) : j));
     m += __builtin_popcount(take);
   }
   return m;
@@ -199,7 +202,8 @@ void TopKIndicesWithThreshold(std::span<const float> scores, int k, float tau, s
   if (kSelectAvx512 && g_select_avx512_allowed.load(std::memory_order_relaxed)) {
     const int above = CountAboveAvx512(scores.data(), n, tau), most = std::max(k, above);
     room(static_cast<size_t>(most) + 16);
-    idx.resize(static_cast<size_t>(TakeAboveAvx512(scores.data(), n, tau, k - above, most, idx.data())));
+    idx.resize(
+        static_cast<size_t>(TakeAboveAvx512(scores.data(), n, tau, k - above, most, nullptr, idx.data())));
     return;
   }
   if (kSelectAvx2 && g_select_avx2_allowed.load(std::memory_order_relaxed)) {
@@ -1391,6 +1395,134 @@ std::optional<float> RowBuckets::Kth(int r, std::span<const float> values, int k
   float* sv = scratch->data();  // bucket j's cc[j + 1] - cc[j] values
   std::nth_element(sv, sv + (k - cc[j] - 1), sv + (cc[j + 1] - cc[j]), std::greater<float>());
   return sv[k - cc[j] - 1];
+}
+
+namespace {
+// RowBuckets::TopK's pass over the row: the indices and values at or above the bit pattern `from` (without
+// the sign; > 0) to idx / cv, and those of bucket `bucket` (within them) to bv, each in index order; returns
+// how many went to idx. Each output has 16 spare places after its values (whole-register stores).
+#ifdef KVSIM_SELECT_AVX512
+__attribute__((target("avx512f"))) size_t CompressFromAvx512(const float* v, size_t n, uint32_t from,
+                                                             uint32_t bucket, int32_t* idx, float* cv,
+                                                             float* bv) {
+  const __m512i absm = _mm512_set1_epi32(0x7fffffff), lim = _mm512_set1_epi32(static_cast<int>(from - 1)),
+                bk = _mm512_set1_epi32(static_cast<int>(bucket)), step = _mm512_set1_epi32(16);
+  __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  size_t m = 0, mb = 0;
+  for (size_t i = 0; i < n; i += 16, j = _mm512_add_epi32(j, step)) {
+    const __mmask16 in = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 f = _mm512_maskz_loadu_ps(in, v + i);
+    const __m512i u = _mm512_and_si512(_mm512_castps_si512(f), absm);
+    const __mmask16 ge = _mm512_mask_cmpgt_epi32_mask(in, u, lim);  // u < 2^31 and from > 0: signed
+    const __mmask16 eq = _mm512_mask_cmpeq_epi32_mask(in, _mm512_srli_epi32(u, kBucketShift), bk);
+    _mm512_storeu_si512(idx + m, _mm512_maskz_compress_epi32(ge, j));
+    _mm512_storeu_ps(cv + m, _mm512_maskz_compress_ps(ge, f));
+    m += static_cast<size_t>(__builtin_popcount(ge));
+    _mm512_storeu_ps(bv + mb, _mm512_maskz_compress_ps(eq, f));
+    mb += static_cast<size_t>(__builtin_popcount(eq));
+  }
+  return m;
+}
+
+__attribute__((target("avx2,popcnt"))) size_t CompressFromAvx2(const float* v, size_t n, uint32_t from,
+                                                               uint32_t bucket, int32_t* idx, float* cv,
+                                                               float* bv, size_t* done, size_t* nb) {
+  const __m256i absm = _mm256_set1_epi32(0x7fffffff), lim = _mm256_set1_epi32(static_cast<int>(from - 1)),
+                bk = _mm256_set1_epi32(static_cast<int>(bucket)), step = _mm256_set1_epi32(8);
+  __m256i j = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  size_t i = 0, m = 0, mb = 0;
+  for (; i + 8 <= n; i += 8, j = _mm256_add_epi32(j, step)) {
+    const __m256 f = _mm256_loadu_ps(v + i);
+    const __m256i u = _mm256_and_si256(_mm256_castps_si256(f), absm);
+    const unsigned ge =
+        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(u, lim))));
+    const unsigned eq = static_cast<unsigned>(
+        _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_srli_epi32(u, kBucketShift), bk))));
+    const __m256i at = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kSetBits.at[ge])));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + m), _mm256_permutevar8x32_epi32(j, at));
+    _mm256_storeu_ps(cv + m, _mm256_permutevar8x32_ps(f, at));
+    m += static_cast<size_t>(__builtin_popcount(ge));
+    const __m256i bat = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kSetBits.at[eq])));
+    _mm256_storeu_ps(bv + mb, _mm256_permutevar8x32_ps(f, bat));
+    mb += static_cast<size_t>(__builtin_popcount(eq));
+  }
+  *done = i;
+  *nb = mb;
+  return m;
+}
+#endif
+
+size_t CompressFrom(const float* v, size_t n, uint32_t from, uint32_t bucket, int32_t* idx, float* cv,
+                    float* bv) {
+  size_t i = 0, m = 0, mb = 0;
+#ifdef KVSIM_SELECT_AVX512
+  if (kSelectAvx512 && g_select_avx512_allowed.load(std::memory_order_relaxed))
+    return CompressFromAvx512(v, n, from, bucket, idx, cv, bv);
+  if (kSelectAvx2 && g_select_avx2_allowed.load(std::memory_order_relaxed))
+    m = CompressFromAvx2(v, n, from, bucket, idx, cv, bv, &i, &mb);
+#endif
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &v[i], 4);
+    u &= 0x7fffffffu;
+    if (u >= from) {
+      idx[m] = static_cast<int32_t>(i);
+      cv[m++] = v[i];
+    }
+    if ((u >> kBucketShift) == bucket) bv[mb++] = v[i];
+  }
+  return m;
+}
+
+// TopKIndicesWithThreshold's take over the candidates (indices idx, values cv, both c long, in index order):
+// every value above tau and the first `ties` equal to it, until `most` are taken; the taken indices are
+// compacted to the front of idx, in place (TakeAboveAvx512 with AVX-512). Returns their count.
+size_t TakeCandidates(int32_t* idx, const float* cv, size_t c, float tau, int ties, size_t most) {
+#ifdef KVSIM_SELECT_AVX512
+  if (kSelectAvx512 && g_select_avx512_allowed.load(std::memory_order_relaxed))
+    return static_cast<size_t>(
+        TakeAboveAvx512(cv, static_cast<int>(c), tau, ties, static_cast<int>(most), idx, idx));
+#endif
+  size_t m = 0;
+  for (size_t i = 0; i < c && m < most; ++i) {
+    const float s = cv[i];
+    const bool tie = s == tau && ties > 0;
+    idx[m] = idx[i];
+    m += (s > tau) | tie;
+    ties -= tie;
+  }
+  return m;
+}
+}  // namespace
+
+bool RowBuckets::TopK(int r, std::span<const float> values, int k, std::vector<float>* scratch,
+                      std::vector<int32_t>* out) const {
+  const Row& row = rows_[r];
+  KVSIM_CHECK_MSG(k >= 1, "RowBuckets::TopK: k must be at least 1");
+  if (row.nb < 0 || k > row.n) return false;
+  const int32_t* cc = cc_.data() + row.bucket;
+  if (k > cc[row.nb]) return false;  // the k-th largest value is 0
+  // The bucket j with cc[j] < k <= cc[j + 1] holds the k-th largest value (as Kth); the candidates are the
+  // cc[j + 1] values of buckets j and above (bucket numbers hi - j and up: bit patterns from their bucket's).
+  const int j = static_cast<int>(std::upper_bound(cc, cc + row.nb + 1, k - 1) - cc) - 1;
+  const uint32_t bucket = row.hi - static_cast<uint32_t>(j);
+  if (bucket == 0) return false;  // it may be a zero (bucket 0 holds the zeros): not the rule read here
+  const size_t nc = static_cast<size_t>(cc[j + 1]), nbk = static_cast<size_t>(cc[j + 1] - cc[j]);
+  if (out->size() < nc + 16) out->resize(nc + 16);
+  if (scratch->size() < nc + nbk + 32) scratch->resize(nc + nbk + 32);
+  float* cv = scratch->data();
+  float* bv = cv + nc + 16;
+  const size_t got =
+      CompressFrom(values.data(), values.size(), bucket << kBucketShift, bucket, out->data(), cv, bv);
+  KVSIM_CHECK_MSG(got == nc, "RowBuckets::TopK: the row is not the one counted");
+  // The threshold: Kth's selection in the same bucket values, in the same order.
+  const int need = k - cc[j];
+  std::nth_element(bv, bv + (need - 1), bv + nbk, std::greater<float>());
+  const float tau = bv[need - 1];
+  int above = cc[j];  // every value of the buckets above is above tau; then the bucket's
+  for (size_t i = 0; i < nbk; ++i) above += bv[i] > tau;
+  out->resize(TakeCandidates(out->data(), cv, nc, tau, k - above, static_cast<size_t>(k)));
+  return true;
 }
 
 void RowBuckets::Sums(int r, std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,

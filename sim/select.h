@@ -17,10 +17,11 @@ std::vector<int32_t> TopKIndicesWithThreshold(std::span<const float> scores, int
 // The same indices written into *out (resized to their count; its capacity is reused, so a caller selecting
 // at every step allocates nothing once the buffer has grown).
 void TopKIndicesWithThreshold(std::span<const float> scores, int k, float kth, std::vector<int32_t>* out);
-// Tests only: false makes TopKIndicesWithThreshold take its portable scan, and DescendingSums / RowBuckets
-// their AVX2 splits, on a CPU with AVX-512 too.
+// Tests only: false makes TopKIndicesWithThreshold and RowBuckets::TopK take their AVX2 (or portable) loops,
+// and DescendingSums / RowBuckets their AVX2 splits, on a CPU with AVX-512 too.
 void SetSelectAvx512ForTesting(bool allowed);
-// Tests only: false makes it skip its AVX2 scan too (taken on a CPU with AVX2 but not AVX-512).
+// Tests only: false makes them skip their AVX2 loops too (taken on a CPU with AVX2 but not AVX-512), and
+// FirstLowestAt its gathers.
 void SetSelectAvx2ForTesting(bool allowed);
 
 // The first i in [0, n) with the lowest scores[idx[i]] (n > 0): what the scan `if (scores[idx[i]] <
@@ -180,6 +181,19 @@ class RowBuckets {
   // descending sort puts at place k - 1, as TopKSums::Kth: one gather of the bucket holding it from the
   // row, then a selection in it. Empty for a row that keeps no counts. `scratch` is grown, not shrunk.
   std::optional<float> Kth(int row, std::span<const float> values, int k, std::vector<float>* scratch) const;
+  // TopKIndicesWithThreshold(values, k, *Kth(row, values, k), out) in one pass over the row instead of
+  // three (Kth's gather, the threshold scan's count and its take): the indices and values of the buckets
+  // down to the one holding the k-th largest value (a superset of the taken ones: every value above the
+  // threshold lies in those buckets, and so does every value equal to it when it is nonzero) and that
+  // bucket's values are compressed from the row at once (16 a register with AVX-512, 8 with AVX2), the
+  // threshold selected in the bucket as Kth does, and the candidates then filtered in index order by the
+  // scan's rule (every value above it, then the lowest-indexed equal ones while fewer than k are taken):
+  // the same indices. Returns false, and leaves *out unspecified, where that rule cannot be read from the
+  // counts (a row that keeps no counts, k > n, or a k-th largest value in the lowest bucket, which holds
+  // the zeros); the caller then takes Kth and the scan. k >= 1. `scratch` and *out are grown, not shrunk
+  // (no allocation once grown). SetSelectAvx512ForTesting / SetSelectAvx2ForTesting choose its loops.
+  bool TopK(int row, std::span<const float> values, int k, std::vector<float>* scratch,
+            std::vector<int32_t>* out) const;
   // DescendingSums(values, ks, known, out) with row `row`'s counts instead of its own row pass and count
   // pass (the same bits).
   void Sums(int row, std::span<const float> values, std::span<const int32_t> ks, const RowSums* known,

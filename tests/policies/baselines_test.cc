@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "policies/pieces.h"
+#include "sim/select.h"
 
 namespace kvsim {
 namespace {
@@ -72,8 +73,8 @@ HeadCache Prefill(HeadPolicy& hp, const HeadContext& ctx, int budget) {
 // One decode step without attention feedback: BeforeStep, then append the new token.
 void Step(HeadPolicy& hp, const HeadContext& ctx, int step, int cap, HeadCache* cache,
           const float* const* full_probs = nullptr,
-          const std::function<float(int, int)>* full_kth = nullptr) {
-  StepAttention att{step, cache->size(), nullptr, full_probs, full_kth};
+          const std::function<void(int, int, std::vector<int32_t>*)>* full_topk = nullptr) {
+  StepAttention att{step, cache->size(), nullptr, full_probs, full_topk};
   hp.BeforeStep(ctx, att, cap, cache);
   if (hp.AppendNewToken()) cache->Append(ctx.prefill_length() + step);
 }
@@ -492,7 +493,7 @@ TEST_CASE("oracle: decode_growth keeps cap + t + 1 slots, a prefill-compressing 
   CHECK(Tokens(cache) == std::vector<int32_t>{0, 1, 3, 5});
 }
 
-TEST_CASE("oracle: MHA selection uses the engine's k-th largest value as the threshold", "[baselines]") {
+TEST_CASE("oracle: MHA selection takes the engine's top-k indices", "[baselines]") {
   const TraceMeta meta = Meta(4, 3, 1, 1);  // n = 4, MHA
   const HeadContext ctx = Ctx(meta, 1, 4, nullptr);
   OraclePolicy p{policy::OracleParams()};
@@ -500,21 +501,27 @@ TEST_CASE("oracle: MHA selection uses the engine's k-th largest value as the thr
   HeadCache cache = Prefill(*hp, ctx, 3);
   // Step 0 (token 4): [.1, .4, .2, .2, .1]; top-3 = 1 (.4) and the tied .2s at 2, 3 -> {1, 2, 3}; the new
   // token (.1) is left out.
-  const std::vector<float> row{.1f, .4f, .2f, .2f, .1f}, sorted{.4f, .2f, .2f, .1f, .1f};
+  // The engine's answer (here TopKIndices over the row, as the engine's is) is what the cache keeps.
+  const std::vector<float> row{.1f, .4f, .2f, .2f, .1f};
   const float* probs[1] = {row.data()};
   std::vector<int> asked;
-  const std::function<float(int, int)> kth = [&](int g, int k) {
+  const std::function<void(int, int, std::vector<int32_t>*)> topk = [&](int g, int k,
+                                                                        std::vector<int32_t>* out) {
     CHECK(g == 0);
     asked.push_back(k);
-    return sorted[k - 1];
+    *out = TopKIndices(row, k);
   };
-  Step(*hp, ctx, 0, 3, &cache, probs, &kth);
+  Step(*hp, ctx, 0, 3, &cache, probs, &topk);
   CHECK_FALSE(hp->AppendNewToken());
   CHECK(Tokens(cache) == std::vector<int32_t>{1, 2, 3});
   // cap 2: .4 and the first .2 (tie to the lower index).
-  Step(*hp, ctx, 0, 2, &cache, probs, &kth);
+  Step(*hp, ctx, 0, 2, &cache, probs, &topk);
   CHECK(Tokens(cache) == std::vector<int32_t>{1, 2});
-  CHECK(asked == std::vector<int>{3, 2});
+  // cap 5: every token, the new one (4) too: left to the engine's append (AppendNewToken), not assigned.
+  Step(*hp, ctx, 0, 5, &cache, probs, &topk);
+  CHECK(hp->AppendNewToken());
+  CHECK(Tokens(cache) == std::vector<int32_t>{0, 1, 2, 3, 4});
+  CHECK(asked == std::vector<int>{3, 2, 5});
 }
 
 TEST_CASE("oracle: GQA selection follows the group aggregation", "[baselines]") {

@@ -225,14 +225,17 @@ TEST_CASE("SortForDescendingSums: the small values' order matters and is kept", 
 
 namespace {
 
+int64_t topk_answered = 0;  // RowBuckets::TopK's answers in CheckDescendingSumsOfRowsOnce (not declined)
+
 // DescendingSums on each row against the full sort's prefix sums, bit for bit: every k from -1 to n + 2 in
 // one call (every bucket boundary a level, every bucket a selection), each k alone, and random sets of k
 // with repeats (many runs asking the same k) in any order; with and without ExactKindSums' result (when it
 // gives one). RowBuckets (the rows added to one structure, with and without ExactKindSums' result): its
 // Sums on the same sets, and Kth for every k from 1 to n + 2 against the sort (always answered when the
-// row has no nonzero value below 2^L). Returns how many rows took the rows-with-small-values path
-// (TopKSums itself).
-int CheckDescendingSumsOfRowsOnce(const std::vector<std::vector<float>>& rows) {
+// row has no nonzero value below 2^L), and with `topk` TopK for every k from 1 to n against the threshold
+// scan. Returns how many rows took the rows-with-small-values path (TopKSums itself); adds the TopK answers
+// to topk_answered.
+int CheckDescendingSumsOfRowsOnce(const std::vector<std::vector<float>>& rows, bool topk) {
   std::mt19937 rng(5);
   int small = 0;
   RowBuckets with_known, alone;
@@ -290,6 +293,25 @@ int CheckDescendingSumsOfRowsOnce(const std::vector<std::vector<float>>& rows) {
         const std::optional<float> got = b->Kth(static_cast<int>(r), v, k, &scratch);
         if (exact) REQUIRE(got.has_value());
         if (got) REQUIRE(*got == (k <= n ? sorted[k - 1] : 0.0f));
+        // TopK: the threshold scan's indices at that k-th value, on each path (AVX-512, AVX2, portable),
+        // into a buffer holding a previous answer; answered whenever the k-th value lies above the lowest
+        // bucket (bucket 0 holds the zeros).
+        if (!topk || k > n) continue;
+        const std::vector<int32_t> want = TopKIndicesWithThreshold(v, k, sorted[k - 1]);
+        uint32_t uk;
+        std::memcpy(&uk, &sorted[k - 1], 4);
+        for (int path = 2; path >= 0; --path) {
+          SetSelectAvx512ForTesting(path == 2);
+          SetSelectAvx2ForTesting(path >= 1);
+          std::vector<int32_t> idx{7, 7, 7};
+          const bool answered = b->TopK(static_cast<int>(r), v, k, &scratch, &idx);
+          SetSelectAvx512ForTesting(true);
+          SetSelectAvx2ForTesting(true);
+          INFO("TopK, path " << path);
+          if (exact && (uk & 0x7fffffffu) >> 19 > 0) REQUIRE(answered);
+          if (answered) REQUIRE(idx == want);
+          topk_answered += answered;
+        }
       }
   }
   return small;
@@ -306,7 +328,7 @@ int CheckDescendingSumsOfRows(const std::vector<std::vector<float>>& rows) {
       INFO("SetBucketSumsForTesting(" << mode << "), AVX-512 allowed " << avx512);
       SetBucketSumsForTesting(mode);
       const int64_t before = BucketSumsRowsForTesting();
-      small = CheckDescendingSumsOfRowsOnce(rows);
+      small = CheckDescendingSumsOfRowsOnce(rows, avx512 && mode == 0);  // TopK on its three paths once
       const int64_t by_buckets = BucketSumsRowsForTesting() - before;
       if (mode == 1) CHECK(by_buckets == 0);
       if (mode != 1) CHECK(by_buckets > 0);
@@ -446,7 +468,9 @@ TEST_CASE("TopKSums: every top-k sum equals a full sort's prefix sum, bit for bi
     rows.push_back(v);
   }
   CheckTopKSums(rows);
+  const int64_t answered = topk_answered;
   CHECK(CheckDescendingSumsOfRows(rows) > 0);  // some rows hold nonzero values below 2^L
+  CHECK(topk_answered - answered > 1000);      // RowBuckets::TopK answered (on each path)
 }
 
 TEST_CASE("TopKSums: rows of disjoint and extreme ranges, two structures interleaved on one thread",
