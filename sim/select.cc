@@ -1508,10 +1508,13 @@ bool RowBuckets::TopK(int r, std::span<const float> values, int k, std::vector<f
   const uint32_t bucket = row.hi - static_cast<uint32_t>(j);
   if (bucket == 0) return false;  // it may be a zero (bucket 0 holds the zeros): not the rule read here
   const size_t nc = static_cast<size_t>(cc[j + 1]), nbk = static_cast<size_t>(cc[j + 1] - cc[j]);
-  if (out->size() < nc + 16) out->resize(nc + 16);
-  if (scratch->size() < nc + nbk + 32) scratch->resize(nc + nbk + 32);
+  // Room for the whole row in each output (and the stores' 16 spare places), so that even a row that is not
+  // the one counted (the check below) writes only within them.
+  const size_t n = values.size();
+  if (out->size() < n + 16) out->resize(n + 16);
+  if (scratch->size() < 2 * n + 32) scratch->resize(2 * n + 32);
   float* cv = scratch->data();
-  float* bv = cv + nc + 16;
+  float* bv = cv + n + 16;
   const size_t got =
       CompressFrom(values.data(), values.size(), bucket << kBucketShift, bucket, out->data(), cv, bv);
   KVSIM_CHECK_MSG(got == nc, "RowBuckets::TopK: the row is not the one counted");
