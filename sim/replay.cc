@@ -2004,14 +2004,13 @@ class LayerPass {
 
   // The indices of the k largest of step t's full row of member g over [0, pos] (StepAttention::full_topk:
   // TopKIndicesWithThreshold at FullKth's value) into *out: from the regret's bucket counts in one pass over
-  // the row (RowBuckets::TopK) when they count the whole row (no sliding window) and can answer, else the
-  // threshold and the scan.
+  // the row (RowBuckets::TopK) when they count the whole row (no sliding window: the row's visible keys are
+  // [0, pos]) and can answer (it declines a k above the row's length), else the threshold and the scan.
   void FullTopK(const UnitWork& w, WorkerScratch& ws, int g, int t, int k, std::vector<int32_t>* out) const {
     const DecodeReference& ref = w.refs[g];
     const int pos = meta_.prefill_length + t;
     const std::span<const float> row(ref.row(t), static_cast<size_t>(pos) + 1);
-    if (w.kth_buckets && ref.first[t] == 0 && ref.last(t) == pos && k <= pos + 1 &&
-        g_kth_from_sums.load(std::memory_order_relaxed) &&
+    if (w.kth_buckets && ref.first[t] == 0 && g_kth_from_sums.load(std::memory_order_relaxed) &&
         w.buckets.TopK(g * meta_.num_decode_steps + t, row, k, &ws.sorted, out))
       return;
     TopKIndicesWithThreshold(row, k, FullKth(w, ws, g, t, k), out);
