@@ -11,7 +11,8 @@
 #      snapkv x 4 budgets, wall and peak RSS per trace;
 #   4. kvsim_bench --suite policies: each text policy x 4 budgets beside `full` alone at the same time (one
 #      core each, one thread, both core orders): its cost and cost / floor without the machine's drift
-#      between processes (part 2's per-policy rows include it; round 28); then each policy against the
+#      between processes (part 2's per-policy rows include it; round 28), per core order and from both
+#      orders at once, where the two cores' speeds cancel (round 33); then each policy against the
 #      products its own runs need (output over its own cache, window logits, a merging run's search; round
 #      29). About 17 minutes.
 # Usage: bench/issue14.sh [BUILD_DIR] [OUT_DIR]   (defaults: build, /tmp/kvsim-issue14)

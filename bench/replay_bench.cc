@@ -13,7 +13,9 @@
 //               machine's drift: each policy x 4 budgets repeating on one core while `full` alone repeats on
 //               the other for --window seconds (20), one thread each, then the cores swapped; the floor (4
 //               runs' own output products) likewise. Then each policy against the products its own runs
-//               need (round 29: OwnProducts, from one replay of its runs), paired with `full` likewise.
+//               need (round 29: OwnProducts, from one replay of its runs), paired with `full` likewise. Each
+//               cost / floor per core order, and from both orders at once (round 33: the cores' speeds
+//               cancel in the geometric mean of the two orders' ratios).
 //   read:       the issue14 suite's three reads alone: every query row (direct chunk reads), only the rows a
 //               9-run sweep reads, every row through H5Dread on 1 thread (the reader before round 5); and the
 //               trace's content hash (HashFile), which kvsim run / sweep compute before the replay (beside
@@ -29,6 +31,7 @@
 #include <array>
 #include <boost/program_options.hpp>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <functional>
@@ -198,6 +201,12 @@ Pair InPair(A a, B b, int ca, int cb, double window) {
   return r;
 }
 
+// a / b of one quantity measured in both core orders (InPair with the cores swapped): the geometric mean of
+// the two orders' ratios, in which each core's speed cancels (PairedPolicies). Both b's must be > 0.
+double BothOrders(const std::array<Pair, 2>& p) {
+  return std::sqrt((p[0].a_cpu / p[0].b_cpu) * (p[1].a_cpu / p[1].b_cpu));
+}
+
 // A body for InChild: opens the trace and reads every layer with `options` (a read-only pass).
 auto ReadOnlyPass(const std::string& trace_path, const TraceMeta& meta, LayerReadOptions options) {
   return [&trace_path, &meta, options]() -> double {
@@ -345,7 +354,11 @@ double OwnProductsFloor(const TraceMeta& meta, const OwnProducts& own) {
 // --suite policies: every text policy x 4 budgets beside `full` alone (InPair, both core orders), and the
 // floor of 4 runs' own output products likewise; one thread each. cost = policy - full (CPU s per run, each
 // order's own pair); cost / floor = (policy / full - 1) / (floor / full): ratios of runs that ran at the
-// same time, so the machine's drift between pairs cancels.
+// same time, so the machine's drift between pairs cancels. "both orders" takes each ratio X / full as the
+// geometric mean of its two orders' (round 33): if one core runs at c0 and the other at c1, one order
+// measures (X / full) c1 / c0 and the other (X / full) c0 / c1, so their geometric mean is X / full whatever
+// c0 / c1 is. A 10% asymmetry between the cores moves one order's cost / floor by 25-45% (the cost is a
+// difference of two run times); round 32's two orders differed by up to 1.6x.
 int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>>>& per_policy,
                    const std::function<double(const std::vector<RunSpec>&)>& replay1,
                    const std::vector<RunSpec>& full_only, const TraceMeta& meta,
@@ -367,15 +380,15 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
   // Ratios need `full`'s CPU time: on a trace small enough that a run takes less than the clock's tick it
   // can read 0, and the ratios are then shown as "-" rather than as a division by zero.
   const bool timed = floor[0].b_cpu > 0 && floor[1].b_cpu > 0;
-  const double floor_ratio =
-      timed ? (floor[0].a_cpu / floor[0].b_cpu + floor[1].a_cpu / floor[1].b_cpu) / 2 : 0;
+  const double floor_ratio = timed ? BothOrders(floor) : 0;
   std::printf(
       "per policy, paired: each row on cpu %d while `full` alone repeats on cpu %d for %g s (at least one "
       "run each), then the "
       "cores "
       "swapped; 1 thread each; CPU s per run (runs in the window), core order 1 / 2; 4 runs = budgets "
-      "5/10/20/50%%\n\n| policy x 4 budgets | CPU s (runs) | `full` alone beside it | cost CPU s (policy - "
-      "full) | cost / floor |\n|---|---:|---:|---:|---:|\n",
+      "5/10/20/50%%; both orders: each ratio to `full` as the geometric mean of its two orders' (the cores' "
+      "speeds cancel)\n\n| policy x 4 budgets | CPU s (runs) | `full` alone beside it | cost CPU s (policy - "
+      "full) | cost / floor | cost / floor, both orders |\n|---|---:|---:|---:|---:|---:|\n",
       c0, c1, window);
   // One side of a pair in both core orders: "CPU s (runs) / CPU s (runs)".
   auto side = [](const std::array<Pair, 2>& p, bool a) {
@@ -392,11 +405,20 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
       std::snprintf(buf, sizeof buf, "%.2fx", (q.a_cpu / q.b_cpu - 1) / floor_over_full);
     return std::string(buf);
   };
+  // The same from both orders: (X / full - 1) / (floor / full), each ratio the geometric mean of its orders'.
+  auto over_both = [](const std::array<Pair, 2>& p, double floor_over_full) {
+    char buf[32] = "-";
+    if (p[0].b_cpu > 0 && p[1].b_cpu > 0 && floor_over_full > 0)
+      std::snprintf(buf, sizeof buf, "%.2fx", (BothOrders(p) - 1) / floor_over_full);
+    return std::string(buf);
+  };
   if (timed)
-    std::printf("| floor: 4 runs' own output products (BLAS) | %s | - | floor / full %.3f |\n",
-                cells(floor).c_str(), floor_ratio);
+    std::printf(
+        "| floor: 4 runs' own output products (BLAS) | %s | - | floor / full %.3f / %.3f | floor / "
+        "full %.3f |\n",
+        cells(floor).c_str(), floor[0].a_cpu / floor[0].b_cpu, floor[1].a_cpu / floor[1].b_cpu, floor_ratio);
   else
-    std::printf("| floor: 4 runs' own output products (BLAS) | %s | - | - |\n", cells(floor).c_str());
+    std::printf("| floor: 4 runs' own output products (BLAS) | %s | - | - | - |\n", cells(floor).c_str());
   std::fflush(stdout);
   std::vector<std::array<Pair, 2>> pairs;
   for (const auto& [label, rs] : per_policy) {
@@ -406,9 +428,9 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
       return 1;
     }
     pairs.push_back(p);
-    std::printf("| %s | %s | %.2f / %.2f | %s / %s |\n", label.c_str(), cells(p).c_str(),
+    std::printf("| %s | %s | %.2f / %.2f | %s / %s | %s |\n", label.c_str(), cells(p).c_str(),
                 p[0].a_cpu - p[0].b_cpu, p[1].a_cpu - p[1].b_cpu, over(p[0], floor_ratio).c_str(),
-                over(p[1], floor_ratio).c_str());
+                over(p[1], floor_ratio).c_str(), over_both(p, floor_ratio).c_str());
     std::fflush(stdout);
   }
   // Each policy against its own products (OwnProducts), paired with `full` the same way: cost / own floor =
@@ -418,7 +440,8 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
       "own mean cache and its merged slots' logits, the observation window's logits once, a merging run's "
       "nearest-slot search), paired "
       "with `full` alone likewise\n\n| policy x 4 budgets | GFLOP: output + window + search | own floor: CPU "
-      "s (runs) | `full` alone beside it | cost / own floor |\n|---|---:|---:|---:|---:|\n");
+      "s (runs) | `full` alone beside it | cost / own floor | cost / own floor, both orders |\n"
+      "|---|---:|---:|---:|---:|---:|\n");
   for (size_t i = 0; i < per_policy.size(); ++i) {
     const auto f = OwnGflop(meta, own[i]);
     const auto q = both_orders([&] { return OwnProductsFloor(meta, own[i]) >= 0 ? 0.0 : -1.0; });
@@ -428,10 +451,12 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
     }
     std::string ratio[2];
     for (int o = 0; o < 2; ++o) ratio[o] = over(pairs[i][o], q[o].b_cpu > 0 ? q[o].a_cpu / q[o].b_cpu : 0);
+    const std::string both = over_both(pairs[i], q[0].b_cpu > 0 && q[1].b_cpu > 0 ? BothOrders(q) : 0);
     char what[96];
     std::snprintf(what, sizeof what, "%.4g + %.4g + %.4g", f[0], f[1], f[2]);
-    std::printf("| %s | %s | %s | %s | %s / %s |\n", per_policy[i].first.c_str(), what, side(q, true).c_str(),
-                side(q, false).c_str(), ratio[0].c_str(), ratio[1].c_str());
+    std::printf("| %s | %s | %s | %s | %s / %s | %s |\n", per_policy[i].first.c_str(), what,
+                side(q, true).c_str(), side(q, false).c_str(), ratio[0].c_str(), ratio[1].c_str(),
+                both.c_str());
     std::fflush(stdout);
   }
   return 0;

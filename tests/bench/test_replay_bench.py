@@ -53,11 +53,11 @@ def suite(trace):
 
 
 def table_rows(stdout, first_cell):
-    """The 5-cell table rows whose second cell matches `first_cell`, by their first cell."""
+    """The 6-cell table rows whose second cell matches `first_cell`, by their first cell."""
     rows = {}
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and re.match(first_cell, cells[1]):
+        if len(cells) == 6 and re.match(first_cell, cells[1]):
             rows[cells[0]] = cells
     return rows
 
@@ -70,7 +70,12 @@ def test_every_policy_gets_a_paired_row(suite):
     # "-", never a division by zero.
     timed = floor[4] != "-"
     if timed:
-        assert float(floor[4].split()[-1]) > 0
+        # Each order's floor / full, and both orders' (their geometric mean: the cores' speeds cancel).
+        f0, f1 = (float(x) for x in re.match(r"^floor / full ([\d.]+) / ([\d.]+)$", floor[4]).groups())
+        both = float(re.match(r"^floor / full ([\d.]+)$", floor[5]).group(1))
+        assert both == pytest.approx(math.sqrt(f0 * f1), abs=0.0011), floor
+    else:
+        assert floor[5] == "-", floor
     for label, cells in rows.items():
         # Both core orders: the policy's CPU s, full's beside it, their difference, and cost / floor.
         a = [float(x) for x in re.findall(r"([\d.]+) \(\d+\)", cells[1])]
@@ -81,10 +86,17 @@ def test_every_policy_gets_a_paired_row(suite):
             assert a[i] >= 0 and b[i] >= 0, label
             assert cost[i] == pytest.approx(a[i] - b[i], abs=0.011), label
         ratio = r"(-?[\d.]+x|-)"
-        assert re.match(rf"^{ratio} / {ratio}$", cells[4]), label
-        assert "nan" not in cells[4] and "inf" not in cells[4], label
+        orders = re.match(rf"^{ratio} / {ratio}$", cells[4])
+        assert orders, label
+        assert re.match(rf"^{ratio}$", cells[5]), label
+        assert "nan" not in cells[4] + cells[5] and "inf" not in cells[4] + cells[5], label
         if not timed:
-            assert cells[4] == "- / -", label
+            assert cells[4] == "- / -" and cells[5] == "-", label
+        elif "-" not in orders.groups() and cells[5] != "-":
+            # Both orders share the floor here: (geometric mean of the orders' X / full - 1) / floor lies
+            # between the orders' own values.
+            lo, hi = sorted(float(x[:-1]) for x in orders.groups())
+            assert lo - 0.011 <= float(cells[5][:-1]) <= hi + 0.011, (label, cells)
 
 
 def test_a_negative_window_is_refused(trace):
@@ -120,7 +132,8 @@ def test_own_products_follow_each_runs_results(suite, trace, tmp_path):
     for label, (_, cells) in printed.items():
         assert re.match(r"^[\d.]+ \(\d+\) / [\d.]+ \(\d+\)$", cells[2]), label
         assert re.match(r"^(-?[\d.]+x|-) / (-?[\d.]+x|-)$", cells[4]), label
-        assert "nan" not in cells[4] and "inf" not in cells[4], label
+        assert re.match(r"^(-?[\d.]+x|-)$", cells[5]), label
+        assert "nan" not in cells[4] + cells[5] and "inf" not in cells[4] + cells[5], label
 
     # The same runs through `kvsim sweep`: their kept slots per run and prompt slots kept per layer.
     cfg = tmp_path / "sweep.textproto"
