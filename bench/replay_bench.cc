@@ -398,19 +398,21 @@ int PairedPolicies(const std::vector<std::pair<std::string, std::vector<RunSpec>
     return std::string(buf);
   };
   auto cells = [&](const std::array<Pair, 2>& p) { return side(p, true) + " | " + side(p, false); };
-  // cost / floor of one core order: (policy / full - 1) / (floor / full); "-" without the times it needs.
-  auto over = [](const Pair& q, double floor_over_full) {
+  // cost / floor: (policy / full - 1) / (floor / full); "-" without the times it needs.
+  auto times = [](bool timed_x, double x_over_full, double floor_over_full) {
     char buf[32] = "-";
-    if (q.b_cpu > 0 && floor_over_full > 0)
-      std::snprintf(buf, sizeof buf, "%.2fx", (q.a_cpu / q.b_cpu - 1) / floor_over_full);
+    if (timed_x && floor_over_full > 0)
+      std::snprintf(buf, sizeof buf, "%.2fx", (x_over_full - 1) / floor_over_full);
     return std::string(buf);
   };
-  // The same from both orders: (X / full - 1) / (floor / full), each ratio the geometric mean of its orders'.
-  auto over_both = [](const std::array<Pair, 2>& p, double floor_over_full) {
-    char buf[32] = "-";
-    if (p[0].b_cpu > 0 && p[1].b_cpu > 0 && floor_over_full > 0)
-      std::snprintf(buf, sizeof buf, "%.2fx", (BothOrders(p) - 1) / floor_over_full);
-    return std::string(buf);
+  // ... of one core order.
+  auto over = [&](const Pair& q, double floor_over_full) {
+    return times(q.b_cpu > 0, q.b_cpu > 0 ? q.a_cpu / q.b_cpu : 0, floor_over_full);
+  };
+  // ... from both orders: each ratio the geometric mean of its orders'.
+  auto over_both = [&](const std::array<Pair, 2>& p, double floor_over_full) {
+    const bool timed_both = p[0].b_cpu > 0 && p[1].b_cpu > 0;
+    return times(timed_both, timed_both ? BothOrders(p) : 0, floor_over_full);
   };
   if (timed)
     std::printf(
